@@ -1,0 +1,22 @@
+"""dsa_jax: DeepSeek-style sparse attention (the GLM-5.3 DSA block) in JAX and Pallas."""
+
+from dsa_jax import reference
+from dsa_jax.config import ConfigError, DsaConfig
+from dsa_jax.implementation import ImplementationError
+from dsa_jax.layer import StepError, decode, prefill
+from dsa_jax.state import DsaState, init_state
+from dsa_jax.weights import (
+    DsaWeights,
+    WeightError,
+    fold_weights,
+    init_random_hf_tensors,
+    init_random_weights,
+    load_hf_layer,
+    read_hf_tensors,
+)
+
+__all__ = [
+    "ConfigError", "DsaConfig", "DsaState", "DsaWeights", "ImplementationError", "StepError",
+    "WeightError", "decode", "fold_weights", "init_random_hf_tensors", "init_random_weights",
+    "init_state", "load_hf_layer", "prefill", "read_hf_tensors", "reference",
+]

@@ -1,0 +1,194 @@
+"""`DsaConfig`: the frozen, validated description of one DSA block and its serving geometry.
+
+The model fields mirror the Hugging Face `glm5_next` text config (SPEC.md "Names"); the serving
+fields fix every array shape at a ceiling (`max_context`, `max_verify`), so one compiled program
+serves every context length. Being a frozen dataclass it is hashable and can be a static
+argument of `jax.jit`. Imports nothing of ours.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+CACHE_DTYPES = ("float8_e4m3fn", "bfloat16", "float32")
+INDEX_CACHE_DTYPES = ("bfloat16", "float32")
+PARAM_DTYPES = ("bfloat16", "float32")
+IMPLEMENTATIONS = ("auto", "xla", "pallas")
+INDEXER_TYPES = ("full", "shared")
+
+
+class ConfigError(ValueError):
+    """A configuration field is outside what the block supports."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class DsaConfig:
+    """One DSA block (SPEC.md symbols in brackets) plus the shapes its state is built at."""
+
+    hidden_size: int  # D
+    num_heads: int  # H, all heads of the model (before tensor parallelism)
+    q_lora_rank: int  # R_q
+    kv_lora_rank: int  # C, latent width
+    qk_nope_head_dim: int  # Dn
+    v_head_dim: int  # Dv
+    index_n_heads: int  # Hi
+    index_head_dim: int  # Di
+    index_topk: int  # T, token budget of one selection
+    index_kpool: int  # KP, tokens per pool
+    always_select_tail: bool = True
+    rms_norm_eps: float = 1e-5
+    qk_rope_head_dim: int = 0  # must be 0: this block has no RoPE
+    indexer_types: tuple[str, ...] = ("full",)  # per model layer: "full" or "shared"
+    # Serving geometry: every state array is sized by these.
+    max_context: int = 4096  # tokens per sequence, the compile ceiling
+    block_size: int = 64  # tokens per block of the paged latent cache
+    max_verify: int = 4  # rows per sequence in one decode / verify step
+    cache_dtype: str = "float8_e4m3fn"  # latent cache storage
+    index_cache_dtype: str = "bfloat16"  # indexer k and gate storage
+    param_dtype: str = "bfloat16"  # projection weights
+    tp_degree: int = 1  # tensor-parallel degree: heads per rank = H / tp_degree
+    implementation: str = "auto"  # "xla", "pallas", or "auto" (pallas on GPU, xla elsewhere)
+
+    def __post_init__(self):
+        if isinstance(self.indexer_types, list):
+            object.__setattr__(self, "indexer_types", tuple(self.indexer_types))
+        for name in (
+            "hidden_size", "num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+            "v_head_dim", "index_n_heads", "index_head_dim", "index_topk", "index_kpool",
+            "max_context", "block_size", "max_verify", "tp_degree",
+        ):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
+                     f"{name} must be a positive integer, got {value!r}")
+        _require(self.qk_rope_head_dim == 0,
+                 f"qk_rope_head_dim must be 0 (this block has no RoPE), got {self.qk_rope_head_dim}")
+        _require(self.index_topk % self.index_kpool == 0,
+                 f"index_topk ({self.index_topk}) must be a multiple of index_kpool "
+                 f"({self.index_kpool}); remainder {self.index_topk % self.index_kpool}")
+        _require(self.num_heads % self.tp_degree == 0,
+                 f"num_heads ({self.num_heads}) must be divisible by tp_degree "
+                 f"({self.tp_degree})")
+        _require(self.max_context % self.block_size == 0,
+                 f"max_context ({self.max_context}) must be a multiple of block_size "
+                 f"({self.block_size})")
+        _require(self.max_context % self.index_kpool == 0,
+                 f"max_context ({self.max_context}) must be a multiple of index_kpool "
+                 f"({self.index_kpool})")
+        _require(self.cache_dtype in CACHE_DTYPES,
+                 f"cache_dtype must be one of {CACHE_DTYPES}, got {self.cache_dtype!r}")
+        _require(self.index_cache_dtype in INDEX_CACHE_DTYPES,
+                 f"index_cache_dtype must be one of {INDEX_CACHE_DTYPES}, "
+                 f"got {self.index_cache_dtype!r}")
+        _require(self.param_dtype in PARAM_DTYPES,
+                 f"param_dtype must be one of {PARAM_DTYPES}, got {self.param_dtype!r}")
+        _require(self.implementation in IMPLEMENTATIONS,
+                 f"implementation must be one of {IMPLEMENTATIONS}, got {self.implementation!r}")
+        _require(len(self.indexer_types) >= 1, "indexer_types must name at least one layer")
+        for i, kind in enumerate(self.indexer_types):
+            _require(kind in INDEXER_TYPES,
+                     f"indexer_types[{i}] must be one of {INDEXER_TYPES}, got {kind!r}")
+        _require(self.indexer_types[0] == "full",
+                 "indexer_types[0] must be 'full': a 'shared' layer reuses the selection of "
+                 "an earlier full layer")
+        _require(self.rms_norm_eps > 0, f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
+
+    # Derived sizes (SPEC.md "Derived").
+    @property
+    def local_heads(self) -> int:
+        """Attention heads on one tensor-parallel rank."""
+        return self.num_heads // self.tp_degree
+
+    @property
+    def select_k(self) -> int:
+        """Pools in one full selection."""
+        return self.index_topk // self.index_kpool
+
+    @property
+    def num_pools(self) -> int:
+        """Pools in a sequence at the ceiling."""
+        return self.max_context // self.index_kpool
+
+    @property
+    def tail_width(self) -> int:
+        return self.index_kpool - 1 if self.always_select_tail else 0
+
+    @property
+    def sel_width(self) -> int:
+        """W: slots of one selection row (`T + KP - 1` with the tail, `T` without)."""
+        return self.index_topk + self.tail_width
+
+    @property
+    def blocks_per_seq(self) -> int:
+        return self.max_context // self.block_size
+
+    def replace(self, **changes: Any) -> "DsaConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_hf_config(cls, path_or_dict: str | os.PathLike | Mapping[str, Any], **serving: Any
+                       ) -> "DsaConfig":
+        """Build from a GLM-5.3 `config.json` (text config, or multimodal with `text_config`).
+
+        `serving` takes the serving fields (`max_context`, `block_size`, `cache_dtype`,
+        `tp_degree`, ...). Fields of the HF config that this block does not use are ignored.
+        """
+        if isinstance(path_or_dict, Mapping):
+            hf = dict(path_or_dict)
+        else:
+            path = os.fspath(path_or_dict)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            with open(path) as f:
+                hf = json.load(f)
+        if "text_config" in hf:
+            hf = dict(hf["text_config"])
+        fields = {
+            "hidden_size": "hidden_size",
+            "num_heads": "num_attention_heads",
+            "q_lora_rank": "q_lora_rank",
+            "kv_lora_rank": "kv_lora_rank",
+            "qk_nope_head_dim": "qk_nope_head_dim",
+            "v_head_dim": "v_head_dim",
+            "index_n_heads": "index_n_heads",
+            "index_head_dim": "index_head_dim",
+            "index_topk": "index_topk",
+        }
+        missing = [hf_name for hf_name in fields.values() if hf_name not in hf]
+        _require(not missing, f"HF config lacks required fields {missing}")
+        kwargs: dict[str, Any] = {ours: hf[theirs] for ours, theirs in fields.items()}
+        # HF defaults for fields a config.json may omit.
+        kwargs["index_kpool"] = hf.get("index_kpool", 16)
+        kwargs["always_select_tail"] = bool(hf.get("index_kpool_always_select_tail", True))
+        kwargs["rms_norm_eps"] = float(hf.get("rms_norm_eps", 1e-5))
+        kwargs["qk_rope_head_dim"] = hf.get("qk_rope_head_dim", 0)
+        indexer_types = hf.get("indexer_types")
+        if indexer_types is not None:
+            # Keep only the attention layers' entries when layer_types says which they are.
+            layer_types = hf.get("layer_types")
+            if layer_types is not None and len(layer_types) == len(indexer_types):
+                indexer_types = [kind for kind, lt in zip(indexer_types, layer_types)
+                                 if lt in ("indexed_attention", "full_attention")]
+            kwargs["indexer_types"] = tuple(indexer_types) or ("full",)
+        kwargs.update(serving)
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike, **overrides: Any) -> "DsaConfig":
+        """Read one of `configs/*.json`: DsaConfig field names, every key checked."""
+        with open(path) as f:
+            data = json.load(f)
+        data = {k: v for k, v in data.items() if not k.startswith("_")}
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        _require(not unknown, f"{os.fspath(path)}: unknown config keys {unknown}; "
+                              f"known keys are {sorted(known)}")
+        data.update(overrides)
+        return cls(**data)

@@ -1,0 +1,72 @@
+"""The weight-heavy projections: one GEMM over the input, one over `q_resid`, the output.
+
+Matmuls take the weights' dtype and accumulate in fp32; norms and everything after the GEMMs
+are fp32. Row shapes are whatever the caller passes: decode and verify pass the same padded
+`[B, max_verify]` rows so that each row's reductions are identical in both (SPEC.md invariant).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from dsa_jax.config import DsaConfig
+from dsa_jax.weights import DsaWeights
+
+
+class Projections(NamedTuple):
+    q_abs: jax.Array  # [..., Hl, C] f32: absorbed query a_h = U_k[h]^T q_h
+    latent: jax.Array  # [..., C] f32: c_t = rms(W_kva x)
+    qi: jax.Array | None  # [..., Hi, Di] f32: indexer queries (None on a shared layer)
+    k: jax.Array | None  # [..., Di] f32: k_norm(W_k x)
+    g: jax.Array | None  # [..., Di] f32: gate W_gate x
+    w: jax.Array | None  # [..., Hi] f32: head weights, scales folded
+
+
+def rms_norm(v: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """Plain RMSNorm in fp32: `w * v / sqrt(mean(v^2) + eps)`."""
+    v = v.astype(jnp.float32)
+    return w * v * lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps)
+
+
+def layer_norm(v: jax.Array, g: jax.Array, b: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """LayerNorm with bias (the indexer's k_norm), fp32."""
+    mean = jnp.mean(v, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(v - mean), axis=-1, keepdims=True)
+    return (v - mean) * lax.rsqrt(var + eps) * g + b
+
+
+def _matmul(v: jax.Array, w: jax.Array) -> jax.Array:
+    """`v @ w.T` for an `[out, in]` weight: operands in the weight dtype, fp32 accumulation."""
+    return jnp.einsum("...i,oi->...o", v.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
+def project(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> Projections:
+    """`x [..., D]` -> every per-token quantity the block needs."""
+    R, C, Hl, Dn = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.local_heads, cfg.qk_nope_head_dim
+    Hi, Di = cfg.index_n_heads, cfg.index_head_dim
+    xw = _matmul(x, weights.x_proj)  # [..., Nx]
+    q_resid = rms_norm(xw[..., :R], weights.q_a_norm, cfg.rms_norm_eps)  # [..., R_q]
+    latent = rms_norm(xw[..., R:R + C], weights.kv_a_norm, cfg.rms_norm_eps)  # [..., C]
+    qw = _matmul(q_resid, weights.q_proj)  # [..., Nq]
+    q = qw[..., :Hl * Dn].reshape(*qw.shape[:-1], Hl, Dn)
+    q_abs = jnp.einsum("...hd,hdc->...hc", q.astype(weights.u_k.dtype), weights.u_k,
+                       preferred_element_type=jnp.float32)
+    if not weights.has_indexer:
+        return Projections(q_abs, latent, None, None, None, None)
+    qi = qw[..., Hl * Dn:].reshape(*qw.shape[:-1], Hi, Di)
+    idx = xw[..., R + C:]
+    k = layer_norm(idx[..., :Di], weights.k_norm_w, weights.k_norm_b)
+    g = idx[..., Di:2 * Di]
+    w = idx[..., 2 * Di:2 * Di + Hi]
+    return Projections(q_abs, latent, qi, k, g, w)
+
+
+def output_projection(weights: DsaWeights, o_latent: jax.Array) -> jax.Array:
+    """Attended latents `[..., Hl, C]` -> `y [..., D]` (this rank's partial sum under TP)."""
+    o = jnp.einsum("...hc,hvc->...hv", o_latent.astype(weights.u_v.dtype), weights.u_v,
+                   preferred_element_type=jnp.float32)
+    return _matmul(o.reshape(*o.shape[:-2], -1), weights.o_proj)

@@ -1,0 +1,41 @@
+"""Top-k pools under the total order, and their expansion with the visible tail.
+
+Total order: score descending, then pool index ascending. `lax.top_k` documents that equal
+values keep the lower index first, and pool scores carry no -0.0 (pool_scores.py), so its
+order is exactly that one.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from dsa_jax.config import DsaConfig
+
+
+def top_pools(cfg: DsaConfig, scores: jax.Array) -> jax.Array:
+    """`scores [..., P]` -> the best `min(select_k, P)` pool indices `[..., k]`, best first."""
+    k = min(cfg.select_k, scores.shape[-1])
+    return lax.top_k(scores, k)[1].astype(jnp.int32)
+
+
+def expand_selection(cfg: DsaConfig, pools: jax.Array, pos: jax.Array, valid: jax.Array
+                     ) -> jax.Array:
+    """Selected pools -> token slots `[..., W]`.
+
+    pools: [..., k] best first; pos: [...] the row's position t; valid: [...] rows to fill.
+    Slots `[0, n_sel*KP)` hold the pools' tokens in selection order, `n_sel = min(select_k,
+    (t+1)//KP)`; the tail's `(t+1) % KP` tokens follow at `n_sel*KP` (per row); the rest -1.
+    """
+    kp, width = cfg.index_kpool, cfg.sel_width
+    slot = jnp.arange(width)  # [W]
+    n_sel = jnp.minimum(min(cfg.select_k, pools.shape[-1]), (pos + 1) // kp)[..., None]
+    rank = jnp.minimum(slot // kp, pools.shape[-1] - 1)
+    from_pool = jnp.take(pools, rank, axis=-1) * kp + slot % kp
+    tail_j = slot - n_sel * kp
+    tail_count = ((pos + 1) % kp)[..., None] if cfg.always_select_tail else 0
+    from_tail = ((pos + 1) // kp * kp)[..., None] + tail_j
+    sel = jnp.where(slot < n_sel * kp, from_pool,
+                    jnp.where((tail_j >= 0) & (tail_j < tail_count), from_tail, -1))
+    return jnp.where(valid[..., None], sel, -1).astype(jnp.int32)

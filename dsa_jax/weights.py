@@ -1,0 +1,249 @@
+"""The weights pytree, Hugging Face safetensors loading, and the load-time folds.
+
+Two forms exist:
+- *HF tensors*: a dict from the HF tensor name inside one layer (`"q_a_proj.weight"`,
+  `"indexer.wk.weight"`, ...) to an array of the checkpoint's shape. The reference consumes
+  this form, unfolded, so it stays a literal rendering of SPEC.md.
+- `DsaWeights`: what the serving paths consume, built by `fold_weights`. Every fold is listed
+  in `fold_weights`'s docstring and happens there, once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsa_jax.config import DsaConfig
+
+ATTENTION_TENSORS = (
+    "q_a_proj.weight",
+    "q_a_layernorm.weight",
+    "q_b_proj.weight",
+    "kv_a_proj_with_mqa.weight",
+    "kv_a_layernorm.weight",
+    "kv_b_proj.weight",
+    "o_proj.weight",
+)
+INDEXER_TENSORS = (
+    "indexer.wq_b.weight",
+    "indexer.wk.weight",
+    "indexer.k_norm.weight",
+    "indexer.k_norm.bias",
+    "indexer.weights_proj.weight",
+    "indexer.index_kpool_compress_gate",
+    "indexer.index_kpool_compress_ape",
+)
+
+
+class WeightError(ValueError):
+    """A checkpoint tensor is missing or has the wrong shape or dtype."""
+
+
+def hf_shapes(cfg: DsaConfig, has_indexer: bool = True) -> dict[str, tuple[int, ...]]:
+    """The HF name and `[out, in]` shape of every tensor of one layer (all heads)."""
+    D, H, R, C = cfg.hidden_size, cfg.num_heads, cfg.q_lora_rank, cfg.kv_lora_rank
+    Dn, Dv, Hi, Di, KP = (cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.index_n_heads,
+                          cfg.index_head_dim, cfg.index_kpool)
+    shapes = {
+        "q_a_proj.weight": (R, D),
+        "q_a_layernorm.weight": (R,),
+        "q_b_proj.weight": (H * Dn, R),
+        "kv_a_proj_with_mqa.weight": (C + cfg.qk_rope_head_dim, D),
+        "kv_a_layernorm.weight": (C,),
+        "kv_b_proj.weight": (H * (Dn + Dv), C),
+        "o_proj.weight": (D, H * Dv),
+    }
+    if has_indexer:
+        shapes.update({
+            "indexer.wq_b.weight": (Hi * Di, R),
+            "indexer.wk.weight": (Di, D),
+            "indexer.k_norm.weight": (Di,),
+            "indexer.k_norm.bias": (Di,),
+            "indexer.weights_proj.weight": (Hi, D),
+            "indexer.index_kpool_compress_gate": (Di, D),
+            "indexer.index_kpool_compress_ape": (KP, Di),
+        })
+    return shapes
+
+
+class DsaWeights(NamedTuple):
+    """One layer's folded weights for one tensor-parallel rank (`Hl` = heads on the rank).
+
+    `Nx = R_q + C (+ 2*Di + Hi)`, `Nq = Hl*Dn (+ Hi*Di)`: the indexer's rows ride along in the
+    query-path GEMMs of a "full" layer; a "shared" layer has no indexer and its indexer fields
+    are None.
+    """
+
+    x_proj: jax.Array  # [Nx, D] param dtype: q_a ; kv_a ; indexer wk ; gate ; weights_proj*s
+    q_a_norm: jax.Array  # [R_q] f32
+    kv_a_norm: jax.Array  # [C] f32
+    q_proj: jax.Array  # [Nq, R_q] param dtype: q_b (this rank's heads) ; indexer wq_b
+    u_k: jax.Array  # [Hl, Dn, C] param dtype: key half of kv_b_proj
+    u_v: jax.Array  # [Hl, Dv, C] param dtype: value half of kv_b_proj
+    o_proj: jax.Array  # [D, Hl*Dv] param dtype
+    k_norm_w: jax.Array | None  # [Di] f32
+    k_norm_b: jax.Array | None  # [Di] f32
+    ape: jax.Array | None  # [KP, Di] f32
+
+    @property
+    def has_indexer(self) -> bool:
+        return self.k_norm_w is not None
+
+
+def head_weight_scale(cfg: DsaConfig) -> float:
+    """`Hi^-0.5 * Di^-0.5`, folded into `weights_proj` (relu(s*a) = s*relu(a) for s > 0)."""
+    return float(cfg.index_n_heads) ** -0.5 * float(cfg.index_head_dim) ** -0.5
+
+
+def fold_weights(cfg: DsaConfig, hf: Mapping[str, np.ndarray | jax.Array], tp_rank: int = 0
+                 ) -> DsaWeights:
+    """HF tensors of one layer -> `DsaWeights` for rank `tp_rank`.
+
+    The folds, all exact rewrites of SPEC.md:
+    - `weights_proj` is multiplied by `Hi^-0.5 * Di^-0.5` (in fp32, then cast), so pool scores
+      are `sum_h w[h] * relu(qi[h] . K_p)` with no further scaling.
+    - `kv_b_proj` is split into `U_k [H, Dn, C]` and `U_v [H, Dv, C]` and applied at run time
+      (no absorption into `q_b_proj`/`o_proj`: at batch 1 that reads fewer weight bytes).
+    - `q_a`, `kv_a`, the indexer's `wk`, gate and `weights_proj` are stacked into one `[Nx, D]`
+      GEMM over the input; `q_b` and the indexer's `wq_b` into one GEMM over `q_resid`.
+    - Heads `[tp_rank*Hl, (tp_rank+1)*Hl)` of `q_b`, `kv_b` and `o_proj` are kept.
+    - Norm weights, the LayerNorm bias and `ape` are stored fp32.
+    """
+    if not 0 <= tp_rank < cfg.tp_degree:
+        raise WeightError(f"tp_rank {tp_rank} is outside [0, tp_degree={cfg.tp_degree})")
+    has_indexer = "indexer.wk.weight" in hf
+    check_hf_tensors(cfg, hf, has_indexer)
+    pdt = jnp.dtype(cfg.param_dtype)
+    H, Hl, C = cfg.num_heads, cfg.local_heads, cfg.kv_lora_rank
+    Dn, Dv = cfg.qk_nope_head_dim, cfg.v_head_dim
+    heads = slice(tp_rank * Hl, (tp_rank + 1) * Hl)
+
+    def f32(name):
+        return jnp.asarray(hf[name], jnp.float32)
+
+    q_b = f32("q_b_proj.weight").reshape(H, Dn, -1)[heads].reshape(Hl * Dn, -1)
+    kv_b = f32("kv_b_proj.weight").reshape(H, Dn + Dv, C)[heads]
+    o = f32("o_proj.weight").reshape(cfg.hidden_size, H, Dv)[:, heads].reshape(
+        cfg.hidden_size, Hl * Dv)
+    x_rows = [f32("q_a_proj.weight"), f32("kv_a_proj_with_mqa.weight")[:C]]
+    q_rows = [q_b]
+    if has_indexer:
+        x_rows += [f32("indexer.wk.weight"), f32("indexer.index_kpool_compress_gate"),
+                   f32("indexer.weights_proj.weight") * head_weight_scale(cfg)]
+        q_rows += [f32("indexer.wq_b.weight")]
+    return DsaWeights(
+        x_proj=jnp.concatenate(x_rows, axis=0).astype(pdt),
+        q_a_norm=f32("q_a_layernorm.weight"),
+        kv_a_norm=f32("kv_a_layernorm.weight"),
+        q_proj=jnp.concatenate(q_rows, axis=0).astype(pdt),
+        u_k=kv_b[:, :Dn].astype(pdt),
+        u_v=kv_b[:, Dn:].astype(pdt),
+        o_proj=o.astype(pdt),
+        k_norm_w=f32("indexer.k_norm.weight") if has_indexer else None,
+        k_norm_b=f32("indexer.k_norm.bias") if has_indexer else None,
+        ape=f32("indexer.index_kpool_compress_ape") if has_indexer else None,
+    )
+
+
+def check_hf_tensors(cfg: DsaConfig, hf: Mapping[str, np.ndarray | jax.Array],
+                     has_indexer: bool, where: str = "layer") -> None:
+    """Every expected tensor present, of the expected shape and a floating dtype."""
+    for name, shape in hf_shapes(cfg, has_indexer).items():
+        if name not in hf:
+            raise WeightError(f"{where}: tensor {name!r} is missing (expected shape {shape})")
+        found = tuple(hf[name].shape)
+        if found != shape:
+            raise WeightError(f"{where}: tensor {name!r} has shape {found}, expected {shape}")
+        dtype = jnp.dtype(hf[name].dtype)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise WeightError(f"{where}: tensor {name!r} has dtype {dtype}, expected a "
+                              f"floating dtype (float32, bfloat16 or float16)")
+
+
+def _checkpoint_files(path: str) -> dict[str, str]:
+    """Map tensor name -> safetensors file, for one file or a sharded checkpoint folder."""
+    if os.path.isdir(path):
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            return {name: os.path.join(path, file) for name, file in weight_map.items()}
+        single = os.path.join(path, "model.safetensors")
+        if not os.path.exists(single):
+            raise WeightError(f"{path}: neither model.safetensors.index.json nor "
+                              f"model.safetensors is there")
+        path = single
+    from safetensors import safe_open
+
+    with safe_open(path, framework="numpy") as f:
+        return {name: path for name in f.keys()}
+
+
+def _layer_prefix(names, layer: int) -> str | None:
+    """The prefix under which layer `layer`'s attention lives (text or multimodal model)."""
+    marker = f"layers.{layer}.self_attn.q_a_proj.weight"
+    for name in names:
+        if name.endswith(marker) and (name == marker or name[: -len(marker)].endswith(".")):
+            return name[: -len("q_a_proj.weight")]
+    return None
+
+
+def read_hf_tensors(path: str | os.PathLike, cfg: DsaConfig, layer: int
+                    ) -> dict[str, np.ndarray]:
+    """Read layer `layer`'s attention tensors (HF names, checkpoint dtypes), checked."""
+    from safetensors import safe_open
+
+    path = os.fspath(path)
+    files = _checkpoint_files(path)
+    prefix = _layer_prefix(files, layer)
+    if prefix is None:
+        raise WeightError(f"{path}: no attention tensors for layer {layer} "
+                          f"(looked for '*layers.{layer}.self_attn.q_a_proj.weight')")
+    has_indexer = prefix + "indexer.wk.weight" in files
+    wanted = hf_shapes(cfg, has_indexer)
+    tensors = {}
+    for name in wanted:
+        full = prefix + name
+        if full not in files:
+            raise WeightError(f"{path}: tensor {full!r} is missing "
+                              f"(expected shape {wanted[name]})")
+        with safe_open(files[full], framework="numpy") as f:
+            tensors[name] = f.get_tensor(full)
+    check_hf_tensors(cfg, tensors, has_indexer, where=f"{path} layer {layer}")
+    return tensors
+
+
+def load_hf_layer(path: str | os.PathLike, cfg: DsaConfig, layer: int, tp_rank: int = 0
+                  ) -> DsaWeights:
+    """Layer `layer`'s DSA block from a safetensors file or a (sharded) checkpoint folder."""
+    return fold_weights(cfg, read_hf_tensors(path, cfg, layer), tp_rank)
+
+
+def init_random_hf_tensors(cfg: DsaConfig, key: jax.Array, has_indexer: bool = True
+                           ) -> dict[str, np.ndarray]:
+    """Random fp32 HF tensors of one layer: never zeros, norms away from 1, a real gate."""
+    shapes = hf_shapes(cfg, has_indexer)
+    keys = jax.random.split(key, len(shapes))
+    out = {}
+    for k, (name, shape) in zip(keys, shapes.items()):
+        if name.endswith("layernorm.weight") or name == "indexer.k_norm.weight":
+            value = 1.0 + 0.2 * jax.random.normal(k, shape)
+        elif name == "indexer.k_norm.bias":
+            value = 0.2 * jax.random.normal(k, shape)
+        elif name == "indexer.index_kpool_compress_ape":
+            value = 0.5 * jax.random.normal(k, shape)
+        else:  # [out, in] linear weights
+            value = jax.random.normal(k, shape) * shape[-1] ** -0.5
+        out[name] = np.asarray(value, np.float32)
+    return out
+
+
+def init_random_weights(cfg: DsaConfig, key: jax.Array, has_indexer: bool = True,
+                        tp_rank: int = 0) -> DsaWeights:
+    """Random folded weights for demos and tests."""
+    return fold_weights(cfg, init_random_hf_tensors(cfg, key, has_indexer), tp_rank)
