@@ -32,8 +32,8 @@ def attend(cfg: DsaConfig, state: DsaState, q_abs: jax.Array, sel: jax.Array) ->
     """`q_abs [B, R, Hl, C]`, `sel [B, R, W]` -> attended latents `[B, R, Hl, C]` f32."""
     impl = resolve(cfg.implementation)
     scale = cfg.qk_nope_head_dim ** -0.5
-    if impl == "pallas":
-        fn = sparse_attend_op.sparse_attend_pallas
-    else:
-        fn = sparse_attend_op.sparse_attend_xla
-    return fn(q_abs, state.latent, state.kv_scale, state.block_tables, sel, softmax_scale=scale)
+    args = (q_abs, state.latent, state.kv_scale, state.block_tables, sel)
+    if impl == "xla":
+        return sparse_attend_op.sparse_attend_xla(*args, softmax_scale=scale)
+    return sparse_attend_op.sparse_attend_pallas(*args, softmax_scale=scale,
+                                                 interpret=impl == "pallas-interpret")

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 CACHE_DTYPES = ("float8_e4m3fn", "bfloat16", "float32")
 INDEX_CACHE_DTYPES = ("bfloat16", "float32")
 PARAM_DTYPES = ("bfloat16", "float32")
-IMPLEMENTATIONS = ("auto", "xla", "pallas")
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas-interpret")
 INDEXER_TYPES = ("full", "shared")
 
 
@@ -55,7 +55,9 @@ class DsaConfig:
     index_cache_dtype: str = "bfloat16"  # indexer k and gate storage
     param_dtype: str = "bfloat16"  # projection weights
     tp_degree: int = 1  # tensor-parallel degree: heads per rank = H / tp_degree
-    implementation: str = "auto"  # "xla", "pallas", or "auto" (pallas on GPU, xla elsewhere)
+    # "xla", "pallas", "pallas-interpret" (the kernels in Pallas interpret mode, any backend:
+    # tests and debugging), or "auto" (pallas on a GPU, xla elsewhere).
+    implementation: str = "auto"
 
     def __post_init__(self):
         if isinstance(self.indexer_types, list):

@@ -1,8 +1,9 @@
 """Which backend runs the hot paths: chosen explicitly, never by the environment.
 
-`cfg.implementation` is "xla" (the plain-jnp ops), "pallas" (the kernels in `dsa_jax/pallas`),
-or "auto": pallas on a GPU backend when the kernels exist, xla elsewhere. Asking for "pallas"
-where it cannot run raises; nothing falls back quietly.
+`cfg.implementation` is "xla" (the plain-jnp ops), "pallas" (the kernels in `dsa_jax/pallas`,
+compiled for the GPU), "pallas-interpret" (the same kernels in Pallas interpret mode, on any
+backend: slow, for tests and debugging), or "auto": pallas on a GPU backend, xla elsewhere.
+Asking for "pallas" where it cannot run raises; nothing falls back quietly.
 """
 
 from __future__ import annotations
@@ -23,12 +24,17 @@ def pallas_kernels_present() -> bool:
 
 
 def resolve(implementation: str) -> str:
-    """"auto" / "xla" / "pallas" -> the backend that will run ("xla" or "pallas")."""
+    """The configured name -> the one that runs: "xla", "pallas" or "pallas-interpret"."""
     on_gpu = jax.default_backend() == "gpu"
     if implementation == "auto":
         return "pallas" if on_gpu and pallas_kernels_present() else "xla"
-    if implementation == "pallas" and not (on_gpu and pallas_kernels_present()):
+    if implementation.startswith("pallas") and not pallas_kernels_present():
         raise ImplementationError(
-            f"implementation='pallas' needs a GPU backend and the Pallas kernels; this process "
-            f"has backend {jax.default_backend()!r}. Use implementation='xla'.")
+            f"implementation={implementation!r}: the Pallas kernels are not built into this "
+            f"version of dsa_jax. Use implementation='xla'.")
+    if implementation == "pallas" and not on_gpu:
+        raise ImplementationError(
+            f"implementation='pallas' compiles the kernels for a GPU; this process has backend "
+            f"{jax.default_backend()!r}. Use implementation='xla' (or 'pallas-interpret' to run "
+            f"the kernels slowly in interpret mode).")
     return implementation

@@ -48,6 +48,8 @@ def write_index_rows(cfg: DsaConfig, ape: jax.Array, state: DsaState, k: jax.Arr
 def pool_scores(cfg: DsaConfig, qi: jax.Array, w: jax.Array, pool_keys: jax.Array,
                 n_cand: jax.Array) -> jax.Array:
     """`qi [B, R, Hi, Di]`, `w [B, R, Hi]`, keys `[B, P, Di]`, `n_cand [B, R]` -> `[B, R, P]`."""
-    if resolve(cfg.implementation) == "pallas":
-        return pool_scores_op.pool_scores_pallas(qi, w, pool_keys, n_cand)
-    return pool_scores_op.pool_scores_xla(qi, w, pool_keys, n_cand)
+    impl = resolve(cfg.implementation)
+    if impl == "xla":
+        return pool_scores_op.pool_scores_xla(qi, w, pool_keys, n_cand)
+    return pool_scores_op.pool_scores_pallas(qi, w, pool_keys, n_cand,
+                                             interpret=impl == "pallas-interpret")
