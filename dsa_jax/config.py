@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 CACHE_DTYPES = ("float8_e4m3fn", "bfloat16", "float32")
 INDEX_CACHE_DTYPES = ("bfloat16", "float32")
@@ -71,7 +72,8 @@ class DsaConfig:
             _require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
                      f"{name} must be a positive integer, got {value!r}")
         _require(self.qk_rope_head_dim == 0,
-                 f"qk_rope_head_dim must be 0 (this block has no RoPE), got {self.qk_rope_head_dim}")
+                 f"qk_rope_head_dim must be 0 (this block has no RoPE), "
+                 f"got {self.qk_rope_head_dim}")
         _require(self.index_topk % self.index_kpool == 0,
                  f"index_topk ({self.index_topk}) must be a multiple of index_kpool "
                  f"({self.index_kpool}); remainder {self.index_topk % self.index_kpool}")
@@ -131,12 +133,12 @@ class DsaConfig:
     def blocks_per_seq(self) -> int:
         return self.max_context // self.block_size
 
-    def replace(self, **changes: Any) -> "DsaConfig":
+    def replace(self, **changes: Any) -> DsaConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
     def from_hf_config(cls, path_or_dict: str | os.PathLike | Mapping[str, Any], **serving: Any
-                       ) -> "DsaConfig":
+                       ) -> DsaConfig:
         """Build from a GLM-5.3 `config.json` (text config, or multimodal with `text_config`).
 
         `serving` takes the serving fields (`max_context`, `block_size`, `cache_dtype`,
@@ -176,14 +178,14 @@ class DsaConfig:
             # Keep only the attention layers' entries when layer_types says which they are.
             layer_types = hf.get("layer_types")
             if layer_types is not None and len(layer_types) == len(indexer_types):
-                indexer_types = [kind for kind, lt in zip(indexer_types, layer_types)
+                indexer_types = [kind for kind, lt in zip(indexer_types, layer_types, strict=True)
                                  if lt in ("indexed_attention", "full_attention")]
             kwargs["indexer_types"] = tuple(indexer_types) or ("full",)
         kwargs.update(serving)
         return cls(**kwargs)
 
     @classmethod
-    def from_json(cls, path: str | os.PathLike, **overrides: Any) -> "DsaConfig":
+    def from_json(cls, path: str | os.PathLike, **overrides: Any) -> DsaConfig:
         """Read one of `configs/*.json`: DsaConfig field names, every key checked."""
         with open(path) as f:
             data = json.load(f)

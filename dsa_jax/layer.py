@@ -14,8 +14,6 @@ run; the step then still never writes out of bounds (out-of-range writes are dro
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -8,7 +8,8 @@ built from the selected sets, as Hugging Face does, never through a gather. Impo
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +44,7 @@ def _linear(v: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def pool_keys(cfg: DsaConfig, k: jax.Array, gate: jax.Array, ape: jax.Array) -> jax.Array:
-    """Complete pools of `k, gate [S, Di]` -> `K [S // KP, Di]` (softmax over members, per channel)."""
+    """Complete pools of `k, gate [S, Di]` -> `K [S // KP, Di]` (member softmax per channel)."""
     kp = cfg.index_kpool
     n = k.shape[0] // kp
     logits = gate[: n * kp].reshape(n, kp, -1) + ape[None]

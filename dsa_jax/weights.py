@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -230,7 +231,7 @@ def init_random_hf_tensors(cfg: DsaConfig, key: jax.Array, has_indexer: bool = T
     shapes = hf_shapes(cfg, has_indexer)
     keys = jax.random.split(key, len(shapes))
     out = {}
-    for k, (name, shape) in zip(keys, shapes.items()):
+    for k, (name, shape) in zip(keys, shapes.items(), strict=True):
         if name.endswith("layernorm.weight") or name == "indexer.k_norm.weight":
             value = 1.0 + 0.2 * jax.random.normal(k, shape)
         elif name == "indexer.k_norm.bias":

@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# The main job on the small embedded default (configs/tiny.json). Extra arguments go to dsa-jax.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/dsa-jax "$@"
