@@ -7,9 +7,13 @@ order of the selection sees one zero.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 # Query rows per lax.map step of the XLA twin: bounds the [rows, Hi, P] fp32 block.
 XLA_ROW_CHUNK = 256
@@ -40,3 +44,82 @@ def pool_scores_xla(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: j
                        batch_size=XLA_ROW_CHUNK)
 
     return lax.map(one_seq, (qi, w, pool_keys, n_cand))
+
+
+# ---------------------------------------------------------------------------------------------
+# Pallas (Triton) kernel.
+#
+# Grid (row, pool tile), rows fastest: the rows of one sequence read the same key tile, so they
+# run side by side and share it through L2. A program loads its row's qi [Hi, Di] and head
+# weights once, one keys tile [BP, Di] (masked: the last tile may be partial, Di may not be a
+# power of two, and the key array is never copied), and writes BP scores. fp32 throughout, the
+# dot in IEEE fp32 (HIGHEST), since the scores feed an exact top-k.
+# ---------------------------------------------------------------------------------------------
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _scores_kernel(ncand_ref, qi_ref, w_ref, keys_ref, out_ref, *, rows_per_seq: int,
+                   num_pools: int, width: int, block_p: int):
+    """One (row, pool tile) program.
+
+    ncand_ref: [N] int32 (whole); qi_ref: [Hp, Dp] f32; w_ref: [Hp] f32 (padded heads 0);
+    keys_ref: [B, P, Di] f32 (whole); out_ref: [N, P] f32 (whole, masked store).
+    """
+    row, tile = pl.program_id(0), pl.program_id(1)
+    qi = qi_ref[...]  # [Hp, Dp]
+    dp = qi.shape[1]
+    pools = tile * block_p + jnp.arange(block_p, dtype=jnp.int32)  # [BP]
+    dims = jnp.arange(dp, dtype=jnp.int32)  # [Dp]
+    in_range = pools < num_pools  # [BP]
+    mask = in_range[:, None] if width == dp else in_range[:, None] & (dims < width)[None, :]
+    keys = plt.load(keys_ref.at[row // rows_per_seq, pools[:, None], dims[None, :]],
+                    mask=mask, other=0.0)  # [BP, Dp]
+    dots = lax.dot_general(qi, keys, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32)  # [Hp, BP]
+    scores = jnp.sum(w_ref[...][:, None] * jnp.maximum(dots, 0.0), axis=0)  # [BP]
+    scores = jnp.where(scores == 0, 0.0, scores)  # -0.0 -> 0.0
+    scores = jnp.where(pools < ncand_ref[row], scores, -jnp.inf)
+    plt.store(out_ref.at[row, pools], scores, mask=in_range)
+
+
+def pool_scores_pallas(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: jax.Array, *,
+                       interpret: bool = False, block_p: int = 128, num_warps: int = 4,
+                       num_stages: int = 2) -> jax.Array:
+    """`pool_scores_xla` as a Pallas kernel; same arguments, same result within fp32 rounding
+    (tests/test_kernels.py). qi [B, R, Hi, Di] -> [B, R, P] f32.
+
+    Hi and Di are padded to powers of two >= 16 (the smallest dot tile) with zeros, which add
+    nothing: padded heads carry weight 0, padded dims multiply zero keys.
+    """
+    b, r, hi, di = qi.shape
+    p = pool_keys.shape[1]
+    n = b * r
+    hp, dp = max(16, _next_pow2(hi)), max(16, _next_pow2(di))
+    block_p = min(block_p, max(16, _next_pow2(p)))
+    qi_p = qi.reshape(n, hi, di)  # [N, Hp, Dp] after padding
+    w_p = w.reshape(n, hi)  # [N, Hp] after padding
+    if (hp, dp) != (hi, di):
+        qi_p = jnp.pad(qi_p, ((0, 0), (0, hp - hi), (0, dp - di)))
+        w_p = jnp.pad(w_p, ((0, 0), (0, hp - hi)))
+    kernel = functools.partial(_scores_kernel, rows_per_seq=r, num_pools=p, width=di,
+                               block_p=block_p)
+    out = pl.pallas_call(
+        kernel,
+        grid=(n, -(-p // block_p)),
+        in_specs=[
+            pl.BlockSpec(),  # n_cand [N]
+            pl.BlockSpec((None, hp, dp), lambda i, t: (i, 0, 0)),  # qi [N, Hp, Dp]
+            pl.BlockSpec((None, hp), lambda i, t: (i, 0)),  # w [N, Hp]
+            pl.BlockSpec(),  # keys [B, P, Di]
+        ],
+        out_specs=pl.BlockSpec(),  # [N, P], stored with a mask
+        out_shape=jax.ShapeDtypeStruct((n, p), jnp.float32),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="pool_scores",
+    )(n_cand.reshape(n).astype(jnp.int32), qi_p.astype(jnp.float32),
+      w_p.astype(jnp.float32), pool_keys.astype(jnp.float32))
+    return out.reshape(b, r, p)

@@ -8,9 +8,13 @@ A row with an empty selection returns 0. fp32 throughout.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 # Rows per lax.map step of the XLA twin: bounds the gathered [rows, W, C] fp32 block.
 XLA_ROW_CHUNK = 64
@@ -62,3 +66,147 @@ def sparse_attend_xla(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
     else:
         out = lax.map(row, (q_rows, slot_rows), batch_size=XLA_ROW_CHUNK)
     return out.reshape(b, r, h, c)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pallas (Triton) kernel.
+#
+# Grid (head block, split, row). Every program owns HB heads of one query row and a contiguous
+# 1/n_split share of that row's slot list; it streams that share in tiles of BW slots, gathers
+# the tiles' latent rows straight from the paged cache (masked: empty slots cost no traffic),
+# and keeps a flash-style online softmax (m, l, acc). The head block is the fastest grid axis so
+# that the programs loading the same latents run side by side and share them through L2. The
+# per-split partials are merged in jnp (`_merge_splits`), which XLA fuses into one pass.
+# ---------------------------------------------------------------------------------------------
+
+# Running max before any slot is seen: finite, so an all-empty tile rescales by exp(0) = 1
+# instead of exp(-inf + inf) = NaN; every real logit is far above it.
+_M_INIT = -1e30
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _attend_kernel(scale_ref, q_ref, slots_ref, lat_ref, acc_ref, m_ref, l_ref, *,
+                   width: int, tiles: int, block_w: int, compute_dtype):
+    """One (head block, split, row) program.
+
+    scale_ref: [1] f32 logit scale; q_ref: [HB, Cp] compute dtype; slots_ref: [N, Wp] int32
+    (whole array); lat_ref: [NS, C] cache dtype (whole flat cache); outputs acc_ref [HB, Cp]
+    f32, m_ref [HB] f32, l_ref [HB] f32 (this split's partial softmax state).
+    """
+    split, row = pl.program_id(1), pl.program_id(2)
+    q = q_ref[...]  # [HB, Cp]
+    hb, cp = q.shape
+    scale = scale_ref[0]
+    cols = jnp.arange(cp, dtype=jnp.int32)  # [Cp]
+
+    def tile(t, carry):
+        m, l, acc = carry  # [HB], [HB], [HB, Cp]
+        start = (split * tiles + t) * block_w
+        slots = slots_ref[row, pl.ds(start, block_w)]  # [BW]
+        valid = slots >= 0  # [BW]
+        mask = valid[:, None] if width == cp else valid[:, None] & (cols < width)[None, :]
+        c = plt.load(lat_ref.at[jnp.maximum(slots, 0)[:, None], cols[None, :]],
+                     mask=mask, other=0).astype(compute_dtype)  # [BW, Cp]
+        logits = _dot(q, c, ((1,), (1,))) * scale  # [HB, BW]
+        logits = jnp.where(valid[None, :], logits, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(logits, axis=1))  # [HB]
+        alpha = jnp.exp(m - m_new)  # [HB]
+        p = jnp.exp(logits - m_new[:, None])  # [HB, BW], 0 at empty slots
+        l = l * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(p.astype(compute_dtype), c, ((1,), (0,)))
+        return m_new, l, acc
+
+    init = (jnp.full((hb,), _M_INIT, jnp.float32), jnp.zeros((hb,), jnp.float32),
+            jnp.zeros((hb, cp), jnp.float32))
+    m, l, acc = lax.fori_loop(0, tiles, tile, init)
+    acc_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _dot(a, b, contract):
+    """2-D dot with fp32 accumulation; HIGHEST keeps fp32 operands in IEEE fp32 (not tf32)."""
+    return lax.dot_general(a, b, (contract, ((), ())), precision=lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32)
+
+
+def _merge_splits(acc, m, l):
+    """Partials acc [N, S, Hp, Cp], m, l [N, S, Hp] -> [N, Hp, Cp]; 0 where no slot was valid."""
+    m_all = jnp.max(m, axis=1, keepdims=True)  # [N, 1, Hp]
+    wgt = jnp.exp(m - m_all)  # [N, S, Hp]
+    l_all = jnp.sum(wgt * l, axis=1)  # [N, Hp]
+    acc_all = jnp.sum(wgt[..., None] * acc, axis=1)  # [N, Hp, Cp]
+    return acc_all / jnp.where(l_all > 0, l_all, 1.0)[..., None]
+
+
+def default_compute_dtype(cache_dtype) -> jnp.dtype:
+    """bf16 dot operands for fp8 / bf16 caches (their values are exact in bf16), fp32 for fp32."""
+    return jnp.dtype(jnp.float32 if cache_dtype == jnp.float32 else jnp.bfloat16)
+
+
+def _num_splits(rows: int, head_blocks: int, tiles: int, max_splits: int = 8) -> int:
+    """Enough splits for about two programs per H200 multiprocessor (132), at most max_splits."""
+    want = -(-2 * 132 // max(1, rows * head_blocks))
+    return max(1, min(max_splits, tiles, want))
+
+
+def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
+                         block_tables: jax.Array, sel: jax.Array, *, softmax_scale: float,
+                         interpret: bool = False, block_h: int = 32, block_w: int = 64,
+                         num_splits: int | None = None, compute_dtype=None,
+                         num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+    """`sparse_attend_xla` as a Pallas kernel; same arguments, same result (see tolerances in
+    tests/test_kernels.py). q [B, R, H, C] f32 -> [B, R, H, C] f32.
+
+    block_h: heads per program (H is padded to a power of two >= 16, the smallest dot tile);
+    block_w: slots per tile; num_splits: programs per row and head block (None: enough to fill
+    the GPU); compute_dtype: dot operand dtype (None: `default_compute_dtype`).
+    """
+    b, r, h, c = q.shape
+    nb, bs, _ = latent.shape
+    n, w = b * r, sel.shape[-1]
+    compute_dtype = jnp.dtype(compute_dtype or default_compute_dtype(latent.dtype))
+    hb = min(_next_pow2(block_h), _next_pow2(max(h, 16)))
+    hp = -(-max(h, 16) // hb) * hb  # padded heads
+    cp = max(16, _next_pow2(c))  # padded latent width (masked loads, no cache copy)
+    tiles_all = -(-w // block_w)
+    splits = num_splits or _num_splits(n, hp // hb, tiles_all)
+    tiles = -(-tiles_all // splits)  # tiles per split
+    wp = splits * tiles * block_w
+
+    slots = jax.vmap(token_slots, in_axes=(0, 0, None))(sel, block_tables, bs)  # [B, R, W]
+    slots = jnp.pad(slots.reshape(n, w), ((0, 0), (0, wp - w)), constant_values=-1)  # [N, Wp]
+    q_p = jnp.pad(q.reshape(n, h, c), ((0, 0), (0, hp - h), (0, cp - c)))  # [N, Hp, Cp]
+    is_fp8 = latent.dtype == jnp.float8_e4m3fn
+    kv = jnp.asarray(kv_scale, jnp.float32) if is_fp8 else jnp.float32(1.0)
+    # The fp8 scale is applied to the logits and the output, not to the latents, so the dot
+    # sees the stored e4m3 values, which bf16 holds exactly.
+    scale = jnp.reshape(kv * softmax_scale, (1,))  # [1]
+
+    kernel = functools.partial(_attend_kernel, width=c, tiles=tiles, block_w=block_w,
+                               compute_dtype=compute_dtype)
+    part = jax.ShapeDtypeStruct((n, splits, hp), jnp.float32)
+    acc, m, l = pl.pallas_call(
+        kernel,
+        grid=(hp // hb, splits, n),
+        in_specs=[
+            pl.BlockSpec(),  # scale [1]
+            pl.BlockSpec((None, hb, cp), lambda i, s, j: (j, i, 0)),  # q [N, Hp, Cp]
+            pl.BlockSpec(),  # slots [N, Wp]
+            pl.BlockSpec(),  # flat cache [NS, C]
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, hb, cp), lambda i, s, j: (j, s, i, 0)),
+            pl.BlockSpec((None, None, hb), lambda i, s, j: (j, s, i)),
+            pl.BlockSpec((None, None, hb), lambda i, s, j: (j, s, i)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct((n, splits, hp, cp), jnp.float32), part, part],
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="sparse_attend",
+    )(scale, q_p.astype(compute_dtype), slots, latent.reshape(nb * bs, c))
+    out = _merge_splits(acc, m, l) * kv  # [N, Hp, Cp]
+    return out[:, :h, :c].reshape(b, r, h, c)
