@@ -75,6 +75,7 @@ def _scores_kernel(ncand_ref, qi_ref, w_ref, keys_ref, out_ref, *, rows_per_seq:
     dims = jnp.arange(dp, dtype=jnp.int32)  # [Dp]
     in_range = pools < num_pools  # [BP]
     mask = in_range[:, None] if width == dp else in_range[:, None] & (dims < width)[None, :]
+    mask = jnp.broadcast_to(mask, (block_p, dp))  # Triton wants the pointer's shape
     keys = plt.load(keys_ref.at[row // rows_per_seq, pools[:, None], dims[None, :]],
                     mask=mask, other=0.0)  # [BP, Dp]
     dots = lax.dot_general(qi, keys, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,

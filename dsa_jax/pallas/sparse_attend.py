@@ -108,8 +108,9 @@ def _attend_kernel(scale_ref, q_ref, slots_ref, lat_ref, acc_ref, m_ref, l_ref, 
         slots = slots_ref[row, pl.ds(start, block_w)]  # [BW]
         valid = slots >= 0  # [BW]
         mask = valid[:, None] if width == cp else valid[:, None] & (cols < width)[None, :]
+        mask = jnp.broadcast_to(mask, (block_w, cp))  # Triton wants the pointer's shape
         c = plt.load(lat_ref.at[jnp.maximum(slots, 0)[:, None], cols[None, :]],
-                     mask=mask, other=0).astype(compute_dtype)  # [BW, Cp]
+                     mask=mask, other=jnp.zeros((), lat_ref.dtype)).astype(compute_dtype)  # [BW, Cp]
         logits = _dot(q, c, ((1,), (1,))) * scale  # [HB, BW]
         logits = jnp.where(valid[None, :], logits, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))  # [HB]
