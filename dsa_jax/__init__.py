@@ -3,7 +3,7 @@
 from dsa_jax import reference
 from dsa_jax.config import ConfigError, DsaConfig
 from dsa_jax.implementation import ImplementationError
-from dsa_jax.layer import StepError, decode, prefill
+from dsa_jax.layer import StepError, decode, decode_k, prefill, rewind, write_kv_row
 from dsa_jax.state import DsaState, init_state
 from dsa_jax.weights import (
     DsaWeights,
@@ -17,6 +17,7 @@ from dsa_jax.weights import (
 
 __all__ = [
     "ConfigError", "DsaConfig", "DsaState", "DsaWeights", "ImplementationError", "StepError",
-    "WeightError", "decode", "fold_weights", "init_random_hf_tensors", "init_random_weights",
-    "init_state", "load_hf_layer", "prefill", "read_hf_tensors", "reference",
+    "WeightError", "decode", "decode_k", "fold_weights", "init_random_hf_tensors",
+    "init_random_weights", "init_state", "load_hf_layer", "prefill", "read_hf_tensors",
+    "reference", "rewind", "write_kv_row",
 ]

@@ -1,9 +1,11 @@
-"""The public entry points: `prefill` and `decode`, pure functions over the state pytree.
+"""The public entry points, pure functions over the state pytree: `prefill`, `decode`,
+`decode_k` (a speculative verify), `rewind`, `write_kv_row` (a drafter's context row).
 
-Both append rows to every sequence through one jitted step, `_append_rows`, whose shapes are
-fixed by the config's ceiling (live extents are data), so one compile serves every context
-length. Decode pads each sequence's row to `cfg.max_verify` rows so that a K-row verify and K
-serial decodes run the same shapes, hence the same per-row reductions.
+All append rows to every sequence through one jitted step whose shapes are fixed by the
+config's ceiling (live extents are data), so one compile serves every context length, and all
+donate the state so the caches are updated in place. `decode` and `decode_k` pad each
+sequence's rows to `cfg.max_verify`, so a K-row verify and K serial decodes run the same
+shapes, hence the same per-row reductions: bit-identical results.
 
 Checks: before the jitted step runs, `_check_step` validates on the host everything the
 caller's concrete state can tell (capacity, block-table coverage, indexer lockstep) and
@@ -21,7 +23,7 @@ import numpy as np
 from dsa_jax.attend import attend, write_latents
 from dsa_jax.config import DsaConfig
 from dsa_jax.indexer import pool_scores, write_index_rows
-from dsa_jax.projection import output_projection, project
+from dsa_jax.projection import output_projection, project, project_kv
 from dsa_jax.select import expand_selection, top_pools
 from dsa_jax.state import DsaState
 from dsa_jax.weights import DsaWeights
@@ -44,6 +46,8 @@ def _append_rows(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Ar
     b, r, _ = x.shape
     pos = state.lengths[:, None] + jnp.arange(r, dtype=jnp.int32)  # [B, R]
     valid = jnp.arange(r)[None, :] < n_new[:, None]  # [B, R]
+    # An indexer ahead of the sequence (a rejected speculation) heals here: its rows are
+    # rewritten from `lengths` on.
     proj = project(cfg, weights, x)
     state = write_latents(cfg, state, proj.latent, pos, valid)
     if weights.has_indexer:
@@ -51,14 +55,12 @@ def _append_rows(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Ar
         scores = pool_scores(cfg, proj.qi, proj.w, state.pool_keys,
                              (pos + 1) // cfg.index_kpool)  # [B, R, P]
         sel = expand_selection(cfg, top_pools(cfg, scores), pos, valid)  # [B, R, W]
-        index_lengths = state.index_lengths + n_new
     else:
         sel = jnp.where(valid[..., None], shared_sel, -1)
-        index_lengths = state.index_lengths + n_new
     o_latent = attend(cfg, state, proj.q_abs, sel)  # [B, R, Hl, C]
     y = output_projection(weights, o_latent)  # [B, R, D]
-    state = state._replace(lengths=state.lengths + n_new, index_lengths=index_lengths)
-    return y, state, sel
+    lengths = state.lengths + n_new
+    return y, state._replace(lengths=lengths, index_lengths=lengths), sel
 
 
 _append_rows_jit = jax.jit(_append_rows, static_argnames=("cfg",), donate_argnames=("state",))
@@ -69,8 +71,9 @@ def _is_concrete(a) -> bool:
 
 
 def _check_step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array,
-                rows: int, shared_sel: jax.Array | None, sel_shape: tuple[int, ...]) -> None:
-    """Host-side validation of one step; see the module docstring."""
+                n_new: np.ndarray, shared_sel: jax.Array | None, sel_shape: tuple[int, ...]
+                ) -> None:
+    """Host-side validation of one step (`n_new [B]` rows per sequence); see the docstring."""
     b = state.num_seqs
     if x.shape[0] != b or x.shape[-1] != cfg.hidden_size:
         raise StepError(f"x has shape {tuple(x.shape)}; expected leading dim {b} (sequences in "
@@ -81,65 +84,157 @@ def _check_step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Arr
                             "the selection of the previous full layer")
         if tuple(shared_sel.shape) != sel_shape:
             raise StepError(f"shared_sel has shape {tuple(shared_sel.shape)}, expected "
-                            f"{sel_shape}")
+                            f"{sel_shape} (one selection row per input row)")
     elif shared_sel is not None:
         raise StepError("shared_sel was given but these weights run their own indexer")
     if not (_is_concrete(state.lengths) and _is_concrete(state.block_tables)):
         return
     lengths = np.asarray(state.lengths)
     index_lengths = np.asarray(state.index_lengths)
-    for s in range(b):
-        if weights.has_indexer and index_lengths[s] != lengths[s]:
-            raise StepError(f"sequence {s}: indexer length {index_lengths[s]} differs from "
-                            f"sequence length {lengths[s]}; the two caches must advance in "
-                            f"lockstep")
-        end = int(lengths[s]) + rows
-        if end > cfg.max_context:
-            raise StepError(f"sequence {s}: writing {rows} token(s) at position {lengths[s]} "
-                            f"would reach {end}, past max_context {cfg.max_context}")
     nb = state.latent.shape[0]
     tables = np.asarray(state.block_tables)
     for s in range(b):
-        first, last = int(lengths[s]) // cfg.block_size, (int(lengths[s]) + rows - 1) // \
-            cfg.block_size
+        start, rows = int(lengths[s]), int(n_new[s])
+        if weights.has_indexer and index_lengths[s] < start:
+            raise StepError(f"sequence {s}: indexer length {index_lengths[s]} is behind the "
+                            f"sequence length {start}: rows {index_lengths[s]}..{start - 1} "
+                            f"were never written to the indexer cache")
+        if start + rows > cfg.max_context:
+            raise StepError(f"sequence {s}: writing {rows} token(s) at position {start} would "
+                            f"reach {start + rows}, past max_context {cfg.max_context}")
+        if rows == 0:
+            continue
+        first, last = start // cfg.block_size, (start + rows - 1) // cfg.block_size
         entries = tables[s, first:last + 1]
         bad = (entries < 0) | (entries >= nb)
-        if rows and bad.any():
+        if bad.any():
             i = first + int(np.argmax(bad))
             raise StepError(f"sequence {s}: block table entry {i} is {tables[s, i]}, outside "
                             f"[0, {nb}) physical blocks, but position "
-                            f"{max(i * cfg.block_size, int(lengths[s]))} is to be written there")
+                            f"{max(i * cfg.block_size, start)} is to be written there")
+
+
+def _rows_per_seq(b: int, count: int, given) -> np.ndarray:
+    """Per-sequence row counts: `given` ([B] ints or bools) or `count` for every sequence."""
+    if given is None:
+        return np.full((b,), count, np.int32)
+    n = np.asarray(given).astype(np.int32).reshape(-1)
+    if n.shape != (b,) or (n < 0).any() or (n > count).any():
+        raise StepError(f"per-sequence row counts {n.tolist()} must be {b} values in "
+                        f"[0, {count}]")
+    return n
 
 
 def prefill(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, *,
-            shared_sel: jax.Array | None = None
+            num_tokens=None, shared_sel: jax.Array | None = None
             ) -> tuple[jax.Array, DsaState, jax.Array]:
-    """Append `S` tokens to every sequence.
+    """Append a chunk of up to `S` tokens to every sequence; may be called repeatedly.
 
-    x: [B, S, D]; shared_sel: [B, S, W] for a "shared" layer. Returns `y [B, S, D]` f32, the
-    new state (the old one is donated), and `sel [B, S, W]` int32, the selected token indices
-    of every row (-1 padded; W = index_topk + index_kpool - 1 with the tail).
+    x: [B, S, D]; num_tokens: [B] real rows per sequence (default S; rows past it are padding
+    and never written or selected); shared_sel: [B, S, W] for a "shared" layer. Returns
+    `y [B, S, D]` f32 (0 on padding rows), the new state (the old one is donated), and
+    `sel [B, S, W]` int32, the selected token indices of every row (-1 padded;
+    W = index_topk + index_kpool - 1 with the tail).
     """
     b, s = x.shape[0], x.shape[1]
-    _check_step(cfg, weights, state, x, s, shared_sel, (b, s, cfg.sel_width))
-    n_new = jnp.full((b,), s, jnp.int32)
-    return _append_rows_jit(cfg, weights, state, x, n_new, shared_sel)
+    n_new = _rows_per_seq(b, s, num_tokens)
+    _check_step(cfg, weights, state, x, n_new, shared_sel, (b, s, cfg.sel_width))
+    return _append_rows_jit(cfg, weights, state, x, jnp.asarray(n_new), shared_sel)
+
+
+def decode_k(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, *,
+             active=None, shared_sel: jax.Array | None = None
+             ) -> tuple[jax.Array, DsaState, jax.Array]:
+    """The K rows of a speculative verify: K consecutive tokens of every sequence.
+
+    x: [B, K, D] with `K <= cfg.max_verify`; active: [B] bool, sequences that take part (the
+    others write nothing and return zeros); shared_sel: [B, K, W]. Rows are padded to
+    `cfg.max_verify`, so the result is bit-identical to K successive `decode` calls.
+    Returns `y [B, K, D]`, the new state, `sel [B, K, W]`.
+    """
+    b, k = x.shape[0], x.shape[1]
+    if not 1 <= k <= cfg.max_verify:
+        raise StepError(f"a {k}-row verify does not fit max_verify {cfg.max_verify} "
+                        f"(rows must be in [1, {cfg.max_verify}])")
+    n_new = _rows_per_seq(b, k, None)
+    if active is not None:
+        n_new = n_new * _rows_per_seq(b, 1, active)
+    _check_step(cfg, weights, state, x, n_new, shared_sel, (b, k, cfg.sel_width))
+    rows = cfg.max_verify
+    x_rows = jnp.zeros((b, rows, x.shape[-1]), x.dtype).at[:, :k].set(x)  # [B, rows, D]
+    if shared_sel is not None:
+        shared_sel = jnp.full((b, rows, cfg.sel_width), -1, jnp.int32).at[:, :k].set(shared_sel)
+    y, state, sel = _append_rows_jit(cfg, weights, state, x_rows, jnp.asarray(n_new),
+                                     shared_sel)
+    return y[:, :k], state, sel[:, :k]
 
 
 def decode(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, *,
-           shared_sel: jax.Array | None = None
+           active=None, shared_sel: jax.Array | None = None
            ) -> tuple[jax.Array, DsaState, jax.Array]:
-    """Append one token to every sequence.
+    """Append one token to every sequence (ragged: each at its own length).
 
-    x: [B, D]; shared_sel: [B, W] for a "shared" layer. Returns `y [B, D]` f32, the new state
-    (the old one is donated), and `sel [B, W]` int32.
+    x: [B, D]; active: [B] bool (default all); shared_sel: [B, W] for a "shared" layer.
+    Returns `y [B, D]` f32, the new state (the old one is donated), and `sel [B, W]` int32.
     """
-    b = x.shape[0]
-    _check_step(cfg, weights, state, x, 1, shared_sel, (b, cfg.sel_width))
-    rows = cfg.max_verify
-    x_rows = jnp.zeros((b, rows, x.shape[-1]), x.dtype).at[:, 0].set(x)  # [B, K, D]
     if shared_sel is not None:
-        shared_sel = jnp.full((b, rows, cfg.sel_width), -1, jnp.int32).at[:, 0].set(shared_sel)
-    y, state, sel = _append_rows_jit(cfg, weights, state, x_rows, jnp.ones((b,), jnp.int32),
-                                     shared_sel)
+        shared_sel = shared_sel[:, None]
+    y, state, sel = decode_k(cfg, weights, state, x[:, None], active=active,
+                             shared_sel=shared_sel)
     return y[:, 0], state, sel[:, 0]
+
+
+def rewind(cfg: DsaConfig, state: DsaState, lengths) -> DsaState:
+    """Drop every row at or past `lengths [B]` (a rejected speculation).
+
+    The latent slots and indexer rows past the new lengths become unreachable: selections only
+    reach tokens below a row's position, and a pool key is rewritten when its pool completes
+    again. Lengths may only shrink.
+    """
+    new = jnp.asarray(lengths, jnp.int32).reshape(-1)
+    if new.shape != state.lengths.shape:
+        raise StepError(f"rewind lengths have shape {tuple(new.shape)}, expected "
+                        f"{tuple(state.lengths.shape)} (one per sequence)")
+    if _is_concrete(new) and _is_concrete(state.lengths):
+        cur, want = np.asarray(state.lengths), np.asarray(new)
+        bad = (want < 0) | (want > cur)
+        if bad.any():
+            s = int(np.argmax(bad))
+            raise StepError(f"sequence {s}: cannot rewind to length {want[s]}; it must be in "
+                            f"[0, {cur[s]}] (the current length)")
+    return state._replace(lengths=new, index_lengths=jnp.minimum(state.index_lengths, new))
+
+
+def _write_kv_rows(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array,
+                   n_new: jax.Array) -> DsaState:
+    b, r, _ = x.shape
+    pos = state.lengths[:, None] + jnp.arange(r, dtype=jnp.int32)  # [B, R]
+    valid = jnp.arange(r)[None, :] < n_new[:, None]  # [B, R]
+    proj = project_kv(cfg, weights, x)
+    state = write_latents(cfg, state, proj.latent, pos, valid)
+    if weights.has_indexer:
+        state = write_index_rows(cfg, weights.ape, state, proj.k, proj.g, pos, valid)
+    lengths = state.lengths + n_new
+    return state._replace(lengths=lengths, index_lengths=lengths)
+
+
+_write_kv_rows_jit = jax.jit(_write_kv_rows, static_argnames=("cfg",),
+                             donate_argnames=("state",))
+
+
+def write_kv_row(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, *,
+                 active=None) -> DsaState:
+    """A drafter's context row(s): latent and indexer entry only; no query, selection or attend.
+
+    x: [B, D] (one row per sequence) or [B, S, D]; active: [B] bool. Returns the new state.
+    """
+    if x.ndim == 2:
+        x = x[:, None]
+    b, r = x.shape[0], x.shape[1]
+    n_new = _rows_per_seq(b, r, None)
+    if active is not None:
+        n_new = n_new * _rows_per_seq(b, 1, active)
+    sel_shape = (b, r, cfg.sel_width)
+    _check_step(cfg, weights, state, x, n_new,
+                None if weights.has_indexer else jnp.zeros(sel_shape, jnp.int32), sel_shape)
+    return _write_kv_rows_jit(cfg, weights, state, x, jnp.asarray(n_new))

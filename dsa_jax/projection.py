@@ -65,6 +65,18 @@ def project(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> Projections:
     return Projections(q_abs, latent, qi, k, g, w)
 
 
+def project_kv(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> Projections:
+    """Only what a context row stores: the latent and the indexer's k and gate."""
+    R, C, Di = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.index_head_dim
+    rows = C + (2 * Di if weights.has_indexer else 0)
+    xw = _matmul(x, weights.x_proj[R:R + rows])  # [..., C (+ 2 Di)]
+    latent = rms_norm(xw[..., :C], weights.kv_a_norm, cfg.rms_norm_eps)
+    if not weights.has_indexer:
+        return Projections(None, latent, None, None, None, None)
+    k = layer_norm(xw[..., C:C + Di], weights.k_norm_w, weights.k_norm_b)
+    return Projections(None, latent, None, k, xw[..., C + Di:C + 2 * Di], None)
+
+
 def output_projection(weights: DsaWeights, o_latent: jax.Array) -> jax.Array:
     """Attended latents `[..., Hl, C]` -> `y [..., D]` (this rank's partial sum under TP)."""
     o = jnp.einsum("...hc,hvc->...hv", o_latent.astype(weights.u_v.dtype), weights.u_v,

@@ -58,7 +58,7 @@ def test_indexer_out_of_lockstep_is_refused(layer):
     cfg, weights = layer
     _, state, _ = dsa_jax.prefill(cfg, weights, dsa_jax.init_state(cfg, 1), _x(cfg, 1, 5))
     behind = state._replace(index_lengths=state.index_lengths - 1)
-    with pytest.raises(StepError, match="indexer length 4 differs from sequence length 5"):
+    with pytest.raises(StepError, match="indexer length 4 is behind the sequence length 5"):
         dsa_jax.decode(cfg, weights, behind, _x(cfg, 1))
 
 
