@@ -8,13 +8,9 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from dsa_jax.config import DsaConfig
-from dsa_jax.layer import decode, prefill
-from dsa_jax.state import init_state
-from dsa_jax.weights import init_random_weights
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                               "configs", "tiny.json")
@@ -41,42 +37,96 @@ def _fmt_pools(pools: list[int], limit: int = 12) -> str:
     return shown + (f",... ({len(pools)} pools)" if len(pools) > limit else f" ({len(pools)})")
 
 
+def selection_map(selections: list[np.ndarray], first_pos: int, kpool: int) -> np.ndarray:
+    """Layer-0 selection rows of consecutive positions -> `[steps, pools]` 0/1/2 image
+    (1: the pool was chosen, 2: a tail token of the incomplete pool)."""
+    last = first_pos + len(selections)
+    image = np.zeros((len(selections), last // kpool + 1), np.uint8)
+    for i, row in enumerate(selections):
+        pools, tail = chosen_pools(row, kpool)
+        image[i, pools] = 1
+        for t in tail:
+            image[i, t // kpool] = 2
+    return image
+
+
+def save_selection_png(image: np.ndarray, first_pos: int, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+
+    fig, ax = plt.subplots(figsize=(9, 5), dpi=110)
+    ax.imshow(image, aspect="auto", interpolation="nearest", origin="lower",
+              cmap=ListedColormap(["#f4f4f4", "#1f5fa8", "#e07b39"]), vmin=0, vmax=2,
+              extent=(-0.5, image.shape[1] - 0.5, first_pos - 0.5, first_pos + len(image) - 0.5))
+    ax.set_xlabel("pool index (KP tokens each)")
+    ax.set_ylabel("query position")
+    ax.set_title(title + "\nblue: selected pools, orange: visible tail", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from dsa_jax.engine import Engine, EngineError, ModelConfig, init_model
+
     cfg = DsaConfig.from_json(args.config, implementation=args.implementation)
-    if args.prompt_len + args.steps > cfg.max_context:
-        print(f"error: prompt length {args.prompt_len} + steps {args.steps} exceeds max_context "
-              f"{cfg.max_context}", file=sys.stderr)
-        return 2
+    if args.layers is not None:
+        cfg = cfg.replace(indexer_types=tuple("full" if i % 2 == 0 else "shared"
+                                              for i in range(args.layers)))
+    mcfg = ModelConfig(cfg, vocab_size=args.vocab)
     key = jax.random.key(args.seed)
-    wkey, xkey = jax.random.split(key)
-    weights = init_random_weights(cfg, wkey)
-    state = init_state(cfg, args.num_seqs)
-    total = args.prompt_len + args.steps
-    x = jax.random.normal(xkey, (args.num_seqs, total, cfg.hidden_size), jnp.float32)
-    print(f"dsa-jax run: {os.path.basename(args.config)}  D={cfg.hidden_size} H={cfg.num_heads} "
+    layers = None
+    if args.checkpoint:
+        from dsa_jax.checkpoint import restore_weights
+
+        layers = tuple(restore_weights(args.checkpoint, cfg))
+    weights = init_model(mcfg, key, layers)
+    need = args.prompt_len + args.steps + args.speculate
+    blocks = args.num_seqs * -(-need // cfg.block_size)
+    try:
+        engine = Engine(mcfg, weights, max_seqs=args.num_seqs, num_blocks=blocks,
+                        speculate=args.speculate, record_selections=True)
+        rng = np.random.default_rng(args.seed)
+        # Prompts with repeats, so the n-gram drafter finds continuations.
+        motif = rng.integers(0, mcfg.vocab_size, size=(args.num_seqs, 8))
+        prompts = [list(np.resize(np.concatenate([m, rng.integers(0, mcfg.vocab_size, 3)]),
+                                  args.prompt_len)) for m in motif]
+        reqs = [engine.submit([int(t) for t in p], args.steps) for p in prompts]
+    except EngineError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"dsa-jax run: {os.path.basename(args.config)}  layers={mcfg.num_layers} "
+          f"({','.join(cfg.indexer_types)})  D={cfg.hidden_size} H={cfg.num_heads} "
           f"C={cfg.kv_lora_rank} topk={cfg.index_topk} kpool={cfg.index_kpool} "
           f"cache={cfg.cache_dtype} backend={jax.default_backend()} "
-          f"sequences={args.num_seqs}")
+          f"sequences={args.num_seqs} prompt={args.prompt_len} new={args.steps} "
+          f"drafts<={args.speculate}")
     t0 = time.perf_counter()
-    y, state, sel = prefill(cfg, weights, state, x[:, :args.prompt_len])
-    jax.block_until_ready(y)
-    print(f"prefill {args.prompt_len} tokens: {1e3 * (time.perf_counter() - t0):.1f} ms "
-          f"(includes compile)")
-    print(f"{'step':>4} {'pos':>5} {'ms':>8}  pools chosen by sequence 0 (selection order) | tail")
-    times = []
-    for step in range(args.steps):
-        t = args.prompt_len + step
-        t1 = time.perf_counter()
-        y, state, sel = decode(cfg, weights, state, x[:, t])
-        jax.block_until_ready(y)
-        ms = 1e3 * (time.perf_counter() - t1)
-        times.append(ms)
-        pools, tail = chosen_pools(np.asarray(sel[0]), cfg.index_kpool)
-        print(f"{step:>4} {t:>5} {ms:>8.2f}  {_fmt_pools(pools)} | {tail}")
-    if len(times) > 1:
-        print(f"decode: median {np.median(times[1:]):.2f} ms/step after the first "
-              f"(first step {times[0]:.1f} ms includes compile); |y| = "
-              f"{float(jnp.linalg.norm(y)):.4f}")
+    with tqdm(total=args.num_seqs * args.steps, unit="tok", desc="generating",
+              disable=args.quiet) as bar:
+        engine.run_until_done(bar)
+    seconds = time.perf_counter() - t0
+    st = engine.stats
+    print(f"{st.tokens} tokens in {seconds:.2f} s ({st.tokens / seconds:.1f} tok/s, first "
+          f"steps include compiling); {st.steps} decode steps; drafts accepted "
+          f"{st.accepted}/{st.drafted} ({100 * st.acceptance:.0f}%)")
+    req = reqs[0]
+    first = len(req.prompt)
+    print(f"sequence 0 generated: {req.output[:24]}{' ...' if len(req.output) > 24 else ''}")
+    print(f"{'pos':>5}  pools chosen by layer 0 for sequence 0 (selection order) | tail")
+    for i, row in enumerate(req.selections[:args.show]):
+        pools, tail = chosen_pools(row, cfg.index_kpool)
+        print(f"{first + i:>5}  {_fmt_pools(pools)} | {tail}")
+    os.makedirs(args.out, exist_ok=True)
+    png = os.path.join(args.out, "selection_map.png")
+    save_selection_png(selection_map(req.selections, first, cfg.index_kpool), first, png,
+                       f"dsa-jax run: layer 0, sequence 0 ({os.path.basename(args.config)})")
+    print(f"selection map written to {png}")
     return 0
 
 
@@ -86,12 +136,22 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="prefill and decode with random weights, showing the "
                                      "pools each step selects (the default)")
     run.add_argument("--config", default=DEFAULT_CONFIG, help="a configs/*.json file")
-    run.add_argument("--num-seqs", type=int, default=2)
-    run.add_argument("--prompt-len", type=int, default=100)
-    run.add_argument("--steps", type=int, default=12)
+    run.add_argument("--checkpoint", help="an orbax checkpoint of folded DSA layers "
+                                          "(from `dsa-jax convert`); random layers otherwise")
+    run.add_argument("--layers", type=int, help="DSA layers, alternating full/shared "
+                                                "(default: the config's indexer_types)")
+    run.add_argument("--vocab", type=int, default=256, help="vocabulary of the toy model")
+    run.add_argument("--num-seqs", type=int, default=4)
+    run.add_argument("--prompt-len", type=int, default=120)
+    run.add_argument("--steps", type=int, default=48, help="new tokens per sequence")
+    run.add_argument("--speculate", "-k", type=int, default=3,
+                     help="n-gram drafts verified per step (0: plain decoding)")
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--implementation", default="auto",
                      choices=["auto", "xla", "pallas", "pallas-interpret"])
+    run.add_argument("--out", default="out", help="folder for the selection map PNG")
+    run.add_argument("--show", type=int, default=8, help="selection rows to print")
+    run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.set_defaults(func=cmd_run)
     return parser
 
