@@ -88,18 +88,19 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _attend_kernel(scale_ref, q_ref, slots_ref, lat_ref, acc_ref, m_ref, l_ref, *,
-                   width: int, tiles: int, block_w: int, compute_dtype):
+def _attend_kernel(scale_ref, q_ref, slots_ref, lat_ref, o_ref, m_ref, l_ref, *,
+                   width: int, tiles: int, block_w: int, compute_dtype, precision):
     """One (head block, split, row) program.
 
-    scale_ref: [1] f32 logit scale; q_ref: [HB, Cp] compute dtype; slots_ref: [N, Wp] int32
-    (whole array); lat_ref: [NS, C] cache dtype (whole flat cache); outputs acc_ref [HB, Cp]
-    f32, m_ref [HB] f32, l_ref [HB] f32 (this split's partial softmax state).
+    scale_ref: [2] f32 (logit scale, output scale); q_ref: [HB, Cp] compute dtype; slots_ref:
+    [N, Wp] int32 (whole array); lat_ref: [NS, C] cache dtype (whole flat cache). Outputs this
+    split's normalized partial o_ref [HB, Cp] f32 (0 if it saw no valid slot), its running max
+    m_ref [HB] f32 and softmax denominator l_ref [HB] f32.
     """
     split, row = pl.program_id(1), pl.program_id(2)
     q = q_ref[...]  # [HB, Cp]
     hb, cp = q.shape
-    scale = scale_ref[0]
+    logit_scale, out_scale = scale_ref[0], scale_ref[1]
     cols = jnp.arange(cp, dtype=jnp.int32)  # [Cp]
 
     def tile(t, carry):
@@ -109,38 +110,51 @@ def _attend_kernel(scale_ref, q_ref, slots_ref, lat_ref, acc_ref, m_ref, l_ref, 
         valid = slots >= 0  # [BW]
         mask = valid[:, None] if width == cp else valid[:, None] & (cols < width)[None, :]
         mask = jnp.broadcast_to(mask, (block_w, cp))  # Triton wants the pointer's shape
-        c = plt.load(lat_ref.at[jnp.maximum(slots, 0)[:, None], cols[None, :]],
-                     mask=mask, other=jnp.zeros((), lat_ref.dtype)).astype(compute_dtype)  # [BW, Cp]
-        logits = _dot(q, c, ((1,), (1,))) * scale  # [HB, BW]
+        c = plt.load(lat_ref.at[jnp.maximum(slots, 0)[:, None], cols[None, :]], mask=mask,
+                     other=jnp.zeros((), lat_ref.dtype)).astype(compute_dtype)  # [BW, Cp]
+        logits = _dot(q, c, ((1,), (1,)), precision) * logit_scale  # [HB, BW]
         logits = jnp.where(valid[None, :], logits, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))  # [HB]
         alpha = jnp.exp(m - m_new)  # [HB]
         p = jnp.exp(logits - m_new[:, None])  # [HB, BW], 0 at empty slots
         l = l * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.astype(compute_dtype), c, ((1,), (0,)))
+        acc = acc * alpha[:, None] + _dot(p.astype(compute_dtype), c, ((1,), (0,)), precision)
         return m_new, l, acc
 
     init = (jnp.full((hb,), _M_INIT, jnp.float32), jnp.zeros((hb,), jnp.float32),
             jnp.zeros((hb, cp), jnp.float32))
     m, l, acc = lax.fori_loop(0, tiles, tile, init)
-    acc_ref[...] = acc
+    # Normalized here so that one split needs no merge pass at all.
+    o_ref[...] = acc * (out_scale / jnp.where(l > 0, l, 1.0))[:, None]
     m_ref[...] = m
     l_ref[...] = l
 
 
-def _dot(a, b, contract):
-    """2-D dot with fp32 accumulation; HIGHEST keeps fp32 operands in IEEE fp32 (not tf32)."""
-    return lax.dot_general(a, b, (contract, ((), ())), precision=lax.Precision.HIGHEST,
+def _dot(a, b, contract, precision):
+    """2-D dot with fp32 accumulation."""
+    return lax.dot_general(a, b, (contract, ((), ())), precision=precision,
                            preferred_element_type=jnp.float32)
 
 
-def _merge_splits(acc, m, l):
-    """Partials acc [N, S, Hp, Cp], m, l [N, S, Hp] -> [N, Hp, Cp]; 0 where no slot was valid."""
+def _dot_precision(compute_dtype, interpret: bool):
+    """fp32 operands: 3-pass tf32 on the GPU (fp32-level error on tensor cores; Triton's IEEE
+    fp32 dot runs near 1 TFLOP/s on an H200); IEEE fp32 in interpret mode, where the CPU has no
+    tf32. bf16 operands: a plain bf16 MMA either way."""
+    if compute_dtype == jnp.float32 and not interpret:
+        return lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    return lax.Precision.HIGHEST
+
+
+def _merge_splits(o, m, l):
+    """Normalized partials o [N, S, Hp, Cp], m, l [N, S, Hp] -> [N, Hp, Cp]; 0 where no split
+    saw a valid slot."""
+    if o.shape[1] == 1:
+        return o[:, 0]
     m_all = jnp.max(m, axis=1, keepdims=True)  # [N, 1, Hp]
-    wgt = jnp.exp(m - m_all)  # [N, S, Hp]
-    l_all = jnp.sum(wgt * l, axis=1)  # [N, Hp]
-    acc_all = jnp.sum(wgt[..., None] * acc, axis=1)  # [N, Hp, Cp]
-    return acc_all / jnp.where(l_all > 0, l_all, 1.0)[..., None]
+    wgt = jnp.exp(m - m_all) * l  # [N, S, Hp]: each split's share of the softmax mass
+    total = jnp.sum(wgt, axis=1)  # [N, Hp]
+    out = jnp.sum(wgt[..., None] * o, axis=1)  # [N, Hp, Cp]
+    return out / jnp.where(total > 0, total, 1.0)[..., None]
 
 
 def default_compute_dtype(cache_dtype) -> jnp.dtype:
@@ -148,29 +162,46 @@ def default_compute_dtype(cache_dtype) -> jnp.dtype:
     return jnp.dtype(jnp.float32 if cache_dtype == jnp.float32 else jnp.bfloat16)
 
 
-def _num_splits(rows: int, head_blocks: int, tiles: int, max_splits: int = 8) -> int:
-    """Enough splits for about two programs per H200 multiprocessor (132), at most max_splits."""
-    want = -(-2 * 132 // max(1, rows * head_blocks))
+def default_tiles(padded_heads: int) -> dict:
+    """Heads per program, slots per tile and warps, from the H200 sweep
+    (benchmarks/results/h200-kernel-parity.json). The accumulator [HB, C] fp32 and the latent
+    tile [BW, C] live in registers: large BW with C = 512 spills."""
+    if padded_heads >= 64:
+        return dict(block_h=64, block_w=32, num_warps=8)
+    return dict(block_h=padded_heads, block_w=32, num_warps=4)
+
+
+def _num_splits(rows: int, head_blocks: int, tiles: int, max_splits: int = 16) -> int:
+    """Enough splits for about one program per H200 multiprocessor (132), at most max_splits:
+    more splits cost partial-output traffic and a merge."""
+    want = -(-132 // max(1, rows * head_blocks))
     return max(1, min(max_splits, tiles, want))
 
 
 def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
                          block_tables: jax.Array, sel: jax.Array, *, softmax_scale: float,
-                         interpret: bool = False, block_h: int = 32, block_w: int = 64,
-                         num_splits: int | None = None, compute_dtype=None,
-                         num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+                         interpret: bool = False, block_h: int | None = None,
+                         block_w: int | None = None, num_splits: int | None = None,
+                         compute_dtype=None, num_warps: int | None = None,
+                         num_stages: int = 2) -> jax.Array:
     """`sparse_attend_xla` as a Pallas kernel; same arguments, same result (see tolerances in
     tests/test_kernels.py). q [B, R, H, C] f32 -> [B, R, H, C] f32.
 
     block_h: heads per program (H is padded to a power of two >= 16, the smallest dot tile);
     block_w: slots per tile; num_splits: programs per row and head block (None: enough to fill
-    the GPU); compute_dtype: dot operand dtype (None: `default_compute_dtype`).
+    the GPU); compute_dtype: dot operand dtype (None: `default_compute_dtype`). None tile
+    arguments take `default_tiles`.
     """
     b, r, h, c = q.shape
     nb, bs, _ = latent.shape
     n, w = b * r, sel.shape[-1]
     compute_dtype = jnp.dtype(compute_dtype or default_compute_dtype(latent.dtype))
-    hb = min(_next_pow2(block_h), _next_pow2(max(h, 16)))
+    hp2 = _next_pow2(max(h, 16))
+    tiles_cfg = default_tiles(hp2)
+    block_h = block_h or tiles_cfg["block_h"]
+    block_w = block_w or tiles_cfg["block_w"]
+    num_warps = num_warps or tiles_cfg["num_warps"]
+    hb = min(_next_pow2(block_h), hp2)
     hp = -(-max(h, 16) // hb) * hb  # padded heads
     cp = max(16, _next_pow2(c))  # padded latent width (masked loads, no cache copy)
     tiles_all = -(-w // block_w)
@@ -180,21 +211,24 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
 
     slots = jax.vmap(token_slots, in_axes=(0, 0, None))(sel, block_tables, bs)  # [B, R, W]
     slots = jnp.pad(slots.reshape(n, w), ((0, 0), (0, wp - w)), constant_values=-1)  # [N, Wp]
-    q_p = jnp.pad(q.reshape(n, h, c), ((0, 0), (0, hp - h), (0, cp - c)))  # [N, Hp, Cp]
+    q_p = q.reshape(n, h, c)  # [N, Hp, Cp] once padded
+    if (hp, cp) != (h, c):
+        q_p = jnp.pad(q_p, ((0, 0), (0, hp - h), (0, cp - c)))
     is_fp8 = latent.dtype == jnp.float8_e4m3fn
     kv = jnp.asarray(kv_scale, jnp.float32) if is_fp8 else jnp.float32(1.0)
     # The fp8 scale is applied to the logits and the output, not to the latents, so the dot
     # sees the stored e4m3 values, which bf16 holds exactly.
-    scale = jnp.reshape(kv * softmax_scale, (1,))  # [1]
+    scales = jnp.stack([kv * softmax_scale, kv]).astype(jnp.float32)  # [2]
 
     kernel = functools.partial(_attend_kernel, width=c, tiles=tiles, block_w=block_w,
-                               compute_dtype=compute_dtype)
+                               compute_dtype=compute_dtype,
+                               precision=_dot_precision(compute_dtype, interpret))
     part = jax.ShapeDtypeStruct((n, splits, hp), jnp.float32)
-    acc, m, l = pl.pallas_call(
+    o, m, l = pl.pallas_call(
         kernel,
         grid=(hp // hb, splits, n),
         in_specs=[
-            pl.BlockSpec(),  # scale [1]
+            pl.BlockSpec(),  # scales [2]
             pl.BlockSpec((None, hb, cp), lambda i, s, j: (j, i, 0)),  # q [N, Hp, Cp]
             pl.BlockSpec(),  # slots [N, Wp]
             pl.BlockSpec(),  # flat cache [NS, C]
@@ -208,6 +242,6 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="sparse_attend",
-    )(scale, q_p.astype(compute_dtype), slots, latent.reshape(nb * bs, c))
-    out = _merge_splits(acc, m, l) * kv  # [N, Hp, Cp]
+    )(scales, q_p.astype(compute_dtype), slots, latent.reshape(nb * bs, c))
+    out = _merge_splits(o, m, l)  # [N, Hp, Cp]
     return out[:, :h, :c].reshape(b, r, h, c)
