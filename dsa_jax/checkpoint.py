@@ -1,0 +1,441 @@
+"""Orbax checkpoints of folded weights and of whole engine states.
+
+Two kinds of checkpoint, both orbax-checkpoint directories with two items:
+- `arrays`: the arrays (an orbax `StandardSave` pytree: `{"layers": {"0": {field: array}},
+  "extra": {key: array}}`), stored bit for bit in their own dtype (fp8, bf16, f32, int32).
+- `dsa_jax`: JSON metadata: the kind (`"weights"` or `"state"`), a format version, the
+  `DsaConfig` (its fields as JSON), per-layer facts (which layers have an indexer, the model
+  layer ids of a converted checkpoint, the state's sequence and block counts) and the
+  JSON-able part of a state's `extra`.
+
+`save_weights` / `restore_weights`: a list of per-layer `DsaWeights` (a "shared" layer's
+indexer fields are None and are stored as absent). `save_state` / `restore_state`: a list of
+per-layer `DsaState` plus an optional dict of host metadata (an allocator's free list, request
+ids), so a long prefix can be computed once and reused. `convert_hf_checkpoint`: Hugging Face
+safetensors -> a weights checkpoint, folded once.
+
+Config checks on restore: a state checkpoint must be restored into a config equal to the saved
+one in every field except `implementation` (a run-time dispatch choice: the stored arrays do
+not depend on it). A weights checkpoint ignores the serving geometry as well (`max_context`,
+`block_size`, `max_verify`, `cache_dtype`, `index_cache_dtype`): folded weights do not depend
+on it, so one converted checkpoint serves any geometry. Any other difference is a
+`CheckpointError` listing every differing field with both values.
+
+Paths are made absolute (orbax requires it). Writing over an existing path takes
+`overwrite=True`, and even then only replaces an earlier dsa_jax checkpoint or an empty
+directory, never an unrelated directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsa_jax.config import DsaConfig
+from dsa_jax.state import DsaState, init_state
+from dsa_jax.weights import DsaWeights, _checkpoint_files, fold_weights, hf_shapes, read_hf_tensors
+
+FORMAT = "dsa_jax.checkpoint"
+FORMAT_VERSION = 1
+ARRAYS_ITEM = "arrays"
+META_ITEM = "dsa_jax"
+# Fields a restore does not compare, per kind (see the module docstring).
+RUNTIME_FIELDS = ("implementation",)
+SERVING_FIELDS = ("max_context", "block_size", "max_verify", "cache_dtype", "index_cache_dtype")
+IGNORED_FIELDS = {"weights": RUNTIME_FIELDS + SERVING_FIELDS, "state": RUNTIME_FIELDS}
+
+_HF_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.q_a_proj\.weight$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be written or restored as asked (the message says why)."""
+
+
+# ----------------------------------------------------------------------------- config
+
+def config_to_json(cfg: DsaConfig) -> dict[str, Any]:
+    """The config's fields as a JSON-able dict (tuples become lists)."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def config_from_json(data: Mapping[str, Any]) -> DsaConfig:
+    """The inverse of `config_to_json` (validated by `DsaConfig` itself)."""
+    return DsaConfig(**dict(data))
+
+
+def _check_config(path: str, kind: str, saved: Mapping[str, Any], cfg: DsaConfig) -> None:
+    given = config_to_json(cfg)
+    ignored = IGNORED_FIELDS[kind]
+    diffs = []
+    for name in sorted(set(saved) | set(given)):
+        if name in ignored:
+            continue
+        if name not in saved:
+            diffs.append(f"  {name}: not in the checkpoint, {given[name]!r} in the given config")
+        elif name not in given:
+            diffs.append(f"  {name}: {saved[name]!r} in the checkpoint, not a field of this "
+                         f"version's DsaConfig")
+        elif saved[name] != given[name]:
+            diffs.append(f"  {name}: checkpoint {saved[name]!r}, given config {given[name]!r}")
+    if diffs:
+        extra = f" ({', '.join(ignored)} may differ)" if ignored else ""
+        raise CheckpointError(
+            f"{path}: the {kind} checkpoint was saved with a different DsaConfig{extra}; "
+            f"{len(diffs)} field(s) differ:\n" + "\n".join(diffs))
+
+
+# ----------------------------------------------------------------------------- orbax I/O
+
+def _ocp():
+    import orbax.checkpoint as ocp
+
+    return ocp
+
+
+@contextlib.contextmanager
+def _checkpointer():
+    """A synchronous composite checkpointer, closed afterwards."""
+    ocp = _ocp()
+    ckptr = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+    try:
+        yield ckptr
+    finally:
+        ckptr.close()
+
+
+def _abspath(path: str | os.PathLike) -> str:
+    return os.path.abspath(os.path.expanduser(os.fspath(path)))
+
+
+def _read_meta(path: str) -> dict[str, Any] | None:
+    """The metadata item of a dsa_jax checkpoint at `path`, or None if it is not one."""
+    if not os.path.isfile(os.path.join(path, META_ITEM, "metadata")):
+        return None
+    ocp = _ocp()
+    try:
+        with _checkpointer() as ckptr:
+            meta = ckptr.restore(path, args=ocp.args.Composite(
+                **{META_ITEM: ocp.args.JsonRestore()}))[META_ITEM]
+    except Exception:  # anything unreadable is "not ours"
+        return None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        return None
+    return meta
+
+
+def read_info(path: str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint's metadata: `kind`, `config` (JSON), `has_indexer`, `layers`, ..."""
+    path = _abspath(path)
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: no checkpoint there (the path does not exist)")
+    meta = _read_meta(path)
+    if meta is None:
+        raise CheckpointError(f"{path}: not a dsa_jax checkpoint (no readable '{META_ITEM}' "
+                              f"metadata item)")
+    if meta.get("version", 0) > FORMAT_VERSION:
+        raise CheckpointError(f"{path}: checkpoint format version {meta['version']} is newer "
+                              f"than this dsa_jax reads ({FORMAT_VERSION})")
+    return meta
+
+
+def _check_destination(path: str, overwrite: bool) -> None:
+    if not os.path.exists(path):
+        return
+    if not overwrite:
+        raise CheckpointError(f"{path} already exists; pass overwrite=True to replace it")
+    if os.path.isdir(path) and not os.listdir(path):
+        return
+    if _read_meta(path) is None:
+        raise CheckpointError(f"{path} exists and is not a dsa_jax checkpoint; refusing to "
+                              f"overwrite it even with overwrite=True (remove it yourself)")
+
+
+def _is_stored(leaf) -> bool:
+    """Orbax cannot write zero-size arrays: those are rebuilt from the config on restore."""
+    return int(np.prod(leaf.shape)) > 0
+
+
+def _save(path: str, arrays: dict, meta: dict, overwrite: bool) -> None:
+    ocp = _ocp()
+    with _checkpointer() as ckptr:
+        ckptr.save(path, args=ocp.args.Composite(**{
+            ARRAYS_ITEM: ocp.args.StandardSave(arrays),
+            META_ITEM: ocp.args.JsonSave(meta),
+        }), force=overwrite)
+
+
+def _restore_arrays(path: str, target: dict) -> dict:
+    ocp = _ocp()
+    with _checkpointer() as ckptr:
+        return ckptr.restore(path, args=ocp.args.Composite(**{
+            ARRAYS_ITEM: ocp.args.StandardRestore(target)}))[ARRAYS_ITEM]
+
+
+def _abstract(shape_dtype, sharding) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(shape_dtype.shape), jnp.dtype(shape_dtype.dtype),
+                                sharding=sharding)
+
+
+def _sharding(device):
+    return jax.sharding.SingleDeviceSharding(device if device is not None else jax.devices()[0])
+
+
+def _check_leaves(what: str, fields: Sequence[str], got, want) -> None:
+    """Every field of `got` has the shape and dtype of `want` (both NamedTuples)."""
+    for name in fields:
+        g, w = getattr(got, name), getattr(want, name)
+        if (g is None) != (w is None):
+            raise CheckpointError(f"{what}: field {name} is {'None' if g is None else 'set'}, "
+                                  f"expected {'None' if w is None else 'an array'}")
+        if g is None:
+            continue
+        if tuple(g.shape) != tuple(w.shape) or jnp.dtype(g.dtype) != jnp.dtype(w.dtype):
+            raise CheckpointError(f"{what}: field {name} is {jnp.dtype(g.dtype).name}"
+                                  f"{list(g.shape)}, but the config implies "
+                                  f"{jnp.dtype(w.dtype).name}{list(w.shape)}")
+
+
+# ----------------------------------------------------------------------------- weights
+
+def expected_weights(cfg: DsaConfig, has_indexer: bool = True) -> DsaWeights:
+    """The shapes and dtypes (`jax.ShapeDtypeStruct`) of one layer's folded weights."""
+    hf = {name: jax.ShapeDtypeStruct(shape, jnp.float32)
+          for name, shape in hf_shapes(cfg, has_indexer).items()}
+    return jax.eval_shape(lambda t: fold_weights(cfg, t), hf)
+
+
+def save_weights(path: str | os.PathLike, cfg: DsaConfig, weights_by_layer: Sequence[DsaWeights],
+                 *, layers: Sequence[int] | None = None, tp_rank: int = 0,
+                 overwrite: bool = False) -> None:
+    """Write per-layer folded weights (and `cfg`) as an orbax checkpoint at `path`.
+
+    `layers`: the model layer id of each entry (recorded, returned by `read_info`); default
+    `0..n-1`. `tp_rank`: the tensor-parallel rank the weights were folded for (recorded).
+    """
+    path = _abspath(path)
+    if isinstance(weights_by_layer, DsaWeights) or not isinstance(weights_by_layer, Sequence):
+        raise CheckpointError("weights_by_layer must be a list of DsaWeights, one per layer")
+    if not weights_by_layer:
+        raise CheckpointError("weights_by_layer is empty: nothing to save")
+    layers = list(range(len(weights_by_layer))) if layers is None else [int(l) for l in layers]
+    if len(layers) != len(weights_by_layer):
+        raise CheckpointError(f"layers names {len(layers)} layer ids for "
+                              f"{len(weights_by_layer)} weights")
+    arrays, has_indexer = {}, []
+    for i, w in enumerate(weights_by_layer):
+        if not isinstance(w, DsaWeights):
+            raise CheckpointError(f"weights_by_layer[{i}] is a {type(w).__name__}, not DsaWeights")
+        _check_leaves(f"weights_by_layer[{i}]", DsaWeights._fields, w,
+                      expected_weights(cfg, w.has_indexer))
+        has_indexer.append(bool(w.has_indexer))
+        arrays[str(i)] = {name: getattr(w, name) for name in DsaWeights._fields
+                          if getattr(w, name) is not None and _is_stored(getattr(w, name))}
+    _check_destination(path, overwrite)
+    meta = {"format": FORMAT, "version": FORMAT_VERSION, "kind": "weights",
+            "config": config_to_json(cfg), "num_layers": len(weights_by_layer),
+            "has_indexer": has_indexer, "layers": layers, "tp_rank": int(tp_rank)}
+    _save(path, {"layers": arrays}, meta, overwrite)
+
+
+def _info_of_kind(path: str, kind: str, cfg: DsaConfig) -> dict[str, Any]:
+    meta = read_info(path)
+    if meta.get("kind") != kind:
+        raise CheckpointError(f"{path}: this is a {meta.get('kind')!r} checkpoint, not a "
+                              f"{kind!r} checkpoint")
+    _check_config(path, kind, meta["config"], cfg)
+    return meta
+
+
+def restore_weights(path: str | os.PathLike, cfg: DsaConfig, *, device=None
+                    ) -> list[DsaWeights]:
+    """Read a `save_weights` checkpoint: one `DsaWeights` per saved layer, on `device`
+    (default: the first device). `cfg` must match the saved config (module docstring)."""
+    path = _abspath(path)
+    meta = _info_of_kind(path, "weights", cfg)
+    sharding = _sharding(device)
+    expected = [expected_weights(cfg, hi) for hi in meta["has_indexer"]]
+    target = {"layers": {
+        str(i): {name: _abstract(getattr(e, name), sharding) for name in DsaWeights._fields
+                 if getattr(e, name) is not None and _is_stored(getattr(e, name))}
+        for i, e in enumerate(expected)}}
+    restored = _restore_arrays(path, target)["layers"]
+    out = []
+    for i, e in enumerate(expected):
+        got = restored.get(str(i), {})
+        fields = {}
+        for name in DsaWeights._fields:
+            spec = getattr(e, name)
+            if spec is None:
+                fields[name] = None
+            elif name in got:
+                fields[name] = got[name]
+            else:  # zero-size: never written
+                fields[name] = jax.device_put(jnp.zeros(spec.shape, spec.dtype), sharding)
+        out.append(DsaWeights(**fields))
+    return out
+
+
+def _hf_layers(src: str) -> list[int]:
+    found = set()
+    for name in _checkpoint_files(src):
+        m = _HF_LAYER.search(name)
+        if m:
+            found.add(int(m.group(1)))
+    return sorted(found)
+
+
+def convert_hf_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, cfg: DsaConfig,
+                          layers: list[int] | None = None, *, tp_rank: int = 0,
+                          overwrite: bool = False) -> list[int]:
+    """Fold the DSA layers of a Hugging Face checkpoint into an orbax weights checkpoint.
+
+    `src`: a safetensors file or a (sharded) checkpoint folder. `layers`: the model layer ids
+    to convert; None means every layer with `*layers.{l}.self_attn.q_a_proj.weight`. Each
+    layer is read and checked (`read_hf_tensors`), folded for `tp_rank` (`fold_weights`) and
+    moved to host memory before the next is read. Returns the converted layer ids, in order;
+    `restore_weights(dst, cfg)[i]` is layer `layers[i]`.
+    """
+    src_path, dst_path = os.fspath(src), _abspath(dst)
+    found = _hf_layers(src_path)
+    if layers is None:
+        if not found:
+            raise CheckpointError(f"{src_path}: no attention layers found (no tensor named "
+                                  f"'*layers.<l>.self_attn.q_a_proj.weight')")
+        layers = found
+    else:
+        layers = [int(l) for l in layers]
+        if not layers:
+            raise CheckpointError("layers is empty: nothing to convert")
+        missing = [l for l in layers if l not in found]
+        if missing:
+            raise CheckpointError(
+                f"{src_path}: layer(s) {missing} not found (no "
+                f"'*layers.{missing[0]}.self_attn.q_a_proj.weight'); the checkpoint has "
+                f"attention layers {found}")
+    _check_destination(dst_path, overwrite)  # fail before the (long) reading
+    folded = [jax.device_get(fold_weights(cfg, read_hf_tensors(src_path, cfg, l), tp_rank))
+              for l in layers]
+    save_weights(dst_path, cfg, folded, layers=layers, tp_rank=tp_rank, overwrite=overwrite)
+    return list(layers)
+
+
+# ----------------------------------------------------------------------------- state
+
+def _state_has_indexer(state: DsaState) -> bool:
+    return state.index_k.shape[1] > 0
+
+
+def expected_state(cfg: DsaConfig, num_seqs: int, num_blocks: int, has_indexer: bool = True
+                   ) -> DsaState:
+    """The shapes and dtypes (`jax.ShapeDtypeStruct`) of one layer's state."""
+    return jax.eval_shape(lambda: init_state(cfg, num_seqs, num_blocks=num_blocks,
+                                             has_indexer=has_indexer))
+
+
+def _split_extra(extra: Mapping[str, Any] | None) -> tuple[dict, dict, dict]:
+    """Host metadata -> (arrays, their manifest, JSON values)."""
+    if extra is None:
+        return {}, {}, {}
+    if not isinstance(extra, Mapping):
+        raise CheckpointError(f"extra must be a dict, got {type(extra).__name__}")
+    arrays, manifest, values = {}, {}, {}
+    for key, value in extra.items():
+        if not isinstance(key, str):
+            raise CheckpointError(f"extra keys must be strings, got {key!r}")
+        if isinstance(value, (np.ndarray, jax.Array)):
+            a = np.asarray(value)
+            manifest[key] = {"shape": list(a.shape), "dtype": a.dtype.name}
+            if _is_stored(a):
+                arrays[key] = a
+            continue
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"extra[{key!r}] is neither an array nor JSON-serializable "
+                                  f"({e}); convert it first (numpy scalars: .item())") from e
+        values[key] = value
+    return arrays, manifest, values
+
+
+def save_state(path: str | os.PathLike, cfg: DsaConfig, states: Sequence[DsaState],
+               extra: Mapping[str, Any] | None = None, *, overwrite: bool = False) -> None:
+    """Write an engine state: per-layer `DsaState` (caches, block tables, lengths) + `extra`.
+
+    `extra`: host metadata, a dict with string keys whose values are numpy/jax arrays
+    (restored as numpy arrays of the same dtype and shape) or JSON values (restored through
+    JSON: tuples come back as lists). The states are read, not consumed: they stay usable.
+    """
+    path = _abspath(path)
+    if isinstance(states, DsaState) or not isinstance(states, Sequence):
+        raise CheckpointError("states must be a list of DsaState, one per layer")
+    if not states:
+        raise CheckpointError("states is empty: nothing to save")
+    num_seqs, num_blocks = states[0].num_seqs, int(states[0].latent.shape[0])
+    arrays, has_indexer = {}, []
+    for i, s in enumerate(states):
+        if not isinstance(s, DsaState):
+            raise CheckpointError(f"states[{i}] is a {type(s).__name__}, not DsaState")
+        hi = _state_has_indexer(s)
+        _check_leaves(f"states[{i}]", DsaState._fields, s,
+                      expected_state(cfg, num_seqs, num_blocks, hi))
+        has_indexer.append(hi)
+        arrays[str(i)] = {name: getattr(s, name) for name in DsaState._fields
+                          if _is_stored(getattr(s, name))}
+    extra_arrays, manifest, values = _split_extra(extra)
+    _check_destination(path, overwrite)
+    meta = {"format": FORMAT, "version": FORMAT_VERSION, "kind": "state",
+            "config": config_to_json(cfg), "num_layers": len(states),
+            "has_indexer": has_indexer, "num_seqs": num_seqs, "num_blocks": num_blocks,
+            "extra": None if extra is None else {"arrays": manifest, "values": values}}
+    _save(path, {"layers": arrays, "extra": extra_arrays}, meta, overwrite)
+
+
+def restore_state(path: str | os.PathLike, cfg: DsaConfig, *, device=None
+                  ) -> tuple[list[DsaState], dict[str, Any] | None]:
+    """Read a `save_state` checkpoint: `(states, extra)`, the states on `device` (default:
+    the first device); `extra` is None if none was saved. `cfg` must match the saved config in
+    every field but `implementation`."""
+    path = _abspath(path)
+    meta = _info_of_kind(path, "state", cfg)
+    sharding = _sharding(device)
+    expected = [expected_state(cfg, meta["num_seqs"], meta["num_blocks"], hi)
+                for hi in meta["has_indexer"]]
+    layer_target = {str(i): {name: _abstract(getattr(e, name), sharding)
+                             for name in DsaState._fields if _is_stored(getattr(e, name))}
+                    for i, e in enumerate(expected)}
+    extra_meta = meta.get("extra")
+    manifest = extra_meta["arrays"] if extra_meta else {}
+    extra_target = {key: np.zeros(m["shape"], np.dtype(m["dtype"]))
+                    for key, m in manifest.items() if int(np.prod(m["shape"])) > 0}
+    restored = _restore_arrays(path, {"layers": layer_target, "extra": extra_target})
+    states = []
+    for i, e in enumerate(expected):
+        got = restored["layers"].get(str(i), {})
+        states.append(DsaState(**{
+            name: got[name] if name in got else
+            jax.device_put(jnp.zeros(getattr(e, name).shape, getattr(e, name).dtype), sharding)
+            for name in DsaState._fields}))
+    if extra_meta is None:
+        return states, None
+    extra: dict[str, Any] = dict(extra_meta["values"])
+    for key, m in manifest.items():
+        got = restored.get("extra", {}).get(key)
+        extra[key] = (np.asarray(got) if got is not None
+                      else np.zeros(m["shape"], np.dtype(m["dtype"])))
+    return states, extra
+
+
+__all__ = [
+    "CheckpointError", "config_from_json", "config_to_json", "convert_hf_checkpoint",
+    "expected_state", "expected_weights", "read_info", "restore_state", "restore_weights",
+    "save_state", "save_weights",
+]

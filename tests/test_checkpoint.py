@@ -1,0 +1,204 @@
+"""Orbax checkpoints: weights and engine states round-trip bit for bit, a decode after a restore
+equals one without, config mismatches and missing layers are clear errors, no silent overwrite."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dsa_jax
+from dsa_jax import checkpoint
+from dsa_jax.checkpoint import CheckpointError
+from dsa_jax.shapes import ODD
+
+# Two layers (a full one and a shared one), fp8 latents, bf16 indexer cache. (bf16 weights
+# are round-tripped too, but not run: XLA:CPU has no bf16 x bf16 -> f32 dot.)
+CFG = ODD.replace(cache_dtype="float8_e4m3fn", index_cache_dtype="bfloat16",
+                  indexer_types=("full", "shared"))
+BF16 = CFG.replace(param_dtype="bfloat16")
+
+
+def _bits(a):
+    """Raw bytes of an array: equality here is bitwise (fp8 included, -0.0 != 0.0)."""
+    a = np.ascontiguousarray(np.asarray(a))
+    return a.dtype.name, a.shape, a.view(np.uint8).tobytes()
+
+
+def _assert_bitwise(a, b):
+    la, ta = jax.tree_util.tree_flatten(a)
+    lb, tb = jax.tree_util.tree_flatten(b)
+    assert ta == tb
+    for x, y in zip(la, lb, strict=True):
+        assert _bits(x) == _bits(y)
+
+
+def _copy(tree):
+    return jax.tree_util.tree_map(jnp.copy, tree)
+
+
+def _x(seed, *shape):
+    return jax.random.normal(jax.random.key(seed), shape)
+
+
+def _weights(cfg=CFG):
+    return [dsa_jax.init_random_weights(cfg, jax.random.key(1)),
+            dsa_jax.init_random_weights(cfg, jax.random.key(2), has_indexer=False)]
+
+
+def _step(states, weights, x, fn):
+    """One step through the two-layer stack: the shared layer reuses layer 0's selection."""
+    y0, s0, sel = fn(CFG, weights[0], states[0], x)
+    y1, s1, _ = fn(CFG, weights[1], states[1], y0, shared_sel=sel)
+    return y1, [s0, s1], sel
+
+
+def test_weights_round_trip_bitwise(tmp_path):
+    weights = _weights(BF16)
+    path = tmp_path / "w"
+    checkpoint.save_weights(path, BF16, weights)
+    restored = checkpoint.restore_weights(path, BF16)
+    assert len(restored) == 2
+    assert restored[0].has_indexer and not restored[1].has_indexer
+    assert restored[1].k_norm_w is None and restored[1].ape is None
+    assert restored[0].x_proj.dtype == jnp.bfloat16
+    _assert_bitwise(restored, weights)
+    info = checkpoint.read_info(path)
+    assert info["kind"] == "weights" and info["layers"] == [0, 1]
+    assert info["has_indexer"] == [True, False]
+    # Serving geometry is not part of the weights: another max_context restores fine.
+    other = checkpoint.restore_weights(path, BF16.replace(max_context=192, block_size=16,
+                                                          cache_dtype="float32"))
+    _assert_bitwise(other, weights)
+
+
+def test_state_round_trip_and_decode_after_restore_bitwise(tmp_path, monkeypatch):
+    weights = _weights()
+    b, nb = 2, 2 * CFG.blocks_per_seq + 3  # an allocator's pool: more blocks than needed
+    perm = np.asarray(jax.random.permutation(jax.random.key(3), nb), np.int32)
+    tables = perm[: b * CFG.blocks_per_seq].reshape(b, CFG.blocks_per_seq)
+    states = [dsa_jax.init_state(CFG, b, num_blocks=nb, kv_scale=0.07, block_tables=tables),
+              dsa_jax.init_state(CFG, b, num_blocks=nb, kv_scale=0.11, block_tables=tables,
+                                 has_indexer=False)]
+    # A ragged prefix: 37 and 22 tokens.
+    _, states, _ = _step(states, weights, _x(4, b, 37, CFG.hidden_size),
+                         lambda *a, **k: dsa_jax.prefill(*a, num_tokens=[37, 22], **k))
+    assert states[0].latent.dtype == jnp.float8_e4m3fn
+    assert float(jnp.max(jnp.abs(states[0].latent.astype(jnp.float32)))) > 0
+    extra = {"free_blocks": perm[b * CFG.blocks_per_seq:], "next_request": 7,
+             "requests": {"a": [0, 37], "b": [1, 22]}, "empty": np.zeros((0,), np.int64)}
+    monkeypatch.chdir(tmp_path)  # a relative path is made absolute for orbax
+    checkpoint.save_state("prefix", CFG, states, extra)
+    restored, extra_back = checkpoint.restore_state(tmp_path / "prefix", CFG)
+    _assert_bitwise(restored, states)
+    assert restored[1].index_k.shape == (b, 0, CFG.index_head_dim)
+    assert np.asarray(restored[0].lengths).tolist() == [37, 22]
+    assert extra_back["next_request"] == 7 and extra_back["requests"] == extra["requests"]
+    assert isinstance(extra_back["free_blocks"], np.ndarray)
+    assert _bits(extra_back["free_blocks"]) == _bits(extra["free_blocks"])
+    assert extra_back["empty"].shape == (0,) and extra_back["empty"].dtype == np.int64
+
+    # The saved states were not consumed: decode both copies with the same rows.
+    ours, theirs = states, restored
+    for t in range(5):
+        x = _x(10 + t, b, CFG.hidden_size)
+        y_a, ours, sel_a = _step(ours, weights, x, dsa_jax.decode)
+        y_b, theirs, sel_b = _step(theirs, weights, x, dsa_jax.decode)
+        assert _bits(y_a) == _bits(y_b)
+        assert _bits(sel_a) == _bits(sel_b)
+    _assert_bitwise(theirs, ours)
+
+    # Without extra, restore gives None; `implementation` may differ.
+    checkpoint.save_state(tmp_path / "noextra", CFG, ours)
+    again, none = checkpoint.restore_state(tmp_path / "noextra", CFG.replace(implementation="auto"))
+    assert none is None
+    _assert_bitwise(again, ours)
+
+
+def test_mismatched_config_names_fields_and_values(tmp_path):
+    checkpoint.save_weights(tmp_path / "w", CFG, _weights())
+    state = dsa_jax.init_state(CFG, 1, kv_scale=0.5)
+    checkpoint.save_state(tmp_path / "s", CFG, [state])
+
+    bad = CFG.replace(index_topk=8, rms_norm_eps=1e-6)
+    with pytest.raises(CheckpointError) as e:
+        checkpoint.restore_weights(tmp_path / "w", bad)
+    msg = str(e.value)
+    assert "2 field(s) differ" in msg
+    assert "index_topk: checkpoint 12, given config 8" in msg
+    assert "rms_norm_eps: checkpoint 1e-05, given config 1e-06" in msg
+    with pytest.raises(CheckpointError, match=r"param_dtype: checkpoint 'float32', given "
+                                              r"config 'bfloat16'"):
+        checkpoint.restore_weights(tmp_path / "w", BF16)
+    # A state depends on the serving geometry too.
+    with pytest.raises(CheckpointError) as e:
+        checkpoint.restore_state(tmp_path / "s", CFG.replace(max_context=192,
+                                                             cache_dtype="bfloat16"))
+    msg = str(e.value)
+    assert "max_context: checkpoint 96, given config 192" in msg
+    assert "cache_dtype: checkpoint 'float8_e4m3fn', given config 'bfloat16'" in msg
+    # The wrong kind, a missing path, arrays of the wrong shape for the config.
+    with pytest.raises(CheckpointError, match="'state' checkpoint, not a 'weights'"):
+        checkpoint.restore_weights(tmp_path / "s", CFG)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        checkpoint.restore_state(tmp_path / "nothing", CFG)
+    with pytest.raises(CheckpointError, match="config implies"):
+        checkpoint.save_weights(tmp_path / "w2", CFG.replace(hidden_size=96), _weights())
+    with pytest.raises(CheckpointError, match=r"extra\['f'\] is neither"):
+        checkpoint.save_state(tmp_path / "s2", CFG, [state], {"f": object()})
+    assert not os.path.exists(tmp_path / "w2") and not os.path.exists(tmp_path / "s2")
+
+
+def test_overwrite_is_explicit(tmp_path):
+    w1, w2 = _weights(), [dsa_jax.init_random_weights(CFG, jax.random.key(9))]
+    path = tmp_path / "w"
+    checkpoint.save_weights(path, CFG, w1)
+    with pytest.raises(CheckpointError, match="already exists; pass overwrite=True"):
+        checkpoint.save_weights(path, CFG, w2)
+    _assert_bitwise(checkpoint.restore_weights(path, CFG), w1)  # untouched
+    checkpoint.save_weights(path, CFG, w2, overwrite=True)
+    _assert_bitwise(checkpoint.restore_weights(path, CFG), w2)
+    # Never over a directory that is not one of ours, even with overwrite=True.
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep me")
+    with pytest.raises(CheckpointError, match="not a dsa_jax checkpoint; refusing"):
+        checkpoint.save_weights(other, CFG, w1, overwrite=True)
+    assert (other / "notes.txt").read_text() == "keep me"
+
+
+def _write_hf(path, cfg):
+    """A fake HF checkpoint: layer 0 full, layer 2 shared, layer 1 without attention."""
+    from safetensors.numpy import save_file
+
+    tensors = {"model.embed_tokens.weight": np.ones((4, cfg.hidden_size), np.float32),
+               "model.layers.1.mlp.up_proj.weight": np.ones((4, 4), np.float32)}
+    hf = {0: dsa_jax.init_random_hf_tensors(cfg, jax.random.key(20)),
+          2: dsa_jax.init_random_hf_tensors(cfg, jax.random.key(21), has_indexer=False)}
+    for layer, layer_tensors in hf.items():
+        for name, value in layer_tensors.items():
+            tensors[f"model.layers.{layer}.self_attn.{name}"] = value
+    save_file(tensors, str(path))
+    return hf
+
+
+def test_convert_hf_checkpoint(tmp_path):
+    src = tmp_path / "model.safetensors"
+    hf = _write_hf(src, CFG)
+    dst = tmp_path / "folded"
+    assert checkpoint.convert_hf_checkpoint(src, dst, CFG) == [0, 2]
+    restored = checkpoint.restore_weights(dst, CFG)
+    _assert_bitwise(restored, [dsa_jax.fold_weights(CFG, hf[0]), dsa_jax.fold_weights(CFG, hf[2])])
+    assert checkpoint.read_info(dst)["layers"] == [0, 2]
+    # One layer by id; a missing one names itself and what exists.
+    assert checkpoint.convert_hf_checkpoint(tmp_path, tmp_path / "one", CFG, layers=[2]) == [2]
+    assert not checkpoint.restore_weights(tmp_path / "one", CFG)[0].has_indexer
+    with pytest.raises(CheckpointError, match=r"layer\(s\) \[1, 5\] not found .*"
+                                              r"attention layers \[0, 2\]"):
+        checkpoint.convert_hf_checkpoint(src, tmp_path / "bad", CFG, layers=[0, 1, 5])
+    assert not os.path.exists(tmp_path / "bad")
+    with pytest.raises(CheckpointError, match="already exists"):
+        checkpoint.convert_hf_checkpoint(src, dst, CFG, layers=[0])
+    assert checkpoint.convert_hf_checkpoint(src, dst, CFG, layers=[0], overwrite=True) == [0]
+    assert len(checkpoint.restore_weights(dst, CFG)) == 1
