@@ -117,7 +117,7 @@ def fold_weights(cfg: DsaConfig, hf: Mapping[str, np.ndarray | jax.Array], tp_ra
     """
     if not 0 <= tp_rank < cfg.tp_degree:
         raise WeightError(f"tp_rank {tp_rank} is outside [0, tp_degree={cfg.tp_degree})")
-    has_indexer = "indexer.wk.weight" in hf
+    has_indexer = any(name.startswith("indexer.") for name in hf)
     check_hf_tensors(cfg, hf, has_indexer)
     pdt = jnp.dtype(cfg.param_dtype)
     H, Hl, C = cfg.num_heads, cfg.local_heads, cfg.kv_lora_rank
@@ -187,10 +187,11 @@ def _checkpoint_files(path: str) -> dict[str, str]:
 
 def _layer_prefix(names, layer: int) -> str | None:
     """The prefix under which layer `layer`'s attention lives (text or multimodal model)."""
-    marker = f"layers.{layer}.self_attn.q_a_proj.weight"
+    marker = f"layers.{layer}.self_attn."
     for name in names:
-        if name.endswith(marker) and (name == marker or name[: -len(marker)].endswith(".")):
-            return name[: -len("q_a_proj.weight")]
+        at = name.find(marker)
+        if at >= 0 and (at == 0 or name[at - 1] == "."):
+            return name[:at + len(marker)]
     return None
 
 
@@ -204,8 +205,9 @@ def read_hf_tensors(path: str | os.PathLike, cfg: DsaConfig, layer: int
     prefix = _layer_prefix(files, layer)
     if prefix is None:
         raise WeightError(f"{path}: no attention tensors for layer {layer} "
-                          f"(looked for '*layers.{layer}.self_attn.q_a_proj.weight')")
-    has_indexer = prefix + "indexer.wk.weight" in files
+                          f"(looked for '*layers.{layer}.self_attn.*')")
+    # A layer with any indexer tensor is a "full" layer and needs all of them.
+    has_indexer = any(name.startswith(prefix + "indexer.") for name in files)
     wanted = hf_shapes(cfg, has_indexer)
     tensors = {}
     for name in wanted:

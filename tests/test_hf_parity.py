@@ -325,29 +325,22 @@ def _corrupt_and_load(tmp_path, small_ckpt, edit):
     return cfg, str(info.value)
 
 
-_MISSING = sorted(FULL_LAYER_PARAMS - {"q_a_proj.weight"})
-_MISSING_XFAIL = {
-    "indexer.wk.weight": pytest.mark.xfail(strict=True, reason=(
-        "dsa_jax.weights.read_hf_tensors decides has_indexer from the presence of "
-        "'indexer.wk.weight' alone: a full layer missing only wk loads silently as a "
-        "'shared' layer, dropping its other six indexer tensors, instead of raising")),
-}
+_MISSING = sorted(FULL_LAYER_PARAMS)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_MISSING_XFAIL.get(n, ()))
-                                  for n in _MISSING])
+@pytest.mark.parametrize("name", _MISSING)
 def test_missing_tensor_raises(tmp_path, small_ckpt, name):
+    """Any one tensor missing, indexer ones included (a full layer needs all seven)."""
     full = PREFIX.format(layer=0) + name
     cfg, msg = _corrupt_and_load(tmp_path, small_ckpt, lambda t: t.pop(full))
     shape = dsa_jax.weights.hf_shapes(cfg)[name]
     assert name in msg and "missing" in msg and str(shape) in msg, msg
 
 
-def test_missing_q_a_proj_raises(tmp_path, small_ckpt):
-    """q_a_proj is how the loader finds a layer: without it the layer is reported absent."""
-    full = PREFIX.format(layer=0) + "q_a_proj.weight"
-    _, msg = _corrupt_and_load(tmp_path, small_ckpt, lambda t: t.pop(full))
-    assert "q_a_proj.weight" in msg and "layer 0" in msg, msg
+def test_missing_layer_raises(tmp_path, small_ckpt):
+    _, _, cfg, path = small_ckpt
+    with pytest.raises(dsa_jax.WeightError, match=r"no attention tensors for layer 5"):
+        dsa_jax.load_hf_layer(path, cfg, 5)
 
 
 @pytest.mark.parametrize("name,axis", [("q_b_proj.weight", 1), ("kv_b_proj.weight", 0),
