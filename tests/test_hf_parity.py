@@ -29,7 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_oracle import (
+
+import dsa_jax
+from dsa_jax.hf_oracle import (
     FULL_LAYER_PARAMS,
     PREFIX,
     checkpoint_tensors,
@@ -41,8 +43,6 @@ from hf_oracle import (
     selection_sets,
     write_config,
 )
-
-import dsa_jax
 
 RTOL = 1e-4  # per row, fp32 everywhere (the bound)
 GAP_RTOL = 1e-4  # minimum relative score gap at every top-k boundary of a usable draw
