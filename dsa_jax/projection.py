@@ -39,9 +39,15 @@ def layer_norm(v: jax.Array, g: jax.Array, b: jax.Array, eps: float = 1e-6) -> j
     return (v - mean) * lax.rsqrt(var + eps) * g + b
 
 
+# fp32 weights mean fp32 arithmetic: without HIGHEST a GPU runs fp32 dots as tf32 (~1e-3).
+# For bf16 weights the precision flag changes nothing.
+HIGHEST = lax.Precision.HIGHEST
+
+
 def _matmul(v: jax.Array, w: jax.Array) -> jax.Array:
     """`v @ w.T` for an `[out, in]` weight: operands in the weight dtype, fp32 accumulation."""
-    return jnp.einsum("...i,oi->...o", v.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    return jnp.einsum("...i,oi->...o", v.astype(w.dtype), w, precision=HIGHEST,
+                      preferred_element_type=jnp.float32)
 
 
 def project(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> Projections:
@@ -54,7 +60,7 @@ def project(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> Projections:
     qw = _matmul(q_resid, weights.q_proj)  # [..., Nq]
     q = qw[..., :Hl * Dn].reshape(*qw.shape[:-1], Hl, Dn)
     q_abs = jnp.einsum("...hd,hdc->...hc", q.astype(weights.u_k.dtype), weights.u_k,
-                       preferred_element_type=jnp.float32)
+                       precision=HIGHEST, preferred_element_type=jnp.float32)
     if not weights.has_indexer:
         return Projections(q_abs, latent, None, None, None, None)
     qi = qw[..., Hl * Dn:].reshape(*qw.shape[:-1], Hi, Di)
@@ -80,5 +86,5 @@ def project_kv(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> Projections
 def output_projection(weights: DsaWeights, o_latent: jax.Array) -> jax.Array:
     """Attended latents `[..., Hl, C]` -> `y [..., D]` (this rank's partial sum under TP)."""
     o = jnp.einsum("...hc,hvc->...hv", o_latent.astype(weights.u_v.dtype), weights.u_v,
-                   preferred_element_type=jnp.float32)
+                   precision=HIGHEST, preferred_element_type=jnp.float32)
     return _matmul(o.reshape(*o.shape[:-2], -1), weights.o_proj)
