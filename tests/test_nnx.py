@@ -1,0 +1,179 @@
+"""The NNX module: bit-identical to the functional API, eagerly and under `nnx.jit`; caches
+update in place; reset, shared layers, checks, and a checkpoint round trip through the module."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import dsa_jax
+from dsa_jax import StepError, checkpoint
+from dsa_jax.nnx import DsaAttention, DsaCache
+from dsa_jax.shapes import ODD
+
+CFG = ODD.replace(cache_dtype="float8_e4m3fn", index_cache_dtype="bfloat16")
+B = 2
+
+
+def _bits(a):
+    a = np.ascontiguousarray(np.asarray(a))
+    return a.dtype.name, a.shape, a.view(np.uint8).tobytes()
+
+
+def _assert_bitwise(a, b):
+    la, ta = jax.tree_util.tree_flatten(a)
+    lb, tb = jax.tree_util.tree_flatten(b)
+    assert ta == tb
+    for x, y in zip(la, lb, strict=True):
+        assert _bits(x) == _bits(y)
+
+
+def _x(seed, *shape):
+    return jax.random.normal(jax.random.key(seed), shape)
+
+
+def _tables():
+    n = B * CFG.blocks_per_seq
+    return np.asarray(jax.random.permutation(jax.random.key(5), n), np.int32).reshape(B, -1)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return dsa_jax.init_random_weights(CFG, jax.random.key(1))
+
+
+# One script of steps: ragged prefill, decodes, a 3-row verify, a rewind, an inactive row.
+PREFILL = _x(2, B, 29, CFG.hidden_size)
+DECODES = [_x(10 + t, B, CFG.hidden_size) for t in range(3)]
+VERIFY = _x(20, B, 3, CFG.hidden_size)
+LAST = _x(30, B, CFG.hidden_size)
+
+
+def _functional(weights):
+    state = dsa_jax.init_state(CFG, B, kv_scale=0.1, block_tables=_tables())
+    outs = []
+    y, state, sel = dsa_jax.prefill(CFG, weights, state, PREFILL, num_tokens=[29, 17])
+    outs.append((y, sel))
+    for x in DECODES:
+        y, state, sel = dsa_jax.decode(CFG, weights, state, x)
+        outs.append((y, sel))
+    y, state, sel = dsa_jax.decode_k(CFG, weights, state, VERIFY)
+    outs.append((y, sel))
+    state = dsa_jax.rewind(CFG, state, [31, 21])
+    y, state, sel = dsa_jax.decode(CFG, weights, state, LAST, active=[True, False])
+    outs.append((y, sel))
+    return outs, state
+
+
+def _module(model, prefill, decode, decode_k, rewind):
+    outs = [prefill(model, PREFILL, np.asarray([29, 17]))]
+    outs += [decode(model, x, None) for x in DECODES]
+    outs.append(decode_k(model, VERIFY))
+    rewind(model, np.asarray([31, 21]))
+    outs.append(decode(model, LAST, np.asarray([True, False])))
+    return outs, model.state
+
+
+@pytest.fixture(scope="module")
+def functional(weights):
+    return _functional(weights)
+
+
+def test_eager_steps_bit_identical_to_functional(weights, functional):
+    want, want_state = functional
+    model = DsaAttention.from_weights(CFG, weights, B, kv_scale=0.1, block_tables=_tables())
+    got, got_state = _module(
+        model,
+        lambda m, x, n: m.prefill(x, num_tokens=n),
+        lambda m, x, a: m.decode(x, active=a),
+        lambda m, x: m.decode_k(x),
+        lambda m, n: m.rewind(n))
+    _assert_bitwise(got, want)
+    _assert_bitwise(got_state, want_state)
+    assert got_state.latent.dtype == jnp.float8_e4m3fn
+    assert np.asarray(model.lengths.get_value()).tolist() == [32, 21]
+
+
+def test_nnx_jit_steps_bit_identical_to_functional(weights, functional):
+    want, want_state = functional
+    model = DsaAttention.from_weights(CFG, weights, B, kv_scale=0.1, block_tables=_tables())
+
+    @nnx.jit
+    def prefill(m, x, n):
+        return m.prefill(x, num_tokens=n)
+
+    @nnx.jit
+    def decode(m, x, a):
+        return m.decode(x, active=a)
+
+    @nnx.jit
+    def decode_k(m, x):
+        return m.decode_k(x)
+
+    @nnx.jit
+    def rewind(m, n):
+        m.rewind(n)
+
+    got, got_state = _module(model, prefill, decode, decode_k, rewind)
+    _assert_bitwise(got, want)
+    _assert_bitwise(got_state, want_state)
+
+
+def test_random_init_variables_reset_and_checks():
+    model = DsaAttention(CFG, rngs=nnx.Rngs(params=3), num_seqs=B)
+    _assert_bitwise(model.weights, dsa_jax.init_random_weights(CFG, nnx.Rngs(params=3).params()))
+    params = nnx.state(model, nnx.Param)
+    caches = nnx.state(model, DsaCache)
+    assert len(jax.tree_util.tree_leaves(params)) == len(dsa_jax.DsaWeights._fields)
+    assert len(jax.tree_util.tree_leaves(caches)) == len(dsa_jax.DsaState._fields)
+    assert isinstance(model.latent, nnx.Cache)
+
+    x = _x(40, B, 29, CFG.hidden_size)  # the prefill shape above: compiled once
+    y0, sel0 = model.prefill(x)
+    y1, _ = model.decode(_x(41, B, CFG.hidden_size))
+    assert np.asarray(model.lengths.get_value()).tolist() == [30, 30]
+    assert float(jnp.max(jnp.abs(y1))) > 0
+    # reset: the next prefill is exactly a fresh module's.
+    model.reset()
+    assert np.asarray(model.lengths.get_value()).tolist() == [0, 0]
+    y2, sel2 = model.prefill(x)
+    assert _bits(y2) == _bits(y0) and _bits(sel2) == _bits(sel0)
+    # Eager calls check before writing: past max_context is a StepError, the cache unchanged.
+    before = model.state
+    with pytest.raises(StepError, match="past max_context 96"):
+        model.prefill(_x(42, B, 80, CFG.hidden_size))
+    _assert_bitwise(model.state, before)
+    with pytest.raises(StepError, match="does not fit max_verify"):
+        model.decode_k(_x(43, B, 5, CFG.hidden_size))
+
+
+def test_shared_layer_and_checkpoint_through_module(weights, tmp_path):
+    shared_w = dsa_jax.init_random_weights(CFG, jax.random.key(6), has_indexer=False)
+    full = DsaAttention.from_weights(CFG, weights, B)
+    shared = DsaAttention.from_weights(CFG, shared_w, B)
+    assert full.has_indexer and not shared.has_indexer and shared.ape is None
+    x = _x(50, B, 29, CFG.hidden_size)
+    y0, sel = full.prefill(x)
+    y1, sel1 = shared.prefill(y0, shared_sel=sel)
+    _assert_bitwise(sel1, sel)
+    # Functional reference of the shared layer.
+    ref_y, _, _ = dsa_jax.prefill(CFG, shared_w, dsa_jax.init_state(CFG, B, has_indexer=False),
+                                  y0, shared_sel=sel)
+    assert _bits(y1) == _bits(ref_y)
+
+    # Save both modules' caches, restore into fresh modules, decode both pairs equally.
+    checkpoint.save_state(tmp_path / "prefix", CFG, [full.state, shared.state])
+    states, _ = checkpoint.restore_state(tmp_path / "prefix", CFG)
+    full2 = DsaAttention.from_weights(CFG, weights, B)
+    shared2 = DsaAttention.from_weights(CFG, shared_w, B)
+    full2.set_state(states[0])
+    shared2.set_state(states[1])
+    for t in range(2):
+        xt = _x(60 + t, B, CFG.hidden_size)
+        a0, s_a = full.decode(xt)
+        a1, _ = shared.decode(a0, shared_sel=s_a)
+        b0, s_b = full2.decode(xt)
+        b1, _ = shared2.decode(b0, shared_sel=s_b)
+        assert _bits(a1) == _bits(b1) and _bits(s_a) == _bits(s_b)
+    _assert_bitwise([full2.state, shared2.state], [full.state, shared.state])
