@@ -49,9 +49,10 @@ def pool_scores_xla(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: j
 # ---------------------------------------------------------------------------------------------
 # Pallas (Triton) kernel.
 #
-# Grid (row, pool tile), rows fastest: the rows of one sequence read the same key tile, so they
-# run side by side and share it through L2. A program loads its row's qi [Hi, Di] and head
-# weights once, one keys tile [BP, Di] (masked: the last tile may be partial, Di may not be a
+# Grid (row, pool chunk), rows fastest: the rows of one sequence read the same keys, so they
+# run side by side and share them through L2. A program loads its row's qi [Hi, Di] and head
+# weights once, then walks its chunk of pools in tiles [BP, Di] (masked: the last tile may be
+# partial, Di may not be a
 # power of two, and the key array is never copied), and writes BP scores. fp32-accurate
 # throughout, since the scores feed an exact top-k: the dot runs as 3-pass tf32 on the GPU
 # (Triton's IEEE fp32 dot ran near 1 TFLOP/s on the H200, 25x slower than XLA) and in IEEE
@@ -64,44 +65,63 @@ def _next_pow2(n: int) -> int:
 
 
 def _scores_kernel(ncand_ref, qi_ref, w_ref, keys_ref, out_ref, *, rows_per_seq: int,
-                   num_pools: int, width: int, block_p: int, precision):
-    """One (row, pool tile) program.
+                   num_pools: int, width: int, block_p: int, tiles: int, precision):
+    """One (row, pool chunk) program: `tiles` tiles of BP pools.
 
     ncand_ref: [N] int32 (whole); qi_ref: [Hp, Dp] f32; w_ref: [Hp] f32 (padded heads 0);
     keys_ref: [B, P, Di] f32 (whole); out_ref: [N, P] f32 (whole, masked store).
     """
-    row, tile = pl.program_id(0), pl.program_id(1)
+    row, chunk = pl.program_id(0), pl.program_id(1)
     qi = qi_ref[...]  # [Hp, Dp]
+    w = w_ref[...]  # [Hp]
+    n_cand = ncand_ref[row]
+    seq = row // rows_per_seq
     dp = qi.shape[1]
-    pools = tile * block_p + jnp.arange(block_p, dtype=jnp.int32)  # [BP]
     dims = jnp.arange(dp, dtype=jnp.int32)  # [Dp]
-    in_range = pools < num_pools  # [BP]
-    mask = in_range[:, None] if width == dp else in_range[:, None] & (dims < width)[None, :]
-    mask = jnp.broadcast_to(mask, (block_p, dp))  # Triton wants the pointer's shape
-    keys = plt.load(keys_ref.at[row // rows_per_seq, pools[:, None], dims[None, :]],
-                    mask=mask, other=0.0)  # [BP, Dp]
-    dots = lax.dot_general(qi, keys, (((1,), (1,)), ((), ())), precision=precision,
-                           preferred_element_type=jnp.float32)  # [Hp, BP]
-    scores = jnp.sum(w_ref[...][:, None] * jnp.maximum(dots, 0.0), axis=0)  # [BP]
-    scores = jnp.where(scores == 0, 0.0, scores)  # -0.0 -> 0.0
-    scores = jnp.where(pools < ncand_ref[row], scores, -jnp.inf)
-    plt.store(out_ref.at[row, pools], scores, mask=in_range)
+
+    def tile(t, carry):
+        pools = (chunk * tiles + t) * block_p + jnp.arange(block_p, dtype=jnp.int32)  # [BP]
+        in_range = pools < num_pools  # [BP]
+        mask = in_range[:, None] if width == dp else in_range[:, None] & (dims < width)[None, :]
+        mask = jnp.broadcast_to(mask, (block_p, dp))  # Triton wants the pointer's shape
+        keys = plt.load(keys_ref.at[seq, pools[:, None], dims[None, :]], mask=mask,
+                        other=0.0)  # [BP, Dp]
+        dots = lax.dot_general(qi, keys, (((1,), (1,)), ((), ())), precision=precision,
+                               preferred_element_type=jnp.float32)  # [Hp, BP]
+        scores = jnp.sum(w[:, None] * jnp.maximum(dots, 0.0), axis=0)  # [BP]
+        scores = jnp.where(scores == 0, 0.0, scores)  # -0.0 -> 0.0
+        scores = jnp.where(pools < n_cand, scores, -jnp.inf)
+        plt.store(out_ref.at[row, pools], scores, mask=in_range)
+        return carry
+
+    lax.fori_loop(0, tiles, tile, 0)
+
+
+def _num_chunks(rows: int, tiles: int) -> int:
+    """Chunks per row: about four programs per H200 multiprocessor (132), no more than tiles;
+    fewer chunks reload qi less often."""
+    return max(1, min(tiles, -(-4 * 132 // max(1, rows))))
 
 
 def pool_scores_pallas(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: jax.Array, *,
-                       interpret: bool = False, block_p: int = 64, num_warps: int = 4,
-                       num_stages: int = 2) -> jax.Array:
+                       interpret: bool = False, block_p: int = 64,
+                       num_chunks: int | None = None, num_warps: int = 4,
+                       num_stages: int = 3) -> jax.Array:
     """`pool_scores_xla` as a Pallas kernel; same arguments, same result within fp32 rounding
     (tests/test_kernels.py). qi [B, R, Hi, Di] -> [B, R, P] f32.
 
     Hi and Di are padded to powers of two >= 16 (the smallest dot tile) with zeros, which add
-    nothing: padded heads carry weight 0, padded dims multiply zero keys.
+    nothing: padded heads carry weight 0, padded dims multiply zero keys. block_p: pools per
+    tile; num_chunks: programs per row (None: `_num_chunks`).
     """
     b, r, hi, di = qi.shape
     p = pool_keys.shape[1]
     n = b * r
     hp, dp = max(16, _next_pow2(hi)), max(16, _next_pow2(di))
     block_p = min(block_p, max(16, _next_pow2(p)))
+    tiles_all = -(-p // block_p)
+    chunks = num_chunks or _num_chunks(n, tiles_all)
+    tiles = -(-tiles_all // chunks)  # tiles per program
     qi_p = qi.reshape(n, hi, di)  # [N, Hp, Dp] after padding
     w_p = w.reshape(n, hi)  # [N, Hp] after padding
     if (hp, dp) != (hi, di):
@@ -110,10 +130,10 @@ def pool_scores_pallas(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand
     precision = (lax.Precision.HIGHEST if interpret
                  else lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
     kernel = functools.partial(_scores_kernel, rows_per_seq=r, num_pools=p, width=di,
-                               block_p=block_p, precision=precision)
+                               block_p=block_p, tiles=tiles, precision=precision)
     out = pl.pallas_call(
         kernel,
-        grid=(n, -(-p // block_p)),
+        grid=(n, chunks),
         in_specs=[
             pl.BlockSpec(),  # n_cand [N]
             pl.BlockSpec((None, hp, dp), lambda i, t: (i, 0, 0)),  # qi [N, Hp, Dp]

@@ -162,20 +162,26 @@ def default_compute_dtype(cache_dtype) -> jnp.dtype:
     return jnp.dtype(jnp.float32 if cache_dtype == jnp.float32 else jnp.bfloat16)
 
 
-def default_tiles(padded_heads: int) -> dict:
-    """Heads per program, slots per tile and warps, from the H200 sweep
-    (benchmarks/results/h200-kernel-parity.json). The accumulator [HB, C] fp32 and the latent
-    tile [BW, C] live in registers: large BW with C = 512 spills."""
+def default_tiles(padded_heads: int, compute_dtype=jnp.bfloat16) -> dict:
+    """Heads per program, slots per tile, warps, and how many such programs one multiprocessor
+    holds at a time, from the H200 sweeps (benchmarks/results/). The accumulator [HB, C] fp32
+    and the latent tile [BW, C] live in registers: BW = 64 with HB = 64 and C = 512 spills.
+    fp32 operands (3-pass tf32) need the most shared memory: HB = 64 asked for 458 KB."""
+    if jnp.dtype(compute_dtype) == jnp.float32:
+        return dict(block_h=16, block_w=32, num_warps=4, per_sm=1)
     if padded_heads >= 64:
-        return dict(block_h=64, block_w=32, num_warps=8)
-    return dict(block_h=padded_heads, block_w=32, num_warps=4)
+        return dict(block_h=64, block_w=32, num_warps=8, per_sm=1)
+    if padded_heads == 32:
+        return dict(block_h=32, block_w=32, num_warps=4, per_sm=2)
+    return dict(block_h=16, block_w=32, num_warps=4, per_sm=4)
 
 
-def _num_splits(rows: int, head_blocks: int, tiles: int, max_splits: int = 16) -> int:
-    """Enough splits for about one program per H200 multiprocessor (132), at most max_splits:
-    more splits cost partial-output traffic and a merge."""
-    want = -(-132 // max(1, rows * head_blocks))
-    return max(1, min(max_splits, tiles, want))
+def _num_splits(programs_per_split: int, per_sm: int, tiles: int, max_splits: int = 16) -> int:
+    """Splits per row and head block: as many as fill the 132 multiprocessors in one wave (a
+    second, partial wave cost 35% at 32 rows x 64 heads), at most max_splits (partials cost
+    traffic and a merge) and tiles."""
+    fit = (132 * per_sm) // max(1, programs_per_split)
+    return max(1, min(max_splits, tiles, fit))
 
 
 def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
@@ -197,7 +203,7 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
     n, w = b * r, sel.shape[-1]
     compute_dtype = jnp.dtype(compute_dtype or default_compute_dtype(latent.dtype))
     hp2 = _next_pow2(max(h, 16))
-    tiles_cfg = default_tiles(hp2)
+    tiles_cfg = default_tiles(hp2, compute_dtype)
     block_h = block_h or tiles_cfg["block_h"]
     block_w = block_w or tiles_cfg["block_w"]
     num_warps = num_warps or tiles_cfg["num_warps"]
@@ -205,7 +211,7 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
     hp = -(-max(h, 16) // hb) * hb  # padded heads
     cp = max(16, _next_pow2(c))  # padded latent width (masked loads, no cache copy)
     tiles_all = -(-w // block_w)
-    splits = num_splits or _num_splits(n, hp // hb, tiles_all)
+    splits = num_splits or _num_splits(n * (hp // hb), tiles_cfg["per_sm"], tiles_all)
     tiles = -(-tiles_all // splits)  # tiles per split
     wp = splits * tiles * block_w
 
