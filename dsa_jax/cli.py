@@ -130,6 +130,34 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from dsa_jax.checkpoint import CheckpointError, convert_hf_checkpoint
+    from dsa_jax.weights import WeightError
+
+    hf_config = args.hf_config or (args.src if os.path.isdir(args.src)
+                                   else os.path.dirname(os.path.abspath(args.src)))
+    cfg = DsaConfig.from_hf_config(hf_config, max_context=args.max_context,
+                                   block_size=args.block_size, param_dtype=args.param_dtype,
+                                   tp_degree=args.tp_degree)
+    layers = [int(v) for v in args.layers.split(",")] if args.layers else None
+    try:
+        done = convert_hf_checkpoint(args.src, args.dst, cfg, layers, tp_rank=args.tp_rank,
+                                     overwrite=args.overwrite)
+    except (CheckpointError, WeightError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"converted layers {done} of {args.src} -> {os.path.abspath(args.dst)} "
+          f"(folded, {cfg.param_dtype}, tp rank {args.tp_rank}/{cfg.tp_degree})")
+    return 0
+
+
+# Subcommands whose own module parses the rest of the command line.
+DELEGATED = {
+    "bench": ("dsa_jax.bench", "time the block on this machine against its roofline"),
+    "parity": ("dsa_jax.parity", "implementations vs reference (and HF), a pass/fail table"),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsa-jax", description=__doc__)
     sub = parser.add_subparsers(dest="command")
@@ -153,6 +181,21 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--show", type=int, default=8, help="selection rows to print")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.set_defaults(func=cmd_run)
+    for name, (_, text) in DELEGATED.items():
+        sub.add_parser(name, help=f"{text} (`dsa-jax {name} --help`)", add_help=False)
+    conv = sub.add_parser("convert", help="an HF checkpoint's DSA layers -> an orbax checkpoint "
+                                          "of folded weights")
+    conv.add_argument("src", help="safetensors file or (sharded) HF checkpoint folder")
+    conv.add_argument("dst", help="orbax checkpoint folder to write")
+    conv.add_argument("--hf-config", help="config.json (default: the one beside src)")
+    conv.add_argument("--layers", help="comma-separated model layer ids (default: all)")
+    conv.add_argument("--max-context", type=int, default=16384)
+    conv.add_argument("--block-size", type=int, default=64)
+    conv.add_argument("--param-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    conv.add_argument("--tp-degree", type=int, default=1)
+    conv.add_argument("--tp-rank", type=int, default=0)
+    conv.add_argument("--overwrite", action="store_true")
+    conv.set_defaults(func=cmd_convert)
     return parser
 
 
@@ -161,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv = ["run", *argv]
+    if argv[0] in DELEGATED:
+        import importlib
+
+        return importlib.import_module(DELEGATED[argv[0]][0]).main(argv[1:])
     args = parser.parse_args(argv)
     return args.func(args)
 

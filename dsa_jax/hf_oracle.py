@@ -186,7 +186,7 @@ def run_hf(config: Glm5NextTextConfig, layers: Sequence[Glm5NextTextAttention],
     passed to the next layer as `prev_topk_indices`, as `Glm5NextTextModel` does. The indexers'
     selections are captured with forward hooks.
     """
-    x_t = torch.as_tensor(np.asarray(x, np.float32))
+    x_t = torch.from_numpy(np.array(x, np.float32))  # a writable copy
     b, n, _ = x_t.shape
     cache = DynamicCache(config=config)
     captured: dict[int, list[torch.Tensor]] = {i: [] for i, a in enumerate(layers)
@@ -220,3 +220,18 @@ def selection_sets(sel: np.ndarray) -> list[list[frozenset[int]]]:
     """`[B, N, W]` -1-padded indices -> per sequence, per row, the set of selected tokens."""
     sel = np.asarray(sel)
     return [[frozenset(int(v) for v in row if v >= 0) for row in seq] for seq in sel]
+
+
+def boundary_gaps(scores: np.ndarray, select_k: int) -> np.ndarray:
+    """Per row of `scores [S, P]` (-inf = not a candidate): the relative gap between the last
+    selected and the first unselected candidate, (s[k-1] - s[k]) / max|s|; +inf where every
+    candidate is selected (no boundary). HF leaves ties unordered, so sets are comparable only
+    on draws whose gaps are clearly positive."""
+    gaps = np.full(scores.shape[0], np.inf)
+    for t, row in enumerate(np.asarray(scores, np.float64)):
+        cand = np.sort(row[np.isfinite(row)])[::-1]
+        if len(cand) <= select_k:
+            continue
+        scale = np.max(np.abs(cand))
+        gaps[t] = (cand[select_k - 1] - cand[select_k]) / scale if scale > 0 else 0.0
+    return gaps

@@ -34,6 +34,7 @@ import dsa_jax
 from dsa_jax.hf_oracle import (
     FULL_LAYER_PARAMS,
     PREFIX,
+    boundary_gaps,
     checkpoint_tensors,
     layer_tensors,
     make_attention_layers,
@@ -91,20 +92,6 @@ CASES = [
 # ---------------------------------------------------------------------------------------------
 # Draws without ties at a top-k boundary
 # ---------------------------------------------------------------------------------------------
-
-def boundary_gaps(scores: np.ndarray, select_k: int) -> np.ndarray:
-    """Per row of `scores [S, P]` (-inf = not a candidate): the relative gap between the last
-    selected and the first unselected candidate, (s[k-1] - s[k]) / max|s|; +inf where every
-    candidate is selected (no boundary)."""
-    gaps = np.full(scores.shape[0], np.inf)
-    for t, row in enumerate(np.asarray(scores, np.float64)):
-        cand = np.sort(row[np.isfinite(row)])[::-1]
-        if len(cand) <= select_k:
-            continue
-        scale = np.max(np.abs(cand))
-        gaps[t] = (cand[select_k - 1] - cand[select_k]) / scale if scale > 0 else 0.0
-    return gaps
-
 
 def test_boundary_gaps_flags_ties():
     """The tie check is not vacuous: a tie at the boundary gives 0, a clear gap does not."""

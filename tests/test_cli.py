@@ -1,0 +1,78 @@
+"""The `dsa-jax` command as a user runs it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dsa_jax import cli
+from dsa_jax.shapes import CONFIG_DIR
+
+
+def test_every_subcommand_has_help():
+    for sub in ("run", "convert", "parity", "bench"):
+        out = subprocess.run([sys.executable, "-m", "dsa_jax.cli", sub, "--help"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert "usage: dsa-jax" in out.stdout
+
+
+def test_run_default_job_prints_stats_and_writes_the_selection_map(tmp_path, capsys):
+    code = cli.main(["--num-seqs", "2", "--prompt-len", "30", "--steps", "10", "--quiet",
+                     "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "tok/s" in out and "drafts accepted" in out and "layers=2 (full,shared)" in out
+    png = tmp_path / "selection_map.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_run_refuses_bad_input(tmp_path, capsys):
+    assert cli.main(["--prompt-len", "600", "--steps", "4", "--quiet"]) == 2
+    assert "exceeds max_context 512" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    data = json.load(open(os.path.join(CONFIG_DIR, "tiny.json")))
+    bad.write_text(json.dumps({**data, "index_topk_x": 4}))
+    with pytest.raises(ValueError, match="unknown config keys.*index_topk_x"):
+        cli.main(["--config", str(bad), "--quiet"])
+    assert cli.main(["--speculate", "4", "--quiet", "--steps", "3"]) == 2
+    assert "at most 3 drafts" in capsys.readouterr().err
+
+
+def test_convert_then_run_with_the_checkpoint(tmp_path, capsys):
+    from dsa_jax import hf_oracle
+
+    config = hf_oracle.make_config(hidden_size=64, num_heads=2, index_topk=16, index_kpool=4,
+                                   indexer_types=("full", "shared"))
+    src = hf_oracle.save_checkpoint(config, hf_oracle.make_attention_layers(config, 3),
+                                    str(tmp_path / "hf"))
+    dst = tmp_path / "folded"
+    args = ["convert", src, str(dst), "--max-context", "128", "--block-size", "16",
+            "--param-dtype", "float32"]
+    assert cli.main(args) == 0
+    assert "converted layers [0, 1]" in capsys.readouterr().out
+    assert cli.main(args) == 2  # refuses to overwrite unless asked
+    assert "overwrite" in capsys.readouterr().err
+    assert cli.main([*args, "--layers", "4", "--overwrite"]) == 2
+    assert "layer(s) [4] not found" in capsys.readouterr().err
+    # The toy model around the converted layers, with a matching serving config.
+    serving = tmp_path / "serving.json"
+    hf = json.load(open(os.path.join(str(tmp_path / "hf"), "config.json")))
+    serving.write_text(json.dumps({
+        "hidden_size": 64, "num_heads": 2, "q_lora_rank": hf["q_lora_rank"],
+        "kv_lora_rank": hf["kv_lora_rank"], "qk_nope_head_dim": hf["qk_nope_head_dim"],
+        "v_head_dim": hf["v_head_dim"], "index_n_heads": hf["index_n_heads"],
+        "index_head_dim": hf["index_head_dim"], "index_topk": 16, "index_kpool": 4,
+        "indexer_types": ["full", "shared"], "max_context": 128, "block_size": 16,
+        "param_dtype": "float32"}))
+    code = cli.main(["--config", str(serving), "--checkpoint", str(dst), "--prompt-len", "20",
+                     "--steps", "5", "--num-seqs", "2", "--quiet", "--out", str(tmp_path)])
+    assert code == 0, capsys.readouterr().err
+
+
+def test_parity_command_passes_without_hf(capsys):
+    assert cli.main(["parity", "--no-hf"]) == 0
+    out = capsys.readouterr().out
+    assert "0 failed" in out and "FAIL" not in out
