@@ -49,7 +49,7 @@ _append_rows = jax.jit(layer._append_rows, static_argnames=("cfg",))
 
 def _rows(b: int, count: int, given) -> jax.Array | np.ndarray:
     """Rows per sequence: `count` each, or `given` ([B] ints/bools), checked when concrete."""
-    if given is None or not isinstance(given, jax.core.Tracer):
+    if given is None or layer._is_concrete(given):
         return layer._rows_per_seq(b, count, given)
     return jnp.asarray(given).astype(jnp.int32).reshape(b)
 
