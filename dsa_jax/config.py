@@ -19,6 +19,8 @@ INDEX_CACHE_DTYPES = ("bfloat16", "float32")
 PARAM_DTYPES = ("bfloat16", "float32")
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas-interpret")
 INDEXER_TYPES = ("full", "shared")
+# HF `layer_types` entries of a DSA layer (the name changed between transformers releases).
+DSA_LAYER_TYPES = ("indexed_attention", "deepseek_sparse_attention", "full_attention")
 
 
 class ConfigError(ValueError):
@@ -179,7 +181,7 @@ class DsaConfig:
             layer_types = hf.get("layer_types")
             if layer_types is not None and len(layer_types) == len(indexer_types):
                 indexer_types = [kind for kind, lt in zip(indexer_types, layer_types, strict=True)
-                                 if lt in ("indexed_attention", "full_attention")]
+                                 if lt in DSA_LAYER_TYPES]
             kwargs["indexer_types"] = tuple(indexer_types) or ("full",)
         kwargs.update(serving)
         return cls(**kwargs)

@@ -1,6 +1,6 @@
 """Hugging Face oracle for the parity tests: a small random fp32 `Glm5NextTextAttention` stack.
 
-Everything here talks to `transformers` (model type `glm5_next`, layer type
+Everything here talks to `transformers` (model type `glm5_next`, DSA layer type
 "indexed_attention") and to safetensors; nothing here imports `dsa_jax`, so the oracle cannot
 inherit a bug from the code it checks.
 
@@ -30,7 +30,20 @@ from transformers import DynamicCache
 from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
 from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextAttention
 
-LAYER_TYPE = "indexed_attention"  # HF's name for a DSA layer (not "deepseek_sparse_attention")
+def _dsa_layer_type() -> str:
+    """HF's name for a DSA layer: "indexed_attention" in transformers 5.23,
+    "deepseek_sparse_attention" in 5.17 (the GPU image). Asked of the installed config class."""
+    for name in ("indexed_attention", "deepseek_sparse_attention"):
+        try:
+            Glm5NextTextConfig(num_hidden_layers=1, layer_types=[name], indexer_types=["full"],
+                               mlp_layer_types=["dense"])
+        except Exception:  # the config's validator names the types it accepts
+            continue
+        return name
+    raise RuntimeError("this transformers' Glm5NextTextConfig accepts no DSA layer type")
+
+
+LAYER_TYPE = _dsa_layer_type()
 PREFIX = "model.layers.{layer}.self_attn."
 
 # Every parameter name a full layer must have (HF names inside `self_attn`).

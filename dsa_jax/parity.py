@@ -160,15 +160,24 @@ def hf_available() -> bool:
     return True
 
 
+def _guarded(kind: str, impl: str, fn) -> list[Check]:
+    """Run one group of checks; an exception becomes a failed row, not the end of the table."""
+    try:
+        return fn(impl)
+    except Exception as err:
+        print(f"{kind} checks for {impl} raised {type(err).__name__}: {err}")
+        return [Check(kind, f"raised {type(err).__name__}", impl, float("inf"), 0.0)]
+
+
 def run_checks(include_hf: bool = True) -> list[Check]:
     impls = ["xla", *kernel_implementations()]
     checks = []
     for impl in impls[1:]:
-        checks += kernel_checks(impl)
+        checks += _guarded("kernel", impl, kernel_checks)
     for impl in impls:
-        checks += layer_checks(impl)
+        checks += _guarded("layer", impl, layer_checks)
         if include_hf and hf_available():
-            checks += hf_checks(impl)
+            checks += _guarded("hf", impl, hf_checks)
     return checks
 
 
