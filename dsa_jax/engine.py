@@ -328,6 +328,54 @@ class Engine:
         self.stats.tokens += len(new)
         self.lengths[req.slot] -= len(row) - (kept + 1)  # rewind the rejected rows
 
+    # Snapshots ---------------------------------------------------------------------------
+    def save(self, path, *, overwrite: bool = False) -> None:
+        """Write caches, block tables, lengths, the allocator and the live requests (orbax),
+        so a long prefix can be reused: `Engine.restore` continues exactly from here."""
+        from dsa_jax.checkpoint import save_state
+
+        def req_json(r: Request | None):
+            return None if r is None else {"prompt": [int(t) for t in r.prompt],
+                                           "output": [int(t) for t in r.output],
+                                           "max_new_tokens": r.max_new_tokens,
+                                           "slot": r.slot, "blocks": r.blocks}
+
+        extra = {"lengths": self.lengths.copy(), "speculate": self.speculate,
+                 "prefill_chunk": self.prefill_chunk,
+                 "free": list(self.allocator._free),
+                 "slots": [req_json(r) for r in self.slots],
+                 "queue": [req_json(r) for r in self.queue],
+                 "stats": dataclasses.asdict(self.stats)}
+        save_state(path, self.mcfg.dsa, list(self.states), extra, overwrite=overwrite)
+
+    @classmethod
+    def restore(cls, path, mcfg: ModelConfig, weights: ModelWeights, *,
+                record_selections: bool = False) -> Engine:
+        """An engine continuing from `save`'s snapshot (same model config and weights)."""
+        from dsa_jax.checkpoint import restore_state
+
+        states, extra = restore_state(path, mcfg.dsa)
+        if len(states) != mcfg.num_layers:
+            raise EngineError(f"snapshot has {len(states)} layers, the model {mcfg.num_layers}")
+        eng = cls(mcfg, weights, max_seqs=len(extra["slots"]),
+                  num_blocks=int(states[0].latent.shape[0]), speculate=extra["speculate"],
+                  prefill_chunk=extra["prefill_chunk"], record_selections=record_selections)
+        eng.states = tuple(states)
+        eng.lengths = np.asarray(extra["lengths"], np.int32).copy()
+        eng.allocator._free = deque(extra["free"])
+
+        def req_of(d):
+            return Request(d["prompt"], d["max_new_tokens"], list(d["output"]), d["slot"],
+                           list(d["blocks"]))
+
+        eng.slots = [None if d is None else req_of(d) for d in extra["slots"]]
+        eng.queue = deque(req_of(d) for d in extra["queue"])
+        for r in eng.slots:
+            if r is not None:
+                eng.allocator._owner.update({b: r.slot for b in r.blocks})
+        eng.stats = EngineStats(**extra["stats"])
+        return eng
+
     def run_until_done(self, progress=None) -> list[Request]:
         while self.queue or any(r is not None for r in self.slots):
             before = self.stats.tokens

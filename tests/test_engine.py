@@ -98,3 +98,23 @@ def test_ngram_draft():
     assert ngram_draft([1, 2, 3, 9, 1, 2], 3) == [3, 9, 1]
     assert ngram_draft([5, 6, 7], 2) == []
     assert ngram_draft([4, 8, 4], 2) == [8, 4]
+
+
+def test_snapshot_restores_and_continues_identically(weights, tmp_path):
+    prompts = _prompts(4, seed=3)
+    max_new = [14, 6, 18, 9]
+    eng = Engine(MCFG, weights, max_seqs=2, num_blocks=24, speculate=2, prefill_chunk=8)
+    reqs = [eng.submit(p, m) for p, m in zip(prompts, max_new, strict=True)]
+    for _ in range(4):
+        eng.step()
+    eng.save(tmp_path / "snap")
+    eng.run_until_done()
+    want = {tuple(r.prompt): r.output for r in reqs}
+
+    again = Engine.restore(tmp_path / "snap", MCFG, weights)
+    live = [r for r in again.slots if r is not None] + list(again.queue)
+    assert live and all(len(r.output) < r.max_new_tokens for r in live)
+    again.run_until_done()
+    for r in again.finished:
+        assert r.output == want[tuple(r.prompt)]
+    assert again.allocator.num_free == 24
