@@ -251,7 +251,7 @@ def time_pool(copy_gbps):
              ("prefill-r1024", 1, 1024, 4096)]
     variants = {"default": {}, "stages2": dict(num_stages=2), "bp32": dict(block_p=32),
                 "bp128-w8": dict(block_p=128, num_warps=8),
-                "one-tile-per-program": dict(num_chunks=64)}
+                "looped-8-tiles": dict(num_chunks=8)}
     for label, b, r, p in cases:
         key = jax.random.key(b + r)
         base = pool_inputs(key, b, r, 32, 128, p)
