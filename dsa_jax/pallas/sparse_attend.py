@@ -3,7 +3,9 @@
 For every sequence `b`, query row `r` and head `h`: gather the latents of the selected tokens
 `sel[b, r]` (`-1` slots skipped) through the sequence's block table, dequantize, and return the
 softmax-weighted latent sum `sum_j p_j c_j` with `p = softmax_j((q . c_j) * softmax_scale)`.
-A row with an empty selection returns 0. fp32 throughout.
+A row with an empty selection returns 0. The XLA twin is fp32 throughout; the Pallas kernel
+feeds the dots bf16 operands for fp8 / bf16 caches (fp32 accumulation) and fp32 operands for
+an fp32 cache (tests/test_kernels.py derives the resulting tolerance).
 """
 
 from __future__ import annotations
