@@ -1,0 +1,288 @@
+"""Render the benchmark results: benchmarks/results/*.json -> BENCHMARKS.md + scaling.png.
+
+    python benchmarks/render.py [--results benchmarks/results] [--out BENCHMARKS.md]
+                                [--png benchmarks/results/scaling.png]
+
+The newest full (non-smoke) result is the main table; every result file is listed. A
+hand-written analysis, benchmarks/notes.md, is appended when present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def fmt_us(us) -> str:
+    if us is None:
+        return "-"
+    if us >= 10_000:
+        return f"{us / 1000:.1f} ms"
+    if us >= 1000:
+        return f"{us / 1000:.2f} ms"
+    return f"{us:.1f} us"
+
+
+def fmt_x(r, digits=2) -> str:
+    return "-" if r is None else f"{r:.{digits}f}x"
+
+
+def load(results_dir: str) -> list[tuple[str, dict]]:
+    out = []
+    for path in sorted(glob.glob(os.path.join(results_dir, "*.json"))):
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            print(f"render: skipping {path}: {e}", file=sys.stderr)
+            continue
+        if isinstance(data, dict) and isinstance(data.get("points"), list):
+            out.append((path, data))
+    return out
+
+
+def pick_main(results: list[tuple[str, dict]]) -> tuple[str, dict] | None:
+    full = [r for r in results if not r[1].get("smoke")]
+    pool = full or results
+    return max(pool, key=lambda r: r[1].get("date", "")) if pool else None
+
+
+def _met(p) -> str:
+    return "yes" if p.get("met") else "**no**"
+
+
+def points_table(res: dict) -> list[str]:
+    lines = ["| point | impl | time | floor | time / floor | bound | target | met | XLA | "
+             "vs XLA | HF | vs HF |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in res["points"]:
+        name = p["name"]
+        if name.startswith("memory"):
+            lines.append(f"| {name} | - | {p.get('value_MiB', 0):.2f} MiB "
+                         f"({p.get('value_bytes')} B) | - | - | - | {p['target']} | {_met(p)} | - "
+                         f"| - | - | - |")
+            continue
+        roof = p.get("roofline") or {}
+        extra = ""
+        if "TFLOPs" in p:
+            extra = f" ({p['TFLOPs']:.0f} TFLOP/s, {p.get('GBps', 0):.0f} GB/s)"
+        if "ratio_vs_k1" in p and p.get("ratio_vs_k1") is not None:
+            extra = f" ({p['ratio_vs_k1']:.2f}x the K=1 step)"
+        lines.append(
+            f"| {name} | {p.get('impl') or '-'} | {fmt_us(p.get('median_us'))}{extra} | "
+            f"{fmt_us(p.get('floor_us'))} | {fmt_x(p.get('time_over_floor'))} | "
+            f"{roof.get('bound', '-')} | {p['target']} | {_met(p)} | {fmt_us(p.get('xla_us'))} | "
+            f"{fmt_x(p.get('ratio_vs_xla'))} | {fmt_us(p.get('hf_us'))} | "
+            f"{fmt_x(p.get('ratio_vs_hf'), 4)} |")
+    return lines
+
+
+def impl_table(res: dict) -> list[str]:
+    impls = sorted({i for p in res["points"] for i in (p.get("impls") or {})})
+    if not impls:
+        return []
+    head = "| point | " + " | ".join(f"{i} median (p10-p90)" for i in impls) + " |"
+    lines = [head, "|---|" + "---|" * len(impls)]
+    for p in res["points"]:
+        cells = []
+        for i in impls:
+            t = (p.get("impls") or {}).get(i)
+            if t is None:
+                cells.append("-")
+            elif t.get("median_us") is None:
+                err = (t.get("error") or "not measured").splitlines()[0][:80]
+                cells.append(f"error: `{err}`")
+            elif "p10_us" in t:
+                cells.append(f"{fmt_us(t['median_us'])} ({fmt_us(t['p10_us'])}-"
+                             f"{fmt_us(t['p90_us'])})")
+            else:
+                cells.append(fmt_us(t["median_us"]))
+        if any(c != "-" for c in cells):
+            lines.append(f"| {p['name']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def hf_table(res: dict) -> list[str]:
+    hf = (res.get("baselines") or {}).get("hf") or {}
+    if not hf.get("contexts"):
+        why = hf.get("skipped") or (hf.get("error") or "").splitlines()[:1]
+        return [f"Not measured: {why}"] if why else []
+    lines = [f"{hf.get('what', '')}; transformers {hf.get('transformers')}, torch "
+             f"{hf.get('torch')}, {hf.get('device')}.", "",
+             "| context | eager | sdpa |", "|---|---|---|"]
+    for ctx, r in sorted(hf["contexts"].items(), key=lambda kv: int(kv[0])):
+        cells = []
+        for impl in ("eager", "sdpa"):
+            t = r.get(impl) or {}
+            cells.append(fmt_us(t.get("median_us")) if t.get("median_us") is not None
+                         else "error: `" + (t.get("error") or "-").splitlines()[0][:80] + "`")
+        lines.append(f"| {ctx} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def levers_section(res: dict) -> list[str]:
+    lev = res.get("levers") or {}
+    lines = []
+    kvb = lev.get("kv_b_absorbed_vs_runtime") or {}
+    if kvb:
+        lines += ["### Absorbed vs run-time kv_b (byte counts)", "",
+                  "| TP | run-time form: q_b + U_k + U_v + o_proj | absorbed: W_qb·U_k + "
+                  "U_v·o_proj | run-time reads fewer | FLOPs/row run-time | absorbed |",
+                  "|---|---|---|---|---|---|"]
+        for tp, d in kvb.items():
+            lines.append(f"| {tp} | {d['runtime_bytes'] / 1e6:.1f} MB | "
+                         f"{d['absorbed_bytes'] / 1e6:.1f} MB | "
+                         f"{100 * d['runtime_fewer_bytes_frac']:.0f}% | "
+                         f"{d['runtime_flops_per_row'] / 1e6:.1f} M | "
+                         f"{d['absorbed_flops_per_row'] / 1e6:.1f} M |")
+        lines.append("")
+    sweep = lev.get("attend_split_sweep")
+    if sweep:
+        lines += ["### Split count of the gather-attend (pallas, R=1, H=64, W=2051, fp8)", "",
+                  f"Default split counts chosen by the kernel: {sweep.get('default_splits')}.", "",
+                  "| batch | splits | median | p10-p90 |", "|---|---|---|---|"]
+        for r in sweep["results"].values():
+            if r.get("median_us") is None:
+                lines.append(f"| {r['B']} | {r['splits']} | error | "
+                             f"`{(r.get('error') or '').splitlines()[0][:80]}` |")
+            else:
+                lines.append(f"| {r['B']} | {r['splits']} | {fmt_us(r['median_us'])} | "
+                             f"{fmt_us(r.get('p10_us'))}-{fmt_us(r.get('p90_us'))} |")
+        lines.append("")
+    pad = lev.get("decode_rows_padded_to_max_verify")
+    if pad:
+        lines += ["### Decode rows padded to max_verify", "", pad.get("note", ""), "",
+                  "| impl | max_verify=1 | padded step |", "|---|---|---|"]
+        for impl, r in pad["results"].items():
+            lines.append(f"| {impl} | {fmt_us(r.get('median_us'))} | "
+                         f"{fmt_us(r.get('padded_step_us'))} |")
+        lines.append("")
+    return lines
+
+
+def plot_scaling(res: dict, png: str) -> bool:
+    pts = [p for p in res["points"] if p.get("group") == "scaling"]
+    if not pts:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts.sort(key=lambda p: p["ctx"])
+    ctx = [p["ctx"] for p in pts]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    impls = sorted({i for p in pts for i in p.get("impls", {})})
+    for impl, marker in zip(impls, "os^v", strict=False):
+        ys = [(p["impls"].get(impl) or {}).get("median_us") for p in pts]
+        xs = [c for c, y in zip(ctx, ys, strict=True) if y is not None]
+        ys = [y for y in ys if y is not None]
+        if ys:
+            ax.plot(xs, ys, marker=marker, label=f"dsa_jax {impl}")
+    floors = [p.get("floor_us") for p in pts]
+    ax.plot(ctx, floors, "k--", label="roofline floor")
+    hf = [(p["ctx"], p["hf_us"]) for p in pts if p.get("hf_us")]
+    if hf:
+        ax.plot([c for c, _ in hf], [u for _, u in hf], marker="x", color="tab:red",
+                label="HF glm5_next (torch bf16)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(ctx)
+    ax.set_xticklabels([f"{c // 1024}K" if c >= 1024 else str(c) for c in ctx])
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("decode step, 1 sequence (us)")
+    dev = (res.get("machine") or {}).get("device", "?")
+    top = pts[0].get("max_context")
+    ax.set_title(f"DSA decode step vs context ({dev}; one program, max_context {top})")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(png)), exist_ok=True)
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def render(results_dir: str, out_md: str, png: str) -> int:
+    results = load(results_dir)
+    main = pick_main(results)
+    lines = ["# Benchmarks", "",
+             "Generated by `python benchmarks/render.py` from `benchmarks/results/*.json` "
+             "(written by `dsa-jax bench` / `python -m dsa_jax.bench`). Do not edit by hand; "
+             "the analysis comes from `benchmarks/notes.md`.", ""]
+    if main is None:
+        lines.append("No results yet.")
+    else:
+        path, res = main
+        m = res.get("machine") or {}
+        c = res.get("ceilings") or {}
+        rel = os.path.relpath(path, os.path.dirname(os.path.abspath(out_md)))
+        lines += [
+            f"## {m.get('device', '?')} — {res.get('date', '?')[:19]} UTC", "",
+            f"- result: [`{rel}`]({rel})",
+            f"- command: `{res.get('command')}`",
+            f"- jax {res.get('jax_version')} ({m.get('backend')}), jaxlib {m.get('jaxlib')}, "
+            f"triton {m.get('triton', '-')}, torch {m.get('torch', '-')}, transformers "
+            f"{m.get('transformers', '-')}, Python {m.get('python')}",
+            f"- nvidia-smi: {m.get('nvidia_smi', '-')}",
+            f"- measured ceilings (this run): copy **{c.get('copy_GBps', 0):.0f} GB/s** "
+            f"(read + write), bf16 matmul **{c.get('matmul_bf16_TFLOPs', 0):.0f} TFLOP/s**",
+            f"- floor: {res.get('floor_rule')}",
+            f"- timing: {res.get('timing_method')}",
+            f"- {res.get('tp_note')}",
+            f"- run time {res.get('elapsed_s', 0):.0f} s", ""]
+        n_met = sum(1 for p in res["points"] if p.get("met"))
+        lines += [f"### Points ({n_met} of {len(res['points'])} met)", ""]
+        lines += points_table(res) + [""]
+        lines += ["### Both implementations of the layer step / kernels", ""]
+        lines += impl_table(res) + [""]
+        lines += ["### Hugging Face glm5_next baseline (one decode step, batch 1)", ""]
+        lines += hf_table(res) + [""]
+        if plot_scaling(res, png):
+            relp = os.path.relpath(png, os.path.dirname(os.path.abspath(out_md)))
+            lines += ["### Scaling", "", f"![decode step vs context]({relp})", ""]
+        lines += ["## Levers", ""] + levers_section(res)
+        if res.get("skipped"):
+            lines += ["### Skipped", ""] + [f"- {s['group']}: {s['reason']}"
+                                            for s in res["skipped"]] + [""]
+        errs = res.get("errors") or []
+        if errs:
+            lines += ["### Errors (whole groups)", ""] + [
+                f"- {e.get('group')}: `{(e.get('error') or '').splitlines()[0][:200]}`"
+                for e in errs] + [""]
+    notes = os.path.join(ROOT, "benchmarks", "notes.md")
+    if os.path.exists(notes):
+        with open(notes) as f:
+            lines += [f.read().rstrip(), ""]
+    if results:
+        lines += ["## All result files", ""]
+        for path, res in results:
+            rel = os.path.relpath(path, os.path.dirname(os.path.abspath(out_md)))
+            lines.append(f"- [`{rel}`]({rel}): {(res.get('machine') or {}).get('device', '?')}, "
+                         f"{res.get('date', '?')[:19]}, {len(res['points'])} points"
+                         + (" (smoke)" if res.get("smoke") else ""))
+        lines.append("")
+    with open(out_md, "w") as f:
+        f.write("\n".join(lines))
+    print(f"render: wrote {out_md}" + (f" and {png}" if main and os.path.exists(png) else ""))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "results"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "BENCHMARKS.md"))
+    ap.add_argument("--png", default=None, help="default: <results>/scaling.png")
+    args = ap.parse_args(argv)
+    png = args.png or os.path.join(args.results, "scaling.png")
+    return render(args.results, args.out, png)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

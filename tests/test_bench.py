@@ -1,0 +1,107 @@
+"""CPU smoke test of the benchmark suite: `dsa_jax.bench.main(["--smoke", ...])` runs on the
+tiny config and writes one JSON whose every point a script can check. No GPU, no torch."""
+
+import glob
+import json
+import math
+import os
+import sys
+
+import pytest
+
+from dsa_jax import bench
+
+POINT_KEYS = ("name", "median_us", "floor_us", "target", "met")
+
+
+def _num_or_none(v):
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
+                         and math.isfinite(v))
+
+
+@pytest.fixture(scope="module")
+def smoke_result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    # tp8 runs the same code as tp1 with another config, and the HF baseline needs torch:
+    # both are left out here to keep the test short.
+    rc = bench.main(["--smoke", "--no-hf", "--no-levers", "--no-progress", "--skip", "tp8",
+                     "--out", str(out), "--name", "smoke.json"])
+    assert rc == 0
+    files = glob.glob(os.path.join(out, "*.json"))
+    assert [os.path.basename(f) for f in files] == ["smoke.json"]
+    with open(files[0]) as f:
+        return json.load(f)
+
+
+def test_every_point_has_the_schema(smoke_result):
+    res = smoke_result
+    for key in ("command", "date", "machine", "jax_version", "ceilings", "points"):
+        assert key in res, key
+    assert res["command"].startswith("dsa-jax bench --smoke")
+    assert res["ceilings"]["copy_GBps"] > 0 and res["ceilings"]["matmul_bf16_TFLOPs"] > 0
+    points = res["points"]
+    assert points
+    for p in points:
+        for key in POINT_KEYS:
+            assert key in p, (p.get("name"), key)
+        assert isinstance(p["name"], str) and p["name"]
+        assert isinstance(p["target"], str) and p["target"]
+        assert isinstance(p["met"], bool), p["name"]
+        assert _num_or_none(p["median_us"]) and _num_or_none(p["floor_us"]), p["name"]
+        for key in ("xla_us", "hf_us", "ratio_vs_xla", "ratio_vs_hf"):
+            assert key in p and _num_or_none(p[key]), (p["name"], key)
+
+
+def test_the_table_rows_are_all_there(smoke_result):
+    names = [p["name"] for p in smoke_result["points"]]
+    for prefix in ("decode-b1-k1-tp1", "verify-b1-k3-tp1", "decode-b2-k1-tp1", "attend-kernel-",
+                   "selection-b2", "prefill-", "scaling-b1-k1-ctx", "compile-b1-k1",
+                   "memory-state-bytes-per-seq"):
+        assert any(n.startswith(prefix) for n in names), prefix
+    assert sum(n.startswith("attend-kernel-") for n in names) == 2
+    assert sum(n.startswith("scaling-") for n in names) == 3
+
+
+def test_timed_points_have_xla_times_and_a_floor(smoke_result):
+    for p in smoke_result["points"]:
+        if p["name"].startswith(("memory", "compile")):
+            continue
+        assert p["xla_us"] is not None and p["xla_us"] > 0, p["name"]
+        assert p["floor_us"] is not None and p["floor_us"] > 0, p["name"]
+        assert p["roofline"]["bound"] in ("bytes", "flops")
+        assert p["median_us"] is not None and p["time_over_floor"] > 0
+
+
+def test_pallas_off_gpu_is_recorded_not_fatal(smoke_result):
+    p = next(p for p in smoke_result["points"] if p["name"] == "decode-b1-k1-tp1")
+    assert p["impl"] == "xla"  # the pallas step cannot run on a CPU: recorded, run goes on
+    assert "error" in p["impls"]["pallas"] and p["impls"]["pallas"]["median_us"] is None
+
+
+def test_one_compile_across_contexts(smoke_result):
+    p = next(p for p in smoke_result["points"] if p["name"] == "compile-b1-k1")
+    assert p["impls"]["xla"]["compiles"] == 1 and p["met"]
+
+
+def test_help_and_bad_group():
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--help"])
+    assert e.value.code == 0
+    assert bench.main(["--only", "nonsense"]) == 2
+
+
+def test_render_writes_markdown_and_plot(smoke_result, tmp_path):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    try:
+        import render
+    finally:
+        sys.path.pop(0)
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "smoke.json").write_text(json.dumps(smoke_result))
+    md = tmp_path / "BENCHMARKS.md"
+    png = results / "scaling.png"
+    assert render.main(["--results", str(results), "--out", str(md), "--png", str(png)]) == 0
+    text = md.read_text()
+    assert "decode-b1-k1-tp1" in text and "| point |" in text
+    assert png.exists() and png.stat().st_size > 1000
