@@ -144,7 +144,7 @@ def levers_section(res: dict) -> list[str]:
     sweep = lev.get("attend_split_sweep")
     if sweep:
         lines += ["### Split count of the gather-attend (pallas, R=1, H=64, W=2051, fp8)", "",
-                  f"Default split counts chosen by the kernel: {sweep.get('default_splits')}.", "",
+                  sweep.get("note", ""), "",
                   "| batch | splits | median | p10-p90 |", "|---|---|---|---|"]
         for r in sweep["results"].values():
             if r.get("median_us") is None:

@@ -476,6 +476,10 @@ class Suite:
             return True
         return False
 
+    def late(self) -> bool:
+        """Inside a group: past the budget by a quarter (stop optional variants)."""
+        return bool(self.args.budget_s) and self.elapsed() > 1.25 * self.args.budget_s
+
     def save(self):
         self.result["elapsed_s"] = self.elapsed()
         os.makedirs(os.path.dirname(os.path.abspath(self.out_path)), exist_ok=True)
@@ -1029,27 +1033,25 @@ class Suite:
         if "pallas" in self.impls:
             sweep = {}
             for b in (1, p.big_batch):
-                for s in self.tqdm(p.split_sweep, f"split sweep b{b}"):
+                for s in self.tqdm((None,) + tuple(p.split_sweep), f"split sweep b{b}"):
+                    if self.late():
+                        break
                     t = self.time_attend(b, 1, self.cfg.num_heads, self.cfg.sel_width, p.ctx,
                                          "pallas", 900 + b, num_splits=s)
-                    sweep[f"b{b}-splits{s}"] = {"B": b, "splits": s, **{
-                        k: t.get(k) for k in ("median_us", "p10_us", "p90_us", "error")}}
+                    sweep[f"b{b}-splits{s or 'default'}"] = {
+                        "B": b, "splits": s or "default",
+                        **{k: t.get(k) for k in ("median_us", "p10_us", "p90_us", "error")}}
                     self.save()
-            from dsa_jax.pallas import sparse_attend as sa
-
-            default = {}
-            for b in (1, p.big_batch):
-                hb = min(32, max(16, self.cfg.num_heads))
-                hp = -(-max(self.cfg.num_heads, 16) // hb) * hb
-                tiles = -(-self.cfg.sel_width // 64)
-                default[f"b{b}"] = sa._num_splits(b, hp // hb, tiles) if hasattr(
-                    sa, "_num_splits") else None
-            lev["attend_split_sweep"] = {"results": sweep, "default_splits": default,
-                                         "shape": "R=1, H=num_heads, W=sel_width, fp8"}
+            lev["attend_split_sweep"] = {
+                "results": sweep, "shape": "R=1, H=num_heads, W=sel_width, fp8",
+                "note": "splits = programs per (row, head block) over the slot list; default = "
+                        "the kernel's own choice (num_splits=None)"}
             self.save()
         # Row padding: decode K=1 with max_verify=1 (rows not padded to 4) vs the padded step.
         pad = {}
         for impl in self.tqdm(self.impls, "max_verify=1"):
+            if self.late():
+                break
             pad[impl] = {k: v for k, v in self.run_step(
                 impl, 1, 1, 1, p.ctx, cfg_changes={"max_verify": 1}).items()
                 if k in ("median_us", "p10_us", "p90_us", "error", "compiles")}
@@ -1163,9 +1165,11 @@ def hf_decode_times(cfg, hf_tensors: dict, contexts, plan: Plan, seed: int, tqdm
             prm.copy_(torch.from_numpy(hf_tensors[name]).to(prm.device, prm.dtype))
     res: dict = {"transformers": transformers.__version__, "torch": torch.__version__,
                  "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+                 "layer_type": config.layer_types[0],
                  "what": "Glm5NextTextAttention bf16, batch 1, one decode step, DynamicCache "
-                         "prefilled to the context, layer type indexed_attention, "
-                         "attention_mask = bool ones [B, S] (the indexer mask)",
+                         "prefilled to the context, layer type "
+                         f"{config.layer_types[0]!r}, attention_mask = bool ones [B, S] (the "
+                         "indexer mask)",
                  "contexts": {}}
     runs = [(ctx, impl) for ctx in contexts for impl in ("eager", "sdpa")]
     for ctx, impl in tqdm_fn(runs, "HF glm5_next"):
@@ -1173,9 +1177,10 @@ def hf_decode_times(cfg, hf_tensors: dict, contexts, plan: Plan, seed: int, tqdm
         try:
             config._attn_implementation = impl
             reps = plan.groups if ctx <= 16384 else plan.long_groups
-            finite, timing = _hf_one(cfg, attn, config, ctx, dev, seed, max(2, reps))
+            finite, timing, fill = _hf_one(cfg, attn, config, ctx, dev, seed, max(2, reps))
             entry[impl + "_finite"] = finite
             entry[impl] = timing
+            entry[impl]["cache_fill"] = fill
         except Exception as e:
             entry[impl] = {"error": _err(e), "median_us": None}
         if dev == "cuda":
@@ -1185,13 +1190,12 @@ def hf_decode_times(cfg, hf_tensors: dict, contexts, plan: Plan, seed: int, tqdm
     return res
 
 
-def _hf_one(cfg, attn, config, ctx: int, dev: str, seed: int, reps: int) -> tuple[bool, dict]:
-    """One context: prefill a DynamicCache directly, then time decode steps (each call starts
-    from the prefilled cache: the cache layer's attributes are restored before it)."""
+def _hf_fill_direct(cfg, config, ctx: int, dev: str, gen):
+    """A DynamicCache holding `ctx` random tokens, written through the cache API: latents
+    [1, 1, ctx, C] and the indexer's packed state [1, ctx, 2*Di + 1] (k, gate, valid = 1)."""
     import torch
     from transformers import DynamicCache
 
-    gen = torch.Generator(device=dev).manual_seed(seed + ctx)
     cache = DynamicCache(config=config)
     k_pass = torch.randn(1, 1, ctx, cfg.kv_lora_rank, device=dev, generator=gen,
                          dtype=torch.bfloat16)
@@ -1201,28 +1205,71 @@ def _hf_one(cfg, attn, config, ctx: int, dev: str, seed: int, reps: int) -> tupl
     packed = torch.randn(1, ctx, 2 * di + 1, device=dev, generator=gen, dtype=torch.bfloat16)
     packed[..., -1] = 1.0  # the valid channel
     cache.update_indexer(packed, 0)
-    layer = cache.layers[0]
-    saved = dict(layer.__dict__)
+    return cache
+
+
+def _hf_fill_forward(cfg, attn, config, ctx: int, dev: str, gen, chunk: int = 2048):
+    """A DynamicCache prefilled by the HF block itself, in chunks of random inputs (the
+    fallback when the cache API differs)."""
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    with torch.no_grad():
+        for start in range(0, ctx, chunk):
+            n = min(chunk, ctx - start)
+            x = torch.randn(1, n, cfg.hidden_size, device=dev, generator=gen,
+                            dtype=torch.bfloat16)
+            attn(x, attention_mask=torch.ones(1, n, dtype=torch.bool, device=dev),
+                 past_key_values=cache)
+    return cache
+
+
+def _hf_one(cfg, attn, config, ctx: int, dev: str, seed: int, reps: int
+            ) -> tuple[bool, dict, str]:
+    """One context: a cache holding `ctx` tokens, then timed decode steps, each starting from
+    that cache (the cache layer's attributes are restored before every call)."""
+    import torch
+
+    gen = torch.Generator(device=dev).manual_seed(seed + ctx)
     xs = [torch.randn(1, 1, cfg.hidden_size, device=dev, generator=gen, dtype=torch.bfloat16)
           for _ in range(3)]
     mask = torch.ones(1, 1, dtype=torch.bool, device=dev)
-    count = [0]
 
-    def step():
-        layer.__dict__.clear()
-        layer.__dict__.update(saved)
-        x = xs[count[0] % len(xs)]
-        count[0] += 1
-        with torch.no_grad():
-            return attn(x, attention_mask=mask, past_key_values=cache)
+    def make_step(cache):
+        layer = cache.layers[0]
+        saved = dict(layer.__dict__)
+        count = [0]
 
-    out = step()
+        def step():
+            layer.__dict__.clear()
+            layer.__dict__.update(saved)
+            x = xs[count[0] % len(xs)]
+            count[0] += 1
+            with torch.no_grad():
+                return attn(x, attention_mask=mask, past_key_values=cache)
+
+        return step
+
+    try:
+        cache = _hf_fill_direct(cfg, config, ctx, dev, gen)
+        fill = "direct: DynamicCache.update + update_indexer with random states"
+        step = make_step(cache)
+        out = step()
+    except Exception as e:
+        if ctx > 16384:
+            raise
+        fill = (f"HF forward over {ctx} random tokens in chunks (the direct fill failed: "
+                f"{type(e).__name__}: {str(e)[:200]})")
+        cache = _hf_fill_forward(cfg, attn, config, ctx, dev, gen)
+        step = make_step(cache)
+        out = step()
     finite = bool(torch.isfinite(out[0]).all())
     timing = _torch_time(step, reps, warmup=1)
     if cache.get_seq_length() != ctx + 1:
         raise RuntimeError(f"HF cache length {cache.get_seq_length()} after a step at context "
                            f"{ctx}, expected {ctx + 1}")
-    return finite, timing
+    return finite, timing, fill
 
 
 # ---------------------------------------------------------------------------------------------
