@@ -50,6 +50,20 @@ def _matmul(v: jax.Array, w: jax.Array) -> jax.Array:
                       preferred_element_type=jnp.float32)
 
 
+def _per_head(v: jax.Array, w: jax.Array, w_contract: int) -> jax.Array:
+    """`v [..., H, K]` times each head's `w [H, ., .]` (contracting `w`'s axis `w_contract`)
+    -> `[..., H, N]`, fp32 accumulation.
+
+    Written as a dot_general with the head axis as its batch axis: XLA:CPU has no bf16 dot
+    for the operand order that `einsum` lowers this to.
+    """
+    lead = v.shape[:-2]
+    rows = v.reshape(-1, *v.shape[-2:]).astype(w.dtype)  # [N, H, K]
+    out = lax.dot_general(rows, w, (((2,), (w_contract,)), ((1,), (0,))), precision=HIGHEST,
+                          preferred_element_type=jnp.float32)  # [H, N, Nout]
+    return jnp.swapaxes(out, 0, 1).reshape(*lead, *out.shape[::2])
+
+
 def project(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> Projections:
     """`x [..., D]` -> every per-token quantity the block needs."""
     R, C, Hl, Dn = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.local_heads, cfg.qk_nope_head_dim
@@ -59,8 +73,7 @@ def project(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> Projections:
     latent = rms_norm(xw[..., R:R + C], weights.kv_a_norm, cfg.rms_norm_eps)  # [..., C]
     qw = _matmul(q_resid, weights.q_proj)  # [..., Nq]
     q = qw[..., :Hl * Dn].reshape(*qw.shape[:-1], Hl, Dn)
-    q_abs = jnp.einsum("...hd,hdc->...hc", q.astype(weights.u_k.dtype), weights.u_k,
-                       precision=HIGHEST, preferred_element_type=jnp.float32)
+    q_abs = _per_head(q, weights.u_k, 1)  # [..., Hl, C]
     if not weights.has_indexer:
         return Projections(q_abs, latent, None, None, None, None)
     qi = qw[..., Hl * Dn:].reshape(*qw.shape[:-1], Hi, Di)
@@ -85,6 +98,5 @@ def project_kv(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> Projections
 
 def output_projection(weights: DsaWeights, o_latent: jax.Array) -> jax.Array:
     """Attended latents `[..., Hl, C]` -> `y [..., D]` (this rank's partial sum under TP)."""
-    o = jnp.einsum("...hc,hvc->...hv", o_latent.astype(weights.u_v.dtype), weights.u_v,
-                   precision=HIGHEST, preferred_element_type=jnp.float32)
+    o = _per_head(o_latent, weights.u_v, 2)  # [..., Hl, Dv]
     return _matmul(o.reshape(*o.shape[:-2], -1), weights.o_proj)

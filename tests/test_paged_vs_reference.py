@@ -140,3 +140,28 @@ def test_fp8_write_clips_to_e4m3_range():
     c = jnp.asarray([[1e6, -1e6, 3.0]], jnp.float32)
     stored = quantize_latent(cfg, c, jnp.asarray(0.5, jnp.float32))
     np.testing.assert_array_equal(np.asarray(stored.astype(jnp.float32)), [[448, -448, 6]])
+
+
+def test_bf16_weights_match_reference_within_bf16_rounding():
+    """bf16 weights (the GLM default): the reference on the same bf16-rounded weights, within
+    the activations' own bf16 roundings. Five sit on the path (x, q_resid, q, o_latent, o),
+    each <= 2^-9 relative, so the normwise error stays under 5 * 2^-9 to first order."""
+    from dsa_jax.hf_oracle import boundary_gaps
+
+    cfg = ODD.replace(param_dtype="bfloat16")
+    hf = dsa_jax.init_random_hf_tensors(cfg, jax.random.key(12))
+    hf16 = {k: np.asarray(jnp.asarray(v).astype(jnp.bfloat16).astype(jnp.float32))
+            for k, v in hf.items()}
+    weights = dsa_jax.fold_weights(cfg, hf)
+    assert weights.x_proj.dtype == jnp.bfloat16
+    x = jax.random.normal(jax.random.key(13), (2, 60, cfg.hidden_size))
+    y, sel, _ = _run_paged(cfg, weights, x, prompt_len=40)
+    for b in range(2):
+        ref = reference.forward(cfg, hf16, x[b])
+        assert _close(y[b], ref.y, rtol=5 * 2.0 ** -9)
+        # Sets (slot order follows scores, which bf16 may reorder) on rows without a near-tie
+        # at the top-k boundary.
+        clear = boundary_gaps(np.asarray(ref.pool_scores), cfg.select_k) > 0.05
+        assert clear.mean() > 0.5
+        for t in np.flatnonzero(clear):
+            assert set(np.asarray(sel[b, t]).tolist()) == set(np.asarray(ref.sel[t]).tolist())
