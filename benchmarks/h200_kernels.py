@@ -178,8 +178,10 @@ def check_pool():
             pal = np.asarray(jax.jit(ps.pool_scores_pallas)(*args), np.float64)
             xla = np.asarray(jax.jit(ps.pool_scores_xla)(*args), np.float64)
             row.update(
-                rel_err_pallas=float(np.linalg.norm(pal[fin] - ref[fin]) / np.linalg.norm(ref[fin])),
-                rel_err_xla=float(np.linalg.norm(xla[fin] - ref[fin]) / np.linalg.norm(ref[fin])),
+                rel_err_pallas=float(np.linalg.norm(pal[fin] - ref[fin])
+                                     / np.linalg.norm(ref[fin])),
+                rel_err_xla=float(np.linalg.norm(xla[fin] - ref[fin])
+                                  / np.linalg.norm(ref[fin])),
                 max_abs_pallas_vs_xla=float(np.max(np.abs(pal[fin] - xla[fin]))),
                 inf_pattern_ok=bool(np.array_equal(np.isneginf(pal), ~fin)),
                 nan=bool(np.isnan(pal).any()), neg_zero=bool(np.any(np.signbit(pal) & (pal == 0))))
@@ -301,7 +303,7 @@ def main():
     dev = jax.devices()[0]
     RESULTS.update(
         command="PYTHONPATH=. python3 benchmarks/h200_kernels.py",
-        argv=sys.argv, date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        argv=sys.argv, date=datetime.datetime.now(datetime.UTC).isoformat(),
         jax_version=jax.__version__, python=platform.python_version(),
         device=dev.device_kind, platform=dev.platform, k_reps=K_REPS, n_calls=N_CALLS,
         timing_method="wall time of one jitted call holding K_REPS copies of the op on distinct "

@@ -30,6 +30,7 @@ from transformers import DynamicCache
 from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
 from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextAttention
 
+
 def _dsa_layer_type() -> str:
     """HF's name for a DSA layer: "indexed_attention" in transformers 5.23,
     "deepseek_sparse_attention" in 5.17 (the GPU image). Asked of the installed config class."""
