@@ -21,8 +21,10 @@ XLA_ROW_CHUNK = 256
 
 def _score_row(qi, w, keys, n_cand):
     """One query row: qi [Hi, Di], w [Hi], keys [P, Di], n_cand [] -> [P]."""
-    dots = jnp.einsum("hd,pd->hp", qi, keys)
-    scores = jnp.einsum("h,hp->p", w, jax.nn.relu(dots))
+    # HIGHEST: IEEE fp32 on every backend (a GPU would run fp32 dots as tf32, ~1e-3 off, and
+    # the scores feed an exact top-k).
+    dots = jnp.einsum("hd,pd->hp", qi, keys, precision=lax.Precision.HIGHEST)
+    scores = jnp.einsum("h,hp->p", w, jax.nn.relu(dots), precision=lax.Precision.HIGHEST)
     scores = jnp.where(scores == 0, 0.0, scores)
     return jnp.where(jnp.arange(keys.shape[0]) < n_cand, scores, -jnp.inf)
 

@@ -35,13 +35,14 @@ def _attend_row(q, latent_flat, kv_scale, slots, softmax_scale):
     c = latent_flat[jnp.maximum(slots, 0)].astype(jnp.float32)  # [W, C]
     if latent_flat.dtype == jnp.float8_e4m3fn:
         c = c * kv_scale
-    logits = jnp.einsum("hc,wc->hw", q, c) * softmax_scale
+    # HIGHEST: the definition is fp32 on every backend (a GPU would otherwise use tf32).
+    logits = jnp.einsum("hc,wc->hw", q, c, precision=lax.Precision.HIGHEST) * softmax_scale
     logits = jnp.where(valid[None, :], logits, -jnp.inf)
     m = jnp.max(logits, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(logits - m)  # exactly 0 where invalid
     denom = jnp.sum(p, axis=-1, keepdims=True)
-    out = jnp.einsum("hw,wc->hc", p, c)
+    out = jnp.einsum("hw,wc->hc", p, c, precision=lax.Precision.HIGHEST)
     return out / jnp.where(denom > 0, denom, 1.0)
 
 
