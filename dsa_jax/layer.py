@@ -33,6 +33,26 @@ class StepError(ValueError):
     """A step's inputs do not fit the state; raised before anything is written."""
 
 
+def _write_rows(cfg: DsaConfig, weights: DsaWeights, state: DsaState, proj, n_new: jax.Array):
+    """Store the rows' latents and indexer entries at positions `lengths + r`, r < n_new.
+
+    Returns the state, `pos [B, R]` and `valid [B, R]`. An indexer ahead of the sequence (a
+    rejected speculation) heals here: its rows are rewritten from `lengths` on.
+    """
+    r = proj.latent.shape[1]
+    pos = state.lengths[:, None] + jnp.arange(r, dtype=jnp.int32)  # [B, R]
+    valid = jnp.arange(r)[None, :] < n_new[:, None]  # [B, R]
+    state = write_latents(cfg, state, proj.latent, pos, valid)
+    if weights.has_indexer:
+        state = write_index_rows(cfg, weights.ape, state, proj.k, proj.g, pos, valid)
+    return state, pos, valid
+
+
+def _advance(state: DsaState, n_new: jax.Array) -> DsaState:
+    lengths = state.lengths + n_new
+    return state._replace(lengths=lengths, index_lengths=lengths)
+
+
 def _append_rows(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array,
                  n_new: jax.Array, shared_sel: jax.Array | None
                  ) -> tuple[jax.Array, DsaState, jax.Array]:
@@ -43,15 +63,9 @@ def _append_rows(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Ar
     selection holds only tokens <= its position, all written, and no later row's write can
     change them, so this equals processing the rows one after another.
     """
-    b, r, _ = x.shape
-    pos = state.lengths[:, None] + jnp.arange(r, dtype=jnp.int32)  # [B, R]
-    valid = jnp.arange(r)[None, :] < n_new[:, None]  # [B, R]
-    # An indexer ahead of the sequence (a rejected speculation) heals here: its rows are
-    # rewritten from `lengths` on.
     proj = project(cfg, weights, x)
-    state = write_latents(cfg, state, proj.latent, pos, valid)
+    state, pos, valid = _write_rows(cfg, weights, state, proj, n_new)
     if weights.has_indexer:
-        state = write_index_rows(cfg, weights.ape, state, proj.k, proj.g, pos, valid)
         scores = pool_scores(cfg, proj.qi, proj.w, state.pool_keys,
                              (pos + 1) // cfg.index_kpool)  # [B, R, P]
         sel = expand_selection(cfg, top_pools(cfg, scores), pos, valid)  # [B, R, W]
@@ -59,8 +73,7 @@ def _append_rows(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Ar
         sel = jnp.where(valid[..., None], shared_sel, -1)
     o_latent = attend(cfg, state, proj.q_abs, sel)  # [B, R, Hl, C]
     y = output_projection(weights, o_latent)  # [B, R, D]
-    lengths = state.lengths + n_new
-    return y, state._replace(lengths=lengths, index_lengths=lengths), sel
+    return y, _advance(state, n_new), sel
 
 
 _append_rows_jit = jax.jit(_append_rows, static_argnames=("cfg",), donate_argnames=("state",))
@@ -207,15 +220,8 @@ def rewind(cfg: DsaConfig, state: DsaState, lengths) -> DsaState:
 
 def _write_kv_rows(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array,
                    n_new: jax.Array) -> DsaState:
-    b, r, _ = x.shape
-    pos = state.lengths[:, None] + jnp.arange(r, dtype=jnp.int32)  # [B, R]
-    valid = jnp.arange(r)[None, :] < n_new[:, None]  # [B, R]
-    proj = project_kv(cfg, weights, x)
-    state = write_latents(cfg, state, proj.latent, pos, valid)
-    if weights.has_indexer:
-        state = write_index_rows(cfg, weights.ape, state, proj.k, proj.g, pos, valid)
-    lengths = state.lengths + n_new
-    return state._replace(lengths=lengths, index_lengths=lengths)
+    state, _, _ = _write_rows(cfg, weights, state, project_kv(cfg, weights, x), n_new)
+    return _advance(state, n_new)
 
 
 _write_kv_rows_jit = jax.jit(_write_kv_rows, static_argnames=("cfg",),
