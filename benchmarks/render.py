@@ -47,9 +47,55 @@ def load(results_dir: str) -> list[tuple[str, dict]]:
 
 
 def pick_main(results: list[tuple[str, dict]]) -> tuple[str, dict] | None:
-    full = [r for r in results if not r[1].get("smoke")]
-    pool = full or results
-    return max(pool, key=lambda r: r[1].get("date", "")) if pool else None
+    """The newest full (non-smoke) run that has the decode point, else the newest run."""
+    def has_table(r):
+        return any(p.get("name") == "decode-b1-k1-tp1" for p in r[1]["points"])
+
+    for pool in ([r for r in results if not r[1].get("smoke") and has_table(r)],
+                 [r for r in results if not r[1].get("smoke")], results):
+        if pool:
+            return max(pool, key=lambda r: r[1].get("date", ""))
+    return None
+
+
+def breakdown_section(results: list[tuple[str, dict]], out_md: str) -> list[str]:
+    """The newest full run's stage breakdown of the decode step."""
+    runs = [r for r in results if (r[1].get("breakdown") or {}).get("runs")
+            and not r[1].get("smoke")]
+    if not runs:
+        return []
+    path, res = max(runs, key=lambda r: r[1].get("date", ""))
+    rel = os.path.relpath(path, os.path.dirname(os.path.abspath(out_md)))
+    bd = res["breakdown"]
+    stages = ("project", "cache_writes", "pool_scores", "top_k", "expand", "attend",
+              "output_projection")
+    lines = ["### Where the decode step's time goes", "",
+             f"From [`{rel}`]({rel}) ({res.get('date', '?')[:19]}, `{res.get('command')}`): "
+             "each stage of `layer._append_rows` jitted alone at the step's shapes (context "
+             f"{(res.get('plan') or {}).get('ctx')}, rows padded to max_verify), median; "
+             "`sum` adds the stages; `step` is the whole jitted step (calls pipelined); "
+             "`step, blocked` blocks after every call.", "",
+             "| run | " + " | ".join(stages) + " | sum | step | step, blocked |",
+             "|---|" + "---|" * (len(stages) + 3)]
+    for key, r in bd["runs"].items():
+        if r.get("error"):
+            lines.append(f"| {key} | error: `{r['error'].splitlines()[0][:100]}` |")
+            continue
+        cells = [fmt_us((r.get(s) or {}).get("median_us")) for s in stages]
+        lines.append(f"| {key} | " + " | ".join(cells) + f" | {fmt_us(r.get('sum_us'))} | "
+                     f"{fmt_us(r.get('step_us'))} | "
+                     f"{fmt_us(r.get('step_blocked_each_call_us'))} |")
+    pub = [(k, r["public_decode"]) for k, r in bd["runs"].items() if r.get("public_decode")]
+    if pub:
+        lines += ["", "Public `dsa_jax.decode` at batch 1 (host checks + row padding + the "
+                  "step + slicing):", "",
+                  "| run | host checks (host time) | row padding, blocked | decode() per call |",
+                  "|---|---|---|---|"]
+        for k, r in pub:
+            lines.append(f"| {k} | {fmt_us(r.get('host_checks_us'))} | "
+                         f"{fmt_us(r.get('row_padding_blocked_us'))} | "
+                         f"{fmt_us(r.get('decode_us'))} |")
+    return lines + [""]
 
 
 def _met(p) -> str:
@@ -246,6 +292,7 @@ def render(results_dir: str, out_md: str, png: str) -> int:
         if plot_scaling(res, png):
             relp = os.path.relpath(png, os.path.dirname(os.path.abspath(out_md)))
             lines += ["### Scaling", "", f"![decode step vs context]({relp})", ""]
+        lines += breakdown_section(results, out_md)
         lines += ["## Levers", ""] + levers_section(res)
         if res.get("skipped"):
             lines += ["### Skipped", ""] + [f"- {s['group']}: {s['reason']}"

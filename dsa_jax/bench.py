@@ -1020,6 +1020,164 @@ class Suite:
                 and v.get("median_us") is not None]
         return min(vals) if vals else None
 
+    # ----------------------------------------------------------------- breakdown
+    def group_breakdown(self):
+        """Where the decode step's time goes: each stage of `layer._append_rows` jitted alone
+        (same inputs, the state threaded and donated where a stage writes it), at 1 and
+        `big_batch` sequences, K=1 (rows padded to max_verify); and the public `decode`
+        call split into its host checks, its row padding and the step."""
+        import jax
+
+        from dsa_jax import attend as attend_mod
+        from dsa_jax import indexer, projection, select
+
+        p = self.plan
+        out: dict = {"note": "stage medians; 'sum' adds the stages, 'step' is the whole jitted "
+                             "step (dsa_jax.layer._append_rows_jit) at the same shapes",
+                     "runs": {}}
+        self.result["breakdown"] = out
+
+        def stage_fns(cfg):
+            def proj_fn(weights, x):
+                return projection.project(cfg, weights, x)
+
+            def write_fn(weights, state, proj, pos, valid):
+                state = attend_mod.write_latents(cfg, state, proj.kv_raw, weights.kv_a_norm,
+                                                 pos, valid)
+                return indexer.write_index_rows(cfg, weights, state, proj.k_raw, proj.g, pos,
+                                                valid)
+
+            def scores_fn(proj, pool_keys, pos):
+                return indexer.pool_scores(cfg, proj.qi, proj.w, pool_keys,
+                                           (pos + 1) // cfg.index_kpool)
+
+            def topk_fn(scores):
+                return select.top_pools(cfg, scores)
+
+            def expand_fn(pools, pos, valid):
+                return select.expand_selection(cfg, pools, pos, valid)
+
+            def attend_fn(state, q_abs, sel):
+                return attend_mod.attend(cfg, state, q_abs, sel)
+
+            def out_fn(weights, o_lat):
+                return projection.output_projection(weights, o_lat)
+
+            return {"project": jax.jit(proj_fn),
+                    "cache_writes": jax.jit(write_fn, donate_argnums=(1,)),
+                    "pool_scores": jax.jit(scores_fn), "top_k": jax.jit(topk_fn),
+                    "expand": jax.jit(expand_fn), "attend": jax.jit(attend_fn),
+                    "output_projection": jax.jit(out_fn)}
+
+        runs = [(impl, b) for b in (1, p.big_batch) for impl in self.impls]
+        for impl, b in self.tqdm(runs, "breakdown"):
+            if self.late():
+                break
+            key = f"{impl}-b{b}"
+            res: dict = {}
+            out["runs"][key] = res
+            try:
+                self._breakdown_one(impl, b, stage_fns(self.cfg_for(impl)), res)
+            except Exception as e:
+                _log(f"[bench] breakdown {key} failed: {type(e).__name__}: {str(e)[:300]}")
+                self.after_error(e)
+                res["error"] = _err(e)
+            self.save()
+
+    def _breakdown_one(self, impl: str, b: int, f: dict, res: dict) -> None:
+        import jax
+        import numpy as np
+
+        p = self.plan
+        cfg = self.cfg_for(impl)
+        weights = self.weights_for(1)
+        runner = StepRunner(cfg, weights, b, 1, cfg.max_verify, p.ctx - p.inner, 2000 + b)
+        x = runner.xs[0]
+        st = {"state": runner.state}
+        lengths = np.full((b,), p.ctx - p.inner, np.int32)
+        pos = jax.device_put(lengths[:, None] + np.arange(cfg.max_verify, dtype=np.int32))
+        valid = jax.device_put(np.arange(cfg.max_verify)[None, :] < np.ones((b, 1)))
+        proj = f["project"](weights, x)
+        st["state"] = f["cache_writes"](weights, st["state"], proj, pos, valid)
+        scores = f["pool_scores"](proj, st["state"].pool_keys, pos)
+        pools = f["top_k"](scores)
+        sel = f["expand"](pools, pos, valid)
+        o_lat = f["attend"](st["state"], proj.q_abs, sel)
+        jax.block_until_ready(f["output_projection"](weights, o_lat))
+
+        def write_call():
+            st["state"] = f["cache_writes"](weights, st["state"], proj, pos, valid)
+            return st["state"]
+
+        calls = {
+            "project": lambda: f["project"](weights, x),
+            "cache_writes": write_call,
+            "pool_scores": lambda: f["pool_scores"](proj, st["state"].pool_keys, pos),
+            "top_k": lambda: f["top_k"](scores),
+            "expand": lambda: f["expand"](pools, pos, valid),
+            "attend": lambda: f["attend"](st["state"], proj.q_abs, sel),
+            "output_projection": lambda: f["output_projection"](weights, o_lat),
+        }
+        for name, call in calls.items():
+            t = measure(call, warmup=2, groups=p.groups, inner=p.inner)
+            res[name] = {k: t[k] for k in ("median_us", "p10_us", "p90_us")}
+        res["sum_us"] = sum(v["median_us"] for v in res.values())
+        runner.state = st["state"]
+        runner.reset()
+        jax.block_until_ready(runner())
+        t = measure(runner, warmup=2, groups=p.groups, inner=p.inner, reset=runner.reset)
+        res["step_us"] = t["median_us"]
+        # The same step one call at a time (a block after each): dispatch not hidden.
+        t1 = measure(runner, warmup=1, groups=p.groups, inner=1, reset=runner.reset)
+        res["step_blocked_each_call_us"] = t1["median_us"]
+        if b == 1:
+            res["public_decode"] = self._public_breakdown(cfg, weights, runner)
+
+    def _public_breakdown(self, cfg, weights, runner) -> dict:
+        """`dsa_jax.decode` = host checks + row padding + the step (+ slicing)."""
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+
+        import dsa_jax
+        from dsa_jax import layer
+
+        p = self.plan
+        b = runner.num_seqs
+        x1 = runner.xs[0][:, 0]
+        n_new = np.ones((b,), np.int32)
+        res = {}
+
+        def check():
+            layer._check_step(cfg, weights, runner.state, x1[:, None], n_new, None,
+                              (b, 1, cfg.sel_width))
+            return None
+
+        res["host_checks_us"] = _host_time(check, p.groups * p.inner)
+
+        def pad():
+            return jnp.zeros((b, cfg.max_verify, x1.shape[-1]), x1.dtype).at[:, :1].set(
+                x1[:, None])
+
+        jax.block_until_ready(pad())
+        res["row_padding_blocked_us"] = measure(pad, warmup=2, groups=p.groups,
+                                                inner=1)["median_us"]
+        holder = {"state": runner.state}
+
+        def call():
+            y, holder["state"], _ = dsa_jax.decode(cfg, weights, holder["state"], x1)
+            return y
+
+        def reset():
+            runner.state = holder["state"]
+            runner.reset()
+            holder["state"] = runner.state
+
+        res["decode_us"] = measure(call, warmup=2, groups=p.groups, inner=p.inner,
+                                   reset=reset)["median_us"]
+        runner.state = holder["state"]
+        return res
+
     # ----------------------------------------------------------------- levers
     def group_levers(self):
         p = self.plan
@@ -1077,6 +1235,17 @@ def _json_default(o):
 # ---------------------------------------------------------------------------------------------
 # Torch: ceilings cross-check, and the Hugging Face block
 # ---------------------------------------------------------------------------------------------
+
+
+def _host_time(fn, reps: int) -> float:
+    """Median host seconds of a host-side function, in us."""
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(ts)
 
 
 def _torch_time(fn, reps: int, warmup: int = 2) -> dict:
@@ -1336,7 +1505,7 @@ def format_table(result: dict) -> str:
 
 
 GROUPS = ("decode", "hf", "kernels", "selection", "prefill", "scaling", "tp8", "memory",
-          "levers")
+          "levers", "breakdown")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1448,7 +1617,8 @@ def main(argv: list[str] | None = None) -> int:
              ("kernels", suite.group_kernels), ("selection", suite.group_selection),
              ("prefill", suite.group_prefill), ("scaling", suite.group_scaling),
              ("tp8", lambda: [suite.group_decode(tp) for tp in plan.tp if tp != 1]),
-             ("memory", suite.group_memory), ("levers", suite.group_levers)]
+             ("memory", suite.group_memory), ("levers", suite.group_levers),
+             ("breakdown", suite.group_breakdown)]
     for g, fn in order:
         if not want(g) or (g not in ("memory",) and suite.over_budget(g)):
             continue
