@@ -1132,6 +1132,10 @@ class Suite:
         res["step_blocked_each_call_us"] = t1["median_us"]
         if b == 1:
             res["public_decode"] = self._public_breakdown(cfg, weights, runner)
+        try:
+            res["profile"] = profile_step(runner, 20)
+        except Exception as e:
+            res["profile"] = {"error": _err(e)}
 
     def _public_breakdown(self, cfg, weights, runner) -> dict:
         """`dsa_jax.decode` = host checks + row padding + the step (+ slicing)."""
@@ -1235,6 +1239,86 @@ def _json_default(o):
 # ---------------------------------------------------------------------------------------------
 # Torch: ceilings cross-check, and the Hugging Face block
 # ---------------------------------------------------------------------------------------------
+
+
+def profile_step(runner: StepRunner, steps: int, top: int = 25) -> dict:
+    """Device kernels of `steps` pipelined calls of the step, from a JAX profiler trace
+    (CUPTI): per kernel name its time and launches per step, the total kernel time per step,
+    and the span from the first kernel's start to the last one's end per step."""
+    import gzip
+    import tempfile
+
+    import jax
+
+    runner.reset()
+    for _ in range(2):
+        jax.block_until_ready(runner())
+    runner.reset()
+    d = tempfile.mkdtemp(prefix="dsa-bench-prof-")
+    with jax.profiler.trace(d, create_perfetto_trace=True):
+        out = None
+        for _ in range(steps):
+            out = runner()
+        jax.block_until_ready(out)
+    paths = []
+    for root, _, files in os.walk(d):
+        paths += [os.path.join(root, f) for f in files if f.startswith("perfetto_trace")]
+    if not paths:
+        raise RuntimeError(f"no perfetto trace under {d}")
+    with gzip.open(paths[0]) as f:
+        data = json.load(f)
+    ev = data["traceEvents"] if isinstance(data, dict) else data
+    procs = {e["pid"]: e.get("args", {}).get("name", "") for e in ev
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e.get("args", {}).get("name", "") for e in ev
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    dev = {pid for pid, name in procs.items() if "GPU" in name or "/device:" in name}
+    kern: dict = {}
+    spans = []
+    modules = []
+    by_thread: dict = {}
+    dev_ev = [e for e in ev if e.get("ph") == "X" and e.get("pid") in dev]
+    for e in dev_ev:
+        tname = threads.get((e["pid"], e.get("tid")), "")
+        by_thread[tname] = by_thread.get(tname, 0.0) + float(e.get("dur", 0.0))
+    has_streams = any("Stream" in t for t in by_thread)
+    for e in dev_ev:
+        tname = threads.get((e["pid"], e.get("tid")), "")
+        dur = float(e.get("dur", 0.0))
+        is_kernel = ("Stream" in tname if has_streams else
+                     not any(w in tname for w in ("Module", "Ops", "Step", "Launch")))
+        if is_kernel:
+            k = kern.setdefault(e.get("name", "?"), [0.0, 0])
+            k[0] += dur
+            k[1] += 1
+            spans.append((float(e["ts"]), float(e["ts"]) + dur))
+        elif "Module" in tname:
+            modules.append(dur)
+    if not spans:
+        return {"error": "no device kernel events in the trace",
+                "processes": sorted(procs.values()), "threads": sorted(set(threads.values()))}
+    by_thread = {k: v / steps for k, v in by_thread.items()}
+    spans.sort()
+    busy, cur_s, cur_e = 0.0, spans[0][0], spans[0][1]
+    for a, b in spans[1:]:
+        if a > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = a, b
+        else:
+            cur_e = max(cur_e, b)
+    busy += cur_e - cur_s
+    rows = sorted(kern.items(), key=lambda kv: -kv[1][0])
+    return {
+        "steps": steps,
+        "kernel_us_per_step": sum(v[0] for v in kern.values()) / steps,
+        "kernel_busy_us_per_step": busy / steps,
+        "first_to_last_kernel_us_per_step": (spans[-1][1] - spans[0][0]) / steps,
+        "launches_per_step": sum(v[1] for v in kern.values()) / steps,
+        "module_us_per_step": (sum(modules) / steps) if modules else None,
+        "device_threads_us_per_step": by_thread,
+        "top_kernels": [{"name": n[:160], "us_per_step": v[0] / steps,
+                         "launches_per_step": v[1] / steps} for n, v in rows[:top]],
+    }
 
 
 def _host_time(fn, reps: int) -> float:
