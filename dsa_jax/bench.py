@@ -1619,6 +1619,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--name", default=None, help="output file name (default: "
                     "<device>-bench-<UTC date>.json, smoke-bench-... with --smoke)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--note", default="", help="free text stored in the JSON (e.g. the commit)")
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="skip the groups not yet started once this many seconds have passed "
                          "(0: no limit)")
@@ -1672,7 +1673,7 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join([via] + [shlex.quote(a) for a in raw])
     suite = Suite(args, cfg, plan, os.path.join(out_dir, name), command)
     suite.result.update(
-        date=now.isoformat(), machine=info, jax_version=jax.__version__,
+        date=now.isoformat(), machine=info, jax_version=jax.__version__, note=args.note,
         config={k: v for k, v in dataclasses.asdict(cfg).items()},
         plan=dataclasses.asdict(plan),
         timing_method=(
