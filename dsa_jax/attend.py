@@ -3,29 +3,26 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from dsa_jax.config import DsaConfig
 from dsa_jax.implementation import resolve
+from dsa_jax.pallas import latent_write as latent_write_op
 from dsa_jax.pallas import sparse_attend as sparse_attend_op
-from dsa_jax.state import DsaState, quantize_latent
+from dsa_jax.state import DsaState
 
 
-def write_latents(cfg: DsaConfig, state: DsaState, latent: jax.Array, pos: jax.Array,
-                  valid: jax.Array) -> DsaState:
-    """Quantize `latent [B, R, C]` and store row (b, r) at its paged slot for `pos [B, R]`.
-
-    Slot of position t: `table[t // bs] * bs + t % bs`. Invalid rows get an out-of-range
-    slot and are dropped, never clamped onto a live slot.
-    """
-    nb, bs, c = state.latent.shape
-    logical = jnp.clip(pos // bs, 0, state.block_tables.shape[1] - 1)
-    slot = jnp.take_along_axis(state.block_tables, logical, axis=1) * bs + pos % bs
-    slot = jnp.where(valid, slot, nb * bs)
-    stored = quantize_latent(cfg, latent, state.kv_scale)
-    flat = state.latent.reshape(nb * bs, c).at[slot.reshape(-1)].set(
-        stored.reshape(-1, c), mode="drop")
-    return state._replace(latent=flat.reshape(nb, bs, c))
+def write_latents(cfg: DsaConfig, state: DsaState, kv_raw: jax.Array, norm_w: jax.Array,
+                  pos: jax.Array, valid: jax.Array) -> DsaState:
+    """RMSNorm `kv_raw [B, R, C]`, quantize, and store row (b, r) at its paged slot for
+    `pos [B, R]` (`table[t // bs] * bs + t % bs`) where `valid`; other rows write nothing."""
+    impl = resolve(cfg.implementation)
+    args = (kv_raw, norm_w, state.latent, state.kv_scale, state.block_tables, pos, valid)
+    if impl == "xla":
+        latent = latent_write_op.latent_write_xla(*args, eps=cfg.rms_norm_eps)
+    else:
+        latent = latent_write_op.latent_write_pallas(*args, eps=cfg.rms_norm_eps,
+                                                     interpret=impl == "pallas-interpret")
+    return state._replace(latent=latent)
 
 
 def attend(cfg: DsaConfig, state: DsaState, q_abs: jax.Array, sel: jax.Array) -> jax.Array:

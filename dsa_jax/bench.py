@@ -1029,7 +1029,7 @@ class Suite:
         import jax
 
         from dsa_jax import attend as attend_mod
-        from dsa_jax import indexer, projection, select
+        from dsa_jax import indexer, layer, projection, select
 
         p = self.plan
         out: dict = {"note": "stage medians; 'sum' adds the stages, 'step' is the whole jitted "
@@ -1041,11 +1041,9 @@ class Suite:
             def proj_fn(weights, x):
                 return projection.project(cfg, weights, x)
 
-            def write_fn(weights, state, proj, pos, valid):
-                state = attend_mod.write_latents(cfg, state, proj.kv_raw, weights.kv_a_norm,
-                                                 pos, valid)
-                return indexer.write_index_rows(cfg, weights, state, proj.k_raw, proj.g, pos,
-                                                valid)
+            def write_fn(weights, state, proj, n_new):
+                # The step's own row-write helper (latent + indexer rows + pool keys).
+                return layer._write_rows(cfg, weights, state, proj, n_new)[0]
 
             def scores_fn(proj, pool_keys, pos):
                 return indexer.pool_scores(cfg, proj.qi, proj.w, pool_keys,
@@ -1098,7 +1096,7 @@ class Suite:
         pos = jax.device_put(lengths[:, None] + np.arange(cfg.max_verify, dtype=np.int32))
         valid = jax.device_put(np.arange(cfg.max_verify)[None, :] < np.ones((b, 1)))
         proj = f["project"](weights, x)
-        st["state"] = f["cache_writes"](weights, st["state"], proj, pos, valid)
+        st["state"] = f["cache_writes"](weights, st["state"], proj, runner.n_new)
         scores = f["pool_scores"](proj, st["state"].pool_keys, pos)
         pools = f["top_k"](scores)
         sel = f["expand"](pools, pos, valid)
@@ -1106,7 +1104,7 @@ class Suite:
         jax.block_until_ready(f["output_projection"](weights, o_lat))
 
         def write_call():
-            st["state"] = f["cache_writes"](weights, st["state"], proj, pos, valid)
+            st["state"] = f["cache_writes"](weights, st["state"], proj, runner.n_new)
             return st["state"]
 
         calls = {

@@ -39,12 +39,12 @@ def _write_rows(cfg: DsaConfig, weights: DsaWeights, state: DsaState, proj, n_ne
     Returns the state, `pos [B, R]` and `valid [B, R]`. An indexer ahead of the sequence (a
     rejected speculation) heals here: its rows are rewritten from `lengths` on.
     """
-    r = proj.latent.shape[1]
+    r = proj.kv_raw.shape[1]
     pos = state.lengths[:, None] + jnp.arange(r, dtype=jnp.int32)  # [B, R]
     valid = jnp.arange(r)[None, :] < n_new[:, None]  # [B, R]
-    state = write_latents(cfg, state, proj.latent, pos, valid)
+    state = write_latents(cfg, state, proj.kv_raw, weights.kv_a_norm, pos, valid)
     if weights.has_indexer:
-        state = write_index_rows(cfg, weights.ape, state, proj.k, proj.g, pos, valid)
+        state = write_index_rows(cfg, weights, state, proj.k_raw, proj.g, pos, valid)
     return state, pos, valid
 
 

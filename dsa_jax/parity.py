@@ -21,6 +21,8 @@ import numpy as np
 import dsa_jax
 from dsa_jax import reference
 from dsa_jax.implementation import pallas_kernels_present
+from dsa_jax.pallas import index_write as index_op
+from dsa_jax.pallas import latent_write as latent_op
 from dsa_jax.pallas import pool_scores as pool_op
 from dsa_jax.pallas import sparse_attend as attend_op
 from dsa_jax.shapes import ODD
@@ -88,6 +90,46 @@ def kernel_checks(impl: str, seed: int = 0) -> list[Check]:
     err = _rel(jnp.where(finite, got, 0), jnp.where(finite, want, 0)) if same_inf else np.inf
     checks.append(Check("kernel", "pool_scores (3 heads, 29 pools)", impl, err,
                         KERNEL_RTOL_FP32))
+    return checks + write_kernel_checks(impl, keys)
+
+
+def _stored_err(got, want) -> float:
+    got = np.asarray(jnp.asarray(got).astype(jnp.float32), np.float64)
+    want = np.asarray(jnp.asarray(want).astype(jnp.float32), np.float64)
+    return _rel(got, want)
+
+
+def write_kernel_checks(impl: str, keys) -> list[Check]:
+    """The cache writes: stored values within a rounding step of the cache dtype (a value on a
+    rounding boundary may land on the neighbouring code), pool keys in fp32."""
+    interpret = impl == "pallas-interpret"
+    checks = []
+    b, r, c, nb, bs, mb = 3, 4, 24, 14, 8, 4
+    pos = (jnp.asarray([5, 13, 2])[:, None] + jnp.arange(r)).astype(jnp.int32)
+    valid = jnp.arange(r)[None, :] < jnp.asarray([4, 3, 0])[:, None]
+    kv_raw = jax.random.normal(keys[0], (b, r, c)) * 3
+    tables = jax.random.permutation(keys[1], nb)[: b * mb].reshape(b, mb).astype(jnp.int32)
+    for dtype, tol in (("float32", 1e-6), ("bfloat16", 2.0 ** -8), ("float8_e4m3fn", 2 ** -3)):
+        cache = jnp.full((nb, bs, c), 300.0, dtype)
+        args = (kv_raw, 1 + 0.3 * kv_raw[0, 0], cache, jnp.float32(0.02), tables, pos, valid)
+        want = latent_op.latent_write_xla(*args, eps=1e-5)
+        got = latent_op.latent_write_pallas(*args, eps=1e-5, interpret=interpret)
+        checks.append(Check("kernel", f"latent_write {dtype}", impl, _stored_err(got, want),
+                            tol))
+    di, tmax, kp = 12, 24, 4
+    args = (jax.random.normal(keys[2], (b, r, di)), jax.random.normal(keys[3], (b, r, di)),
+            1 + 0.3 * jax.random.normal(keys[4], (di,)), 0.3 * jax.random.normal(keys[5], (di,)),
+            0.5 * jax.random.normal(keys[6], (kp, di)),
+            jax.random.normal(keys[7], (b, tmax, di)).astype(jnp.bfloat16),
+            jax.random.normal(keys[0], (b, tmax, di)).astype(jnp.bfloat16),
+            jnp.zeros((b, tmax // kp, di), jnp.float32), pos, valid)
+    want = index_op.index_write_xla(*args)
+    got = index_op.index_write_pallas(*args, interpret=interpret)
+    checks.append(Check("kernel", "index_write k, g (bf16 cache)", impl,
+                        max(_stored_err(got[0], want[0]), _stored_err(got[1], want[1])),
+                        2.0 ** -8))
+    checks.append(Check("kernel", "index_write pool keys (KP 4)", impl,
+                        _rel(got[2], want[2]), KERNEL_RTOL_FP32))
     return checks
 
 

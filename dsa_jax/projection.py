@@ -19,9 +19,9 @@ from dsa_jax.weights import DsaWeights
 
 class Projections(NamedTuple):
     q_abs: jax.Array  # [..., Hl, C] f32: absorbed query a_h = U_k[h]^T q_h
-    latent: jax.Array  # [..., C] f32: c_t = rms(W_kva x)
+    kv_raw: jax.Array  # [..., C] f32: W_kva x (the latent write applies its RMSNorm)
     qi: jax.Array | None  # [..., Hi, Di] f32: indexer queries (None on a shared layer)
-    k: jax.Array | None  # [..., Di] f32: k_norm(W_k x)
+    k_raw: jax.Array | None  # [..., Di] f32: W_k x (the indexer write applies k_norm)
     g: jax.Array | None  # [..., Di] f32: gate W_gate x
     w: jax.Array | None  # [..., Hi] f32: head weights, scales folded
 
@@ -30,13 +30,6 @@ def rms_norm(v: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     """Plain RMSNorm in fp32: `w * v / sqrt(mean(v^2) + eps)`."""
     v = v.astype(jnp.float32)
     return w * v * lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps)
-
-
-def layer_norm(v: jax.Array, g: jax.Array, b: jax.Array, eps: float = 1e-6) -> jax.Array:
-    """LayerNorm with bias (the indexer's k_norm), fp32."""
-    mean = jnp.mean(v, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(v - mean), axis=-1, keepdims=True)
-    return (v - mean) * lax.rsqrt(var + eps) * g + b
 
 
 # fp32 weights mean fp32 arithmetic: without HIGHEST a GPU runs fp32 dots as tf32 (~1e-3).
@@ -70,30 +63,27 @@ def project(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> Projections:
     Hi, Di = cfg.index_n_heads, cfg.index_head_dim
     xw = _matmul(x, weights.x_proj)  # [..., Nx]
     q_resid = rms_norm(xw[..., :R], weights.q_a_norm, cfg.rms_norm_eps)  # [..., R_q]
-    latent = rms_norm(xw[..., R:R + C], weights.kv_a_norm, cfg.rms_norm_eps)  # [..., C]
+    kv_raw = xw[..., R:R + C]  # [..., C]
     qw = _matmul(q_resid, weights.q_proj)  # [..., Nq]
     q = qw[..., :Hl * Dn].reshape(*qw.shape[:-1], Hl, Dn)
     q_abs = _per_head(q, weights.u_k, 1)  # [..., Hl, C]
     if not weights.has_indexer:
-        return Projections(q_abs, latent, None, None, None, None)
+        return Projections(q_abs, kv_raw, None, None, None, None)
     qi = qw[..., Hl * Dn:].reshape(*qw.shape[:-1], Hi, Di)
     idx = xw[..., R + C:]
-    k = layer_norm(idx[..., :Di], weights.k_norm_w, weights.k_norm_b)
-    g = idx[..., Di:2 * Di]
-    w = idx[..., 2 * Di:2 * Di + Hi]
-    return Projections(q_abs, latent, qi, k, g, w)
+    return Projections(q_abs, kv_raw, qi, idx[..., :Di], idx[..., Di:2 * Di],
+                       idx[..., 2 * Di:2 * Di + Hi])
 
 
 def project_kv(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> Projections:
-    """Only what a context row stores: the latent and the indexer's k and gate."""
+    """Only what a context row stores: the raw latent and the indexer's raw k and gate."""
     R, C, Di = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.index_head_dim
     rows = C + (2 * Di if weights.has_indexer else 0)
     xw = _matmul(x, weights.x_proj[R:R + rows])  # [..., C (+ 2 Di)]
-    latent = rms_norm(xw[..., :C], weights.kv_a_norm, cfg.rms_norm_eps)
     if not weights.has_indexer:
-        return Projections(None, latent, None, None, None, None)
-    k = layer_norm(xw[..., C:C + Di], weights.k_norm_w, weights.k_norm_b)
-    return Projections(None, latent, None, k, xw[..., C + Di:C + 2 * Di], None)
+        return Projections(None, xw[..., :C], None, None, None, None)
+    return Projections(None, xw[..., :C], None, xw[..., C:C + Di], xw[..., C + Di:C + 2 * Di],
+                       None)
 
 
 def output_projection(weights: DsaWeights, o_latent: jax.Array) -> jax.Array:

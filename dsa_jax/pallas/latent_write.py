@@ -1,0 +1,105 @@
+"""The latent write: RMSNorm, quantize to the cache dtype, scatter into the row's paged slot.
+
+`c = w * v / sqrt(mean(v^2) + eps)` of the raw `kv_a` output `v`, stored at
+`table[t // bs] * bs + t % bs` as `clip(c / s, -448, 448)` in float8_e4m3fn (per-tensor scale
+`s`), or cast for a bf16 / fp32 cache. Rows that are not valid write nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _rms_norm(v: jax.Array, w: jax.Array, eps: float, width: int) -> jax.Array:
+    """fp32 RMSNorm over the last axis; `width` real entries (padding is zero)."""
+    return w * v * lax.rsqrt(jnp.sum(v * v, axis=-1, keepdims=True) / width + eps)
+
+
+def _quantize(c: jax.Array, kv_scale: jax.Array, dtype) -> jax.Array:
+    if jnp.dtype(dtype) == jnp.float8_e4m3fn:
+        return jnp.clip(c / kv_scale, -FP8_MAX, FP8_MAX).astype(dtype)
+    return c.astype(dtype)
+
+
+def flat_slots(pos: jax.Array, valid: jax.Array, block_tables: jax.Array, block_size: int
+               ) -> jax.Array:
+    """Positions `[B, R]` -> flat cache rows `[B, R]`; -1 where not valid."""
+    logical = jnp.clip(pos // block_size, 0, block_tables.shape[1] - 1)
+    slots = jnp.take_along_axis(block_tables, logical, axis=1) * block_size + pos % block_size
+    return jnp.where(valid, slots, -1)
+
+
+def latent_write_xla(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
+                     kv_scale: jax.Array, block_tables: jax.Array, pos: jax.Array,
+                     valid: jax.Array, *, eps: float) -> jax.Array:
+    """The definition.
+
+    kv_raw: [B, R, C] f32 (before the norm); norm_w: [C] f32; latent: [NB, bs, C] cache dtype;
+    kv_scale: [] f32; block_tables: [B, MB] int32; pos, valid: [B, R]. Returns the new cache.
+    """
+    nb, bs, c = latent.shape
+    stored = _quantize(_rms_norm(kv_raw.astype(jnp.float32), norm_w, eps, c), kv_scale,
+                       latent.dtype)
+    slots = flat_slots(pos, valid, block_tables, bs)
+    slots = jnp.where(slots >= 0, slots, nb * bs)  # out of range: dropped, never clamped
+    flat = latent.reshape(nb * bs, c).at[slots.reshape(-1)].set(stored.reshape(-1, c),
+                                                                mode="drop")
+    return flat.reshape(nb, bs, c)
+
+
+def _write_kernel(scale_ref, w_ref, raw_ref, slots_ref, _cache_in, out_ref, *, width: int,
+                  eps: float, fp8: bool):
+    """One row: raw_ref [N, C] f32, slots_ref [N] int32 (whole arrays); out_ref [NS, C] is
+    the cache itself (aliased), written at one row."""
+    i = pl.program_id(0)
+    cp = _next_pow2(width)
+    cols = jnp.arange(cp, dtype=jnp.int32)  # [Cp]
+    in_width = cols < width
+    raw = plt.load(raw_ref.at[i, cols], mask=in_width, other=0.0)  # [Cp]
+    w = plt.load(w_ref.at[cols], mask=in_width, other=0.0)  # [Cp]
+    c = _rms_norm(raw, w, eps, width)
+    if fp8:
+        c = jnp.clip(c / scale_ref[0], -FP8_MAX, FP8_MAX)
+    slot = slots_ref[i]
+    plt.store(out_ref.at[jnp.maximum(slot, 0), cols], c.astype(out_ref.dtype),
+              mask=in_width & (slot >= 0))
+
+
+def latent_write_pallas(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
+                        kv_scale: jax.Array, block_tables: jax.Array, pos: jax.Array,
+                        valid: jax.Array, *, eps: float, interpret: bool = False,
+                        num_warps: int = 2) -> jax.Array:
+    """`latent_write_xla` as one Pallas launch, a program per row, writing the cache in place
+    (the cache is aliased to the output; donate it to avoid a copy)."""
+    nb, bs, c = latent.shape
+    b, r, _ = kv_raw.shape
+    n = b * r
+    slots = flat_slots(pos, valid, block_tables, bs).reshape(n).astype(jnp.int32)
+    fp8 = latent.dtype == jnp.float8_e4m3fn
+    scale = jnp.reshape(jnp.asarray(kv_scale, jnp.float32), (1,))
+    kernel = functools.partial(_write_kernel, width=c, eps=eps, fp8=fp8)
+    out = pl.pallas_call(
+        kernel,
+        grid=(n,),
+        in_specs=[pl.BlockSpec()] * 5,  # scale [1], w [C], raw [N, C], slots [N], cache
+        out_specs=pl.BlockSpec(),
+        out_shape=jax.ShapeDtypeStruct((nb * bs, c), latent.dtype),
+        input_output_aliases={4: 0},
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="latent_write",
+    )(scale, norm_w.astype(jnp.float32), kv_raw.reshape(n, c).astype(jnp.float32), slots,
+      latent.reshape(nb * bs, c))
+    return out.reshape(nb, bs, c)
