@@ -47,15 +47,38 @@ def load(results_dir: str) -> list[tuple[str, dict]]:
 
 
 def pick_main(results: list[tuple[str, dict]]) -> tuple[str, dict] | None:
-    """The newest full (non-smoke) run that has the decode point, else the newest run."""
-    def has_table(r):
-        return any(p.get("name") == "decode-b1-k1-tp1" for p in r[1]["points"])
+    """The full (non-smoke) run with the most points, the newest of those; partial runs
+    (`--only ...`) are listed below it."""
+    pool = [r for r in results if not r[1].get("smoke")] or results
+    if not pool:
+        return None
+    return max(pool, key=lambda r: (len(r[1]["points"]), r[1].get("date", "")))
 
-    for pool in ([r for r in results if not r[1].get("smoke") and has_table(r)],
-                 [r for r in results if not r[1].get("smoke")], results):
-        if pool:
-            return max(pool, key=lambda r: r[1].get("date", ""))
-    return None
+
+def reruns_section(results, main, out_md: str) -> list[str]:
+    """Other full runs' points that repeat the main table's (same name): the run-to-run
+    spread."""
+    base = {p["name"]: p for p in main[1]["points"]}
+    lines = []
+    for path, res in results:
+        if path == main[0] or res.get("smoke"):
+            continue
+        same = [p for p in res["points"] if p["name"] in base and p.get("median_us")]
+        if not same:
+            continue
+        rel = os.path.relpath(path, os.path.dirname(os.path.abspath(out_md)))
+        lines += [f"### Repeat measurements: [`{rel}`]({rel}) ({res.get('date', '?')[:19]})",
+                  "", f"`{res.get('command')}`" + (f" — {res['note']}" if res.get("note")
+                                                     else ""), "",
+                  "| point | this run | main table | this run, XLA | main table, XLA |",
+                  "|---|---|---|---|---|"]
+        for p in same:
+            b = base[p["name"]]
+            lines.append(f"| {p['name']} | {fmt_us(p['median_us'])} ({p.get('impl')}) | "
+                         f"{fmt_us(b.get('median_us'))} ({b.get('impl')}) | "
+                         f"{fmt_us(p.get('xla_us'))} | {fmt_us(b.get('xla_us'))} |")
+        lines.append("")
+    return lines
 
 
 def breakdown_section(results: list[tuple[str, dict]], out_md: str) -> list[str]:
@@ -153,13 +176,40 @@ def impl_table(res: dict) -> list[str]:
     return lines
 
 
+def public_api_table(res: dict) -> list[str]:
+    """`dsa_jax.decode` (host checks, padding, the step) beside the jitted step it calls."""
+    rows = []
+    for p in res["points"]:
+        for impl, t in (p.get("impls") or {}).items():
+            pub = t.get("public_decode_us") if isinstance(t, dict) else None
+            if isinstance(pub, dict) and pub.get("median_us") is not None:
+                rows.append(f"| {p['name']} | {impl} | {fmt_us(t.get('median_us'))} | "
+                            f"{fmt_us(pub['median_us'])} | "
+                            f"{fmt_x(_safe_div(pub['median_us'], t.get('median_us')), 1)} |")
+    if not rows:
+        return []
+    return ["### The public `dsa_jax.decode` call vs the jitted step", "",
+            "Same state, same context; `decode` runs its host-side checks (a device -> host read "
+            "of the lengths and block tables), pads the row to max_verify, calls the step and "
+            "slices the outputs.", "",
+            "| point | impl | jitted step | dsa_jax.decode | ratio |", "|---|---|---|---|---|",
+            *rows, ""]
+
+
+def _safe_div(a, b):
+    return None if a is None or not b else a / b
+
+
 def hf_table(res: dict) -> list[str]:
     hf = (res.get("baselines") or {}).get("hf") or {}
     if not hf.get("contexts"):
         why = hf.get("skipped") or (hf.get("error") or "").splitlines()[:1]
         return [f"Not measured: {why}"] if why else []
+    fills = sorted({(r.get(i) or {}).get("cache_fill") for r in hf["contexts"].values()
+                    for i in ("eager", "sdpa")} - {None})
     lines = [f"{hf.get('what', '')}; transformers {hf.get('transformers')}, torch "
              f"{hf.get('torch')}, {hf.get('device')}.", "",
+             *[f"- cache filled by: {f}" for f in fills], "",
              "| context | eager | sdpa |", "|---|---|---|"]
     for ctx, r in sorted(hf["contexts"].items(), key=lambda kv: int(kv[0])):
         cells = []
@@ -244,7 +294,9 @@ def plot_scaling(res: dict, png: str) -> bool:
     ax.set_ylabel("decode step, 1 sequence (us)")
     dev = (res.get("machine") or {}).get("device", "?")
     top = pts[0].get("max_context")
-    ax.set_title(f"DSA decode step vs context ({dev}; one program, max_context {top})")
+    top_s = f"{top // 1024}K" if top and top >= 1024 else str(top)
+    ax.set_title(f"DSA decode step, batch 1, vs context\n({dev}; one compiled step, "
+                 f"max_context {top_s})", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -287,11 +339,13 @@ def render(results_dir: str, out_md: str, png: str) -> int:
         lines += points_table(res) + [""]
         lines += ["### Both implementations of the layer step / kernels", ""]
         lines += impl_table(res) + [""]
+        lines += public_api_table(res)
         lines += ["### Hugging Face glm5_next baseline (one decode step, batch 1)", ""]
         lines += hf_table(res) + [""]
         if plot_scaling(res, png):
             relp = os.path.relpath(png, os.path.dirname(os.path.abspath(out_md)))
             lines += ["### Scaling", "", f"![decode step vs context]({relp})", ""]
+        lines += reruns_section(results, main, out_md)
         lines += breakdown_section(results, out_md)
         lines += ["## Levers", ""] + levers_section(res)
         if res.get("skipped"):
