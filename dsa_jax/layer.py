@@ -16,6 +16,8 @@ run; the step then still never writes out of bounds (out-of-range writes are dro
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,29 +104,33 @@ def _check_step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Arr
         raise StepError("shared_sel was given but these weights run their own indexer")
     if not (_is_concrete(state.lengths) and _is_concrete(state.block_tables)):
         return
-    lengths = np.asarray(state.lengths)
-    index_lengths = np.asarray(state.index_lengths)
+    # One device->host read for everything the checks need.
+    lengths, index_lengths, tables = (np.asarray(a) for a in jax.device_get(
+        (state.lengths, state.index_lengths, state.block_tables)))
     nb = state.latent.shape[0]
-    tables = np.asarray(state.block_tables)
-    for s in range(b):
-        start, rows = int(lengths[s]), int(n_new[s])
-        if weights.has_indexer and index_lengths[s] < start:
-            raise StepError(f"sequence {s}: indexer length {index_lengths[s]} is behind the "
-                            f"sequence length {start}: rows {index_lengths[s]}..{start - 1} "
-                            f"were never written to the indexer cache")
-        if start + rows > cfg.max_context:
-            raise StepError(f"sequence {s}: writing {rows} token(s) at position {start} would "
-                            f"reach {start + rows}, past max_context {cfg.max_context}")
-        if rows == 0:
-            continue
-        first, last = start // cfg.block_size, (start + rows - 1) // cfg.block_size
-        entries = tables[s, first:last + 1]
-        bad = (entries < 0) | (entries >= nb)
-        if bad.any():
-            i = first + int(np.argmax(bad))
-            raise StepError(f"sequence {s}: block table entry {i} is {tables[s, i]}, outside "
-                            f"[0, {nb}) physical blocks, but position "
-                            f"{max(i * cfg.block_size, start)} is to be written there")
+    behind = np.flatnonzero(index_lengths < lengths) if weights.has_indexer else []
+    if len(behind):
+        s = int(behind[0])
+        raise StepError(f"sequence {s}: indexer length {index_lengths[s]} is behind the "
+                        f"sequence length {lengths[s]}: rows {index_lengths[s]}..{lengths[s] - 1}"
+                        f" were never written to the indexer cache")
+    over = np.flatnonzero(lengths + n_new > cfg.max_context)
+    if len(over):
+        s = int(over[0])
+        raise StepError(f"sequence {s}: writing {n_new[s]} token(s) at position {lengths[s]} "
+                        f"would reach {lengths[s] + n_new[s]}, past max_context "
+                        f"{cfg.max_context}")
+    first = lengths // cfg.block_size  # [B] first and last logical block written
+    last = (lengths + n_new - 1) // cfg.block_size
+    cols = np.arange(tables.shape[1])[None, :]
+    written = (cols >= first[:, None]) & (cols <= last[:, None]) & (n_new[:, None] > 0)
+    bad = written & ((tables < 0) | (tables >= nb))  # [B, MB]
+    if bad.any():
+        s = int(np.flatnonzero(bad.any(axis=1))[0])
+        i = int(np.argmax(bad[s]))
+        raise StepError(f"sequence {s}: block table entry {i} is {tables[s, i]}, outside "
+                        f"[0, {nb}) physical blocks, but position "
+                        f"{max(i * cfg.block_size, int(lengths[s]))} is to be written there")
 
 
 def _rows_per_seq(b: int, count: int, given) -> np.ndarray:
@@ -139,7 +145,7 @@ def _rows_per_seq(b: int, count: int, given) -> np.ndarray:
 
 
 def prefill(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, *,
-            num_tokens=None, shared_sel: jax.Array | None = None
+            num_tokens=None, shared_sel: jax.Array | None = None, check: bool = True
             ) -> tuple[jax.Array, DsaState, jax.Array]:
     """Append a chunk of up to `S` tokens to every sequence; may be called repeatedly.
 
@@ -147,54 +153,85 @@ def prefill(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, 
     and never written or selected); shared_sel: [B, S, W] for a "shared" layer. Returns
     `y [B, S, D]` f32 (0 on padding rows), the new state (the old one is donated), and
     `sel [B, S, W]` int32, the selected token indices of every row (-1 padded;
-    W = index_topk + index_kpool - 1 with the tail).
+    W = index_topk + index_kpool - 1 with the tail). `check=False` skips the host-side checks
+    that read the state's lengths back (for a loop that validates on the host itself; writes
+    out of range are then dropped, never performed).
     """
     b, s = x.shape[0], x.shape[1]
     n_new = _rows_per_seq(b, s, num_tokens)
-    _check_step(cfg, weights, state, x, n_new, shared_sel, (b, s, cfg.sel_width))
+    if check:
+        _check_step(cfg, weights, state, x, n_new, shared_sel, (b, s, cfg.sel_width))
     return _append_rows_jit(cfg, weights, state, x, jnp.asarray(n_new), shared_sel)
 
 
+@functools.partial(jax.jit, static_argnames=("rows",))
+def _pad_rows(x: jax.Array, shared_sel: jax.Array | None, rows: int):
+    """`x [B, K, D]` or `[B, D]` (and `shared_sel [B, K, W]` / `[B, W]`) -> `rows` rows:
+    zeros / -1 after row K. One dispatch, not one per eager op."""
+    if x.ndim == 2:
+        x = x[:, None]
+        shared_sel = None if shared_sel is None else shared_sel[:, None]
+    k = x.shape[1]
+    x = jnp.pad(x, ((0, 0), (0, rows - k), (0, 0)))
+    if shared_sel is not None:
+        shared_sel = jnp.pad(shared_sel, ((0, 0), (0, rows - k), (0, 0)), constant_values=-1)
+    return x, shared_sel
+
+
+@functools.partial(jax.jit, static_argnames=("k", "squeeze"))
+def _first_rows(y: jax.Array, sel: jax.Array, k: int, squeeze: bool):
+    """The real rows of a padded step's outputs (`squeeze`: the single row of a decode)."""
+    return (y[:, 0], sel[:, 0]) if squeeze else (y[:, :k], sel[:, :k])
+
+
 def decode_k(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, *,
-             active=None, shared_sel: jax.Array | None = None
+             active=None, shared_sel: jax.Array | None = None, check: bool = True
              ) -> tuple[jax.Array, DsaState, jax.Array]:
     """The K rows of a speculative verify: K consecutive tokens of every sequence.
 
     x: [B, K, D] with `K <= cfg.max_verify`; active: [B] bool, sequences that take part (the
     others write nothing and return zeros); shared_sel: [B, K, W]. Rows are padded to
     `cfg.max_verify`, so the result is bit-identical to K successive `decode` calls.
-    Returns `y [B, K, D]`, the new state, `sel [B, K, W]`.
+    Returns `y [B, K, D]`, the new state, `sel [B, K, W]`. `check`: as in `prefill`.
     """
-    b, k = x.shape[0], x.shape[1]
+    if x.ndim != 3:
+        raise StepError(f"decode_k takes x [B, K, D], got shape {tuple(x.shape)}; "
+                        f"decode takes [B, D]")
+    return _verify(cfg, weights, state, x, active, shared_sel, check)
+
+
+def _verify(cfg, weights, state, x, active, shared_sel, check):
+    """decode_k for `x [B, K, D]`; decode for `x [B, D]` (one row, outputs squeezed)."""
+    squeeze = x.ndim == 2
+    b, k = x.shape[0], 1 if squeeze else x.shape[1]
     if not 1 <= k <= cfg.max_verify:
         raise StepError(f"a {k}-row verify does not fit max_verify {cfg.max_verify} "
                         f"(rows must be in [1, {cfg.max_verify}])")
     n_new = _rows_per_seq(b, k, None)
     if active is not None:
         n_new = n_new * _rows_per_seq(b, 1, active)
-    _check_step(cfg, weights, state, x, n_new, shared_sel, (b, k, cfg.sel_width))
-    rows = cfg.max_verify
-    x_rows = jnp.zeros((b, rows, x.shape[-1]), x.dtype).at[:, :k].set(x)  # [B, rows, D]
-    if shared_sel is not None:
-        shared_sel = jnp.full((b, rows, cfg.sel_width), -1, jnp.int32).at[:, :k].set(shared_sel)
-    y, state, sel = _append_rows_jit(cfg, weights, state, x_rows, jnp.asarray(n_new),
-                                     shared_sel)
-    return y[:, :k], state, sel[:, :k]
+    if check:
+        sel_shape = (b, cfg.sel_width) if squeeze else (b, k, cfg.sel_width)
+        _check_step(cfg, weights, state, x, n_new, shared_sel, sel_shape)
+    x_rows, sel_rows = _pad_rows(x, shared_sel, cfg.max_verify)  # [B, max_verify, ...]
+    y, state, sel = _append_rows_jit(cfg, weights, state, x_rows, jnp.asarray(n_new), sel_rows)
+    y, sel = _first_rows(y, sel, k, squeeze)
+    return y, state, sel
 
 
 def decode(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, *,
-           active=None, shared_sel: jax.Array | None = None
+           active=None, shared_sel: jax.Array | None = None, check: bool = True
            ) -> tuple[jax.Array, DsaState, jax.Array]:
     """Append one token to every sequence (ragged: each at its own length).
 
     x: [B, D]; active: [B] bool (default all); shared_sel: [B, W] for a "shared" layer.
     Returns `y [B, D]` f32, the new state (the old one is donated), and `sel [B, W]` int32.
+    `check`: as in `prefill`.
     """
-    if shared_sel is not None:
-        shared_sel = shared_sel[:, None]
-    y, state, sel = decode_k(cfg, weights, state, x[:, None], active=active,
-                             shared_sel=shared_sel)
-    return y[:, 0], state, sel[:, 0]
+    if x.ndim != 2:
+        raise StepError(f"decode takes x [B, D], got shape {tuple(x.shape)}; "
+                        f"decode_k takes [B, K, D]")
+    return _verify(cfg, weights, state, x, active, shared_sel, check)
 
 
 def rewind(cfg: DsaConfig, state: DsaState, lengths) -> DsaState:

@@ -69,3 +69,19 @@ def test_pallas_off_gpu_is_an_error_not_a_fallback(layer):
     with pytest.raises(ImplementationError, match="pallas"):
         dsa_jax.decode(cfg.replace(implementation="pallas"), weights,
                        dsa_jax.init_state(cfg, 1), _x(cfg, 1))
+
+
+def test_unchecked_step_never_writes_out_of_bounds(layer):
+    """check=False skips the host reads; an overflowing write is dropped, not performed."""
+    cfg, weights = layer
+    tables = np.arange(2 * cfg.blocks_per_seq, dtype=np.int32).reshape(2, -1)
+    _, state, _ = dsa_jax.prefill(cfg, weights, dsa_jax.init_state(cfg, 2, block_tables=tables),
+                                  _x(cfg, 2, 94))
+    before = np.asarray(state.latent.astype(np.float32)).copy()
+    _, state, _ = dsa_jax.decode_k(cfg, weights, state, _x(cfg, 2, 4), check=False)
+    after = np.asarray(state.latent.astype(np.float32))
+    # Positions 94, 95 exist and were written; 96, 97 do not and wrote nothing anywhere.
+    changed = np.flatnonzero((after != before).any(axis=(1, 2)))
+    assert set(changed.tolist()) == {11, 23}  # the last block of each sequence
+    with pytest.raises(StepError, match="decode_k takes x"):
+        dsa_jax.decode_k(cfg, weights, state, _x(cfg, 2))
