@@ -1138,7 +1138,6 @@ class Suite:
     def _public_breakdown(self, cfg, weights, runner) -> dict:
         """`dsa_jax.decode` = host checks + row padding + the step (+ slicing)."""
         import jax
-        import jax.numpy as jnp
         import numpy as np
 
         import dsa_jax
@@ -1158,8 +1157,7 @@ class Suite:
         res["host_checks_us"] = _host_time(check, p.groups * p.inner)
 
         def pad():
-            return jnp.zeros((b, cfg.max_verify, x1.shape[-1]), x1.dtype).at[:, :1].set(
-                x1[:, None])
+            return layer._pad_rows(x1, None, cfg.max_verify)[0]
 
         jax.block_until_ready(pad())
         res["row_padding_blocked_us"] = measure(pad, warmup=2, groups=p.groups,
@@ -1177,6 +1175,14 @@ class Suite:
 
         res["decode_us"] = measure(call, warmup=2, groups=p.groups, inner=p.inner,
                                    reset=reset)["median_us"]
+
+        def call_unchecked():
+            y, holder["state"], _ = dsa_jax.decode(cfg, weights, holder["state"], x1,
+                                                   check=False)
+            return y
+
+        res["decode_unchecked_us"] = measure(call_unchecked, warmup=2, groups=p.groups,
+                                             inner=p.inner, reset=reset)["median_us"]
         runner.state = holder["state"]
         return res
 
