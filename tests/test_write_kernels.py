@@ -80,3 +80,32 @@ def test_index_write_matches_definition(kpool, dtype, step):
     np.testing.assert_allclose(got[2], want[2], rtol=1e-5, atol=1e-6)
     written = np.asarray(want[2]) != POISON
     assert written.any() and not written.all()
+
+
+def test_positions_past_the_cache_write_nothing():
+    """An unchecked step past max_context must drop its writes in every implementation,
+    never redirect them (a kernel writing flat row b*T + t would hit the next sequence or
+    run off the array)."""
+    keys = jax.random.split(jax.random.key(7), 4)
+    b, r, c, nb, bs, mb = 2, 4, 16, 8, 4, 4  # 16 positions per sequence
+    pos = jnp.asarray([[14, 15, 16, 17], [15, 16, 17, 18]], jnp.int32)
+    valid = jnp.ones((b, r), bool)
+    tables = jnp.arange(b * mb, dtype=jnp.int32).reshape(b, mb)
+    cache = jnp.full((nb, bs, c), POISON, jnp.float32)
+    args = (jax.random.normal(keys[0], (b, r, c)), jnp.ones((c,)), cache, jnp.float32(1.0),
+            tables, pos, valid)
+    for got in (latent_write.latent_write_xla(*args, eps=1e-5),
+                latent_write.latent_write_pallas(*args, eps=1e-5, interpret=True)):
+        changed = np.argwhere((np.asarray(got) != POISON).any(-1))
+        assert {tuple(map(int, x)) for x in changed} == {(3, 2), (3, 3), (7, 3)}
+    tmax, di, kp = 16, 8, 4
+    iargs = (jax.random.normal(keys[1], (b, r, di)), jax.random.normal(keys[2], (b, r, di)),
+             jnp.ones((di,)), jnp.zeros((di,)), jnp.zeros((kp, di)),
+             jnp.full((b, tmax, di), POISON), jnp.zeros((b, tmax, di)),
+             jnp.full((b, tmax // kp, di), POISON), pos, valid)
+    for got in (index_write.index_write_xla(*iargs),
+                index_write.index_write_pallas(*iargs, interpret=True)):
+        rows = np.argwhere((np.asarray(got[0]) != POISON).any(-1))
+        assert {tuple(map(int, x)) for x in rows} == {(0, 14), (0, 15), (1, 15)}
+        pools = np.argwhere((np.asarray(got[2]) != POISON).any(-1))
+        assert {tuple(map(int, x)) for x in pools} == {(0, 3), (1, 3)}

@@ -48,6 +48,7 @@ def index_write_xla(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b: j
     """
     kp, tmax, num_pools = ape.shape[0], index_k.shape[1], pool_keys.shape[1]
     b = jnp.arange(k_raw.shape[0])[:, None]  # [B, 1]
+    valid = valid & (pos >= 0) & (pos < tmax)  # past the cache: dropped, never redirected
     row = jnp.where(valid, pos, tmax)  # [B, R]; out of range rows are dropped
     k = layer_norm(k_raw.astype(jnp.float32), norm_w, norm_b)
     index_k = index_k.at[b, row].set(k.astype(index_k.dtype), mode="drop")
@@ -111,6 +112,7 @@ def index_write_pallas(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b
     b, r, di = k_raw.shape
     kp, tmax, num_pools = ape.shape[0], index_k.shape[1], pool_keys.shape[1]
     n = b * r
+    valid = valid & (pos >= 0) & (pos < tmax)  # past the cache: dropped, never redirected
     seq = jnp.arange(b, dtype=jnp.int32)[:, None]  # [B, 1]
     rows = jnp.where(valid, seq * tmax + pos, -1).reshape(n).astype(jnp.int32)
     completes = valid & ((pos + 1) % kp == 0)

@@ -35,10 +35,12 @@ def _quantize(c: jax.Array, kv_scale: jax.Array, dtype) -> jax.Array:
 
 def flat_slots(pos: jax.Array, valid: jax.Array, block_tables: jax.Array, block_size: int
                ) -> jax.Array:
-    """Positions `[B, R]` -> flat cache rows `[B, R]`; -1 where not valid."""
+    """Positions `[B, R]` -> flat cache rows `[B, R]`; -1 where not valid, and where the
+    position lies past the block table (such a write is dropped, never redirected)."""
     logical = jnp.clip(pos // block_size, 0, block_tables.shape[1] - 1)
     slots = jnp.take_along_axis(block_tables, logical, axis=1) * block_size + pos % block_size
-    return jnp.where(valid, slots, -1)
+    in_table = (pos >= 0) & (pos < block_tables.shape[1] * block_size)
+    return jnp.where(valid & in_table, slots, -1)
 
 
 def latent_write_xla(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
