@@ -46,7 +46,7 @@ def replicate(tree, mesh: Mesh):
     return jax.tree_util.tree_map(lambda a: jax.device_put(a, NamedSharding(mesh, P())), tree)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sharded_step(cfg: DsaConfig, mesh: Mesh, has_shared: bool):
     axis = mesh.axis_names[0]
 
