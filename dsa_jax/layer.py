@@ -11,7 +11,9 @@ Checks: before the jitted step runs, `_check_step` validates on the host everyth
 caller's concrete state can tell (capacity, block-table coverage, indexer lockstep) and
 raises with the value and the limit; nothing has been written then, and the caller's state
 is untouched. Under an outer `jax.jit` the lengths are traced and these host checks cannot
-run; the step then still never writes out of bounds (out-of-range writes are dropped).
+run (and `check=False` skips them, for a loop that validates on the host itself); the step
+then still never writes out of bounds: writes past the caches are dropped in every
+implementation.
 """
 
 from __future__ import annotations
