@@ -16,16 +16,9 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
-
-def fmt_us(us) -> str:
-    if us is None:
-        return "-"
-    if us >= 10_000:
-        return f"{us / 1000:.1f} ms"
-    if us >= 1000:
-        return f"{us / 1000:.2f} ms"
-    return f"{us:.1f} us"
+from dsa_jax.bench import fmt_us  # noqa: E402  (one formatter for the run and the tables)
 
 
 def fmt_x(r, digits=2) -> str:

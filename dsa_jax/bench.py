@@ -124,7 +124,7 @@ def _ratio(a, b):
     return None if a is None or b is None or b == 0 else a / b
 
 
-def _fmt_us(us) -> str:
+def fmt_us(us) -> str:
     if us is None:
         return "-"
     if us >= 10_000:
@@ -649,32 +649,35 @@ class Suite:
             self.after_error(e)
             return {"error": _err(e), "median_us": None, "compiles": n_comp}
 
-    def _time_public_decode(self, cfg, weights, runner) -> dict | None:
-        """`dsa_jax.decode` (host checks + padding + the step) at the same state."""
+    def _time_public_decode(self, cfg, weights, runner, *, warmup: int = 1,
+                            **decode_kwargs) -> dict:
+        """`dsa_jax.decode` (host checks + padding + the step) at the runner's state; the
+        runner's lengths are set back before every group, as for the step itself."""
         import jax
 
         import dsa_jax
 
-        try:
-            holder = {"state": runner.state}
-            x1 = runner.xs[0][:, 0]
+        holder = {"state": runner.state}
+        x1 = runner.xs[0][:, 0]
 
-            def call():
-                y, holder["state"], _ = dsa_jax.decode(cfg, weights, holder["state"], x1)
-                return y
+        def call():
+            y, holder["state"], _ = dsa_jax.decode(cfg, weights, holder["state"], x1,
+                                                   **decode_kwargs)
+            return y
 
-            def reset():
-                runner.state = holder["state"]
-                runner.reset()
-                holder["state"] = runner.state
-
-            t = measure(call, warmup=1, groups=self.plan.groups, inner=self.plan.inner,
-                        reset=reset)
+        def reset():
             runner.state = holder["state"]
-            jax.block_until_ready(runner.state)
-            return t
+            runner.reset()
+            holder["state"] = runner.state
+
+        try:
+            return measure(call, warmup=warmup, groups=self.plan.groups,
+                           inner=self.plan.inner, reset=reset)
         except Exception as e:
             return {"error": _err(e), "median_us": None}
+        finally:
+            runner.state = holder["state"]
+            jax.block_until_ready(runner.state)
 
     def group_decode(self, tp: int):
         """decode K=1 and verify K=3 at one sequence; decode at `big_batch` sequences."""
@@ -1140,7 +1143,6 @@ class Suite:
         import jax
         import numpy as np
 
-        import dsa_jax
         from dsa_jax import layer
 
         p = self.plan
@@ -1162,28 +1164,10 @@ class Suite:
         jax.block_until_ready(pad())
         res["row_padding_blocked_us"] = measure(pad, warmup=2, groups=p.groups,
                                                 inner=1)["median_us"]
-        holder = {"state": runner.state}
-
-        def call():
-            y, holder["state"], _ = dsa_jax.decode(cfg, weights, holder["state"], x1)
-            return y
-
-        def reset():
-            runner.state = holder["state"]
-            runner.reset()
-            holder["state"] = runner.state
-
-        res["decode_us"] = measure(call, warmup=2, groups=p.groups, inner=p.inner,
-                                   reset=reset)["median_us"]
-
-        def call_unchecked():
-            y, holder["state"], _ = dsa_jax.decode(cfg, weights, holder["state"], x1,
-                                                   check=False)
-            return y
-
-        res["decode_unchecked_us"] = measure(call_unchecked, warmup=2, groups=p.groups,
-                                             inner=p.inner, reset=reset)["median_us"]
-        runner.state = holder["state"]
+        res["decode_us"] = self._time_public_decode(cfg, weights, runner,
+                                                    warmup=2)["median_us"]
+        res["decode_unchecked_us"] = self._time_public_decode(
+            cfg, weights, runner, warmup=2, check=False)["median_us"]
         return res
 
     # ----------------------------------------------------------------- levers
@@ -1583,10 +1567,10 @@ def format_table(result: dict) -> str:
             continue
         f = p.get("time_over_floor")
         rx, rh = p.get("ratio_vs_xla"), p.get("ratio_vs_hf")
-        rows.append((p["name"], str(p.get("impl")), _fmt_us(p.get("median_us")),
-                     _fmt_us(p.get("floor_us")), f"{f:.2f}" if f else "-", str(p.get("met")),
-                     _fmt_us(p.get("xla_us")), f"{rx:.2f}" if rx else "-",
-                     _fmt_us(p.get("hf_us")), f"{rh:.4f}" if rh else "-"))
+        rows.append((p["name"], str(p.get("impl")), fmt_us(p.get("median_us")),
+                     fmt_us(p.get("floor_us")), f"{f:.2f}" if f else "-", str(p.get("met")),
+                     fmt_us(p.get("xla_us")), f"{rx:.2f}" if rx else "-",
+                     fmt_us(p.get("hf_us")), f"{rh:.4f}" if rh else "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True))
                      for r in rows)

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from bitwise import assert_bitwise, bits
 
 import dsa_jax
 from dsa_jax import checkpoint
@@ -18,20 +19,6 @@ from dsa_jax.shapes import ODD
 CFG = ODD.replace(cache_dtype="float8_e4m3fn", index_cache_dtype="bfloat16",
                   indexer_types=("full", "shared"))
 BF16 = CFG.replace(param_dtype="bfloat16")
-
-
-def _bits(a):
-    """Raw bytes of an array: equality here is bitwise (fp8 included, -0.0 != 0.0)."""
-    a = np.ascontiguousarray(np.asarray(a))
-    return a.dtype.name, a.shape, a.view(np.uint8).tobytes()
-
-
-def _assert_bitwise(a, b):
-    la, ta = jax.tree_util.tree_flatten(a)
-    lb, tb = jax.tree_util.tree_flatten(b)
-    assert ta == tb
-    for x, y in zip(la, lb, strict=True):
-        assert _bits(x) == _bits(y)
 
 
 def _copy(tree):
@@ -63,14 +50,14 @@ def test_weights_round_trip_bitwise(tmp_path):
     assert restored[0].has_indexer and not restored[1].has_indexer
     assert restored[1].k_norm_w is None and restored[1].ape is None
     assert restored[0].x_proj.dtype == jnp.bfloat16
-    _assert_bitwise(restored, weights)
+    assert_bitwise(restored, weights)
     info = checkpoint.read_info(path)
     assert info["kind"] == "weights" and info["layers"] == [0, 1]
     assert info["has_indexer"] == [True, False]
     # Serving geometry is not part of the weights: another max_context restores fine.
     other = checkpoint.restore_weights(path, BF16.replace(max_context=192, block_size=16,
                                                           cache_dtype="float32"))
-    _assert_bitwise(other, weights)
+    assert_bitwise(other, weights)
 
 
 def test_state_round_trip_and_decode_after_restore_bitwise(tmp_path, monkeypatch):
@@ -91,12 +78,12 @@ def test_state_round_trip_and_decode_after_restore_bitwise(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)  # a relative path is made absolute for orbax
     checkpoint.save_state("prefix", CFG, states, extra)
     restored, extra_back = checkpoint.restore_state(tmp_path / "prefix", CFG)
-    _assert_bitwise(restored, states)
+    assert_bitwise(restored, states)
     assert restored[1].index_k.shape == (b, 0, CFG.index_head_dim)
     assert np.asarray(restored[0].lengths).tolist() == [37, 22]
     assert extra_back["next_request"] == 7 and extra_back["requests"] == extra["requests"]
     assert isinstance(extra_back["free_blocks"], np.ndarray)
-    assert _bits(extra_back["free_blocks"]) == _bits(extra["free_blocks"])
+    assert bits(extra_back["free_blocks"]) == bits(extra["free_blocks"])
     assert extra_back["empty"].shape == (0,) and extra_back["empty"].dtype == np.int64
 
     # The saved states were not consumed: decode both copies with the same rows.
@@ -105,15 +92,15 @@ def test_state_round_trip_and_decode_after_restore_bitwise(tmp_path, monkeypatch
         x = _x(10 + t, b, CFG.hidden_size)
         y_a, ours, sel_a = _step(ours, weights, x, dsa_jax.decode)
         y_b, theirs, sel_b = _step(theirs, weights, x, dsa_jax.decode)
-        assert _bits(y_a) == _bits(y_b)
-        assert _bits(sel_a) == _bits(sel_b)
-    _assert_bitwise(theirs, ours)
+        assert bits(y_a) == bits(y_b)
+        assert bits(sel_a) == bits(sel_b)
+    assert_bitwise(theirs, ours)
 
     # Without extra, restore gives None; `implementation` may differ.
     checkpoint.save_state(tmp_path / "noextra", CFG, ours)
     again, none = checkpoint.restore_state(tmp_path / "noextra", CFG.replace(implementation="auto"))
     assert none is None
-    _assert_bitwise(again, ours)
+    assert_bitwise(again, ours)
 
 
 def test_mismatched_config_names_fields_and_values(tmp_path):
@@ -156,9 +143,9 @@ def test_overwrite_is_explicit(tmp_path):
     checkpoint.save_weights(path, CFG, w1)
     with pytest.raises(CheckpointError, match="already exists; pass overwrite=True"):
         checkpoint.save_weights(path, CFG, w2)
-    _assert_bitwise(checkpoint.restore_weights(path, CFG), w1)  # untouched
+    assert_bitwise(checkpoint.restore_weights(path, CFG), w1)  # untouched
     checkpoint.save_weights(path, CFG, w2, overwrite=True)
-    _assert_bitwise(checkpoint.restore_weights(path, CFG), w2)
+    assert_bitwise(checkpoint.restore_weights(path, CFG), w2)
     # Never over a directory that is not one of ours, even with overwrite=True.
     other = tmp_path / "mine"
     other.mkdir()
@@ -189,7 +176,7 @@ def test_convert_hf_checkpoint(tmp_path):
     dst = tmp_path / "folded"
     assert checkpoint.convert_hf_checkpoint(src, dst, CFG) == [0, 2]
     restored = checkpoint.restore_weights(dst, CFG)
-    _assert_bitwise(restored, [dsa_jax.fold_weights(CFG, hf[0]), dsa_jax.fold_weights(CFG, hf[2])])
+    assert_bitwise(restored, [dsa_jax.fold_weights(CFG, hf[0]), dsa_jax.fold_weights(CFG, hf[2])])
     assert checkpoint.read_info(dst)["layers"] == [0, 2]
     # One layer by id; a missing one names itself and what exists.
     assert checkpoint.convert_hf_checkpoint(tmp_path, tmp_path / "one", CFG, layers=[2]) == [2]

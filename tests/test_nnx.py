@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from bitwise import assert_bitwise, bits
 from flax import nnx
 
 import dsa_jax
@@ -14,19 +15,6 @@ from dsa_jax.shapes import ODD
 
 CFG = ODD.replace(cache_dtype="float8_e4m3fn", index_cache_dtype="bfloat16")
 B = 2
-
-
-def _bits(a):
-    a = np.ascontiguousarray(np.asarray(a))
-    return a.dtype.name, a.shape, a.view(np.uint8).tobytes()
-
-
-def _assert_bitwise(a, b):
-    la, ta = jax.tree_util.tree_flatten(a)
-    lb, tb = jax.tree_util.tree_flatten(b)
-    assert ta == tb
-    for x, y in zip(la, lb, strict=True):
-        assert _bits(x) == _bits(y)
 
 
 def _x(seed, *shape):
@@ -89,8 +77,8 @@ def test_eager_steps_bit_identical_to_functional(weights, functional):
         lambda m, x, a: m.decode(x, active=a),
         lambda m, x: m.decode_k(x),
         lambda m, n: m.rewind(n))
-    _assert_bitwise(got, want)
-    _assert_bitwise(got_state, want_state)
+    assert_bitwise(got, want)
+    assert_bitwise(got_state, want_state)
     assert got_state.latent.dtype == jnp.float8_e4m3fn
     assert np.asarray(model.lengths.get_value()).tolist() == [32, 21]
 
@@ -116,13 +104,13 @@ def test_nnx_jit_steps_bit_identical_to_functional(weights, functional):
         m.rewind(n)
 
     got, got_state = _module(model, prefill, decode, decode_k, rewind)
-    _assert_bitwise(got, want)
-    _assert_bitwise(got_state, want_state)
+    assert_bitwise(got, want)
+    assert_bitwise(got_state, want_state)
 
 
 def test_random_init_variables_reset_and_checks():
     model = DsaAttention(CFG, rngs=nnx.Rngs(params=3), num_seqs=B)
-    _assert_bitwise(model.weights, dsa_jax.init_random_weights(CFG, nnx.Rngs(params=3).params()))
+    assert_bitwise(model.weights, dsa_jax.init_random_weights(CFG, nnx.Rngs(params=3).params()))
     params = nnx.state(model, nnx.Param)
     caches = nnx.state(model, DsaCache)
     assert len(jax.tree_util.tree_leaves(params)) == len(dsa_jax.DsaWeights._fields)
@@ -138,12 +126,12 @@ def test_random_init_variables_reset_and_checks():
     model.reset()
     assert np.asarray(model.lengths.get_value()).tolist() == [0, 0]
     y2, sel2 = model.prefill(x)
-    assert _bits(y2) == _bits(y0) and _bits(sel2) == _bits(sel0)
+    assert bits(y2) == bits(y0) and bits(sel2) == bits(sel0)
     # Eager calls check before writing: past max_context is a StepError, the cache unchanged.
     before = model.state
     with pytest.raises(StepError, match="past max_context 96"):
         model.prefill(_x(42, B, 80, CFG.hidden_size))
-    _assert_bitwise(model.state, before)
+    assert_bitwise(model.state, before)
     with pytest.raises(StepError, match="does not fit max_verify"):
         model.decode_k(_x(43, B, 5, CFG.hidden_size))
 
@@ -156,11 +144,11 @@ def test_shared_layer_and_checkpoint_through_module(weights, tmp_path):
     x = _x(50, B, 29, CFG.hidden_size)
     y0, sel = full.prefill(x)
     y1, sel1 = shared.prefill(y0, shared_sel=sel)
-    _assert_bitwise(sel1, sel)
+    assert_bitwise(sel1, sel)
     # Functional reference of the shared layer.
     ref_y, _, _ = dsa_jax.prefill(CFG, shared_w, dsa_jax.init_state(CFG, B, has_indexer=False),
                                   y0, shared_sel=sel)
-    assert _bits(y1) == _bits(ref_y)
+    assert bits(y1) == bits(ref_y)
 
     # Save both modules' caches, restore into fresh modules, decode both pairs equally.
     checkpoint.save_state(tmp_path / "prefix", CFG, [full.state, shared.state])
@@ -175,5 +163,5 @@ def test_shared_layer_and_checkpoint_through_module(weights, tmp_path):
         a1, _ = shared.decode(a0, shared_sel=s_a)
         b0, s_b = full2.decode(xt)
         b1, _ = shared2.decode(b0, shared_sel=s_b)
-        assert _bits(a1) == _bits(b1) and _bits(s_a) == _bits(s_b)
-    _assert_bitwise([full2.state, shared2.state], [full.state, shared.state])
+        assert bits(a1) == bits(b1) and bits(s_a) == bits(s_b)
+    assert_bitwise([full2.state, shared2.state], [full.state, shared.state])
