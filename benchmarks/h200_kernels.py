@@ -1,6 +1,7 @@
 """H200 parity and timing of the two Pallas kernels against their XLA twins, in one process.
 
 Run on the GPU machine (repo root):  PYTHONPATH=. python3 benchmarks/h200_kernels.py
+(`--checks-only`: parity only, no timing.)
 Writes $OUT/h200-kernel-parity.json (or ./h200-kernel-parity.json without $OUT) and prints a
 short table last.
 
@@ -302,7 +303,7 @@ def main():
     out_dir = os.environ.get("OUT", ".")
     dev = jax.devices()[0]
     RESULTS.update(
-        command="PYTHONPATH=. python3 benchmarks/h200_kernels.py",
+        command="PYTHONPATH=. python3 benchmarks/h200_kernels.py " + " ".join(sys.argv[1:]),
         argv=sys.argv, date=datetime.datetime.now(datetime.UTC).isoformat(),
         jax_version=jax.__version__, python=platform.python_version(),
         device=dev.device_kind, platform=dev.platform, k_reps=K_REPS, n_calls=N_CALLS,
@@ -318,6 +319,8 @@ def main():
              ("check_attend", check_attend), ("check_pool", check_pool),
              ("time_attend", lambda: time_attend(RESULTS["copy"]["GBps"])),
              ("time_pool", lambda: time_pool(RESULTS["copy"]["GBps"]))]
+    if "--checks-only" in sys.argv[1:]:
+        steps = steps[:3]
     for name, step in steps:
         try:
             step()

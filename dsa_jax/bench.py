@@ -828,7 +828,7 @@ class Suite:
         import jax
         import numpy as np
 
-        from dsa_jax import indexer, select
+        from dsa_jax import indexer, layer, select
 
         p = self.plan
         cfg0 = self.cfg
@@ -859,7 +859,7 @@ class Suite:
                     @functools.partial(jax.jit, static_argnums=0)
                     def sel_fn(cfg, qi, w, keys, pos, valid):
                         scores = indexer.pool_scores(cfg, qi, w, keys,
-                                                     (pos + 1) // cfg.index_kpool)
+                                                     layer.candidate_pools(cfg, pos, valid))
                         return select.expand_selection(cfg, select.top_pools(cfg, scores),
                                                        pos, valid)
 
@@ -1048,9 +1048,9 @@ class Suite:
                 # The step's own row-write helper (latent + indexer rows + pool keys).
                 return layer._write_rows(cfg, weights, state, proj, n_new)[0]
 
-            def scores_fn(proj, pool_keys, pos):
+            def scores_fn(proj, pool_keys, pos, valid):
                 return indexer.pool_scores(cfg, proj.qi, proj.w, pool_keys,
-                                           (pos + 1) // cfg.index_kpool)
+                                           layer.candidate_pools(cfg, pos, valid))
 
             def topk_fn(scores):
                 return select.top_pools(cfg, scores)
@@ -1070,37 +1070,43 @@ class Suite:
                     "expand": jax.jit(expand_fn), "attend": jax.jit(attend_fn),
                     "output_projection": jax.jit(out_fn)}
 
-        runs = [(impl, b) for b in (1, p.big_batch) for impl in self.impls]
-        for impl, b in self.tqdm(runs, "breakdown"):
+        # (impl, sequences, rows per sequence); the prefill run is one sequence's prompt.
+        runs = [(impl, b, 1) for b in (1, p.big_batch) for impl in self.impls]
+        runs += [(impl, 1, p.prefill_tokens) for impl in self.impls]
+        for impl, b, k in self.tqdm(runs, "breakdown"):
             if self.late():
                 break
-            key = f"{impl}-b{b}"
+            key = f"{impl}-b{b}" if k == 1 else f"{impl}-prefill{k}"
             res: dict = {}
             out["runs"][key] = res
             try:
-                self._breakdown_one(impl, b, stage_fns(self.cfg_for(impl)), res)
+                self._breakdown_one(impl, b, k, stage_fns(self.cfg_for(impl)), res)
             except Exception as e:
                 _log(f"[bench] breakdown {key} failed: {type(e).__name__}: {str(e)[:300]}")
                 self.after_error(e)
                 res["error"] = _err(e)
             self.save()
 
-    def _breakdown_one(self, impl: str, b: int, f: dict, res: dict) -> None:
+    def _breakdown_one(self, impl: str, b: int, k: int, f: dict, res: dict) -> None:
+        """Stages of one step: a decode (k = 1, rows padded to max_verify, at context ctx) or
+        a prefill (k = rows = prompt length, from an empty context; fewer repetitions)."""
         import jax
         import numpy as np
 
         p = self.plan
         cfg = self.cfg_for(impl)
         weights = self.weights_for(1)
-        runner = StepRunner(cfg, weights, b, 1, cfg.max_verify, p.ctx - p.inner, 2000 + b)
+        decode = k == 1
+        rows, start = (cfg.max_verify, p.ctx - p.inner) if decode else (k, 0)
+        groups, inner = (p.groups, p.inner) if decode else (p.long_groups, 1)
+        runner = StepRunner(cfg, weights, b, k, rows, start, 2000 + b + k)
         x = runner.xs[0]
         st = {"state": runner.state}
-        lengths = np.full((b,), p.ctx - p.inner, np.int32)
-        pos = jax.device_put(lengths[:, None] + np.arange(cfg.max_verify, dtype=np.int32))
-        valid = jax.device_put(np.arange(cfg.max_verify)[None, :] < np.ones((b, 1)))
+        pos = jax.device_put(np.full((b, 1), start, np.int32) + np.arange(rows, dtype=np.int32))
+        valid = jax.device_put(np.arange(rows)[None, :] < np.full((b, 1), k))
         proj = f["project"](weights, x)
         st["state"] = f["cache_writes"](weights, st["state"], proj, runner.n_new)
-        scores = f["pool_scores"](proj, st["state"].pool_keys, pos)
+        scores = f["pool_scores"](proj, st["state"].pool_keys, pos, valid)
         pools = f["top_k"](scores)
         sel = f["expand"](pools, pos, valid)
         o_lat = f["attend"](st["state"], proj.q_abs, sel)
@@ -1113,28 +1119,28 @@ class Suite:
         calls = {
             "project": lambda: f["project"](weights, x),
             "cache_writes": write_call,
-            "pool_scores": lambda: f["pool_scores"](proj, st["state"].pool_keys, pos),
+            "pool_scores": lambda: f["pool_scores"](proj, st["state"].pool_keys, pos, valid),
             "top_k": lambda: f["top_k"](scores),
             "expand": lambda: f["expand"](pools, pos, valid),
             "attend": lambda: f["attend"](st["state"], proj.q_abs, sel),
             "output_projection": lambda: f["output_projection"](weights, o_lat),
         }
         for name, call in calls.items():
-            t = measure(call, warmup=2, groups=p.groups, inner=p.inner)
-            res[name] = {k: t[k] for k in ("median_us", "p10_us", "p90_us")}
+            t = measure(call, warmup=2, groups=groups, inner=inner)
+            res[name] = {q: t[q] for q in ("median_us", "p10_us", "p90_us")}
         res["sum_us"] = sum(v["median_us"] for v in res.values())
         runner.state = st["state"]
         runner.reset()
         jax.block_until_ready(runner())
-        t = measure(runner, warmup=2, groups=p.groups, inner=p.inner, reset=runner.reset)
+        t = measure(runner, warmup=2, groups=groups, inner=inner, reset=runner.reset)
         res["step_us"] = t["median_us"]
         # The same step one call at a time (a block after each): dispatch not hidden.
-        t1 = measure(runner, warmup=1, groups=p.groups, inner=1, reset=runner.reset)
+        t1 = measure(runner, warmup=1, groups=groups, inner=1, reset=runner.reset)
         res["step_blocked_each_call_us"] = t1["median_us"]
-        if b == 1:
+        if b == 1 and decode:
             res["public_decode"] = self._public_breakdown(cfg, weights, runner)
         try:
-            res["profile"] = profile_step(runner, 20)
+            res["profile"] = profile_step(runner, 20 if decode else 1)
         except Exception as e:
             res["profile"] = {"error": _err(e)}
 
@@ -1171,6 +1177,104 @@ class Suite:
         return res
 
     # ----------------------------------------------------------------- levers
+    def _lever(self, lev: dict, name: str, fn) -> None:
+        if self.late():
+            lev[name] = {"skipped": "over the time budget"}
+            return
+        try:
+            lev[name] = fn()
+        except Exception as e:
+            _log(f"[bench] lever {name} failed: {type(e).__name__}: {str(e)[:300]}")
+            self.after_error(e)
+            lev[name] = {"error": _err(e)}
+        self.save()
+
+    def lever_kv_b_forms(self) -> dict:
+        """kv_b applied at run time (q_b head rows then U_k; U_v then o_proj, as the step does)
+        against absorbed at load time (one GEMM each way), timed on the same random inputs at 1
+        and big_batch sequences, rows padded to max_verify as decode runs them, TP 1 and 8."""
+        import jax
+        import numpy as np
+
+        p, cfg = self.plan, self.cfg
+        f = _kv_b_fns()
+        out = {"prediction": "at B=1 the run-time form reads fewer weight bytes (see "
+                             "kv_b_absorbed_vs_runtime) and so should be faster once the GEMMs "
+                             "are bandwidth-bound; at B=64 the absorbed form's extra FLOPs "
+                             "(rows x bytes ratio) start to count as well",
+               "results": {}}
+        for tp in p.tp:
+            w = self.weights_for(tp)
+            hl, dn, c = w.u_k.shape
+            w_q, w_o = jax.block_until_ready(absorbed_kv_b(w))
+            q_b = w.q_proj[:hl * dn]
+            for b in (1, p.big_batch):
+                rng = np.random.default_rng(700 + b)
+                rows = (b, cfg.max_verify)
+                q_resid = jax.device_put(rng.standard_normal((*rows, cfg.q_lora_rank),
+                                                             np.float32))
+                o_lat = 0.1 * rng.standard_normal((*rows, hl, c), np.float32)
+                o_flat = jax.device_put(o_lat.reshape(*rows, hl * c))
+                o_lat = jax.device_put(o_lat)
+                calls = {"q_runtime": functools.partial(f["q_runtime"], q_b, w.u_k, q_resid),
+                         "q_absorbed": functools.partial(f["matmul"], q_resid, w_q),
+                         "o_runtime": functools.partial(f["o_runtime"], w, o_lat),
+                         "o_absorbed": functools.partial(f["matmul"], o_flat, w_o)}
+                res = {name: measure(fn, warmup=p.warmup, groups=p.groups, inner=p.inner)
+                       ["median_us"] for name, fn in calls.items()}
+                res["runtime_us"] = res["q_runtime"] + res["o_runtime"]
+                res["absorbed_us"] = res["q_absorbed"] + res["o_absorbed"]
+                res["absorbed_over_runtime"] = _ratio(res["absorbed_us"], res["runtime_us"])
+                res["q_rel_diff"] = _rel_diff(np.asarray(calls["q_absorbed"]()).reshape(
+                    *rows, hl, c), calls["q_runtime"]())
+                res["o_rel_diff"] = _rel_diff(calls["o_absorbed"](), calls["o_runtime"]())
+                out["results"][f"tp{tp}-b{b}"] = res
+        out["note"] = ("median us of each jitted half; rel_diff = ||absorbed - runtime|| / "
+                       "||runtime|| (both bf16 weights: the folds round once more)")
+        return out
+
+    def lever_pool_keys(self) -> dict:
+        """Pool keys kept in the state (what the step reads) against recomputing every pool's
+        key from the cached k and gate rows in the step (softmax over its KP members), then the
+        same pool scores, at 1 and big_batch sequences, one row each, context ctx."""
+        import jax
+        import numpy as np
+
+        from dsa_jax import layer
+
+        p, kp, di = self.plan, self.cfg.index_kpool, self.cfg.index_head_dim
+        f = _pool_key_fns()
+        out = {"prediction": f"recomputing reads the k and gate rows (2 x {kp} x {di} bf16 = "
+                             f"{2 * kp * di * 2} bytes per pool) instead of one fp32 key "
+                             f"({di * 4} bytes): {kp}x the bytes, so slower once bandwidth-"
+                             "bound (B=64); at B=1 both are launch-bound",
+               "results": {}}
+        ape = self.weights_for(1).ape
+        for impl in self.impls:
+            cfg = self.cfg_for(impl)
+            if impl == "pallas" and jax.default_backend() != "gpu":
+                continue
+            for b in (1, p.big_batch):
+                st = random_state(cfg, b, p.ctx, 800 + b)
+                rng = np.random.default_rng(800 + b)
+                hi = cfg.index_n_heads
+                qi = jax.device_put(rng.standard_normal((b, 1, hi, di), np.float32))
+                w = jax.device_put(rng.standard_normal((b, 1, hi), np.float32)
+                                   * np.float32((hi * di) ** -0.5))
+                pos = jax.device_put(np.full((b, 1), p.ctx - 1, np.int32))
+                n_cand = layer.candidate_pools(cfg, pos, pos >= 0)
+                calls = {"cached_us": functools.partial(f["cached"], cfg, qi, w, st.pool_keys,
+                                                        n_cand),
+                         "recomputed_us": functools.partial(f["recomputed"], cfg, qi, w,
+                                                            st.index_k, st.index_g, ape, n_cand)}
+                res = {name: measure(fn, warmup=p.warmup, groups=p.groups, inner=p.inner)
+                       ["median_us"] for name, fn in calls.items()}
+                res["recomputed_over_cached"] = _ratio(res["recomputed_us"], res["cached_us"])
+                out["results"][f"{impl}-b{b}"] = res
+        out["note"] = ("cached: the step's pool_scores on the state's keys; recomputed: "
+                       "every pool's key from the cache rows, then the same pool_scores")
+        return out
+
     def group_levers(self):
         p = self.plan
         lev = self.result["levers"]
@@ -1197,6 +1301,8 @@ class Suite:
                 "note": "splits = programs per (row, head block) over the slot list; default = "
                         "the kernel's own choice (num_splits=None)"}
             self.save()
+        self._lever(lev, "kv_b_absorbed_vs_runtime_measured", self.lever_kv_b_forms)
+        self._lever(lev, "pool_keys_cached_vs_recomputed", self.lever_pool_keys)
         # Row padding: decode K=1 with max_verify=1 (rows not padded to 4) vs the padded step.
         pad = {}
         for impl in self.tqdm(self.impls, "max_verify=1"):
@@ -1211,6 +1317,67 @@ class Suite:
                     f"(max_verify={self.cfg.max_verify} rows, {self.cfg.max_verify - 1} "
                     "of them padding)", "results": pad}
         self.save()
+
+
+def absorbed_kv_b(weights):
+    """The load-time form of kv_b: `W_qb` folded with `U_k` ([Hl*C, R_q]) and `o_proj` with
+    `U_v` ([D, Hl*C]), folded in fp32 and stored in the param dtype (the lever's other side)."""
+    import jax.numpy as jnp
+
+    hl, dn, c = weights.u_k.shape
+    f32 = jnp.float32
+    q_b = weights.q_proj[:hl * dn].astype(f32).reshape(hl, dn, -1)  # [Hl, Dn, R]
+    w_q = jnp.einsum("hdc,hdr->hcr", weights.u_k.astype(f32), q_b,
+                     precision="highest").reshape(hl * c, -1)
+    o = weights.o_proj.astype(f32).reshape(weights.o_proj.shape[0], hl, -1)  # [D, Hl, Dv]
+    w_o = jnp.einsum("ehv,hvc->ehc", o, weights.u_v.astype(f32),
+                     precision="highest").reshape(o.shape[0], hl * c)
+    return w_q.astype(weights.q_proj.dtype), w_o.astype(weights.o_proj.dtype)
+
+
+@functools.lru_cache(maxsize=1)
+def _kv_b_fns() -> dict:
+    """Jitted halves of the kv_b lever: the step's run-time q and out paths, and one GEMM."""
+    import jax
+
+    from dsa_jax import projection
+
+    def q_runtime(q_b, u_k, q_resid):
+        hl, dn, _ = u_k.shape
+        q = projection._matmul(q_resid, q_b)  # [..., Hl*Dn]
+        return projection._per_head(q.reshape(*q.shape[:-1], hl, dn), u_k, 1)  # [..., Hl, C]
+
+    return {"q_runtime": jax.jit(q_runtime),
+            "o_runtime": jax.jit(projection.output_projection),
+            "matmul": jax.jit(projection._matmul)}
+
+
+@functools.lru_cache(maxsize=1)
+def _pool_key_fns() -> dict:
+    """Jitted sides of the pool-key lever: scores on cached keys, or keys recomputed first."""
+    import jax
+
+    from dsa_jax import indexer
+    from dsa_jax.pallas import index_write
+
+    def cached(cfg, qi, w, keys, n_cand):
+        return indexer.pool_scores(cfg, qi, w, keys, n_cand)
+
+    def recomputed(cfg, qi, w, index_k, index_g, ape, n_cand):
+        b, t, di = index_k.shape
+        members = (b, t // ape.shape[0], ape.shape[0], di)  # [B, P, KP, Di]
+        keys = index_write.pool_key(index_k.reshape(members), index_g.reshape(members), ape)
+        return indexer.pool_scores(cfg, qi, w, keys, n_cand)
+
+    return {"cached": jax.jit(cached, static_argnums=0),
+            "recomputed": jax.jit(recomputed, static_argnums=0)}
+
+
+def _rel_diff(a, b) -> float:
+    import numpy as np
+
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def _json_default(o):

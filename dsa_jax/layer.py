@@ -52,6 +52,12 @@ def _write_rows(cfg: DsaConfig, weights: DsaWeights, state: DsaState, proj, n_ne
     return state, pos, valid
 
 
+def candidate_pools(cfg: DsaConfig, pos: jax.Array, valid: jax.Array) -> jax.Array:
+    """Complete pools visible at `pos [B, R]`: `(t + 1) // KP`; 0 on padded rows, so that the
+    pool-score kernel reads no key for them (their selection is masked anyway)."""
+    return jnp.where(valid, (pos + 1) // cfg.index_kpool, 0)
+
+
 def _advance(state: DsaState, n_new: jax.Array) -> DsaState:
     lengths = state.lengths + n_new
     return state._replace(lengths=lengths, index_lengths=lengths)
@@ -71,7 +77,7 @@ def _append_rows(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Ar
     state, pos, valid = _write_rows(cfg, weights, state, proj, n_new)
     if weights.has_indexer:
         scores = pool_scores(cfg, proj.qi, proj.w, state.pool_keys,
-                             (pos + 1) // cfg.index_kpool)  # [B, R, P]
+                             candidate_pools(cfg, pos, valid))  # [B, R, P]
         sel = expand_selection(cfg, top_pools(cfg, scores), pos, valid)  # [B, R, W]
     else:
         sel = jnp.where(valid[..., None], shared_sel, -1)

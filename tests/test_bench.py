@@ -105,3 +105,22 @@ def test_render_writes_markdown_and_plot(smoke_result, tmp_path):
     text = md.read_text()
     assert "decode-b1-k1-tp1" in text and "| point |" in text
     assert png.exists() and png.stat().st_size > 1000
+
+
+def test_measured_levers(tmp_path):
+    """The levers group (xla only on a CPU): the absorbed kv_b form computes the same function
+    as the run-time form (tiny config: fp32 weights, so only fp32 rounding apart), and both
+    pool-key forms are timed."""
+    rc = bench.main(["--smoke", "--only", "levers", "--impls", "xla", "--no-progress",
+                     "--out", str(tmp_path), "--name", "levers.json"])
+    assert rc == 0
+    with open(tmp_path / "levers.json") as f:
+        lev = json.load(f)["levers"]
+    kv_b = lev["kv_b_absorbed_vs_runtime_measured"]["results"]
+    assert set(kv_b) == {"tp1-b1", "tp1-b2", "tp8-b1", "tp8-b2"}
+    for res in kv_b.values():
+        assert res["q_rel_diff"] < 1e-5 and res["o_rel_diff"] < 1e-5, res
+        assert res["runtime_us"] > 0 and res["absorbed_us"] > 0
+    keys = lev["pool_keys_cached_vs_recomputed"]["results"]
+    assert set(keys) == {"xla-b1", "xla-b2"}
+    assert all(r["cached_us"] > 0 and r["recomputed_us"] > 0 for r in keys.values())

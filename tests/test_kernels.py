@@ -145,6 +145,23 @@ def test_sparse_attend_split_counts_agree():
         np.testing.assert_allclose(o, outs[0], rtol=0, atol=1e-5 * np.abs(outs[0]).max())
 
 
+def test_sparse_attend_stops_at_each_rows_live_extent():
+    """Selections laid out as the selection writes them (a prefix of slots, then -1): prefixes
+    ending before, on and after tile (16) and split boundaries, and rows with nothing; the
+    kernel stops at each row's last slot and must still match the twin."""
+    q, lat, kv, tables, sel = _attend_inputs(5, 2, 4, 5, 24, 70, 8, 10, "float8_e4m3fn")
+    ends = jnp.array([[0, 1, 15, 16], [17, 33, 69, 70]], jnp.int32)  # [B, R] prefix lengths
+    sel = jnp.where(jnp.arange(70)[None, None, :] < ends[..., None], jnp.abs(sel), -1)
+    args = (q, lat, kv, tables, sel)
+    out = sa.sparse_attend_pallas(*args, softmax_scale=0.3, interpret=True, block_w=16,
+                                  num_splits=3)
+    ref = sa.sparse_attend_xla(*args, softmax_scale=0.3)
+    _check_attend(out, ref, _attend_bound(*args, 0.3, U["bfloat16"]), 1e-2)
+    assert (np.asarray(out)[0, 0] == 0).all()
+    np.testing.assert_array_equal(np.asarray(sa.live_extent(sel.reshape(8, 70))),
+                                  np.asarray(ends).reshape(8))
+
+
 # ------------------------------------------------------------------------------- pool scores
 
 def _pool_inputs(seed, b, r, hi, di, p):
@@ -185,6 +202,17 @@ def test_pool_scores_matches_xla_twin(shape, kw):
     out = ps.pool_scores_pallas(*args, interpret=True, **kw)
     ref = ps.pool_scores_xla(*args)
     _check_pool(out, ref, _pool_bound(*args[:3]))
+
+
+def test_pool_scores_tiles_past_the_candidates():
+    """Candidate counts on, before and after tile edges (block_p 16), and 0 (a padded row):
+    the kernel skips the tiles with no candidate; scores and -inf must still match."""
+    qi, w, keys, _ = _pool_inputs(8, 2, 4, 5, 20, 100)  # the shape of the chunked case above
+    n_cand = jnp.array([[0, 15, 16, 17], [32, 33, 99, 100]], jnp.int32)
+    args = (qi, w, keys, n_cand)
+    out = ps.pool_scores_pallas(*args, interpret=True, block_p=16, num_chunks=3)
+    _check_pool(out, ps.pool_scores_xla(*args), _pool_bound(*args[:3]))
+    assert np.isneginf(np.asarray(out)[0, 0]).all()
 
 
 def test_pool_scores_negative_zero_is_normalized():

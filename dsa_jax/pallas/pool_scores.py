@@ -1,7 +1,8 @@
 """Pooled indexer scores: `score[b, r, p] = sum_h w[b, r, h] * relu(qi[b, r, h] . K[b, p])`.
 
 The scales `Hi^-0.5 * Di^-0.5` are already folded into `w` (weights.py). Pools `p >= n_cand`
-(not yet complete at the row's position) score `-inf`. -0.0 is returned as 0.0 so the total
+(not yet complete at the row's position) score `-inf`; the kernel reads no key for a tile of
+such pools, so its cost follows the live length, not `P`. -0.0 is returned as 0.0 so the total
 order of the selection sees one zero.
 """
 
@@ -80,9 +81,7 @@ def _scores_kernel(ncand_ref, qi_ref, w_ref, keys_ref, out_ref, *, rows_per_seq:
     dp = qi.shape[1]
     dims = jnp.arange(dp, dtype=jnp.int32)  # [Dp]
 
-    def tile(t, carry):
-        pools = (chunk * tiles + t) * block_p + jnp.arange(block_p, dtype=jnp.int32)  # [BP]
-        in_range = pools < num_pools  # [BP]
+    def score_tile(pools, in_range):
         mask = in_range[:, None] if width == dp else in_range[:, None] & (dims < width)[None, :]
         mask = jnp.broadcast_to(mask, (block_p, dp))  # Triton wants the pointer's shape
         keys = plt.load(keys_ref.at[seq, pools[:, None], dims[None, :]], mask=mask,
@@ -91,7 +90,15 @@ def _scores_kernel(ncand_ref, qi_ref, w_ref, keys_ref, out_ref, *, rows_per_seq:
                                preferred_element_type=jnp.float32)  # [Hp, BP]
         scores = jnp.sum(w[:, None] * jnp.maximum(dots, 0.0), axis=0)  # [BP]
         scores = jnp.where(scores == 0, 0.0, scores)  # -0.0 -> 0.0
-        scores = jnp.where(pools < n_cand, scores, -jnp.inf)
+        return jnp.where(pools < n_cand, scores, -jnp.inf)
+
+    def tile(t, carry):
+        first = (chunk * tiles + t) * block_p
+        pools = first + jnp.arange(block_p, dtype=jnp.int32)  # [BP]
+        in_range = pools < num_pools  # [BP]
+        # A tile with no candidate (past the row's live length, or a padded row) reads no key.
+        scores = lax.cond(first < n_cand, lambda: score_tile(pools, in_range),
+                          lambda: jnp.full((block_p,), -jnp.inf, jnp.float32))
         plt.store(out_ref.at[row, pools], scores, mask=in_range)
         return carry
 

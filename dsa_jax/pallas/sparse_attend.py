@@ -77,9 +77,12 @@ def sparse_attend_xla(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
 # Grid (head block, split, row). Every program owns HB heads of one query row and a contiguous
 # 1/n_split share of that row's slot list; it streams that share in tiles of BW slots, gathers
 # the tiles' latent rows straight from the paged cache (masked: empty slots cost no traffic),
-# and keeps a flash-style online softmax (m, l, acc). The head block is the fastest grid axis so
-# that the programs loading the same latents run side by side and share them through L2. The
-# per-split partials are merged in jnp (`_merge_splits`), which XLA fuses into one pass.
+# and keeps a flash-style online softmax (m, l, acc). A program stops at the row's last
+# non-empty slot (`live`, computed in jnp), so padded rows (a decode padded to max_verify) and
+# short selections cost no tile work; the skipped tiles were all-empty, so this changes no
+# result bit. The head block is the fastest grid axis so that the programs loading the same
+# latents run side by side and share them through L2. The per-split partials are merged in jnp
+# (`_merge_splits`), which XLA fuses into one pass.
 # ---------------------------------------------------------------------------------------------
 
 # Running max before any slot is seen: finite, so an all-empty tile rescales by exp(0) = 1
@@ -91,11 +94,12 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _attend_kernel(scale_ref, q_ref, slots_ref, lat_ref, o_ref, m_ref, l_ref, *,
+def _attend_kernel(scale_ref, live_ref, q_ref, slots_ref, lat_ref, o_ref, m_ref, l_ref, *,
                    width: int, tiles: int, block_w: int, compute_dtype, precision):
     """One (head block, split, row) program.
 
-    scale_ref: [2] f32 (logit scale, output scale); q_ref: [HB, Cp] compute dtype; slots_ref:
+    scale_ref: [2] f32 (logit scale, output scale); live_ref: [N] int32 (whole array), slots
+    past which a row has no non-empty slot; q_ref: [HB, Cp] compute dtype; slots_ref:
     [N, Wp] int32 (whole array); lat_ref: [NS, C] cache dtype (whole flat cache). Outputs this
     split's normalized partial o_ref [HB, Cp] f32 (0 if it saw no valid slot), its running max
     m_ref [HB] f32 and softmax denominator l_ref [HB] f32.
@@ -126,7 +130,8 @@ def _attend_kernel(scale_ref, q_ref, slots_ref, lat_ref, o_ref, m_ref, l_ref, *,
 
     init = (jnp.full((hb,), _M_INIT, jnp.float32), jnp.zeros((hb,), jnp.float32),
             jnp.zeros((hb, cp), jnp.float32))
-    m, l, acc = lax.fori_loop(0, tiles, tile, init)
+    live_tiles = (live_ref[row] + block_w - 1) // block_w - split * tiles
+    m, l, acc = lax.fori_loop(0, jnp.clip(live_tiles, 0, tiles), tile, init)
     # Normalized here so that one split needs no merge pass at all.
     o_ref[...] = acc * (out_scale / jnp.where(l > 0, l, 1.0))[:, None]
     m_ref[...] = m
@@ -146,6 +151,12 @@ def _dot_precision(compute_dtype, interpret: bool):
     if compute_dtype == jnp.float32 and not interpret:
         return lax.DotAlgorithmPreset.TF32_TF32_F32_X3
     return lax.Precision.HIGHEST
+
+
+def live_extent(slots: jax.Array) -> jax.Array:
+    """`slots [N, W]` -> `[N]` int32: one past each row's last non-empty slot (0 if none)."""
+    pos = jnp.arange(1, slots.shape[-1] + 1, dtype=jnp.int32)  # [W]
+    return jnp.max(jnp.where(slots >= 0, pos, 0), axis=-1)
 
 
 def _merge_splits(o, m, l):
@@ -220,6 +231,7 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
 
     slots = jax.vmap(token_slots, in_axes=(0, 0, None))(sel, block_tables, bs)  # [B, R, W]
     slots = jnp.pad(slots.reshape(n, w), ((0, 0), (0, wp - w)), constant_values=-1)  # [N, Wp]
+    live = live_extent(slots)  # [N]
     q_p = q.reshape(n, h, c)  # [N, Hp, Cp] once padded
     if (hp, cp) != (h, c):
         q_p = jnp.pad(q_p, ((0, 0), (0, hp - h), (0, cp - c)))
@@ -238,6 +250,7 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
         grid=(hp // hb, splits, n),
         in_specs=[
             pl.BlockSpec(),  # scales [2]
+            pl.BlockSpec(),  # live [N]
             pl.BlockSpec((None, hb, cp), lambda i, s, j: (j, i, 0)),  # q [N, Hp, Cp]
             pl.BlockSpec(),  # slots [N, Wp]
             pl.BlockSpec(),  # flat cache [NS, C]
@@ -251,6 +264,6 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="sparse_attend",
-    )(scales, q_p.astype(compute_dtype), slots, latent.reshape(nb * bs, c))
+    )(scales, live, q_p.astype(compute_dtype), slots, latent.reshape(nb * bs, c))
     out = _merge_splits(o, m, l)  # [N, Hp, Cp]
     return out[:, :h, :c].reshape(b, r, h, c)
