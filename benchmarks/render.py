@@ -75,7 +75,7 @@ def reruns_section(results, main, out_md: str) -> list[str]:
 
 
 def breakdown_section(results: list[tuple[str, dict]], out_md: str) -> list[str]:
-    """The newest full run's stage breakdown of the decode step."""
+    """The newest full run's stage breakdown of the decode, verify and prefill steps."""
     runs = [r for r in results if (r[1].get("breakdown") or {}).get("runs")
             and not r[1].get("smoke")]
     if not runs:
@@ -85,22 +85,32 @@ def breakdown_section(results: list[tuple[str, dict]], out_md: str) -> list[str]
     bd = res["breakdown"]
     stages = ("project", "cache_writes", "pool_scores", "top_k", "expand", "attend",
               "output_projection")
-    lines = ["### Where the decode step's time goes", "",
+    lines = ["### Where the step's time goes", "",
              f"From [`{rel}`]({rel}) ({res.get('date', '?')[:19]}, `{res.get('command')}`): "
-             "each stage of `layer._append_rows` jitted alone at the step's shapes (context "
-             f"{(res.get('plan') or {}).get('ctx')}, rows padded to max_verify), median; "
-             "`sum` adds the stages; `step` is the whole jitted step (calls pipelined); "
-             "`step, blocked` blocks after every call.", "",
-             "| run | " + " | ".join(stages) + " | sum | step | step, blocked |",
-             "|---|" + "---|" * (len(stages) + 3)]
+             "each stage of `layer._append_rows` jitted alone at the step's shapes (decode "
+             "`bN` and verify `bN-kK` at context "
+             f"{(res.get('plan') or {}).get('ctx')}, rows padded to max_verify; `prefillS` "
+             "from an empty context), median wall time; `sum` adds the stages; `step` is the "
+             "whole jitted step (calls pipelined); `step, blocked` blocks after every call. "
+             "`kernels` is the step's device kernel time from a profiler trace, `launches` its "
+             "kernel count, `span` first kernel start to last kernel end (tracing adds gaps).",
+             "",
+             "| run | " + " | ".join(stages) + " | sum | step | step, blocked | kernels | "
+             "launches | span |",
+             "|---|" + "---|" * (len(stages) + 6)]
     for key, r in bd["runs"].items():
         if r.get("error"):
             lines.append(f"| {key} | error: `{r['error'].splitlines()[0][:100]}` |")
             continue
         cells = [fmt_us((r.get(s) or {}).get("median_us")) for s in stages]
+        prof = r.get("profile") or {}
+        launches = prof.get("launches_per_step")
         lines.append(f"| {key} | " + " | ".join(cells) + f" | {fmt_us(r.get('sum_us'))} | "
                      f"{fmt_us(r.get('step_us'))} | "
-                     f"{fmt_us(r.get('step_blocked_each_call_us'))} |")
+                     f"{fmt_us(r.get('step_blocked_each_call_us'))} | "
+                     f"{fmt_us(prof.get('kernel_us_per_step'))} | "
+                     f"{'-' if launches is None else f'{launches:.0f}'} | "
+                     f"{fmt_us(prof.get('first_to_last_kernel_us_per_step'))} |")
     pub = [(k, r["public_decode"]) for k, r in bd["runs"].items() if r.get("public_decode")]
     if pub:
         lines += ["", "Public `dsa_jax.decode` at batch 1 (host checks + row padding + the "
@@ -243,6 +253,30 @@ def levers_section(res: dict) -> list[str]:
                 lines.append(f"| {r['B']} | {r['splits']} | {fmt_us(r['median_us'])} | "
                              f"{fmt_us(r.get('p10_us'))}-{fmt_us(r.get('p90_us'))} |")
         lines.append("")
+    kvm = (lev.get("kv_b_absorbed_vs_runtime_measured") or {}).get("results")
+    if kvm:
+        lines += ["### Absorbed vs run-time kv_b (measured)", "",
+                  lev["kv_b_absorbed_vs_runtime_measured"].get("note", ""), "",
+                  "| TP, batch | run-time kernels | absorbed kernels | absorbed / run-time "
+                  "(kernels) | run-time wall | absorbed wall |", "|---|---|---|---|---|---|"]
+        for key, r in kvm.items():
+            lines.append(f"| {key} | {fmt_us(r.get('runtime_kernel_us'))} | "
+                         f"{fmt_us(r.get('absorbed_kernel_us'))} | "
+                         f"{fmt_x(r.get('absorbed_over_runtime_kernel'))} | "
+                         f"{fmt_us(r.get('runtime_us'))} | {fmt_us(r.get('absorbed_us'))} |")
+        lines.append("")
+    pk = (lev.get("pool_keys_cached_vs_recomputed") or {}).get("results")
+    if pk:
+        lines += ["### Pool keys cached vs recomputed (measured)", "",
+                  lev["pool_keys_cached_vs_recomputed"].get("note", ""), "",
+                  "| impl, batch | cached kernels | recomputed kernels | recomputed / cached "
+                  "(kernels) | cached wall | recomputed wall |", "|---|---|---|---|---|---|"]
+        for key, r in pk.items():
+            lines.append(f"| {key} | {fmt_us(r.get('cached_kernel_us'))} | "
+                         f"{fmt_us(r.get('recomputed_kernel_us'))} | "
+                         f"{fmt_x(r.get('recomputed_over_cached_kernel'))} | "
+                         f"{fmt_us(r.get('cached_us'))} | {fmt_us(r.get('recomputed_us'))} |")
+        lines.append("")
     pad = lev.get("decode_rows_padded_to_max_verify")
     if pad:
         lines += ["### Decode rows padded to max_verify", "", pad.get("note", ""), "",
@@ -252,6 +286,18 @@ def levers_section(res: dict) -> list[str]:
                          f"{fmt_us(r.get('padded_step_us'))} |")
         lines.append("")
     return lines
+
+
+def levers_from_newest(results: list[tuple[str, dict]], out_md: str) -> list[str]:
+    """The levers of the newest full run that measured them (the main run may skip them)."""
+    runs = [r for r in results if (r[1].get("levers") or {}).get(
+        "kv_b_absorbed_vs_runtime") and not r[1].get("smoke")]
+    if not runs:
+        return []
+    path, res = max(runs, key=lambda r: r[1].get("date", ""))
+    rel = os.path.relpath(path, os.path.dirname(os.path.abspath(out_md)))
+    return ["## Levers", "", f"From [`{rel}`]({rel}) ({res.get('date', '?')[:19]}).", ""] + \
+        levers_section(res)
 
 
 def plot_scaling(res: dict, png: str) -> bool:
@@ -340,7 +386,7 @@ def render(results_dir: str, out_md: str, png: str) -> int:
             lines += ["### Scaling", "", f"![decode step vs context]({relp})", ""]
         lines += reruns_section(results, main, out_md)
         lines += breakdown_section(results, out_md)
-        lines += ["## Levers", ""] + levers_section(res)
+        lines += levers_from_newest(results, out_md)
         if res.get("skipped"):
             lines += ["### Skipped", ""] + [f"- {s['group']}: {s['reason']}"
                                             for s in res["skipped"]] + [""]

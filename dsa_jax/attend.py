@@ -25,12 +25,17 @@ def write_latents(cfg: DsaConfig, state: DsaState, kv_raw: jax.Array, norm_w: ja
     return state._replace(latent=latent)
 
 
-def attend(cfg: DsaConfig, state: DsaState, q_abs: jax.Array, sel: jax.Array) -> jax.Array:
-    """`q_abs [B, R, Hl, C]`, `sel [B, R, W]` -> attended latents `[B, R, Hl, C]` f32."""
+def attend(cfg: DsaConfig, state: DsaState, q_abs: jax.Array, sel: jax.Array,
+           live_rows: int | None = None) -> jax.Array:
+    """`q_abs [B, R, Hl, C]`, `sel [B, R, W]` -> attended latents `[B, R, Hl, C]` f32.
+
+    live_rows: the rows expected to hold a selection (a static hint for the kernel's work
+    split; None: all B*R). It changes no result's meaning, only how the work is spread."""
     impl = resolve(cfg.implementation)
     scale = cfg.qk_nope_head_dim ** -0.5
     args = (q_abs, state.latent, state.kv_scale, state.block_tables, sel)
     if impl == "xla":
         return sparse_attend_op.sparse_attend_xla(*args, softmax_scale=scale)
     return sparse_attend_op.sparse_attend_pallas(*args, softmax_scale=scale,
-                                                 interpret=impl == "pallas-interpret")
+                                                 interpret=impl == "pallas-interpret",
+                                                 live_rows=live_rows)

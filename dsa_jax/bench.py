@@ -838,7 +838,8 @@ class Suite:
                               f"<= 100 us"),
                              (cfg0.max_verify, f"selection-b{b}-r{cfg0.max_verify}",
                               f"(extra) the same selection as the padded decode step runs it "
-                              f"({cfg0.max_verify} rows per sequence): <= 100 us")):
+                              f"({cfg0.max_verify} rows per sequence, all but the first "
+                              f"padding): <= 100 us")):
             timings = {}
             for impl in self.tqdm(self.impls, name):
                 cfg = self.cfg_for(impl)
@@ -851,7 +852,7 @@ class Suite:
                     keys = put(0.3 * rng.standard_normal((b, cfg.num_pools, Di), np.float32))
                     pos = put(np.broadcast_to(p.ctx - r + np.arange(r, dtype=np.int32),
                                               (b, r)).copy())
-                    valid = put(np.ones((b, r), bool))
+                    valid = put(np.broadcast_to(np.arange(r) < 1, (b, r)).copy())
                     sets = [(put(rng.standard_normal((b, r, Hi, Di), np.float32)),
                              put(rng.standard_normal((b, r, Hi), np.float32)
                                  * np.float32((Hi * Di) ** -0.5))) for _ in range(3)]
@@ -1059,7 +1060,7 @@ class Suite:
                 return select.expand_selection(cfg, pools, pos, valid)
 
             def attend_fn(state, q_abs, sel):
-                return attend_mod.attend(cfg, state, q_abs, sel)
+                return attend_mod.attend(cfg, state, q_abs, sel, layer._live_rows(cfg, q_abs))
 
             def out_fn(weights, o_lat):
                 return projection.output_projection(weights, o_lat)
@@ -1070,13 +1071,17 @@ class Suite:
                     "expand": jax.jit(expand_fn), "attend": jax.jit(attend_fn),
                     "output_projection": jax.jit(out_fn)}
 
-        # (impl, sequences, rows per sequence); the prefill run is one sequence's prompt.
+        # (impl, sequences, rows per sequence): decode at 1 and big_batch sequences, the K=3
+        # verify, and one sequence's prompt.
+        verify_k = min(3, self.cfg.max_verify)
         runs = [(impl, b, 1) for b in (1, p.big_batch) for impl in self.impls]
+        runs += [(impl, 1, verify_k) for impl in self.impls]
         runs += [(impl, 1, p.prefill_tokens) for impl in self.impls]
         for impl, b, k in self.tqdm(runs, "breakdown"):
             if self.late():
                 break
-            key = f"{impl}-b{b}" if k == 1 else f"{impl}-prefill{k}"
+            key = (f"{impl}-b{b}" if k == 1 else f"{impl}-b{b}-k{k}" if k == verify_k
+                   else f"{impl}-prefill{k}")
             res: dict = {}
             out["runs"][key] = res
             try:
@@ -1088,16 +1093,16 @@ class Suite:
             self.save()
 
     def _breakdown_one(self, impl: str, b: int, k: int, f: dict, res: dict) -> None:
-        """Stages of one step: a decode (k = 1, rows padded to max_verify, at context ctx) or
-        a prefill (k = rows = prompt length, from an empty context; fewer repetitions)."""
+        """Stages of one step: a decode or verify (k <= max_verify rows, padded to max_verify,
+        at context ctx) or a prefill (k rows from an empty context; fewer repetitions)."""
         import jax
         import numpy as np
 
         p = self.plan
         cfg = self.cfg_for(impl)
         weights = self.weights_for(1)
-        decode = k == 1
-        rows, start = (cfg.max_verify, p.ctx - p.inner) if decode else (k, 0)
+        decode = k <= cfg.max_verify
+        rows, start = (cfg.max_verify, p.ctx - p.inner * k) if decode else (k, 0)
         groups, inner = (p.groups, p.inner) if decode else (p.long_groups, 1)
         runner = StepRunner(cfg, weights, b, k, rows, start, 2000 + b + k)
         x = runner.xs[0]
@@ -1137,7 +1142,7 @@ class Suite:
         # The same step one call at a time (a block after each): dispatch not hidden.
         t1 = measure(runner, warmup=1, groups=groups, inner=1, reset=runner.reset)
         res["step_blocked_each_call_us"] = t1["median_us"]
-        if b == 1 and decode:
+        if b == 1 and k == 1:
             res["public_decode"] = self._public_breakdown(cfg, weights, runner)
         try:
             res["profile"] = profile_step(runner, 20 if decode else 1)
@@ -1220,17 +1225,23 @@ class Suite:
                          "q_absorbed": functools.partial(f["matmul"], q_resid, w_q),
                          "o_runtime": functools.partial(f["o_runtime"], w, o_lat),
                          "o_absorbed": functools.partial(f["matmul"], o_flat, w_o)}
-                res = {name: measure(fn, warmup=p.warmup, groups=p.groups, inner=p.inner)
-                       ["median_us"] for name, fn in calls.items()}
-                res["runtime_us"] = res["q_runtime"] + res["o_runtime"]
-                res["absorbed_us"] = res["q_absorbed"] + res["o_absorbed"]
+                res = _wall_and_kernel_us(calls, p)
+                for form in ("runtime", "absorbed"):
+                    for t in ("", "_kernel"):
+                        res[f"{form}{t}_us"] = _sum_or_none(res[f"q_{form}{t}_us"],
+                                                            res[f"o_{form}{t}_us"])
                 res["absorbed_over_runtime"] = _ratio(res["absorbed_us"], res["runtime_us"])
+                res["absorbed_over_runtime_kernel"] = _ratio(res["absorbed_kernel_us"],
+                                                             res["runtime_kernel_us"])
                 res["q_rel_diff"] = _rel_diff(np.asarray(calls["q_absorbed"]()).reshape(
                     *rows, hl, c), calls["q_runtime"]())
                 res["o_rel_diff"] = _rel_diff(calls["o_absorbed"](), calls["o_runtime"]())
                 out["results"][f"tp{tp}-b{b}"] = res
-        out["note"] = ("median us of each jitted half; rel_diff = ||absorbed - runtime|| / "
-                       "||runtime|| (both bf16 weights: the folds round once more)")
+        out["note"] = ("<half>_us: median wall time of the jitted half, back-to-back calls "
+                       "(at B=1 this is dispatch-bound); <half>_kernel_us: its device kernel "
+                       "time from a profiler trace (the bytes-bound figure the prediction is "
+                       "about); rel_diff = ||absorbed - runtime|| / ||runtime|| (bf16 weights: "
+                       "the folds round once more)")
         return out
 
     def lever_pool_keys(self) -> dict:
@@ -1263,16 +1274,18 @@ class Suite:
                                    * np.float32((hi * di) ** -0.5))
                 pos = jax.device_put(np.full((b, 1), p.ctx - 1, np.int32))
                 n_cand = layer.candidate_pools(cfg, pos, pos >= 0)
-                calls = {"cached_us": functools.partial(f["cached"], cfg, qi, w, st.pool_keys,
-                                                        n_cand),
-                         "recomputed_us": functools.partial(f["recomputed"], cfg, qi, w,
-                                                            st.index_k, st.index_g, ape, n_cand)}
-                res = {name: measure(fn, warmup=p.warmup, groups=p.groups, inner=p.inner)
-                       ["median_us"] for name, fn in calls.items()}
+                calls = {"cached": functools.partial(f["cached"], cfg, qi, w, st.pool_keys,
+                                                     n_cand),
+                         "recomputed": functools.partial(f["recomputed"], cfg, qi, w,
+                                                         st.index_k, st.index_g, ape, n_cand)}
+                res = _wall_and_kernel_us(calls, p)
                 res["recomputed_over_cached"] = _ratio(res["recomputed_us"], res["cached_us"])
+                res["recomputed_over_cached_kernel"] = _ratio(res["recomputed_kernel_us"],
+                                                              res["cached_kernel_us"])
                 out["results"][f"{impl}-b{b}"] = res
         out["note"] = ("cached: the step's pool_scores on the state's keys; recomputed: "
-                       "every pool's key from the cache rows, then the same pool_scores")
+                       "every pool's key from the cache rows, then the same pool_scores; "
+                       "_us: median wall time, _kernel_us: device kernel time (trace)")
         return out
 
     def group_levers(self):
@@ -1333,6 +1346,21 @@ def absorbed_kv_b(weights):
     w_o = jnp.einsum("ehv,hvc->ehc", o, weights.u_v.astype(f32),
                      precision="highest").reshape(o.shape[0], hl * c)
     return w_q.astype(weights.q_proj.dtype), w_o.astype(weights.o_proj.dtype)
+
+
+def _wall_and_kernel_us(calls: dict, plan: Plan) -> dict:
+    """For each named call: `<name>_us`, the median wall time of back-to-back calls, and
+    `<name>_kernel_us`, its device kernel time per call (None off a GPU)."""
+    res = {}
+    for name, fn in calls.items():
+        res[f"{name}_us"] = measure(fn, warmup=plan.warmup, groups=plan.groups,
+                                    inner=plan.inner)["median_us"]
+        res[f"{name}_kernel_us"] = kernel_us(fn)
+    return res
+
+
+def _sum_or_none(a, b):
+    return None if a is None or b is None else a + b
 
 
 @functools.lru_cache(maxsize=1)
@@ -1474,6 +1502,25 @@ def profile_step(runner: StepRunner, steps: int, top: int = 25) -> dict:
         "top_kernels": [{"name": n[:160], "us_per_step": v[0] / steps,
                          "launches_per_step": v[1] / steps} for n, v in rows[:top]],
     }
+
+
+class _Calls:
+    """A plain callable as `profile_step`'s runner (nothing to reset between calls)."""
+
+    def __init__(self, call: Callable[[], Any]):
+        self.call = call
+
+    def __call__(self):
+        return self.call()
+
+    def reset(self):
+        pass
+
+
+def kernel_us(call: Callable[[], Any], calls: int = 20) -> float | None:
+    """Device kernel time per call (CUPTI trace; no dispatch or gaps); None where the backend
+    records no kernels (a CPU)."""
+    return profile_step(_Calls(call), calls, top=0).get("kernel_us_per_step")
 
 
 def _host_time(fn, reps: int) -> float:

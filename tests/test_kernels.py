@@ -145,6 +145,20 @@ def test_sparse_attend_split_counts_agree():
         np.testing.assert_allclose(o, outs[0], rtol=0, atol=1e-5 * np.abs(outs[0]).max())
 
 
+def test_sparse_attend_live_rows_hint_only_moves_the_split():
+    """Planning the split for fewer live rows (a padded decode) gives more splits: the same
+    result up to fp32 reordering, and the padded rows stay exactly 0."""
+    q, lat, kv, tables, sel = _attend_inputs(6, 4, 4, 20, 24, 70, 8, 10, "float32")
+    sel = sel.at[:, 1:].set(-1)  # rows padded as decode pads them
+    # 2 head blocks of 16; 5 tiles of 16 slots: 16 rows plan 4 splits, 4 live rows plan 5.
+    assert [sa._num_splits(n * 2, 1, 5) for n in (16, 4)] == [4, 5]
+    outs = [np.asarray(sa.sparse_attend_pallas(q, lat, kv, tables, sel, softmax_scale=0.3,
+                                               interpret=True, block_w=16, live_rows=lr))
+            for lr in (None, 4)]
+    np.testing.assert_allclose(outs[1], outs[0], rtol=0, atol=1e-5 * np.abs(outs[0]).max())
+    assert (outs[1][:, 1:] == 0).all() and (np.abs(outs[1][:, 0]) > 0).any()
+
+
 def test_sparse_attend_stops_at_each_rows_live_extent():
     """Selections laid out as the selection writes them (a prefix of slots, then -1): prefixes
     ending before, on and after tile (16) and split boundaries, and rows with nothing; the
@@ -213,6 +227,18 @@ def test_pool_scores_tiles_past_the_candidates():
     out = ps.pool_scores_pallas(*args, interpret=True, block_p=16, num_chunks=3)
     _check_pool(out, ps.pool_scores_xla(*args), _pool_bound(*args[:3]))
     assert np.isneginf(np.asarray(out)[0, 0]).all()
+
+
+@pytest.mark.parametrize("rows_per_program", [1, 2, 8])
+def test_pool_scores_row_groups(rows_per_program):
+    """Rows of one sequence scored together (R = 5: the last group is padded; 8 > R: one
+    group holds every row of a sequence plus padding)."""
+    args = _pool_inputs(9, 2, 5, 3, 12, 37)
+    out = ps.pool_scores_pallas(*args, interpret=True, block_p=16,
+                                rows_per_program=rows_per_program)
+    _check_pool(out, ps.pool_scores_xla(*args), _pool_bound(*args[:3]))
+    with pytest.raises(ValueError, match="rows_per_program 3"):
+        ps.pool_scores_pallas(*args, interpret=True, rows_per_program=3)
 
 
 def test_pool_scores_negative_zero_is_normalized():

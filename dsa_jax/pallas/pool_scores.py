@@ -52,13 +52,15 @@ def pool_scores_xla(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: j
 # ---------------------------------------------------------------------------------------------
 # Pallas (Triton) kernel.
 #
-# Grid (row, pool chunk), rows fastest: the rows of one sequence read the same keys, so they
-# run side by side and share them through L2. A program loads its row's qi [Hi, Di] and head
-# weights, then walks its chunk of pools (by default a single tile) in tiles [BP, Di], masked:
-# the last tile may be partial, Di may not be a power of two, and the key array is never
-# copied. fp32-accurate throughout, since the scores feed an exact top-k: the dot runs as
-# 3-pass tf32 on the GPU (Triton's IEEE fp32 dot ran near 1 TFLOP/s on the H200, 25x slower
-# than XLA) and as IEEE fp32 in interpret mode.
+# Grid (row group, pool chunk), row groups fastest. A program holds RB rows of one sequence
+# (`rows_per_program`; a verify's or a prompt's rows share their sequence's keys), loads their
+# qi as one [RB*Hi, Di] block and their head weights, then walks its chunk of pools (by default
+# a single tile) in tiles [BP, Di], masked: the last tile may be partial, Di may not be a power
+# of two, and the key array is never copied. One dot serves the RB rows, so each key tile is
+# read once per group. A tile past every row's candidates reads no key. fp32-accurate
+# throughout, since the scores feed an exact top-k: the dot runs as 3-pass tf32 on the GPU
+# (Triton's IEEE fp32 dot ran near 1 TFLOP/s on the H200, 25x slower than XLA) and as IEEE
+# fp32 in interpret mode.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -66,19 +68,23 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _scores_kernel(ncand_ref, qi_ref, w_ref, keys_ref, out_ref, *, rows_per_seq: int,
-                   num_pools: int, width: int, block_p: int, tiles: int, precision):
-    """One (row, pool chunk) program: `tiles` tiles of BP pools.
+def _scores_kernel(ncand_ref, qi_ref, w_ref, keys_ref, out_ref, *, group_rows: int,
+                   groups_per_seq: int, num_pools: int, width: int, block_p: int, tiles: int,
+                   precision):
+    """One (row group, pool chunk) program: `tiles` tiles of BP pools for RB rows.
 
-    ncand_ref: [N] int32 (whole); qi_ref: [Hp, Dp] f32; w_ref: [Hp] f32 (padded heads 0);
-    keys_ref: [B, P, Di] f32 (whole); out_ref: [N, P] f32 (whole, masked store).
+    ncand_ref: [Np] int32 (whole); qi_ref: [RB*Hp, Dp] f32; w_ref: [RB*Hp] f32 (padded heads
+    and rows 0); keys_ref: [B, P, Di] f32 (whole); out_ref: [Np, P] f32 (whole, masked store).
     """
-    row, chunk = pl.program_id(0), pl.program_id(1)
-    qi = qi_ref[...]  # [Hp, Dp]
-    w = w_ref[...]  # [Hp]
-    n_cand = ncand_ref[row]
-    seq = row // rows_per_seq
+    group, chunk = pl.program_id(0), pl.program_id(1)
+    qi = qi_ref[...]  # [RB*Hp, Dp]
+    w = w_ref[...]  # [RB*Hp]
+    rows = group * group_rows + jnp.arange(group_rows, dtype=jnp.int32)  # [RB]
+    n_cand = ncand_ref[pl.ds(group * group_rows, group_rows)]  # [RB]
+    most = jnp.max(n_cand)
+    seq = group // groups_per_seq
     dp = qi.shape[1]
+    hp = qi.shape[0] // group_rows
     dims = jnp.arange(dp, dtype=jnp.int32)  # [Dp]
 
     def score_tile(pools, in_range):
@@ -87,68 +93,84 @@ def _scores_kernel(ncand_ref, qi_ref, w_ref, keys_ref, out_ref, *, rows_per_seq:
         keys = plt.load(keys_ref.at[seq, pools[:, None], dims[None, :]], mask=mask,
                         other=0.0)  # [BP, Dp]
         dots = lax.dot_general(qi, keys, (((1,), (1,)), ((), ())), precision=precision,
-                               preferred_element_type=jnp.float32)  # [Hp, BP]
-        scores = jnp.sum(w[:, None] * jnp.maximum(dots, 0.0), axis=0)  # [BP]
+                               preferred_element_type=jnp.float32)  # [RB*Hp, BP]
+        heads = (w[:, None] * jnp.maximum(dots, 0.0)).reshape(group_rows, hp, block_p)
+        scores = jnp.sum(heads, axis=1)  # [RB, BP]
         scores = jnp.where(scores == 0, 0.0, scores)  # -0.0 -> 0.0
-        return jnp.where(pools < n_cand, scores, -jnp.inf)
+        return jnp.where(pools[None, :] < n_cand[:, None], scores, -jnp.inf)
 
     def tile(t, carry):
         first = (chunk * tiles + t) * block_p
         pools = first + jnp.arange(block_p, dtype=jnp.int32)  # [BP]
         in_range = pools < num_pools  # [BP]
-        # A tile with no candidate (past the row's live length, or a padded row) reads no key.
-        scores = lax.cond(first < n_cand, lambda: score_tile(pools, in_range),
-                          lambda: jnp.full((block_p,), -jnp.inf, jnp.float32))
-        plt.store(out_ref.at[row, pools], scores, mask=in_range)
+        # A tile with no candidate for any row (past the live length, or padded rows) reads
+        # no key.
+        scores = lax.cond(first < most, lambda: score_tile(pools, in_range),
+                          lambda: jnp.full((group_rows, block_p), -jnp.inf, jnp.float32))
+        mask = jnp.broadcast_to(in_range[None, :], (group_rows, block_p))
+        plt.store(out_ref.at[rows[:, None], pools[None, :]], scores, mask=mask)
         return carry
 
     lax.fori_loop(0, tiles, tile, 0)
 
 
+def default_rows_per_program(rows_per_seq: int) -> int:
+    """Rows of one sequence per program: one for a single decode row, two otherwise (a verify,
+    a padded decode, a prompt). Measured on the H200 (results/h200-pool-rows.json, kernel time):
+    two rows per program beat one by 1.2x (64 decodes padded to 4 rows), 1.9x (16 x 4-row
+    verifies) and 1.5x (a 9000-token prompt); four or eight rows were slower at 4 warps."""
+    return 1 if rows_per_seq == 1 else 2
+
+
 def pool_scores_pallas(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: jax.Array, *,
                        interpret: bool = False, block_p: int = 64,
-                       num_chunks: int | None = None, num_warps: int = 4,
-                       num_stages: int = 3) -> jax.Array:
+                       num_chunks: int | None = None, rows_per_program: int | None = None,
+                       num_warps: int = 4, num_stages: int = 3) -> jax.Array:
     """`pool_scores_xla` as a Pallas kernel; same arguments, same result within fp32 rounding
     (tests/test_kernels.py). qi [B, R, Hi, Di] -> [B, R, P] f32.
 
     Hi and Di are padded to powers of two >= 16 (the smallest dot tile) with zeros, which add
-    nothing: padded heads carry weight 0, padded dims multiply zero keys. block_p: pools per
-    tile; num_chunks: programs per row, each looping over its share of the tiles (None: one
-    tile per program, which measured fastest on the H200: 122 us against 174 us for ~4
-    programs per multiprocessor at 64 rows x 4096 pools, results/h200-kernel-parity.json).
+    nothing: padded heads carry weight 0, padded dims multiply zero keys. R is padded to a
+    multiple of `rows_per_program` (a power of two; None: `default_rows_per_program`) with rows
+    that have no candidate. block_p: pools per tile; num_chunks: programs per row group, each
+    looping over its share of the tiles (None: one tile per program, which measured fastest on
+    the H200: 122 us against 174 us for ~4 programs per multiprocessor at 64 rows x 4096 pools,
+    results/h200-kernel-parity.json).
     """
     b, r, hi, di = qi.shape
     p = pool_keys.shape[1]
-    n = b * r
+    rb = rows_per_program or default_rows_per_program(r)
+    if rb & (rb - 1):
+        raise ValueError(f"rows_per_program {rb} must be a power of two")
+    rp = -(-r // rb) * rb  # rows per sequence, padded
     hp, dp = max(16, _next_pow2(hi)), max(16, _next_pow2(di))
     block_p = min(block_p, max(16, _next_pow2(p)))
     tiles_all = -(-p // block_p)
     chunks = min(num_chunks or tiles_all, tiles_all)
     tiles = -(-tiles_all // chunks)  # tiles per program
-    qi_p = qi.reshape(n, hi, di)  # [N, Hp, Dp] after padding
-    w_p = w.reshape(n, hi)  # [N, Hp] after padding
-    if (hp, dp) != (hi, di):
-        qi_p = jnp.pad(qi_p, ((0, 0), (0, hp - hi), (0, dp - di)))
-        w_p = jnp.pad(w_p, ((0, 0), (0, hp - hi)))
+    qi_p = jnp.pad(qi.astype(jnp.float32), ((0, 0), (0, rp - r), (0, hp - hi), (0, dp - di)))
+    w_p = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, rp - r), (0, hp - hi)))
+    ncand_p = jnp.pad(n_cand.astype(jnp.int32), ((0, 0), (0, rp - r)))  # pad rows: none
+    groups = b * rp // rb
     precision = (lax.Precision.HIGHEST if interpret
                  else lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
-    kernel = functools.partial(_scores_kernel, rows_per_seq=r, num_pools=p, width=di,
-                               block_p=block_p, tiles=tiles, precision=precision)
+    kernel = functools.partial(_scores_kernel, group_rows=rb, groups_per_seq=rp // rb,
+                               num_pools=p, width=di, block_p=block_p, tiles=tiles,
+                               precision=precision)
     out = pl.pallas_call(
         kernel,
-        grid=(n, chunks),
+        grid=(groups, chunks),
         in_specs=[
-            pl.BlockSpec(),  # n_cand [N]
-            pl.BlockSpec((None, hp, dp), lambda i, t: (i, 0, 0)),  # qi [N, Hp, Dp]
-            pl.BlockSpec((None, hp), lambda i, t: (i, 0)),  # w [N, Hp]
+            pl.BlockSpec(),  # n_cand [Np]
+            pl.BlockSpec((None, rb * hp, dp), lambda g, t: (g, 0, 0)),  # qi [G, RB*Hp, Dp]
+            pl.BlockSpec((None, rb * hp), lambda g, t: (g, 0)),  # w [G, RB*Hp]
             pl.BlockSpec(),  # keys [B, P, Di]
         ],
-        out_specs=pl.BlockSpec(),  # [N, P], stored with a mask
-        out_shape=jax.ShapeDtypeStruct((n, p), jnp.float32),
+        out_specs=pl.BlockSpec(),  # [Np, P], stored with a mask
+        out_shape=jax.ShapeDtypeStruct((b * rp, p), jnp.float32),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="pool_scores",
-    )(n_cand.reshape(n).astype(jnp.int32), qi_p.astype(jnp.float32),
-      w_p.astype(jnp.float32), pool_keys.astype(jnp.float32))
-    return out.reshape(b, r, p)
+    )(ncand_p.reshape(b * rp), qi_p.reshape(groups, rb * hp, dp),
+      w_p.reshape(groups, rb * hp), pool_keys.astype(jnp.float32))
+    return out.reshape(b, rp, p)[:, :r]

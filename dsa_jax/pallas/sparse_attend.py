@@ -203,14 +203,16 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
                          interpret: bool = False, block_h: int | None = None,
                          block_w: int | None = None, num_splits: int | None = None,
                          compute_dtype=None, num_warps: int | None = None,
-                         num_stages: int = 2) -> jax.Array:
+                         num_stages: int = 2, live_rows: int | None = None) -> jax.Array:
     """`sparse_attend_xla` as a Pallas kernel; same arguments, same result (see tolerances in
     tests/test_kernels.py). q [B, R, H, C] f32 -> [B, R, H, C] f32.
 
     block_h: heads per program (H is padded to a power of two >= 16, the smallest dot tile);
     block_w: slots per tile; num_splits: programs per row and head block (None: enough to fill
     the GPU); compute_dtype: dot operand dtype (None: `default_compute_dtype`). None tile
-    arguments take `default_tiles`.
+    arguments take `default_tiles`. live_rows: how many of the B*R rows the split heuristic
+    should plan for (None: all); a decode padded to max_verify rows has about B non-empty
+    rows, and planning for the padded ones would leave most of the GPU idle.
     """
     b, r, h, c = q.shape
     nb, bs, _ = latent.shape
@@ -225,7 +227,8 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
     hp = -(-max(h, 16) // hb) * hb  # padded heads
     cp = max(16, _next_pow2(c))  # padded latent width (masked loads, no cache copy)
     tiles_all = -(-w // block_w)
-    splits = num_splits or _num_splits(n * (hp // hb), tiles_cfg["per_sm"], tiles_all)
+    splits = num_splits or _num_splits((live_rows or n) * (hp // hb), tiles_cfg["per_sm"],
+                                       tiles_all)
     tiles = -(-tiles_all // splits)  # tiles per split
     wp = splits * tiles * block_w
 
