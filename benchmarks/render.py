@@ -253,30 +253,12 @@ def levers_section(res: dict) -> list[str]:
                 lines.append(f"| {r['B']} | {r['splits']} | {fmt_us(r['median_us'])} | "
                              f"{fmt_us(r.get('p10_us'))}-{fmt_us(r.get('p90_us'))} |")
         lines.append("")
-    kvm = (lev.get("kv_b_absorbed_vs_runtime_measured") or {}).get("results")
-    if kvm:
-        lines += ["### Absorbed vs run-time kv_b (measured)", "",
-                  lev["kv_b_absorbed_vs_runtime_measured"].get("note", ""), "",
-                  "| TP, batch | run-time kernels | absorbed kernels | absorbed / run-time "
-                  "(kernels) | run-time wall | absorbed wall |", "|---|---|---|---|---|---|"]
-        for key, r in kvm.items():
-            lines.append(f"| {key} | {fmt_us(r.get('runtime_kernel_us'))} | "
-                         f"{fmt_us(r.get('absorbed_kernel_us'))} | "
-                         f"{fmt_x(r.get('absorbed_over_runtime_kernel'))} | "
-                         f"{fmt_us(r.get('runtime_us'))} | {fmt_us(r.get('absorbed_us'))} |")
-        lines.append("")
-    pk = (lev.get("pool_keys_cached_vs_recomputed") or {}).get("results")
-    if pk:
-        lines += ["### Pool keys cached vs recomputed (measured)", "",
-                  lev["pool_keys_cached_vs_recomputed"].get("note", ""), "",
-                  "| impl, batch | cached kernels | recomputed kernels | recomputed / cached "
-                  "(kernels) | cached wall | recomputed wall |", "|---|---|---|---|---|---|"]
-        for key, r in pk.items():
-            lines.append(f"| {key} | {fmt_us(r.get('cached_kernel_us'))} | "
-                         f"{fmt_us(r.get('recomputed_kernel_us'))} | "
-                         f"{fmt_x(r.get('recomputed_over_cached_kernel'))} | "
-                         f"{fmt_us(r.get('cached_us'))} | {fmt_us(r.get('recomputed_us'))} |")
-        lines.append("")
+    for key, title, base, other in (
+            ("kv_b_absorbed_vs_runtime_measured", "Absorbed vs run-time kv_b (measured)",
+             "runtime", "absorbed"),
+            ("pool_keys_cached_vs_recomputed", "Pool keys cached vs recomputed (measured)",
+             "cached", "recomputed")):
+        lines += _two_forms_table(lev.get(key) or {}, title, base, other)
     pad = lev.get("decode_rows_padded_to_max_verify")
     if pad:
         lines += ["### Decode rows padded to max_verify", "", pad.get("note", ""), "",
@@ -286,6 +268,21 @@ def levers_section(res: dict) -> list[str]:
                          f"{fmt_us(r.get('padded_step_us'))} |")
         lines.append("")
     return lines
+
+
+def _two_forms_table(lever: dict, title: str, base: str, other: str) -> list[str]:
+    """A measured lever with two forms: device kernel times, their ratio, wall times."""
+    if not lever.get("results"):
+        return []
+    lines = [f"### {title}", "", lever.get("note", ""), "",
+             f"| case | {base} kernels | {other} kernels | {other} / {base} (kernels) | "
+             f"{base} wall | {other} wall |", "|---|---|---|---|---|---|"]
+    for case, r in lever["results"].items():
+        lines.append(f"| {case} | {fmt_us(r.get(f'{base}_kernel_us'))} | "
+                     f"{fmt_us(r.get(f'{other}_kernel_us'))} | "
+                     f"{fmt_x(r.get(f'{other}_over_{base}_kernel'))} | "
+                     f"{fmt_us(r.get(f'{base}_us'))} | {fmt_us(r.get(f'{other}_us'))} |")
+    return lines + [""]
 
 
 def levers_from_newest(results: list[tuple[str, dict]], out_md: str) -> list[str]:
