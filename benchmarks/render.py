@@ -214,13 +214,17 @@ def hf_table(res: dict) -> list[str]:
              f"{hf.get('torch')}, {hf.get('device')}.", "",
              *[f"- cache filled by: {f}" for f in fills], "",
              "| context | eager | sdpa |", "|---|---|---|"]
-    for ctx, r in sorted(hf["contexts"].items(), key=lambda kv: int(kv[0])):
+    rows = sorted(hf["contexts"].items(), key=lambda kv: int(kv[0]))
+    # The other points' counterparts (verify, a batch of decodes, a prompt), when measured.
+    rows += [(f"{kind} {key}", r) for kind in ("verify", "batch", "prefill")
+             for key, r in (hf.get(kind) or {}).items()]
+    for what, r in rows:
         cells = []
         for impl in ("eager", "sdpa"):
             t = r.get(impl) or {}
             cells.append(fmt_us(t.get("median_us")) if t.get("median_us") is not None
                          else "error: `" + (t.get("error") or "-").splitlines()[0][:80] + "`")
-        lines.append(f"| {ctx} | " + " | ".join(cells) + " |")
+        lines.append(f"| {what} | " + " | ".join(cells) + " |")
     return lines
 
 

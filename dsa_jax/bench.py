@@ -711,13 +711,14 @@ class Suite:
         self.add_point(
             f"verify-b1-k3-tp{tp}", f"verify step, 1 sequence, K=3, context {p.ctx}: <= 1.3 x "
             f"the K=1 step{tp_note}", step_cost(cfg, pb, 1, 3, p.ctx), k3, verify_met,
-            batch=1, k=3, ctx=p.ctx, tp=tp)
+            hf_us=self.hf_best("verify") if tp == 1 else None, batch=1, k=3, ctx=p.ctx, tp=tp)
         kb = {impl: self.steps[(tp, p.big_batch, 1, impl)] for impl in self.impls}
         self.add_point(
             f"decode-b{p.big_batch}-k1-tp{tp}", f"decode step, {p.big_batch} sequences, K=1, "
             f"context {p.ctx}: <= 1.5 x floor{tp_note}",
             step_cost(cfg, pb, p.big_batch, 1, p.ctx), kb,
-            lambda pt: pt["median_us"] <= 1.5 * pt["floor_us"], batch=p.big_batch, k=1,
+            lambda pt: pt["median_us"] <= 1.5 * pt["floor_us"],
+            hf_us=self.hf_best("batch") if tp == 1 else None, batch=p.big_batch, k=1,
             ctx=p.ctx, tp=tp)
 
     # ----------------------------------------------------------------- kernels alone
@@ -914,7 +915,7 @@ class Suite:
         self.add_point(
             f"prefill-{s}", f"prefill of {s} tokens, one sequence: <= 25 ms per layer",
             prefill_cost(self.cfg, _param_bytes(self.weights_for(1)), s), timings,
-            lambda pt: pt["median_us"] <= 25_000.0, tokens=s)
+            lambda pt: pt["median_us"] <= 25_000.0, hf_us=self.hf_best("prefill"), tokens=s)
 
     # ----------------------------------------------------------------- scaling and compile
     def group_scaling(self):
@@ -1010,6 +1011,9 @@ class Suite:
         self.result["baselines"]["hf"] = res
         for ctx, r in res.get("contexts", {}).items():
             self.hf[int(ctx)] = r
+        for kind in ("verify", "batch", "prefill"):
+            for r in (res.get(kind) or {}).values():
+                self.hf[kind] = r
         self.save()
 
     def weights_hf(self):
@@ -1017,6 +1021,8 @@ class Suite:
         return self._weights["hf"]
 
     def hf_best(self, ctx):
+        """The faster of HF eager and sdpa: a decode at context `ctx` (int), or "verify",
+        "batch", "prefill" (the other points' counterparts)."""
         r = self.hf.get(ctx)
         if not r:
             return None
@@ -1640,8 +1646,28 @@ def hf_decode_times(cfg, hf_tensors: dict, contexts, plan: Plan, seed: int, tqdm
             entry[impl] = {"error": _err(e), "median_us": None}
         if dev == "cuda":
             torch.cuda.empty_cache()
-    if dev == "cuda":
-        torch.cuda.empty_cache()
+    # The other points' counterparts, at the decode context: a K=3 verify and a batch of
+    # decodes (the cache filled for one sequence, repeated), and a prompt from empty.
+    ctx = plan.ctx
+    extra = [("verify", f"b1-k3-ctx{ctx}", dict(batch=1, rows=3)),
+             ("batch", f"b{plan.big_batch}-k1-ctx{ctx}", dict(batch=plan.big_batch, rows=1)),
+             ("prefill", f"s{plan.prefill_tokens}", None)]
+    runs = [(kind, key, kw, impl) for kind, key, kw in extra for impl in ("eager", "sdpa")]
+    for kind, key, kw, impl in tqdm_fn(runs, "HF glm5_next, other points"):
+        entry = res.setdefault(kind, {}).setdefault(key, {})
+        try:
+            config._attn_implementation = impl
+            if kw is None:
+                entry[impl] = _hf_prefill(cfg, attn, config, plan.prefill_tokens, dev, seed,
+                                          max(2, plan.long_groups))
+            else:
+                finite, timing, fill = _hf_one(cfg, attn, config, ctx, dev, seed,
+                                               max(2, plan.groups), **kw)
+                entry[impl] = dict(timing, finite=finite, cache_fill=fill)
+        except Exception as e:
+            entry[impl] = {"error": _err(e), "median_us": None}
+        if dev == "cuda":
+            torch.cuda.empty_cache()
     return res
 
 
@@ -1680,20 +1706,33 @@ def _hf_fill_forward(cfg, attn, config, ctx: int, dev: str, gen, chunk: int = 20
     return cache
 
 
-def _hf_one(cfg, attn, config, ctx: int, dev: str, seed: int, reps: int
-            ) -> tuple[bool, dict, str]:
-    """One context: a cache holding `ctx` tokens, then timed decode steps, each starting from
-    that cache (the cache layer's attributes are restored before every call)."""
+def _batched_cache_state(state: dict, batch: int) -> dict:
+    """A cache layer's attributes with every batch-1 tensor repeated to `batch` sequences (the
+    same context in each: the timing, not the values, matters)."""
+    import torch
+
+    if batch == 1:
+        return state
+    return {k: (v.repeat(batch, *([1] * (v.dim() - 1)))
+                if isinstance(v, torch.Tensor) and v.dim() > 1 and v.shape[0] == 1 else v)
+            for k, v in state.items()}
+
+
+def _hf_one(cfg, attn, config, ctx: int, dev: str, seed: int, reps: int, batch: int = 1,
+            rows: int = 1) -> tuple[bool, dict, str]:
+    """One context: a cache holding `ctx` tokens (filled for one sequence, repeated to `batch`),
+    then timed steps of `rows` new tokens per sequence (1: a decode; K: a K-token verify), each
+    starting from that cache (the cache layer's attributes are restored before every call)."""
     import torch
 
     gen = torch.Generator(device=dev).manual_seed(seed + ctx)
-    xs = [torch.randn(1, 1, cfg.hidden_size, device=dev, generator=gen, dtype=torch.bfloat16)
-          for _ in range(3)]
-    mask = torch.ones(1, 1, dtype=torch.bool, device=dev)
+    xs = [torch.randn(batch, rows, cfg.hidden_size, device=dev, generator=gen,
+                      dtype=torch.bfloat16) for _ in range(3)]
+    mask = torch.ones(batch, rows, dtype=torch.bool, device=dev)
 
     def make_step(cache):
         layer = cache.layers[0]
-        saved = dict(layer.__dict__)
+        saved = _batched_cache_state(dict(layer.__dict__), batch)
         count = [0]
 
         def step():
@@ -1721,10 +1760,31 @@ def _hf_one(cfg, attn, config, ctx: int, dev: str, seed: int, reps: int
         out = step()
     finite = bool(torch.isfinite(out[0]).all())
     timing = _torch_time(step, reps, warmup=1)
-    if cache.get_seq_length() != ctx + 1:
+    if cache.get_seq_length() != ctx + rows:
         raise RuntimeError(f"HF cache length {cache.get_seq_length()} after a step at context "
-                           f"{ctx}, expected {ctx + 1}")
+                           f"{ctx}, expected {ctx + rows}")
+    if out[0].shape[0] != batch:
+        raise RuntimeError(f"HF output batch {out[0].shape[0]}, expected {batch}")
     return finite, timing, fill
+
+
+def _hf_prefill(cfg, attn, config, tokens: int, dev: str, seed: int, reps: int) -> dict:
+    """One forward of the HF block over a `tokens`-token prompt from an empty cache, timed."""
+    import torch
+    from transformers import DynamicCache
+
+    gen = torch.Generator(device=dev).manual_seed(seed + tokens)
+    x = torch.randn(1, tokens, cfg.hidden_size, device=dev, generator=gen, dtype=torch.bfloat16)
+    mask = torch.ones(1, tokens, dtype=torch.bool, device=dev)
+
+    def step():
+        with torch.no_grad():
+            return attn(x, attention_mask=mask, past_key_values=DynamicCache(config=config))
+
+    out = step()
+    timing = _torch_time(step, reps, warmup=1)
+    timing["finite"] = bool(torch.isfinite(out[0]).all())
+    return timing
 
 
 # ---------------------------------------------------------------------------------------------

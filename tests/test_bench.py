@@ -124,3 +124,20 @@ def test_measured_levers(tmp_path):
     keys = lev["pool_keys_cached_vs_recomputed"]["results"]
     assert set(keys) == {"xla-b1", "xla-b2"}
     assert all(r["cached_us"] > 0 and r["recomputed_us"] > 0 for r in keys.values())
+
+
+def test_hf_baseline_for_every_step_point(tmp_path):
+    """The Hugging Face block is timed for the decode, verify, batch and prefill points (tiny
+    config on the CPU), and each point carries its HF time and ratio."""
+    rc = bench.main(["--smoke", "--only", "hf,decode,prefill", "--impls", "xla",
+                     "--no-progress", "--out", str(tmp_path), "--name", "hf.json"])
+    assert rc == 0
+    with open(tmp_path / "hf.json") as f:
+        res = json.load(f)
+    hf = res["baselines"]["hf"]
+    for kind in ("verify", "batch", "prefill"):
+        (entry,) = hf[kind].values()
+        assert any((entry.get(i) or {}).get("median_us") for i in ("eager", "sdpa")), entry
+    for p in res["points"]:
+        assert p["hf_us"] is not None and p["hf_us"] > 0, p["name"]
+        assert p["ratio_vs_hf"] == pytest.approx(p["median_us"] / p["hf_us"])
