@@ -101,10 +101,16 @@ def test_render_writes_markdown_and_plot(smoke_result, tmp_path):
     (results / "smoke.json").write_text(json.dumps(smoke_result))
     md = tmp_path / "BENCHMARKS.md"
     png = results / "scaling.png"
-    assert render.main(["--results", str(results), "--out", str(md), "--png", str(png)]) == 0
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{render.README_BEGIN}\nold\n{render.README_END}\nrest\n")
+    assert render.main(["--results", str(results), "--out", str(md), "--png", str(png),
+                        "--readme", str(readme)]) == 0
     text = md.read_text()
     assert "decode-b1-k1-tp1" in text and "| point |" in text
     assert png.exists() and png.stat().st_size > 1000
+    new = readme.read_text()
+    assert new.startswith("intro\n") and new.endswith(f"{render.README_END}\nrest\n")
+    assert "old" not in new and "| decode-b1-k1-tp1 |" in new
 
 
 def test_measured_levers(tmp_path):
