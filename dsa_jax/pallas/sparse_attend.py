@@ -79,10 +79,10 @@ def sparse_attend_xla(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
 # the tiles' latent rows straight from the paged cache (masked: empty slots cost no traffic),
 # and keeps a flash-style online softmax (m, l, acc). A program stops at the row's last
 # non-empty slot (`live`, computed in jnp), so padded rows (a decode padded to max_verify) and
-# short selections cost no tile work; the skipped tiles were all-empty, so this changes no
-# result bit. The head block is the fastest grid axis so that the programs loading the same
-# latents run side by side and share them through L2. The per-split partials are merged in jnp
-# (`_merge_splits`), which XLA fuses into one pass.
+# short selections cost no tile work; the skipped tiles held only empty slots (they added
+# exact zeros), so no value changes. The head block is the fastest grid axis so that the
+# programs loading the same latents run side by side and share them through L2. The per-split
+# partials are merged in jnp (`_merge_splits`), which XLA fuses into one pass.
 # ---------------------------------------------------------------------------------------------
 
 # Running max before any slot is seen: finite, so an all-empty tile rescales by exp(0) = 1
