@@ -1596,17 +1596,13 @@ def _hf_dsa_layer_type() -> str:
     return LAYER_TYPE
 
 
-def hf_decode_times(cfg, hf_tensors: dict, contexts, plan: Plan, seed: int, tqdm_fn) -> dict:
-    """One decode step of HF `Glm5NextTextAttention` (bf16, batch 1) at each context, with a
-    DynamicCache prefilled to the context with random latents / indexer states; eager and sdpa.
-    The cache layer is restored to its prefilled contents before every timed call."""
+def _hf_block(cfg, hf_tensors: dict, dev: str):
+    """HF `Glm5NextTextAttention` (bf16, eager to start with) holding `hf_tensors`, and its
+    config."""
     import torch
-    import transformers
     from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextAttention
 
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.manual_seed(seed)
     config = Glm5NextTextConfig(
         vocab_size=64, hidden_size=cfg.hidden_size, intermediate_size=64,
         moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=cfg.num_heads,
@@ -1624,6 +1620,20 @@ def hf_decode_times(cfg, hf_tensors: dict, contexts, plan: Plan, seed: int, tqdm
     with torch.no_grad():
         for name, prm in attn.named_parameters():
             prm.copy_(torch.from_numpy(hf_tensors[name]).to(prm.device, prm.dtype))
+    return attn, config
+
+
+def hf_decode_times(cfg, hf_tensors: dict, contexts, plan: Plan, seed: int, tqdm_fn) -> dict:
+    """One decode step of HF `Glm5NextTextAttention` (bf16, batch 1) at each context, with a
+    DynamicCache prefilled to the context (`_hf_fill_tiled`); eager and sdpa. The cache layer
+    is restored to its prefilled contents before every timed call. Then the verify, batch and
+    prefill points' counterparts."""
+    import torch
+    import transformers
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(seed)
+    attn, config = _hf_block(cfg, hf_tensors, dev)
     res: dict = {"transformers": transformers.__version__, "torch": torch.__version__,
                  "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
                  "layer_type": config.layer_types[0],
@@ -1661,9 +1671,10 @@ def hf_decode_times(cfg, hf_tensors: dict, contexts, plan: Plan, seed: int, tqdm
                 entry[impl] = _hf_prefill(cfg, attn, config, plan.prefill_tokens, dev, seed,
                                           max(2, plan.long_groups))
             else:
-                finite, timing, fill = _hf_one(cfg, attn, config, ctx, dev, seed,
-                                               max(2, plan.groups), **kw)
-                entry[impl] = dict(timing, finite=finite, cache_fill=fill)
+                entry[impl] = _hf_in_chunks(
+                    lambda b, kw=kw: _hf_one(cfg, attn, config, ctx, dev, seed,
+                                             max(2, plan.groups), batch=b, rows=kw["rows"]),
+                    kw["batch"])
         except Exception as e:
             entry[impl] = {"error": _err(e), "median_us": None}
         if dev == "cuda":
@@ -1671,39 +1682,81 @@ def hf_decode_times(cfg, hf_tensors: dict, contexts, plan: Plan, seed: int, tqdm
     return res
 
 
-def _hf_fill_direct(cfg, config, ctx: int, dev: str, gen):
-    """A DynamicCache holding `ctx` random tokens, written through the cache API: latents
-    [1, 1, ctx, C] and the indexer's packed state [1, ctx, 2*Di + 1] (k, gate, valid = 1)."""
+def _hf_fill_tiled(cfg, attn, config, ctx: int, dev: str, gen, fill_tokens: int = 1024):
+    """A DynamicCache holding `ctx` tokens: the HF block's own forward over `n` random tokens
+    (n <= fill_tokens, a multiple of KP), then every cache tensor tiled along its sequence axis to
+    `ctx` (pools stay aligned). Layout-agnostic: transformers 5.17 caches per-head keys and
+    values [B, H, S, D], 5.23 the latent [B, 1, S, C]; the sequence axis is the one that
+    grows when KP more tokens go in. Returns (cache, description)."""
     import torch
     from transformers import DynamicCache
 
+    kp = cfg.index_kpool
+    n = max(2 * kp, min(ctx, fill_tokens) // kp * kp)
     cache = DynamicCache(config=config)
-    k_pass = torch.randn(1, 1, ctx, cfg.kv_lora_rank, device=dev, generator=gen,
-                         dtype=torch.bfloat16)
-    k_rot = torch.empty(1, 1, ctx, 0, device=dev, dtype=torch.bfloat16)
-    cache.update(k_pass, k_rot, 0)
-    di = cfg.index_head_dim
-    packed = torch.randn(1, ctx, 2 * di + 1, device=dev, generator=gen, dtype=torch.bfloat16)
-    packed[..., -1] = 1.0  # the valid channel
-    cache.update_indexer(packed, 0)
-    return cache
 
-
-def _hf_fill_forward(cfg, attn, config, ctx: int, dev: str, gen, chunk: int = 2048):
-    """A DynamicCache prefilled by the HF block itself, in chunks of random inputs (the
-    fallback when the cache API differs)."""
-    import torch
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=config)
-    with torch.no_grad():
-        for start in range(0, ctx, chunk):
-            n = min(chunk, ctx - start)
-            x = torch.randn(1, n, cfg.hidden_size, device=dev, generator=gen,
-                            dtype=torch.bfloat16)
-            attn(x, attention_mask=torch.ones(1, n, dtype=torch.bool, device=dev),
+    def forward(count):
+        x = torch.randn(1, count, cfg.hidden_size, device=dev, generator=gen,
+                        dtype=torch.bfloat16)
+        with torch.no_grad():
+            attn(x, attention_mask=torch.ones(1, count, dtype=torch.bool, device=dev),
                  past_key_values=cache)
-    return cache
+
+    def shapes():
+        return {k: tuple(v.shape) for k, v in cache.layers[0].__dict__.items()
+                if isinstance(v, torch.Tensor) and v.dim() > 1}
+
+    forward(n - kp)
+    before = shapes()
+    forward(kp)
+    layer = cache.layers[0]
+    for name, shape in shapes().items():
+        old = before.get(name, ())
+        grown = ([d for d, (a, b) in enumerate(zip(old, shape, strict=True)) if b - a == kp]
+                 if len(old) == len(shape) else [])
+        if len(grown) != 1 or shape[grown[0]] != n:
+            raise RuntimeError(f"HF cache tensor {name!r} {shape}: no single sequence axis "
+                               f"of length {n} (before the last {kp} tokens: "
+                               f"{before.get(name)})")
+        if ctx > n:
+            t, d = getattr(layer, name), grown[0]
+            reps = [1] * t.dim()
+            reps[d] = -(-ctx // n)
+            setattr(layer, name, t.repeat(*reps).narrow(d, 0, ctx).contiguous())
+    if cache.get_seq_length() != ctx:
+        raise RuntimeError(f"HF cache length {cache.get_seq_length()} after the fill, "
+                           f"expected {ctx}")
+    how = (f"HF forward over {n} random tokens" +
+           (f", its cache tensors tiled along the sequence to {ctx}" if ctx > n else ""))
+    return cache, how
+
+
+def _hf_in_chunks(run, batch: int) -> dict:
+    """`run(b)` -> (finite, timing, fill) for `b` sequences at once. When `batch` sequences do
+    not fit in GPU memory, halve until they do and report `batch / b` calls of `b` (the time
+    of running all `batch` sequences through HF on this GPU), saying so."""
+    import torch
+
+    b, why = batch, None
+    while True:
+        try:
+            finite, timing, fill = run(b)
+            break
+        except torch.cuda.OutOfMemoryError as e:
+            if b == 1:
+                raise
+            why = why or f"{batch} at once: {type(e).__name__}: {str(e)[:160]}"
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            b //= 2
+    out = dict(timing, finite=finite, cache_fill=fill)
+    if b != batch:
+        calls = -(-batch // b)
+        for key in ("median_us", "min_us", "max_us"):
+            out[key] = timing[key] * calls
+        out["chunks"] = {"sequences_per_call": b, "calls": calls, "per_call_us":
+                         timing["median_us"], "why": why}
+    return out
 
 
 def _batched_cache_state(state: dict, batch: int) -> dict:
@@ -1745,19 +1798,9 @@ def _hf_one(cfg, attn, config, ctx: int, dev: str, seed: int, reps: int, batch: 
 
         return step
 
-    try:
-        cache = _hf_fill_direct(cfg, config, ctx, dev, gen)
-        fill = "direct: DynamicCache.update + update_indexer with random states"
-        step = make_step(cache)
-        out = step()
-    except Exception as e:
-        if ctx > 16384:
-            raise
-        fill = (f"HF forward over {ctx} random tokens in chunks (the direct fill failed: "
-                f"{type(e).__name__}: {str(e)[:200]})")
-        cache = _hf_fill_forward(cfg, attn, config, ctx, dev, gen)
-        step = make_step(cache)
-        out = step()
+    cache, fill = _hf_fill_tiled(cfg, attn, config, ctx, dev, gen)
+    step = make_step(cache)
+    out = step()
     finite = bool(torch.isfinite(out[0]).all())
     timing = _torch_time(step, reps, warmup=1)
     if cache.get_seq_length() != ctx + rows:
@@ -1889,8 +1932,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-levers", action="store_true",
                     help="levers: byte counts only, no split sweep / padding runs")
     ap.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
-    ap.add_argument("--mem-fraction", default="0.6",
-                    help="XLA_PYTHON_CLIENT_MEM_FRACTION when not set (torch needs the rest)")
+    ap.add_argument("--mem-fraction", default="0.45",
+                    help="XLA_PYTHON_CLIENT_MEM_FRACTION when not set (torch needs the rest: "
+                         "HF 5.17 caches per-head keys and values, ~60 GB for 64 sequences "
+                         "at 16K)")
     return ap
 
 
@@ -1906,6 +1951,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", args.mem_fraction)
+    # HF's caches grow by concatenation: without expandable segments torch fragments its pool
+    # between contexts and a 9000-token eager prefill no longer finds 20 GB in one piece.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
     import jax
 

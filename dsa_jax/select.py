@@ -2,22 +2,27 @@
 
 Total order: score descending, then pool index ascending. `lax.top_k` documents that equal
 values keep the lower index first, and pool scores carry no -0.0 (pool_scores.py), so its
-order is exactly that one.
+order is exactly that one; the Pallas top-k (pallas/pool_topk.py) returns the same indices.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from dsa_jax.config import DsaConfig
+from dsa_jax.implementation import resolve
+from dsa_jax.pallas import pool_topk as pool_topk_op
 
 
 def top_pools(cfg: DsaConfig, scores: jax.Array) -> jax.Array:
-    """`scores [..., P]` -> the best `min(select_k, P)` pool indices `[..., k]`, best first."""
+    """`scores [..., P]` -> the best `min(select_k, P)` pool indices `[..., k]`, best first.
+    Every implementation returns the same indices (the kernel is tested with `==`)."""
     k = min(cfg.select_k, scores.shape[-1])
-    return lax.top_k(scores, k)[1].astype(jnp.int32)
+    impl = resolve(cfg.implementation)
+    if impl == "xla":
+        return pool_topk_op.pool_topk_xla(scores, k)
+    return pool_topk_op.pool_topk_pallas(scores, k, interpret=impl == "pallas-interpret")
 
 
 def expand_selection(cfg: DsaConfig, pools: jax.Array, pos: jax.Array, valid: jax.Array

@@ -36,6 +36,7 @@ import pytest
 
 import dsa_jax
 from dsa_jax.pallas import pool_scores as ps
+from dsa_jax.pallas import pool_topk as pt
 from dsa_jax.pallas import sparse_attend as sa
 from dsa_jax.shapes import tiny
 
@@ -250,6 +251,45 @@ def test_pool_scores_negative_zero_is_normalized():
     n_cand = jnp.full_like(n_cand, 37)
     out = np.asarray(ps.pool_scores_pallas(qi, w, keys, n_cand, interpret=True))
     assert (out == 0).all() and not np.signbit(out).any()
+
+
+# ---------------------------------------------------------------------------------- pool top-k
+
+def _topk_scores(seed, n, p, live, ties):
+    """Random scores [n, p] (quantized to ties when asked, -0.0 included), -inf from `live`
+    per row on (a row's candidates end there; 0: a padded row)."""
+    x = np.array(jax.random.normal(jax.random.key(seed), (n, p)))
+    if ties:
+        x = np.round(x * 4) / 4  # many equal scores, and -0.0 from small negatives
+    x[np.arange(p)[None, :] >= np.asarray(live)[:, None]] = -np.inf
+    return jnp.asarray(x, jnp.float32)
+
+
+@pytest.mark.parametrize("n,p,k,live,kw", [
+    (4, 4096, 512, [4096, 0, 0, 0], {}),  # a decode row padded to max_verify, GLM's P and k
+    (3, 300, 37, [300, 150, 37], {}),  # P, k not powers of two; live == k
+    (3, 1000, 200, [1000, 511, 3], dict(chunk=256)),  # several chunks, live < k
+    (2, 64, 64, [64, 33], dict(rank_block=16)),  # k == P
+    (2, 70, 1, [70, 0], {}),  # k == 1
+])
+@pytest.mark.parametrize("ties", [False, True])
+def test_pool_topk_equals_lax_top_k(n, p, k, live, kw, ties):
+    """The same indices as lax.top_k, bit for bit: ties (lower index first), -inf tails,
+    -0.0 below +0.0, rows with fewer candidates than k."""
+    s = _topk_scores(n + p + k, n, p, live, ties)
+    ref = np.asarray(pt.pool_topk_xla(s, k))
+    out = np.asarray(pt.pool_topk_pallas(s, k, interpret=True, **kw))
+    np.testing.assert_array_equal(out, ref)
+    assert all(len(set(row)) == k for row in out.reshape(-1, k))  # distinct pools
+
+
+def test_pool_topk_batch_dims_and_bad_k():
+    s = _topk_scores(3, 6, 50, [50, 40, 30, 20, 10, 0], ties=True).reshape(2, 3, 50)
+    out = pt.pool_topk_pallas(s, 20, interpret=True)
+    assert out.shape == (2, 3, 20) and out.dtype == jnp.int32
+    np.testing.assert_array_equal(out, pt.pool_topk_xla(s, 20))
+    with pytest.raises(ValueError, match="k=51"):
+        pt.pool_topk_pallas(s, 51, interpret=True)
 
 
 # ------------------------------------------------------------------------------- the layer

@@ -1,0 +1,149 @@
+"""Top-k pool indices under the selection's total order: score descending, then index ascending.
+
+`pool_topk_xla` is `lax.top_k` (its documented tie rule is that order). The kernel finds the
+same k indices without a sort: a radix select of the k-th largest score on the score bits,
+a compaction of the selected pools in index order, then each selected pool's rank among the
+k by direct comparison. XLA sorts all P scores of a row; this reads them 33 times from L1/L2
+and compares only the k winners with each other.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+_INT_MIN = -(2 ** 31)
+
+
+def pool_topk_xla(scores: jax.Array, k: int) -> jax.Array:
+    """The definition. scores [..., P] f32 (no NaN) -> [..., k] int32, best first."""
+    return lax.top_k(scores, k)[1].astype(jnp.int32)
+
+
+def sortable_key(x: jax.Array) -> jax.Array:
+    """f32 -> int32 in the same total order as `lax.top_k` (signed compare): -inf lowest,
+    -0.0 just below +0.0 (pool scores hold no -0.0)."""
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pallas (Triton) kernel.
+#
+# One program per row. (1) Radix select: the k-th largest key T, built bit by bit from the top
+# (32 counting passes over the row; a row of up to `chunk` scores stays in registers).
+# (2) Compaction, in index order: every key > T, then the first k - count(> T) keys == T
+# (lowest indices: the tie rule), written to scratch at their exclusive prefix-sum position.
+# (3) After a barrier (the scratch is global memory written by other threads of the program),
+# each selected pool's rank = how many of the k beat it (greater key, or equal key at a lower
+# index); it is stored at out[rank]. Ranks are a permutation of [0, k): every slot is written.
+# ---------------------------------------------------------------------------------------------
+
+
+def _topk_kernel(s_ref, o_ref, ck_ref, ci_ref, *, k: int, chunk: int, chunks: int,
+                 rank_block: int, barrier: bool):
+    """s_ref [Pp] f32 (one row); o_ref [Kp] int32 out; ck_ref, ci_ref [Kp] int32 scratch."""
+    lane = jnp.arange(chunk, dtype=jnp.int32)  # [chunk]
+
+    if chunks == 1:
+        row_keys = sortable_key(s_ref[...])  # [chunk], loaded once
+
+        def keys_of(j):
+            del j
+            return row_keys
+    else:
+        def keys_of(j):
+            return sortable_key(s_ref[pl.ds(j * chunk, chunk)])  # [chunk]
+
+    def count(pred):
+        return lax.fori_loop(
+            0, chunks, lambda j, acc: acc + jnp.sum(pred(keys_of(j)).astype(jnp.int32)),
+            jnp.int32(0))
+
+    def radix_bit(i, prefix):
+        # prefix/cand live in the unsigned order u = key ^ INT_MIN; compare in signed keys.
+        cand = prefix | jnp.left_shift(jnp.int32(1), 31 - i)
+        thr = cand ^ jnp.int32(_INT_MIN)
+        return jnp.where(count(lambda key: key >= thr) >= k, cand, prefix)
+
+    kth = lax.fori_loop(0, 32, radix_bit, jnp.int32(0)) ^ jnp.int32(_INT_MIN)
+    need_eq = k - count(lambda key: key > kth)  # ties at the k-th key still to take, >= 1
+
+    def compact(j, carry):
+        n_sel, n_eq = carry
+        key = keys_of(j)
+        eq = (key == kth).astype(jnp.int32)
+        eq_before = n_eq + jnp.cumsum(eq) - eq
+        sel = ((key > kth) | ((eq == 1) & (eq_before < need_eq))).astype(jnp.int32)
+        pos = n_sel + jnp.cumsum(sel) - sel
+        plt.store(ci_ref.at[pos], j * chunk + lane, mask=sel == 1)
+        plt.store(ck_ref.at[pos], key, mask=sel == 1)
+        return n_sel + jnp.sum(sel), n_eq + jnp.sum(eq)
+
+    lax.fori_loop(0, chunks, compact, (jnp.int32(0), jnp.int32(0)))
+    if barrier:  # interpret mode runs one thread and has no barrier primitive
+        plt.debug_barrier()
+
+    kp = o_ref.shape[0]
+    at = jnp.arange(kp, dtype=jnp.int32)  # [Kp] compacted position (= index order)
+    all_keys = jnp.where(at < k, ck_ref[...], jnp.int32(_INT_MIN))  # [Kp]
+    sub = jnp.arange(rank_block, dtype=jnp.int32)  # [RB]
+
+    def rank(b, _):
+        mine = b * rank_block + sub  # [RB]
+        key = ck_ref[pl.ds(b * rank_block, rank_block)]  # [RB]
+        beats = ((all_keys[None, :] > key[:, None])
+                 | ((all_keys[None, :] == key[:, None]) & (at[None, :] < mine[:, None])))
+        beats = beats & (at < k)[None, :]  # [RB, Kp]
+        r = jnp.sum(beats.astype(jnp.int32), axis=1)  # [RB]
+        plt.store(o_ref.at[r], ci_ref[pl.ds(b * rank_block, rank_block)], mask=mine < k)
+        return 0
+
+    lax.fori_loop(0, pl.cdiv(k, rank_block), rank, 0)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def pool_topk_pallas(scores: jax.Array, k: int, *, interpret: bool = False,
+                     chunk: int = 4096, rank_block: int = 32, num_warps: int = 4
+                     ) -> jax.Array:
+    """`pool_topk_xla` as a Pallas kernel: the same indices, bit for bit.
+
+    scores [..., P] f32 (no NaN) -> [..., k] int32, best first. chunk: scores held in
+    registers at once (a power of two; a longer row is walked in chunks); rank_block: winners
+    ranked per step.
+    """
+    *lead, p = scores.shape
+    if not 1 <= k <= p:
+        raise ValueError(f"pool_topk: k={k} must be in [1, P={p}]")
+    n = 1
+    for d in lead:
+        n *= d
+    chunk = min(_next_pow2(chunk), _next_pow2(p))
+    pp = -(-p // chunk) * chunk
+    x = scores.reshape(n, p).astype(jnp.float32)
+    if pp != p:  # -inf after every real index: never chosen before a real -inf (k <= P)
+        x = jnp.pad(x, ((0, 0), (0, pp - p)), constant_values=-jnp.inf)
+    rank_block = min(_next_pow2(rank_block), _next_pow2(k))
+    kp = max(_next_pow2(k), rank_block)
+    kernel = functools.partial(_topk_kernel, k=k, chunk=chunk, chunks=pp // chunk,
+                               rank_block=rank_block, barrier=not interpret)
+    row = pl.BlockSpec((None, kp), lambda i: (i, 0))
+    out, _, _ = pl.pallas_call(
+        kernel,
+        grid=(n,),
+        in_specs=[pl.BlockSpec((None, pp), lambda i: (i, 0))],
+        out_specs=[row, row, row],
+        out_shape=[jax.ShapeDtypeStruct((n, kp), jnp.int32)] * 3,
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="pool_topk",
+    )(x)
+    return out[:, :k].reshape(*lead, k)
