@@ -40,8 +40,9 @@ def _cases():
     ]
 
 
-VARIANTS = [None, dict(num_warps=8), dict(rank_block=64), dict(rank_block=16),
-            dict(chunk=2048), dict(chunk=8192, num_warps=8)]
+VARIANTS = [None, dict(radix_bits=2), dict(radix_bits=4), dict(radix_bits=2, num_warps=8),
+            dict(radix_bits=2, rank_block=64), dict(chunk=8192, num_warps=8, radix_bits=2),
+            dict(chunk=8192, num_warps=8, radix_bits=4)]
 
 
 def _scores(rng, n, p, live, ties=False):

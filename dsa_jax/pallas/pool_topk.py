@@ -19,6 +19,12 @@ from jax.experimental.pallas import triton as plt
 
 _INT_MIN = -(2 ** 31)
 
+# The layer's pallas path runs this kernel for rows of at most this many pools (one chunk, held
+# in registers) and lax.top_k for longer ones: at P = 32768 (a 128K ceiling) the kernel's
+# passes stream the row from L2 and took 2.3x lax.top_k's time (h200-topk.json); at P = 4096 it
+# beat lax.top_k at 4, 256 and 9000 rows.
+KERNEL_MAX_P = 4096
+
 
 def pool_topk_xla(scores: jax.Array, k: int) -> jax.Array:
     """The definition. scores [..., P] f32 (no NaN) -> [..., k] int32, best first."""
@@ -35,8 +41,9 @@ def sortable_key(x: jax.Array) -> jax.Array:
 # ---------------------------------------------------------------------------------------------
 # Pallas (Triton) kernel.
 #
-# One program per row. (1) Radix select: the k-th largest key T, built bit by bit from the top
-# (32 counting passes over the row; a row of up to `chunk` scores stays in registers).
+# One program per row. (1) Radix select: the k-th largest key T, built digit by digit from the
+# top (32 / radix_bits counting passes over the row; a row of up to `chunk` scores stays in
+# registers).
 # (2) Compaction, in index order: every key > T, then the first k - count(> T) keys == T
 # (lowest indices: the tie rule), written to scratch at their exclusive prefix-sum position.
 # (3) After a barrier (the scratch is global memory written by other threads of the program),
@@ -46,7 +53,7 @@ def sortable_key(x: jax.Array) -> jax.Array:
 
 
 def _topk_kernel(s_ref, o_ref, ck_ref, ci_ref, *, k: int, chunk: int, chunks: int,
-                 rank_block: int, barrier: bool):
+                 rank_block: int, radix_bits: int, barrier: bool):
     """s_ref [Pp] f32 (one row); o_ref [Kp] int32 out; ck_ref, ci_ref [Kp] int32 scratch."""
     lane = jnp.arange(chunk, dtype=jnp.int32)  # [chunk]
 
@@ -60,18 +67,25 @@ def _topk_kernel(s_ref, o_ref, ck_ref, ci_ref, *, k: int, chunk: int, chunks: in
         def keys_of(j):
             return sortable_key(s_ref[pl.ds(j * chunk, chunk)])  # [chunk]
 
-    def count(pred):
-        return lax.fori_loop(
-            0, chunks, lambda j, acc: acc + jnp.sum(pred(keys_of(j)).astype(jnp.int32)),
-            jnp.int32(0))
+    def count(pred, shape=()):  # pred: [chunk] keys -> shape + [chunk] bool -> counts
+        def body(j, acc):
+            return acc + jnp.sum(pred(keys_of(j)).astype(jnp.int32), axis=-1)
+        return lax.fori_loop(0, chunks, body, jnp.zeros(shape, jnp.int32))
 
-    def radix_bit(i, prefix):
-        # prefix/cand live in the unsigned order u = key ^ INT_MIN; compare in signed keys.
-        cand = prefix | jnp.left_shift(jnp.int32(1), 31 - i)
-        thr = cand ^ jnp.int32(_INT_MIN)
-        return jnp.where(count(lambda key: key >= thr) >= k, cand, prefix)
+    # Radix select, `radix_bits` bits per pass: the candidates prefix | (d << shift) for every
+    # digit d are counted at once; the largest d still leaving >= k keys extends the prefix.
+    digits = jnp.arange(1 << radix_bits, dtype=jnp.int32)  # [D]
 
-    kth = lax.fori_loop(0, 32, radix_bit, jnp.int32(0)) ^ jnp.int32(_INT_MIN)
+    def radix_pass(i, prefix):
+        # prefix/cand are bits in the unsigned order u = key ^ INT_MIN; thresholds and the max
+        # are taken in signed keys, where that order holds. Digit 0 (cand = prefix) always
+        # leaves >= k keys.
+        cand = prefix | jnp.left_shift(digits, 32 - radix_bits - i * radix_bits)  # [D]
+        thr = cand ^ jnp.int32(_INT_MIN)  # [D]
+        counts = count(lambda key: key[None, :] >= thr[:, None], digits.shape)  # [D]
+        return jnp.max(jnp.where(counts >= k, thr, jnp.int32(_INT_MIN))) ^ jnp.int32(_INT_MIN)
+
+    kth = lax.fori_loop(0, 32 // radix_bits, radix_pass, jnp.int32(0)) ^ jnp.int32(_INT_MIN)
     need_eq = k - count(lambda key: key > kth)  # ties at the k-th key still to take, >= 1
 
     def compact(j, carry):
@@ -112,17 +126,20 @@ def _next_pow2(n: int) -> int:
 
 
 def pool_topk_pallas(scores: jax.Array, k: int, *, interpret: bool = False,
-                     chunk: int = 4096, rank_block: int = 32, num_warps: int = 4
-                     ) -> jax.Array:
+                     chunk: int = 4096, rank_block: int = 32, num_warps: int = 4,
+                     radix_bits: int = 1) -> jax.Array:
     """`pool_topk_xla` as a Pallas kernel: the same indices, bit for bit.
 
     scores [..., P] f32 (no NaN) -> [..., k] int32, best first. chunk: scores held in
     registers at once (a power of two; a longer row is walked in chunks); rank_block: winners
-    ranked per step.
+    ranked per step; radix_bits: score bits settled per counting pass (1, 2 or 4: 32, 16
+    or 8 passes over the row, each counting 2, 4 or 16 candidate thresholds).
     """
     *lead, p = scores.shape
     if not 1 <= k <= p:
         raise ValueError(f"pool_topk: k={k} must be in [1, P={p}]")
+    if radix_bits not in (1, 2, 4):
+        raise ValueError(f"pool_topk: radix_bits={radix_bits} must be 1, 2 or 4")
     n = 1
     for d in lead:
         n *= d
@@ -134,7 +151,8 @@ def pool_topk_pallas(scores: jax.Array, k: int, *, interpret: bool = False,
     rank_block = min(_next_pow2(rank_block), _next_pow2(k))
     kp = max(_next_pow2(k), rank_block)
     kernel = functools.partial(_topk_kernel, k=k, chunk=chunk, chunks=pp // chunk,
-                               rank_block=rank_block, barrier=not interpret)
+                               rank_block=rank_block, radix_bits=radix_bits,
+                               barrier=not interpret)
     row = pl.BlockSpec((None, kp), lambda i: (i, 0))
     out, _, _ = pl.pallas_call(
         kernel,
