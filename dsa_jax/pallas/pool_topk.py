@@ -21,8 +21,8 @@ _INT_MIN = -(2 ** 31)
 
 # The layer's pallas path runs this kernel for rows of at most this many pools (one chunk, held
 # in registers) and lax.top_k for longer ones: at P = 32768 (a 128K ceiling) the kernel's
-# passes stream the row from L2 and took 2.3x lax.top_k's time (h200-topk.json); at P = 4096 it
-# beat lax.top_k at 4, 256 and 9000 rows.
+# passes stream the row from L2 and took 2.2x lax.top_k's kernel time (h200-topk.json); at
+# P = 4096 it beat lax.top_k at 4, 256 and 9000 rows (29, 43, 1124 us against 34, 68, 2007).
 KERNEL_MAX_P = 4096
 
 
@@ -127,13 +127,14 @@ def _next_pow2(n: int) -> int:
 
 def pool_topk_pallas(scores: jax.Array, k: int, *, interpret: bool = False,
                      chunk: int = 4096, rank_block: int = 32, num_warps: int = 4,
-                     radix_bits: int = 1) -> jax.Array:
+                     radix_bits: int = 2) -> jax.Array:
     """`pool_topk_xla` as a Pallas kernel: the same indices, bit for bit.
 
     scores [..., P] f32 (no NaN) -> [..., k] int32, best first. chunk: scores held in
     registers at once (a power of two; a longer row is walked in chunks); rank_block: winners
     ranked per step; radix_bits: score bits settled per counting pass (1, 2 or 4: 32, 16
-    or 8 passes over the row, each counting 2, 4 or 16 candidate thresholds).
+    or 8 passes over the row, each counting 2, 4 or 16 candidate thresholds; 2 measured
+    fastest on the H200, h200-topk.json).
     """
     *lead, p = scores.shape
     if not 1 <= k <= p:
