@@ -1086,36 +1086,41 @@ class Suite:
                     "expand": jax.jit(expand_fn), "attend": jax.jit(attend_fn),
                     "output_projection": jax.jit(out_fn)}
 
-        # (impl, sequences, rows per sequence): decode at 1 and big_batch sequences, the K=3
-        # verify, and one sequence's prompt.
+        # (impl, sequences, rows per sequence, tp): decode at 1 and big_batch sequences, the
+        # K=3 verify, one sequence's prompt, and the batch-1 decode at each TP degree > 1 (one
+        # rank's work, as the tp8 points).
         verify_k = min(3, self.cfg.max_verify)
-        runs = [(impl, b, 1) for b in (1, p.big_batch) for impl in self.impls]
-        runs += [(impl, 1, verify_k) for impl in self.impls]
-        runs += [(impl, 1, p.prefill_tokens) for impl in self.impls]
-        for impl, b, k in self.tqdm(runs, "breakdown"):
+        runs = [(impl, b, 1, 1) for b in (1, p.big_batch) for impl in self.impls]
+        runs += [(impl, 1, verify_k, 1) for impl in self.impls]
+        runs += [(impl, 1, p.prefill_tokens, 1) for impl in self.impls]
+        runs += [(impl, 1, 1, tp) for tp in p.tp if tp != 1 for impl in self.impls]
+        for impl, b, k, tp in self.tqdm(runs, "breakdown"):
             if self.late():
                 break
             key = (f"{impl}-b{b}" if k == 1 else f"{impl}-b{b}-k{k}" if k == verify_k
-                   else f"{impl}-prefill{k}")
+                   else f"{impl}-prefill{k}") + (f"-tp{tp}" if tp != 1 else "")
             res: dict = {}
             out["runs"][key] = res
             try:
-                self._breakdown_one(impl, b, k, stage_fns(self.cfg_for(impl)), res)
+                self._breakdown_one(impl, b, k, stage_fns(self.cfg_for(impl, tp_degree=tp)),
+                                    res, tp)
             except Exception as e:
                 _log(f"[bench] breakdown {key} failed: {type(e).__name__}: {str(e)[:300]}")
                 self.after_error(e)
                 res["error"] = _err(e)
             self.save()
 
-    def _breakdown_one(self, impl: str, b: int, k: int, f: dict, res: dict) -> None:
+    def _breakdown_one(self, impl: str, b: int, k: int, f: dict, res: dict, tp: int = 1
+                       ) -> None:
         """Stages of one step: a decode or verify (k <= max_verify rows, padded to max_verify,
-        at context ctx) or a prefill (k rows from an empty context; fewer repetitions)."""
+        at context ctx) or a prefill (k rows from an empty context; fewer repetitions); at
+        TP degree `tp`, one rank's work."""
         import jax
         import numpy as np
 
         p = self.plan
-        cfg = self.cfg_for(impl)
-        weights = self.weights_for(1)
+        cfg = self.cfg_for(impl, tp_degree=tp)
+        weights = self.weights_for(tp)
         decode = k <= cfg.max_verify
         rows, start = (cfg.max_verify, p.ctx - p.inner * k) if decode else (k, 0)
         groups, inner = (p.groups, p.inner) if decode else (p.long_groups, 1)
@@ -1157,7 +1162,7 @@ class Suite:
         # The same step one call at a time (a block after each): dispatch not hidden.
         t1 = measure(runner, warmup=1, groups=groups, inner=1, reset=runner.reset)
         res["step_blocked_each_call_us"] = t1["median_us"]
-        if b == 1 and k == 1:
+        if b == 1 and k == 1 and tp == 1:
             res["public_decode"] = self._public_breakdown(cfg, weights, runner)
         try:
             res["profile"] = profile_step(runner, 20 if decode else 1)

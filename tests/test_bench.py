@@ -189,3 +189,17 @@ def test_hf_batch_in_chunks_when_it_does_not_fit():
     assert "out of memory" in out["chunks"]["why"]
     assert bench._hf_in_chunks(run, 8)["median_us"] == 80.0 and "chunks" not in (
         bench._hf_in_chunks(run, 8))
+
+
+def test_breakdown_covers_decode_verify_prefill_and_tp8(smoke_result):
+    """The stage breakdown runs the decode (1 and big_batch sequences), the K=3 verify, a
+    prompt, and the batch-1 decode at TP 8 (one rank), each with every stage and the step."""
+    runs = smoke_result["breakdown"]["runs"]
+    for key in ("xla-b1", "xla-b2", "xla-b1-k3", "xla-prefill4", "xla-b1-tp8"):
+        res = runs[key]
+        assert "error" not in res, (key, res.get("error"))
+        for stage in ("project", "cache_writes", "pool_scores", "top_k", "expand", "attend",
+                      "output_projection"):
+            assert res[stage]["median_us"] > 0, (key, stage)
+        assert res["step_us"] > 0
+    assert "public_decode" in runs["xla-b1"] and "public_decode" not in runs["xla-b1-tp8"]
