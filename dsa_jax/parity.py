@@ -24,6 +24,7 @@ from dsa_jax.implementation import pallas_kernels_present
 from dsa_jax.pallas import index_write as index_op
 from dsa_jax.pallas import latent_write as latent_op
 from dsa_jax.pallas import pool_scores as pool_op
+from dsa_jax.pallas import pool_topk as topk_op
 from dsa_jax.pallas import sparse_attend as attend_op
 from dsa_jax.shapes import ODD
 
@@ -90,6 +91,15 @@ def kernel_checks(impl: str, seed: int = 0) -> list[Check]:
     err = _rel(jnp.where(finite, got, 0), jnp.where(finite, want, 0)) if same_inf else np.inf
     checks.append(Check("kernel", "pool_scores (3 heads, 29 pools)", impl, err,
                         KERNEL_RTOL_FP32))
+    # Top-k: ties (scores on a 1/4 grid), -inf past each row's candidates; error = how many
+    # indices differ from lax.top_k (must be none).
+    scores = jnp.round(jax.random.normal(keys[7], (b * r, 300)) * 4) / 4
+    live = jnp.array([300, 200, 40, 37, 10, 0])[:, None]
+    scores = jnp.where(jnp.arange(300)[None, :] < live, scores, -jnp.inf)
+    want = topk_op.pool_topk_xla(scores, 37)
+    got = topk_op.pool_topk_pallas(scores, 37, interpret=interpret)
+    checks.append(Check("kernel", "pool_topk == lax.top_k (300 pools, k 37, ties)", impl,
+                        float(jnp.sum(got != want)), 0.0))
     return checks + write_kernel_checks(impl, keys)
 
 
