@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import datetime
 import functools
-import json
 import os
 import sys
-import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsa_jax.bench import kernel_us, measure
+from dsa_jax.bench import kernel_us, measure, sweep_row
 from dsa_jax.pallas import pool_scores as ps
 
 HI, DI, P = 32, 128, 4096  # GLM-5.3-Flash indexer at max_context 16K, index_kpool 4
@@ -57,7 +55,8 @@ def main() -> int:
         fin = np.isfinite(ref)
         for kw in [None] + VARIANTS:
             row = {"case": name, "B": b, "R": r, "variant": kw or "default"}
-            try:
+
+            def work(row, kw=kw, name=name, qi=qi, w=w, keys=keys, nc=nc, ref=ref, fin=fin):
                 fn = jax.jit(functools.partial(ps.pool_scores_pallas, **(kw or {})))
                 out = np.asarray(fn(qi, w, keys, nc))
                 row["inf_pattern_ok"] = bool(np.array_equal(np.isneginf(out), ~fin))
@@ -68,13 +67,8 @@ def main() -> int:
                 row["wall_us"] = measure(call, warmup=2, groups=5 if heavy else 15,
                                          inner=1 if heavy else 10)["median_us"]
                 row["kernel_us"] = kernel_us(call, 3 if heavy else 20)
-            except Exception as e:
-                row["error"] = f"{type(e).__name__}: {str(e)[:500]}"
-                res["errors"].append(traceback.format_exc()[-2000:])
-            res["results"].append(row)
-            print(json.dumps(row), flush=True)
-            with open(os.path.join(out_dir, "h200-pool-rows.json"), "w") as f:
-                json.dump(res, f, indent=1, default=str)
+
+            sweep_row(res, row, work, os.path.join(out_dir, "h200-pool-rows.json"))
     return 0 if not res["errors"] else 1
 
 

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import datetime
 import functools
-import json
 import os
-import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsa_jax.bench import kernel_us, measure
+from dsa_jax.bench import kernel_us, measure, sweep_row
 from dsa_jax.pallas import pool_topk as pt
 
 K = 512  # index_topk 2048 / index_kpool 4
@@ -68,7 +66,8 @@ def main() -> int:
         heavy = n > 1000
         for kw in ["xla", None] + VARIANTS[1:]:
             row = {"case": name, "rows": n, "P": p, "variant": kw or "default"}
-            try:
+
+            def work(row, kw=kw, s=s, s_ties=s_ties, ref=ref, ref_ties=ref_ties, heavy=heavy):
                 if kw == "xla":
                     fn = jax.jit(pt.pool_topk_xla, static_argnums=1)
                 else:
@@ -81,13 +80,8 @@ def main() -> int:
                 row["wall_us"] = measure(call, warmup=2, groups=5 if heavy else 15,
                                          inner=2 if heavy else 10)["median_us"]
                 row["kernel_us"] = kernel_us(call, 3 if heavy else 20)
-            except Exception as e:
-                row["error"] = f"{type(e).__name__}: {str(e)[:500]}"
-                res["errors"].append(traceback.format_exc()[-2000:])
-            res["results"].append(row)
-            print(json.dumps(row), flush=True)
-            with open(os.path.join(out_dir, "h200-topk.json"), "w") as f:
-                json.dump(res, f, indent=1, default=str)
+
+            sweep_row(res, row, work, os.path.join(out_dir, "h200-topk.json"))
     return 0 if not res["errors"] else 1
 
 

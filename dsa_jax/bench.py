@@ -1537,6 +1537,21 @@ class _Calls:
         pass
 
 
+def sweep_row(res: dict, row: dict, work: Callable[[dict], None], path: str) -> None:
+    """One row of a device sweep script (benchmarks/h200_*.py): `work(row)` fills the row; a
+    failure is recorded in it and in `res["errors"]`, and the sweep goes on. The row is printed
+    as JSON and all of `res` rewritten to `path`, so a run cut short keeps what it measured."""
+    try:
+        work(row)
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+        res["errors"].append(traceback.format_exc()[-2000:])
+    res["results"].append(row)
+    print(json.dumps(row), flush=True)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+
+
 def kernel_us(call: Callable[[], Any], calls: int = 20) -> float | None:
     """Device kernel time per call (CUPTI trace; no dispatch or gaps); None where the backend
     records no kernels (a CPU)."""

@@ -203,3 +203,24 @@ def test_breakdown_covers_decode_verify_prefill_and_tp8(smoke_result):
             assert res[stage]["median_us"] > 0, (key, stage)
         assert res["step_us"] > 0
     assert "public_decode" in runs["xla-b1"] and "public_decode" not in runs["xla-b1-tp8"]
+
+
+def test_sweep_row_records_failures_and_keeps_going(tmp_path):
+    """A device sweep's row that raises is recorded (row and errors), and the file holds every
+    row written so far."""
+    res = {"results": [], "errors": []}
+    path = tmp_path / "sweep.json"
+
+    def ok(row):
+        row["us"] = 1.5
+
+    def bad(row):
+        raise RuntimeError("Triton could not compile this tile")
+
+    bench.sweep_row(res, {"case": "a"}, ok, str(path))
+    bench.sweep_row(res, {"case": "b"}, bad, str(path))
+    saved = json.loads(path.read_text())
+    assert [r["case"] for r in saved["results"]] == ["a", "b"]
+    assert saved["results"][0]["us"] == 1.5
+    assert "RuntimeError: Triton could not compile" in saved["results"][1]["error"]
+    assert len(saved["errors"]) == 1 and "Traceback" in saved["errors"][0]
