@@ -3,8 +3,8 @@
 `pool_topk_xla` is `lax.top_k` (its documented tie rule is that order). The kernel finds the
 same k indices without a sort: a radix select of the k-th largest score on the score bits,
 a compaction of the selected pools in index order, then each selected pool's rank among the
-k by direct comparison. XLA sorts all P scores of a row; this reads them 33 times from L1/L2
-and compares only the k winners with each other.
+k by direct comparison. XLA sorts all P scores of a row; this counts over the row 16 times
+(2 bits per pass, the row held in registers) and compares only the k winners with each other.
 """
 
 from __future__ import annotations
