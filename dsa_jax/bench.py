@@ -10,8 +10,11 @@ What is timed:
   `decode` / `decode_k` pad them; with `implementation="pallas"` and `"xla"`;
 - the kernels alone: `sparse_attend_pallas` / `sparse_attend_xla`; the selection (pool scores,
   top-k, expansion) through `dsa_jax.indexer.pool_scores`, `dsa_jax.select`;
-- the Hugging Face `Glm5NextTextAttention` (bf16, torch, eager and sdpa) for one decode step at
-  batch 1 with a DynamicCache prefilled to the context.
+- the Hugging Face `Glm5NextTextAttention` (bf16, torch, eager and sdpa): one decode step at
+  batch 1 at each context (its cache filled by its own forward, then tiled), and the
+  counterparts of the K=3 verify, the 64-sequence decode and the prefill. It runs after every
+  JAX point (torch's allocations slowed the JAX steps timed after it) and its times are
+  attached to the points at the end.
 
 Timing: warm-up calls, then groups of `inner` back-to-back calls with `jax.block_until_ready`
 around each group; the figure is the median over groups of (group time / inner). Torch: CUDA
