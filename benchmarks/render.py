@@ -124,6 +124,37 @@ def breakdown_section(results: list[tuple[str, dict]], out_md: str) -> list[str]
     return lines + [""]
 
 
+def launch_section(results_dir: str, out_md: str) -> list[str]:
+    """benchmarks/h200_launch.py runs (the batch-1 step: host dispatch against GPU time) that
+    hold the trivial-program rows."""
+    lines = []
+    for path in sorted(glob.glob(os.path.join(results_dir, "*launch*.json"))):
+        with open(path) as f:
+            res = json.load(f)
+        rows = res.get("results") or []
+        if not any(r.get("impl") == "trivial" for r in rows):
+            continue
+        rel = os.path.relpath(path, os.path.dirname(os.path.abspath(out_md)))
+        lines += [f"### Host dispatch against GPU time at batch 1: [`{rel}`]({rel}) "
+                  f"({res.get('date', '?')[:19]})", "", f"`{res.get('command')}`; each flag "
+                  "set in a fresh process; `trivial` = a one-kernel program with the step's "
+                  "argument buffers; `layers` > 1: that many layers in one program, figures "
+                  "per layer.", "",
+                  "| flag set | impl | TP | K | layers | step | kernels | idle | host dispatch |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            if r.get("error"):
+                lines.append(f"| {r['variant']} | {r['impl']} | {r['tp']} | {r['k']} | | "
+                             f"error: `{r['error'][:80]}` |")
+                continue
+            lines.append(f"| {r['variant']} | {r['impl']} | {r['tp']} | {r['k']} | "
+                         f"{r.get('layers_in_program', 1)} | {fmt_us(r.get('step_us'))} | "
+                         f"{fmt_us(r.get('kernel_us'))} | {fmt_us(r.get('idle_us'))} | "
+                         f"{fmt_us(r.get('dispatch_us'))} |")
+        lines.append("")
+    return lines
+
+
 def _met(p) -> str:
     return "yes" if p.get("met") else "**no**"
 
@@ -426,6 +457,7 @@ def render(results_dir: str, out_md: str, png: str, readme: str | None = None) -
             lines += ["### Scaling", "", f"![decode step vs context]({relp})", ""]
         lines += reruns_section(results, main, out_md)
         lines += breakdown_section(results, out_md)
+        lines += launch_section(results_dir, out_md)
         lines += levers_from_newest(results, out_md)
         if res.get("skipped"):
             lines += ["### Skipped", ""] + [f"- {s['group']}: {s['reason']}"

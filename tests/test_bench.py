@@ -111,6 +111,18 @@ def test_render_writes_markdown_and_plot(smoke_result, tmp_path):
     new = readme.read_text()
     assert new.startswith("intro\n") and new.endswith(f"{render.README_END}\nrest\n")
     assert "old" not in new and "| decode-b1-k1-tp1 |" in new
+    # A launch-study file (benchmarks/h200_launch.py) is rendered as its own table.
+    rows = [{"variant": "default-0", "impl": "pallas", "tp": 8, "k": 1, "step_us": 147.4,
+             "kernel_us": 116.3, "idle_us": 31.1, "dispatch_us": 112.5},
+            {"variant": "default-0", "impl": "trivial", "tp": 8, "k": 1, "dispatch_us": 70.9},
+            {"variant": "off-1", "impl": "xla", "tp": 1, "k": 3, "error": "Boom: bad"}]
+    (results / "h200-launch.json").write_text(json.dumps({"command": "c", "results": rows}))
+    assert render.main(["--results", str(results), "--out", str(md), "--png", str(png),
+                        "--readme", ""]) == 0
+    text = md.read_text()
+    assert "| default-0 | pallas | 8 | 1 | 1 | 147.4 us | 116.3 us | 31.1 us | 112.5 us |" in text
+    assert "| default-0 | trivial | 8 | 1 | 1 | - | - | - | 70.9 us |" in text
+    assert "error: `Boom: bad`" in text
 
 
 def test_measured_levers(tmp_path):
