@@ -123,24 +123,6 @@ def test_sparse_attend_matches_xla_twin(case, dtype):
         _check_attend(out, ref16, tight, 1e-2)
 
 
-@pytest.mark.parametrize("case", range(len(ATTEND_CASES)))
-def test_sparse_attend_prefetch_is_bitwise_the_same(case):
-    """Gathering the next tile early changes when it is loaded, not what is summed: `==`.
-    Rows whose selections end before, inside and after a tile (the prefetch past the last live
-    tile must load nothing), rows with nothing."""
-    b, r, h, c, w, bs, mb, kw, dtypes = ATTEND_CASES[case]
-    q, lat, kv, tables, sel = _attend_inputs(40 + case, b, r, h, c, w, bs, mb, dtypes[0])
-    ends = jax.random.randint(jax.random.key(case), (b, r), 0, w + 1)
-    ends = ends.at[0, 0].set(0).at[-1, -1].set(w)
-    sel = jnp.where(jnp.arange(w)[None, None, :] < ends[..., None], jnp.abs(sel), -1)
-    outs = [np.asarray(sa.sparse_attend_pallas(q, lat, kv, tables, sel, softmax_scale=0.3,
-                                               interpret=True, prefetch=pf, **kw))
-            for pf in (False, True)]
-    assert not np.isnan(outs[1]).any()
-    np.testing.assert_array_equal(outs[1], outs[0])
-    assert (outs[1][0, 0] == 0).all() and (np.abs(outs[1][-1, -1]) > 0).any()
-
-
 def test_sparse_attend_empty_rows_are_exactly_zero():
     q, lat, kv, tables, sel = _attend_inputs(3, 2, 3, 5, 24, 37, 8, 6, "float8_e4m3fn")
     sel = sel.at[0, 1].set(-1).at[1, 2].set(-1)

@@ -95,39 +95,30 @@ def _next_pow2(n: int) -> int:
 
 
 def _attend_kernel(scale_ref, live_ref, q_ref, slots_ref, lat_ref, o_ref, m_ref, l_ref, *,
-                   width: int, tiles: int, block_w: int, compute_dtype, precision,
-                   prefetch: bool):
+                   width: int, tiles: int, block_w: int, compute_dtype, precision):
     """One (head block, split, row) program.
 
     scale_ref: [2] f32 (logit scale, output scale); live_ref: [N] int32 (whole array), slots
     past which a row has no non-empty slot; q_ref: [HB, Cp] compute dtype; slots_ref:
     [N, Wp] int32 (whole array); lat_ref: [NS, C] cache dtype (whole flat cache). Outputs this
     split's normalized partial o_ref [HB, Cp] f32 (0 if it saw no valid slot), its running max
-    m_ref [HB] f32 and softmax denominator l_ref [HB] f32. prefetch: gather tile t + 1 before
-    the dots of tile t, so the gather's memory latency overlaps them (one more tile of
-    registers).
+    m_ref [HB] f32 and softmax denominator l_ref [HB] f32.
     """
     split, row = pl.program_id(1), pl.program_id(2)
     q = q_ref[...]  # [HB, Cp]
     hb, cp = q.shape
     logit_scale, out_scale = scale_ref[0], scale_ref[1]
     cols = jnp.arange(cp, dtype=jnp.int32)  # [Cp]
-    live_tiles = jnp.clip((live_ref[row] + block_w - 1) // block_w - split * tiles, 0, tiles)
 
-    def gather(t, wanted=True):
-        """Tile t's validity [BW] and latent rows [BW, Cp] (stored dtype); no traffic for
-        empty slots, nor at all when not `wanted`."""
+    def tile(t, carry):
+        m, l, acc = carry  # [HB], [HB], [HB, Cp]
         start = (split * tiles + t) * block_w
         slots = slots_ref[row, pl.ds(start, block_w)]  # [BW]
-        valid = (slots >= 0) & wanted  # [BW]
+        valid = slots >= 0  # [BW]
         mask = valid[:, None] if width == cp else valid[:, None] & (cols < width)[None, :]
         mask = jnp.broadcast_to(mask, (block_w, cp))  # Triton wants the pointer's shape
         c = plt.load(lat_ref.at[jnp.maximum(slots, 0)[:, None], cols[None, :]], mask=mask,
-                     other=jnp.zeros((), lat_ref.dtype))  # [BW, Cp]
-        return valid, c
-
-    def update(m, l, acc, valid, c):
-        c = c.astype(compute_dtype)
+                     other=jnp.zeros((), lat_ref.dtype)).astype(compute_dtype)  # [BW, Cp]
         logits = _dot(q, c, ((1,), (1,)), precision) * logit_scale  # [HB, BW]
         logits = jnp.where(valid[None, :], logits, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))  # [HB]
@@ -137,22 +128,10 @@ def _attend_kernel(scale_ref, live_ref, q_ref, slots_ref, lat_ref, o_ref, m_ref,
         acc = acc * alpha[:, None] + _dot(p.astype(compute_dtype), c, ((1,), (0,)), precision)
         return m_new, l, acc
 
-    def tile(t, carry):
-        m, l, acc = carry  # [HB], [HB], [HB, Cp]
-        return update(m, l, acc, *gather(t))
-
-    def tile_prefetched(t, carry):
-        m, l, acc, valid, c = carry
-        nxt = gather(jnp.minimum(t + 1, tiles - 1), t + 1 < live_tiles)
-        return (*update(m, l, acc, valid, c), *nxt)
-
     init = (jnp.full((hb,), _M_INIT, jnp.float32), jnp.zeros((hb,), jnp.float32),
             jnp.zeros((hb, cp), jnp.float32))
-    if prefetch:
-        m, l, acc, _, _ = lax.fori_loop(0, live_tiles, tile_prefetched,
-                                        init + gather(0, live_tiles > 0))
-    else:
-        m, l, acc = lax.fori_loop(0, live_tiles, tile, init)
+    live_tiles = (live_ref[row] + block_w - 1) // block_w - split * tiles
+    m, l, acc = lax.fori_loop(0, jnp.clip(live_tiles, 0, tiles), tile, init)
     # Normalized here so that one split needs no merge pass at all.
     o_ref[...] = acc * (out_scale / jnp.where(l > 0, l, 1.0))[:, None]
     m_ref[...] = m
@@ -224,8 +203,7 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
                          interpret: bool = False, block_h: int | None = None,
                          block_w: int | None = None, num_splits: int | None = None,
                          compute_dtype=None, num_warps: int | None = None,
-                         num_stages: int = 2, live_rows: int | None = None,
-                         prefetch: bool = False) -> jax.Array:
+                         num_stages: int = 2, live_rows: int | None = None) -> jax.Array:
     """`sparse_attend_xla` as a Pallas kernel; same arguments, same result (see tolerances in
     tests/test_kernels.py). q [B, R, H, C] f32 -> [B, R, H, C] f32.
 
@@ -234,8 +212,7 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
     the GPU); compute_dtype: dot operand dtype (None: `default_compute_dtype`). None tile
     arguments take `default_tiles`. live_rows: how many of the B*R rows the split heuristic
     should plan for (None: all); a decode padded to max_verify rows has about B non-empty
-    rows, and planning for the padded ones would leave most of the GPU idle. prefetch: gather
-    the next tile before this tile's dots (same result, same order of sums).
+    rows, and planning for the padded ones would leave most of the GPU idle.
     """
     b, r, h, c = q.shape
     nb, bs, _ = latent.shape
@@ -269,8 +246,7 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
 
     kernel = functools.partial(_attend_kernel, width=c, tiles=tiles, block_w=block_w,
                                compute_dtype=compute_dtype,
-                               precision=_dot_precision(compute_dtype, interpret),
-                               prefetch=prefetch)
+                               precision=_dot_precision(compute_dtype, interpret))
     part = jax.ShapeDtypeStruct((n, splits, hp), jnp.float32)
     o, m, l = pl.pallas_call(
         kernel,
