@@ -1253,9 +1253,7 @@ class Suite:
                     for t in ("", "_kernel"):
                         res[f"{form}{t}_us"] = _sum_or_none(res[f"q_{form}{t}_us"],
                                                             res[f"o_{form}{t}_us"])
-                res["absorbed_over_runtime"] = _ratio(res["absorbed_us"], res["runtime_us"])
-                res["absorbed_over_runtime_kernel"] = _ratio(res["absorbed_kernel_us"],
-                                                             res["runtime_kernel_us"])
+                _add_ratios(res, "runtime", "absorbed")
                 res["q_rel_diff"] = _rel_diff(np.asarray(calls["q_absorbed"]()).reshape(
                     *rows, hl, c), calls["q_runtime"]())
                 res["o_rel_diff"] = _rel_diff(calls["o_absorbed"](), calls["o_runtime"]())
@@ -1301,14 +1299,79 @@ class Suite:
                                                      n_cand),
                          "recomputed": functools.partial(f["recomputed"], cfg, qi, w,
                                                          st.index_k, st.index_g, ape, n_cand)}
-                res = _wall_and_kernel_us(calls, p)
-                res["recomputed_over_cached"] = _ratio(res["recomputed_us"], res["cached_us"])
-                res["recomputed_over_cached_kernel"] = _ratio(res["recomputed_kernel_us"],
-                                                              res["cached_kernel_us"])
+                res = _compare_forms(calls, p, "cached", "recomputed")
                 out["results"][f"{impl}-b{b}"] = res
         out["note"] = ("cached: the step's pool_scores on the state's keys; recomputed: "
                        "every pool's key from the cache rows, then the same pool_scores; "
-                       "_us: median wall time, _kernel_us: device kernel time (trace)")
+                       + _FORM_TIMES)
+        return out
+
+    def lever_fused_projections(self) -> dict:
+        """The step's two fused input GEMMs (x_proj = [q_a; kv_a; wk; gate; weights_proj],
+        q_proj = [q_b; wq_b]) against seven separate GEMMs on the same (pre-split) weights,
+        through the absorbed query, at 1 and big_batch sequences (rows padded to max_verify),
+        TP 1 and 8; the two give the same projections."""
+        import jax
+        import numpy as np
+
+        p, cfg = self.plan, self.cfg
+        fused, separate = _projection_fns()
+        out = {"prediction": "at B=1 the GEMMs are bandwidth-bound: both forms read the same "
+                             "weight bytes, so fusing saves only the 5 extra launches (a few us "
+                             "each); at B=64 the wider GEMMs also use the tensor cores better",
+               "results": {}}
+        for tp in p.tp:
+            c = cfg.replace(tp_degree=tp)
+            w = self.weights_for(tp)
+            pieces = jax.block_until_ready(split_projection_weights(c, w))
+            for b in (1, p.big_batch):
+                rng = np.random.default_rng(600 + b)
+                x = jax.device_put(rng.standard_normal((b, c.max_verify, c.hidden_size),
+                                                       np.float32).astype(w.x_proj.dtype))
+                calls = {"fused": functools.partial(fused, c, w, x),
+                         "separate": functools.partial(separate, c, pieces, w.q_a_norm,
+                                                       w.u_k, x)}
+                res = _compare_forms(calls, p, "fused", "separate")
+                a, z = calls["fused"](), calls["separate"]()
+                res["max_rel_diff"] = max(_rel_diff(z[i], a[i]) for i in range(len(z)))
+                out["results"][f"tp{tp}-b{b}"] = res
+        out["note"] = ("fused: dsa_jax.projection.project (2 input GEMMs + the per-head U_k); "
+                       "separate: the same with 7 input GEMMs; " + _FORM_TIMES)
+        return out
+
+    def lever_donated_state(self) -> dict:
+        """The jitted step with its state donated (updated in place, as the library jits it)
+        against the same step without donation (XLA then writes a fresh copy of every cache),
+        at 1 and big_batch sequences, K=1, TP 1, each implementation."""
+        import jax
+
+        from dsa_jax import layer
+
+        p = self.plan
+        copying = jax.jit(layer._append_rows, static_argnames=("cfg",))
+        out = {"prediction": "without donation every step copies the whole state (18 MiB per "
+                             "sequence at 16K): ~10 us at B=1, ~0.6 ms at B=64 at the copy "
+                             "bandwidth", "results": {}}
+        for impl in self.impls:
+            cfg = self.cfg_for(impl)
+            for b in (1, p.big_batch):
+                res = {}
+                for form, step in (("donated", layer._append_rows_jit), ("copied", copying)):
+                    runner = StepRunner(cfg, self.weights_for(1), b, 1, cfg.max_verify,
+                                        p.ctx - p.inner, 1500 + b)
+                    runner.step = step
+                    jax.block_until_ready(runner())
+                    res[f"{form}_us"] = measure(runner, warmup=2, groups=p.groups,
+                                                inner=p.inner, reset=runner.reset)["median_us"]
+                    res[f"{form}_kernel_us"] = profile_step(runner, 10, top=0).get(
+                        "kernel_us_per_step")
+                    del runner
+                _add_ratios(res, "donated", "copied")
+                out["results"][f"{impl}-b{b}"] = res
+        out["note"] = ("donated: dsa_jax.layer._append_rows_jit; copied: jax.jit of the same "
+                       "function without donate_argnames; _us: median wall time of "
+                       "back-to-back steps, _kernel_us: device kernel time (trace; the "
+                       "state copies are kernels too)")
         return out
 
     def group_levers(self):
@@ -1339,6 +1402,8 @@ class Suite:
             self.save()
         self._lever(lev, "kv_b_absorbed_vs_runtime_measured", self.lever_kv_b_forms)
         self._lever(lev, "pool_keys_cached_vs_recomputed", self.lever_pool_keys)
+        self._lever(lev, "fused_projections_vs_separate", self.lever_fused_projections)
+        self._lever(lev, "donated_state_vs_copied", self.lever_donated_state)
         # Row padding: decode K=1 with max_verify=1 (rows not padded to 4) vs the padded step.
         pad = {}
         for impl in self.tqdm(self.impls, "max_verify=1"):
@@ -1382,6 +1447,22 @@ def _wall_and_kernel_us(calls: dict, plan: Plan) -> dict:
     return res
 
 
+_FORM_TIMES = "_us: median wall time, _kernel_us: device kernel time (trace)"
+
+
+def _add_ratios(res: dict, base: str, other: str) -> None:
+    """A two-form lever's `<other>_over_<base>` ratios, of wall and of kernel times."""
+    for t in ("", "_kernel"):
+        res[f"{other}_over_{base}{t}"] = _ratio(res[f"{other}{t}_us"], res[f"{base}{t}_us"])
+
+
+def _compare_forms(calls: dict, plan: Plan, base: str, other: str) -> dict:
+    """Wall and kernel times of a lever's two forms and the ratios of `other` to `base`."""
+    res = _wall_and_kernel_us(calls, plan)
+    _add_ratios(res, base, other)
+    return res
+
+
 def _sum_or_none(a, b):
     return None if a is None or b is None else a + b
 
@@ -1401,6 +1482,39 @@ def _kv_b_fns() -> dict:
     return {"q_runtime": jax.jit(q_runtime),
             "o_runtime": jax.jit(projection.output_projection),
             "matmul": jax.jit(projection._matmul)}
+
+
+def split_projection_weights(cfg, weights) -> tuple:
+    """The fused input weights cut back into the seven GEMMs they fuse: x_proj rows q_a, kv_a,
+    wk, gate, weights_proj; q_proj rows q_b, wq_b (the separate side of the fusion lever)."""
+    r, c, di, hi = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.index_head_dim, cfg.index_n_heads
+    cuts = [0, r, r + c, r + c + di, r + c + 2 * di, r + c + 2 * di + hi]
+    x = tuple(weights.x_proj[a:b] for a, b in zip(cuts, cuts[1:], strict=False))
+    qn = cfg.local_heads * cfg.qk_nope_head_dim
+    return x, (weights.q_proj[:qn], weights.q_proj[qn:])
+
+
+@functools.lru_cache(maxsize=1)
+def _projection_fns():
+    """Jitted sides of the fusion lever; both return (q_abs, kv_raw, qi, k_raw, g, w)."""
+    import jax
+
+    from dsa_jax import projection
+
+    def fused(cfg, weights, x):
+        return tuple(projection.project(cfg, weights, x))
+
+    def separate(cfg, pieces, q_a_norm, u_k, x):
+        (wqa, wkva, wk, wg, ww), (wqb, wqi) = pieces
+        q_resid = projection.rms_norm(projection._matmul(x, wqa), q_a_norm, cfg.rms_norm_eps)
+        q = projection._matmul(q_resid, wqb)
+        q = q.reshape(*q.shape[:-1], cfg.local_heads, cfg.qk_nope_head_dim)
+        qi = projection._matmul(q_resid, wqi)
+        qi = qi.reshape(*qi.shape[:-1], cfg.index_n_heads, cfg.index_head_dim)
+        return (projection._per_head(q, u_k, 1), projection._matmul(x, wkva), qi,
+                projection._matmul(x, wk), projection._matmul(x, wg), projection._matmul(x, ww))
+
+    return (jax.jit(fused, static_argnums=0), jax.jit(separate, static_argnums=0))
 
 
 @functools.lru_cache(maxsize=1)

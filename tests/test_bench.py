@@ -126,9 +126,9 @@ def test_render_writes_markdown_and_plot(smoke_result, tmp_path):
 
 
 def test_measured_levers(tmp_path):
-    """The levers group (xla only on a CPU): the absorbed kv_b form computes the same function
-    as the run-time form (tiny config: fp32 weights, so only fp32 rounding apart), and both
-    pool-key forms are timed."""
+    """The levers group (xla only on a CPU): the absorbed kv_b form and the separate input GEMMs
+    compute the same function as the step's forms (tiny config: fp32 weights, so only fp32
+    rounding apart), and both pool-key forms and both state forms are timed."""
     rc = bench.main(["--smoke", "--only", "levers", "--impls", "xla", "--no-progress",
                      "--out", str(tmp_path), "--name", "levers.json"])
     assert rc == 0
@@ -142,6 +142,13 @@ def test_measured_levers(tmp_path):
     keys = lev["pool_keys_cached_vs_recomputed"]["results"]
     assert set(keys) == {"xla-b1", "xla-b2"}
     assert all(r["cached_us"] > 0 and r["recomputed_us"] > 0 for r in keys.values())
+    fused = lev["fused_projections_vs_separate"]["results"]
+    assert set(fused) == {"tp1-b1", "tp1-b2", "tp8-b1", "tp8-b2"}
+    for res in fused.values():  # the same projections (fp32 weights: rounding apart)
+        assert res["max_rel_diff"] < 1e-5 and res["fused_us"] > 0 and res["separate_us"] > 0
+    donated = lev["donated_state_vs_copied"]["results"]
+    assert set(donated) == {"xla-b1", "xla-b2"}
+    assert all(r["donated_us"] > 0 and r["copied_us"] > 0 for r in donated.values())
 
 
 def test_hf_baseline_for_every_step_point(tmp_path):
