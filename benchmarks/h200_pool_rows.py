@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsa_jax.bench import kernel_us, measure, sweep_row
+from dsa_jax.bench import sweep_row, sweep_times
 from dsa_jax.pallas import pool_scores as ps
 
 HI, DI, P = 32, 128, 4096  # GLM-5.3-Flash indexer at max_context 16K, index_kpool 4
@@ -63,10 +63,7 @@ def main() -> int:
                 row["rel_err"] = float(np.linalg.norm(out[fin] - ref[fin])
                                        / np.linalg.norm(ref[fin]))
                 call = functools.partial(fn, qi, w, keys, nc)
-                heavy = name.startswith("prefill")
-                row["wall_us"] = measure(call, warmup=2, groups=5 if heavy else 15,
-                                         inner=1 if heavy else 10)["median_us"]
-                row["kernel_us"] = kernel_us(call, 3 if heavy else 20)
+                row.update(sweep_times(call, heavy=name.startswith("prefill")))
 
             sweep_row(res, row, work, os.path.join(out_dir, "h200-pool-rows.json"))
     return 0 if not res["errors"] else 1

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsa_jax.bench import kernel_us, measure, sweep_row
+from dsa_jax.bench import sweep_row, sweep_times
 from dsa_jax.pallas import pool_topk as pt
 
 K = 512  # index_topk 2048 / index_kpool 4
@@ -77,9 +77,7 @@ def main() -> int:
                     row["equal_ties"] = bool(np.array_equal(np.asarray(fn(s_ties, K)),
                                                             ref_ties))
                 call = functools.partial(fn, s, K)
-                row["wall_us"] = measure(call, warmup=2, groups=5 if heavy else 15,
-                                         inner=2 if heavy else 10)["median_us"]
-                row["kernel_us"] = kernel_us(call, 3 if heavy else 20)
+                row.update(sweep_times(call, heavy, heavy_inner=2))
 
             sweep_row(res, row, work, os.path.join(out_dir, "h200-topk.json"))
     return 0 if not res["errors"] else 1

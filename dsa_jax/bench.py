@@ -1669,6 +1669,14 @@ def sweep_row(res: dict, row: dict, work: Callable[[dict], None], path: str) -> 
         json.dump(res, f, indent=1, default=str)
 
 
+def sweep_times(call: Callable[[], Any], heavy: bool, heavy_inner: int = 1) -> dict:
+    """A device sweep row's times: `wall_us` (median of back-to-back calls) and `kernel_us`
+    (device kernel time per call; None off a GPU); fewer repetitions for a `heavy` call."""
+    wall = measure(call, warmup=2, groups=5 if heavy else 15,
+                   inner=heavy_inner if heavy else 10)["median_us"]
+    return {"wall_us": wall, "kernel_us": kernel_us(call, 3 if heavy else 20)}
+
+
 def kernel_us(call: Callable[[], Any], calls: int = 20) -> float | None:
     """Device kernel time per call (CUPTI trace; no dispatch or gaps); None where the backend
     records no kernels (a CPU)."""

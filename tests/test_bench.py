@@ -243,3 +243,26 @@ def test_sweep_row_records_failures_and_keeps_going(tmp_path):
     assert saved["results"][0]["us"] == 1.5
     assert "RuntimeError: Triton could not compile" in saved["results"][1]["error"]
     assert len(saved["errors"]) == 1 and "Traceback" in saved["errors"][0]
+
+
+def test_sweep_times_counts_calls_and_reports_both_times():
+    """A sweep row's times: the call runs the timing's warm-up plus groups x inner times and
+    the trace's 2 warm-up plus its calls (fewer of each when heavy); the wall time is positive,
+    and off a GPU there is no kernel time."""
+    import jax
+    import jax.numpy as jnp
+
+    calls = []
+    f = jax.jit(lambda v: v * 2.0)
+    x = jnp.arange(7.0) + 1.0
+
+    def call():
+        calls.append(1)
+        return f(x)
+
+    t = bench.sweep_times(call, heavy=False)
+    assert t["wall_us"] > 0 and t["kernel_us"] is None
+    assert len(calls) == (2 + 15 * 10) + (2 + 20)
+    calls.clear()
+    bench.sweep_times(call, heavy=True, heavy_inner=2)
+    assert len(calls) == (2 + 5 * 2) + (2 + 3)
