@@ -1,5 +1,5 @@
 """H200: is the batch-1 decode step bound by kernel launches? The same jitted step
-(dsa_jax.layer._append_rows_jit, GLM-5.3-Flash shapes, context 16K) timed under XLA's
+(dsa_jax.layer._step_jit, GLM-5.3-Flash shapes, context 16K) timed under XLA's
 command-buffer (CUDA graph) settings, each in a fresh process (XLA reads its flags once).
 
     PYTHONPATH=. python3 benchmarks/h200_launch.py [FLAG_SET ...]   (default: VARIANTS)
@@ -117,7 +117,7 @@ class _Layers:
         def program(weights, states, x, n_new):
             ys, new = [], []
             for w, st in zip(weights, states, strict=True):
-                y, st, _ = layer._append_rows(cfg, w, st, x, n_new, None)
+                y, st, _ = layer.step(cfg, w, st, x, n_new, None)
                 ys.append(y)
                 new.append(st)
             return ys, new

@@ -5,7 +5,7 @@ weights and inputs (never zeros), caches filled to the context directly (random 
 random indexer k / gate, random pool keys, lengths = context) rather than by a prefill.
 
 What is timed:
-- the layer step: `dsa_jax.layer._append_rows_jit` (the jitted step that `decode`, `decode_k`
+- the layer step: `dsa_jax.layer._step_jit` (the jitted step that `decode`, `decode_k`
   and `prefill` call, without their host-side checks), rows padded to `cfg.max_verify` as
   `decode` / `decode_k` pad them; with `implementation="pallas"` and `"xla"`;
 - the kernels alone: `sparse_attend_pallas` / `sparse_attend_xla`; the selection (pool scores,
@@ -273,7 +273,7 @@ class StepRunner:
         from dsa_jax import layer
 
         self.cfg, self.weights, self.k, self.start, self.num_seqs = cfg, weights, k, start, num_seqs
-        self.step = layer._append_rows_jit
+        self.step = layer._step_jit
         self.state = random_state(cfg, num_seqs, start, seed)
         rng = np.random.default_rng(seed)
         xs = []
@@ -651,7 +651,7 @@ class Suite:
             t.update(first_call_s=first_s, compiles=n_comp, compile_s=comp_s,
                      jit_cache_entries_added=(None if size0 is None else size1 - size0),
                      ctx_range=[start, start + p.inner * k], finite=finite,
-                     timed="dsa_jax.layer._append_rows_jit (the jitted step)")
+                     timed="dsa_jax.layer._step_jit (the jitted step)")
             if public_api and k == 1:
                 t["public_decode_us"] = self._time_public_decode(cfg, weights, runner)
             del runner
@@ -917,7 +917,7 @@ class Suite:
                 t = measure(runner, warmup=1, groups=p.long_groups, inner=1, reset=runner.reset)
                 t.update(first_call_s=first_s, compiles=n_comp, compile_s=comp_s,
                          finite=bool(np.isfinite(np.asarray(runner.last[0][:, -8:])).all()),
-                         timed="dsa_jax.layer._append_rows_jit, x [1, S, D], from empty")
+                         timed="dsa_jax.layer._step_jit, x [1, S, D], from empty")
                 timings[impl] = t
                 del runner
             except Exception as e:
@@ -1055,7 +1055,7 @@ class Suite:
 
         p = self.plan
         out: dict = {"note": "stage medians; 'sum' adds the stages, 'step' is the whole jitted "
-                             "step (dsa_jax.layer._append_rows_jit) at the same shapes",
+                             "step (dsa_jax.layer._step_jit) at the same shapes",
                      "runs": {}}
         self.result["breakdown"] = out
 
@@ -1175,25 +1175,21 @@ class Suite:
     def _public_breakdown(self, cfg, weights, runner) -> dict:
         """`dsa_jax.decode` = host checks + row padding + the step (+ slicing)."""
         import jax
-        import numpy as np
 
         from dsa_jax import layer
 
         p = self.plan
-        b = runner.num_seqs
         x1 = runner.xs[0][:, 0]
-        n_new = np.ones((b,), np.int32)
         res = {}
 
         def check():
-            layer._check_step(cfg, weights, runner.state, x1[:, None], n_new, None,
-                              (b, 1, cfg.sel_width))
+            layer.prepare_step(cfg, weights, runner.state, x1, kind="decode")
             return None
 
         res["host_checks_us"] = _host_time(check, p.groups * p.inner)
 
         def pad():
-            return layer._pad_rows(x1, None, cfg.max_verify)[0]
+            return layer.RowLayout(cfg.max_verify, 1, True).pad(x1, None)[0]
 
         jax.block_until_ready(pad())
         res["row_padding_blocked_us"] = measure(pad, warmup=2, groups=p.groups,
@@ -1348,7 +1344,7 @@ class Suite:
         from dsa_jax import layer
 
         p = self.plan
-        copying = jax.jit(layer._append_rows, static_argnames=("cfg",))
+        copying = jax.jit(layer.step, static_argnames=("cfg",))
         out = {"prediction": "without donation every step copies the whole state (18 MiB per "
                              "sequence at 16K): ~10 us at B=1, ~0.6 ms at B=64 at the copy "
                              "bandwidth", "results": {}}
@@ -1356,7 +1352,7 @@ class Suite:
             cfg = self.cfg_for(impl)
             for b in (1, p.big_batch):
                 res = {}
-                for form, step in (("donated", layer._append_rows_jit), ("copied", copying)):
+                for form, step in (("donated", layer._step_jit), ("copied", copying)):
                     runner = StepRunner(cfg, self.weights_for(1), b, 1, cfg.max_verify,
                                         p.ctx - p.inner, 1500 + b)
                     runner.step = step
@@ -1368,7 +1364,7 @@ class Suite:
                     del runner
                 _add_ratios(res, "donated", "copied")
                 out["results"][f"{impl}-b{b}"] = res
-        out["note"] = ("donated: dsa_jax.layer._append_rows_jit; copied: jax.jit of the same "
+        out["note"] = ("donated: dsa_jax.layer._step_jit; copied: jax.jit of the same "
                        "function without donate_argnames; _us: median wall time of "
                        "back-to-back steps, _kernel_us: device kernel time (trace; the "
                        "state copies are kernels too)")
@@ -2143,7 +2139,7 @@ def main(argv: list[str] | None = None) -> int:
         timing_method=(
             "JAX: warm-up calls, then groups of `inner` back-to-back calls with "
             "jax.block_until_ready around each group; median over groups of group time / "
-            "inner. The layer step is dsa_jax.layer._append_rows_jit (no host checks), rows "
+            "inner. The layer step is dsa_jax.layer._step_jit (no host checks), rows "
             "padded to cfg.max_verify as decode/decode_k pad them; before each group the "
             "state's lengths are set back so every call runs at the stated context. Torch: "
             "CUDA events around each call, median."),

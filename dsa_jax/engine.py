@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsa_jax.config import DsaConfig
-from dsa_jax.layer import _append_rows
+from dsa_jax.layer import step
 from dsa_jax.projection import rms_norm
 from dsa_jax.state import DsaState, init_state
 from dsa_jax.weights import DsaWeights, init_random_weights
@@ -93,8 +93,8 @@ def forward_rows(mcfg: ModelConfig, weights: ModelWeights, states: tuple[DsaStat
     new_states, sel, sel0 = [], None, None
     for i, (lw, st) in enumerate(zip(weights.layers, states, strict=True)):
         shared = None if lw.has_indexer else sel
-        y, st, sel = _append_rows(cfg, lw, st, rms_norm(h, weights.norms[i], cfg.rms_norm_eps),
-                                  n_new, shared)
+        y, st, sel = step(cfg, lw, st, rms_norm(h, weights.norms[i], cfg.rms_norm_eps),
+                          n_new, shared)
         sel0 = sel if sel0 is None else sel0
         h = h + y
         new_states.append(st)

@@ -7,7 +7,11 @@ donate the state so the caches are updated in place. `decode` and `decode_k` pad
 sequence's rows to `cfg.max_verify`, so a K-row verify and K serial decodes run the same
 shapes, hence the same per-row reductions: bit-identical results.
 
-Checks: before the jitted step runs, `_check_step` validates on the host everything the
+Two public pieces serve every caller (these functions, the NNX module, the sharded steps,
+the engine): `prepare_step` (host side: row layout, row counts, checks) and `step` (the pure,
+traceable step over padded rows).
+
+Checks: before the jitted step runs, `prepare_step` validates on the host everything the
 caller's concrete state can tell (capacity, block-table coverage, indexer lockstep) and
 raises with the value and the limit; nothing has been written then, and the caller's state
 is untouched. Under an outer `jax.jit` the lengths are traced and these host checks cannot
@@ -18,6 +22,7 @@ implementation.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -63,10 +68,15 @@ def _advance(state: DsaState, n_new: jax.Array) -> DsaState:
     return state._replace(lengths=lengths, index_lengths=lengths)
 
 
-def _append_rows(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array,
-                 n_new: jax.Array, shared_sel: jax.Array | None
-                 ) -> tuple[jax.Array, DsaState, jax.Array]:
-    """Append rows `x [B, R, D]` (the first `n_new [B]` of each sequence are real).
+def step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, n_new: jax.Array,
+         shared_sel: jax.Array | None = None) -> tuple[jax.Array, DsaState, jax.Array]:
+    """The block's step: append rows `x [B, R, D]` to every sequence; pure and traceable.
+
+    n_new: [B] int32, the first `n_new[b]` rows of sequence b are real (the rest padding:
+    never written, never selected, output 0); shared_sel: [B, R, W] for a layer without an
+    indexer. Returns `y [B, R, D]` f32, the new state and `sel [B, R, W]` int32. No checks run
+    here (see `prepare_step`); writes past the caches are dropped. Call it inside your own
+    `jax.jit` (donate the state) to serve; `decode`, `decode_k` and `prefill` wrap it.
 
     Order within the step: every latent and indexer write, then one selection over all rows
     (row r sees only pools complete at its own position), then one gather-attend. Row r's
@@ -95,7 +105,38 @@ def _live_rows(cfg: DsaConfig, x: jax.Array) -> int:
     return b if r <= cfg.max_verify else b * r
 
 
-_append_rows_jit = jax.jit(_append_rows, static_argnames=("cfg",), donate_argnames=("state",))
+@dataclasses.dataclass(frozen=True)
+class RowLayout:
+    """How a call's rows map onto the step's rows (static: part of the compiled program).
+
+    rows: rows per sequence the step runs (`cfg.max_verify` for a decode or verify, so K serial
+    decodes and one K-row verify run the same shapes: the bit-identity guarantee); k: the
+    call's real rows per sequence; squeeze: a decode (x [B, D], outputs [B, ...]).
+    """
+    rows: int
+    k: int
+    squeeze: bool = False
+
+    def pad(self, x: jax.Array, shared_sel: jax.Array | None
+            ) -> tuple[jax.Array, jax.Array | None]:
+        """`x [B, k, D]` (or `[B, D]`) -> `[B, rows, D]`, zeros after row k; `shared_sel`
+        likewise with -1."""
+        if self.squeeze:
+            x = x[:, None]
+            shared_sel = None if shared_sel is None else shared_sel[:, None]
+        extra = self.rows - self.k
+        if extra:
+            x = jnp.pad(x, ((0, 0), (0, extra), (0, 0)))
+            if shared_sel is not None:
+                shared_sel = jnp.pad(shared_sel, ((0, 0), (0, extra), (0, 0)),
+                                     constant_values=-1)
+        return x, shared_sel
+
+    def unpad(self, y: jax.Array, sel: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The real rows of the step's outputs `y [B, rows, D]`, `sel [B, rows, W]`."""
+        if self.squeeze:
+            return y[:, 0], sel[:, 0]
+        return y[:, :self.k], sel[:, :self.k]
 
 
 def _is_concrete(a) -> bool:
@@ -119,8 +160,9 @@ def _check_step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Arr
                             f"{sel_shape} (one selection row per input row)")
     elif shared_sel is not None:
         raise StepError("shared_sel was given but these weights run their own indexer")
-    if not (_is_concrete(state.lengths) and _is_concrete(state.block_tables)):
+    if not all(_is_concrete(a) for a in (state.lengths, state.block_tables, n_new)):
         return
+    n_new = np.asarray(n_new)
     # One device->host read for everything the checks need.
     lengths, index_lengths, tables = (np.asarray(a) for a in jax.device_get(
         (state.lengths, state.index_lengths, state.block_tables)))
@@ -150,15 +192,91 @@ def _check_step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Arr
                         f"{max(i * cfg.block_size, int(lengths[s]))} is to be written there")
 
 
-def _rows_per_seq(b: int, count: int, given) -> np.ndarray:
-    """Per-sequence row counts: `given` ([B] ints or bools) or `count` for every sequence."""
+def _rows_per_seq(b: int, count: int, given):
+    """Per-sequence row counts: `given` ([B] ints or bools) or `count` for every sequence.
+    Concrete counts are checked on the host; traced ones (under a caller's jit) pass as they
+    are."""
     if given is None:
         return np.full((b,), count, np.int32)
+    if not _is_concrete(given):
+        return jnp.asarray(given).astype(jnp.int32).reshape(b)
     n = np.asarray(given).astype(np.int32).reshape(-1)
     if n.shape != (b,) or (n < 0).any() or (n > count).any():
         raise StepError(f"per-sequence row counts {n.tolist()} must be {b} values in "
                         f"[0, {count}]")
     return n
+
+
+STEP_KINDS = ("prefill", "decode", "verify", "kv")
+
+
+def prepare_step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, *,
+                 kind: str, counts=None, shared_sel: jax.Array | None = None,
+                 check: bool = True) -> tuple[RowLayout, np.ndarray | jax.Array]:
+    """The host side of a step: row layout, per-sequence row counts, and the checks.
+
+    kind: "prefill" (x [B, S, D]; counts = num_tokens [B], default S), "decode" (x [B, D]),
+    "verify" (x [B, K, D], K <= max_verify) or "kv" (a drafter's rows, x [B, S, D]); for the
+    last three counts = active [B] bool (default all). Returns the `RowLayout` (decode and
+    verify are padded to `cfg.max_verify` rows) and `n_new [B]` int32. With `check`, and a
+    concrete state, everything the state can tell is validated here and `StepError` raised
+    with the value and the limit before anything is written.
+    """
+    if kind not in STEP_KINDS:
+        raise StepError(f"step kind {kind!r} is not one of {STEP_KINDS}")
+    want_ndim = 2 if kind == "decode" else 3
+    if x.ndim != want_ndim:
+        other = ("; decode_k takes x [B, K, D]" if kind == "decode" else
+                 "; decode takes [B, D]" if kind == "verify" else "")
+        raise StepError(f"{'decode_k' if kind == 'verify' else kind} takes x "
+                        f"{'[B, D]' if want_ndim == 2 else '[B, S, D]'}, got shape "
+                        f"{tuple(x.shape)}{other}")
+    b, k = x.shape[0], 1 if kind == "decode" else x.shape[1]
+    if kind in ("decode", "verify"):
+        if not 1 <= k <= cfg.max_verify:
+            raise StepError(f"a {k}-row verify does not fit max_verify {cfg.max_verify} "
+                            f"(rows must be in [1, {cfg.max_verify}])")
+        layout = RowLayout(rows=cfg.max_verify, k=k, squeeze=kind == "decode")
+    else:
+        layout = RowLayout(rows=k, k=k)
+    if kind == "prefill":
+        n_new = _rows_per_seq(b, k, counts)
+    else:
+        n_new = _rows_per_seq(b, k, None)
+        if counts is not None:
+            n_new = n_new * _rows_per_seq(b, 1, counts)
+    if check:
+        sel_shape = (b, cfg.sel_width) if layout.squeeze else (b, k, cfg.sel_width)
+        if kind == "kv" and not weights.has_indexer:
+            shared_sel = jnp.zeros(sel_shape, jnp.int32)  # a drafter row selects nothing
+        _check_step(cfg, weights, state, x, n_new, shared_sel, sel_shape)
+    return layout, n_new
+
+
+_step_jit = jax.jit(step, static_argnames=("cfg",), donate_argnames=("state",))
+
+
+@functools.partial(jax.jit, static_argnames=("layout",))
+def _pad(layout: RowLayout, x: jax.Array, shared_sel: jax.Array | None):
+    return layout.pad(x, shared_sel)
+
+
+@functools.partial(jax.jit, static_argnames=("layout",))
+def _unpad(layout: RowLayout, y: jax.Array, sel: jax.Array):
+    return layout.unpad(y, sel)
+
+
+def _public_step(cfg, weights, state, x, kind, counts, shared_sel, check):
+    """Pad, step, unpad. The step is its own program, so a decode and a K-row verify run the
+    very same compiled step (padding fused into it could change its bits)."""
+    layout, n_new = prepare_step(cfg, weights, state, x, kind=kind, counts=counts,
+                                 shared_sel=shared_sel, check=check)
+    if layout.rows != layout.k or layout.squeeze:
+        x, shared_sel = _pad(layout, x, shared_sel)
+    y, state, sel = _step_jit(cfg, weights, state, x, jnp.asarray(n_new), shared_sel)
+    if layout.rows != layout.k or layout.squeeze:
+        y, sel = _unpad(layout, y, sel)
+    return y, state, sel
 
 
 def prefill(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, *,
@@ -174,31 +292,7 @@ def prefill(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, 
     that read the state's lengths back (for a loop that validates on the host itself; writes
     out of range are then dropped, never performed).
     """
-    b, s = x.shape[0], x.shape[1]
-    n_new = _rows_per_seq(b, s, num_tokens)
-    if check:
-        _check_step(cfg, weights, state, x, n_new, shared_sel, (b, s, cfg.sel_width))
-    return _append_rows_jit(cfg, weights, state, x, jnp.asarray(n_new), shared_sel)
-
-
-@functools.partial(jax.jit, static_argnames=("rows",))
-def _pad_rows(x: jax.Array, shared_sel: jax.Array | None, rows: int):
-    """`x [B, K, D]` or `[B, D]` (and `shared_sel [B, K, W]` / `[B, W]`) -> `rows` rows:
-    zeros / -1 after row K. One dispatch, not one per eager op."""
-    if x.ndim == 2:
-        x = x[:, None]
-        shared_sel = None if shared_sel is None else shared_sel[:, None]
-    k = x.shape[1]
-    x = jnp.pad(x, ((0, 0), (0, rows - k), (0, 0)))
-    if shared_sel is not None:
-        shared_sel = jnp.pad(shared_sel, ((0, 0), (0, rows - k), (0, 0)), constant_values=-1)
-    return x, shared_sel
-
-
-@functools.partial(jax.jit, static_argnames=("k", "squeeze"))
-def _first_rows(y: jax.Array, sel: jax.Array, k: int, squeeze: bool):
-    """The real rows of a padded step's outputs (`squeeze`: the single row of a decode)."""
-    return (y[:, 0], sel[:, 0]) if squeeze else (y[:, :k], sel[:, :k])
+    return _public_step(cfg, weights, state, x, "prefill", num_tokens, shared_sel, check)
 
 
 def decode_k(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, *,
@@ -211,29 +305,7 @@ def decode_k(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array,
     `cfg.max_verify`, so the result is bit-identical to K successive `decode` calls.
     Returns `y [B, K, D]`, the new state, `sel [B, K, W]`. `check`: as in `prefill`.
     """
-    if x.ndim != 3:
-        raise StepError(f"decode_k takes x [B, K, D], got shape {tuple(x.shape)}; "
-                        f"decode takes [B, D]")
-    return _verify(cfg, weights, state, x, active, shared_sel, check)
-
-
-def _verify(cfg, weights, state, x, active, shared_sel, check):
-    """decode_k for `x [B, K, D]`; decode for `x [B, D]` (one row, outputs squeezed)."""
-    squeeze = x.ndim == 2
-    b, k = x.shape[0], 1 if squeeze else x.shape[1]
-    if not 1 <= k <= cfg.max_verify:
-        raise StepError(f"a {k}-row verify does not fit max_verify {cfg.max_verify} "
-                        f"(rows must be in [1, {cfg.max_verify}])")
-    n_new = _rows_per_seq(b, k, None)
-    if active is not None:
-        n_new = n_new * _rows_per_seq(b, 1, active)
-    if check:
-        sel_shape = (b, cfg.sel_width) if squeeze else (b, k, cfg.sel_width)
-        _check_step(cfg, weights, state, x, n_new, shared_sel, sel_shape)
-    x_rows, sel_rows = _pad_rows(x, shared_sel, cfg.max_verify)  # [B, max_verify, ...]
-    y, state, sel = _append_rows_jit(cfg, weights, state, x_rows, jnp.asarray(n_new), sel_rows)
-    y, sel = _first_rows(y, sel, k, squeeze)
-    return y, state, sel
+    return _public_step(cfg, weights, state, x, "verify", active, shared_sel, check)
 
 
 def decode(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, *,
@@ -245,10 +317,7 @@ def decode(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, *
     Returns `y [B, D]` f32, the new state (the old one is donated), and `sel [B, W]` int32.
     `check`: as in `prefill`.
     """
-    if x.ndim != 2:
-        raise StepError(f"decode takes x [B, D], got shape {tuple(x.shape)}; "
-                        f"decode_k takes [B, K, D]")
-    return _verify(cfg, weights, state, x, active, shared_sel, check)
+    return _public_step(cfg, weights, state, x, "decode", active, shared_sel, check)
 
 
 def rewind(cfg: DsaConfig, state: DsaState, lengths) -> DsaState:
@@ -272,13 +341,15 @@ def rewind(cfg: DsaConfig, state: DsaState, lengths) -> DsaState:
     return state._replace(lengths=new, index_lengths=jnp.minimum(state.index_lengths, new))
 
 
-def _write_kv_rows(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array,
-                   n_new: jax.Array) -> DsaState:
+def write_kv_rows(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array,
+                  n_new: jax.Array) -> DsaState:
+    """A drafter's context rows `x [B, S, D]`: latent and indexer entries only (no query,
+    selection or attend); pure and traceable like `step`."""
     state, _, _ = _write_rows(cfg, weights, state, project_kv(cfg, weights, x), n_new)
     return _advance(state, n_new)
 
 
-_write_kv_rows_jit = jax.jit(_write_kv_rows, static_argnames=("cfg",),
+_write_kv_rows_jit = jax.jit(write_kv_rows, static_argnames=("cfg",),
                              donate_argnames=("state",))
 
 
@@ -290,11 +361,5 @@ def write_kv_row(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Ar
     """
     if x.ndim == 2:
         x = x[:, None]
-    b, r = x.shape[0], x.shape[1]
-    n_new = _rows_per_seq(b, r, None)
-    if active is not None:
-        n_new = n_new * _rows_per_seq(b, 1, active)
-    sel_shape = (b, r, cfg.sel_width)
-    _check_step(cfg, weights, state, x, n_new,
-                None if weights.has_indexer else jnp.zeros(sel_shape, jnp.int32), sel_shape)
+    _, n_new = prepare_step(cfg, weights, state, x, kind="kv", counts=active)
     return _write_kv_rows_jit(cfg, weights, state, x, jnp.asarray(n_new))

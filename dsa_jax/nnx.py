@@ -5,7 +5,7 @@ A thin stateful wrapper over the pure functions of `dsa_jax.layer`: the folded w
 cache, per-tensor scale, block tables, indexer cache, pool keys, lengths) lives in `DsaCache`
 variables, and `prefill` / `decode` / `decode_k` / `rewind` / `reset` update those variables in
 place. The numbers are those of the functional API, bit for bit: each step runs the same core
-(`layer._append_rows`) on the same padded shapes (`decode` pads its rows to `cfg.max_verify`
+(`layer.step`) on the same padded shapes (`decode` pads its rows to `cfg.max_verify`
 as `dsa_jax.decode` does).
 
     model = DsaAttention(cfg, rngs=nnx.Rngs(0), num_seqs=2)
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from dsa_jax import layer
@@ -42,16 +41,12 @@ class DsaCache(nnx.Cache):
     """
 
 
-# The un-donated core step: the module's variables may be read elsewhere, and under an outer
-# `nnx.jit` this inlines into the caller's program.
-_append_rows = jax.jit(layer._append_rows, static_argnames=("cfg",))
-
-
-def _rows(b: int, count: int, given) -> jax.Array | np.ndarray:
-    """Rows per sequence: `count` each, or `given` ([B] ints/bools), checked when concrete."""
-    if given is None or layer._is_concrete(given):
-        return layer._rows_per_seq(b, count, given)
-    return jnp.asarray(given).astype(jnp.int32).reshape(b)
+# The un-donated step: the module's variables may be read elsewhere, and under an outer
+# `nnx.jit` this inlines into the caller's program. Padding runs outside it, as in
+# `dsa_jax.decode`, so both run the same step program.
+_step = jax.jit(layer.step, static_argnames=("cfg",))
+_pad = jax.jit(lambda layout, x, sel: layout.pad(x, sel), static_argnums=0)
+_unpad = jax.jit(lambda layout, y, sel: layout.unpad(y, sel), static_argnums=0)
 
 
 class DsaAttention(nnx.Module):
@@ -127,12 +122,15 @@ class DsaAttention(nnx.Module):
 
     # ------------------------------------------------------------------ steps
 
-    def _step(self, x_rows: jax.Array, n_new, shared_sel: jax.Array | None
+    def _step(self, x: jax.Array, kind: str, counts, shared_sel: jax.Array | None
               ) -> tuple[jax.Array, jax.Array]:
-        y, state, sel = _append_rows(self.cfg, self.weights, self.state, x_rows,
-                                     jnp.asarray(n_new), shared_sel)
+        layout, n_new = layer.prepare_step(self.cfg, self.weights, self.state, x, kind=kind,
+                                           counts=counts, shared_sel=shared_sel)
+        x_rows, sel_rows = _pad(layout, x, shared_sel)
+        y, state, sel = _step(self.cfg, self.weights, self.state, x_rows, jnp.asarray(n_new),
+                              sel_rows)
         self.set_state(state)
-        return y, sel
+        return _unpad(layout, y, sel)
 
     def prefill(self, x: jax.Array, *, num_tokens=None, shared_sel: jax.Array | None = None
                 ) -> tuple[jax.Array, jax.Array]:
@@ -141,12 +139,7 @@ class DsaAttention(nnx.Module):
         x: [B, S, D]; num_tokens: [B] real rows per sequence (default S); shared_sel:
         [B, S, W] for a shared layer. Returns `y [B, S, D]` f32 and `sel [B, S, W]` int32.
         """
-        cfg = self.cfg
-        b, s = x.shape[0], x.shape[1]
-        n_new = _rows(b, s, num_tokens)
-        layer._check_step(cfg, self.weights, self.state, x, n_new, shared_sel,
-                          (b, s, cfg.sel_width))
-        return self._step(x, n_new, shared_sel)
+        return self._step(x, "prefill", num_tokens, shared_sel)
 
     def decode_k(self, x: jax.Array, *, active=None, shared_sel: jax.Array | None = None
                  ) -> tuple[jax.Array, jax.Array]:
@@ -155,23 +148,7 @@ class DsaAttention(nnx.Module):
         x: [B, K, D], `K <= cfg.max_verify`; active: [B] bool; shared_sel: [B, K, W].
         Returns `y [B, K, D]`, `sel [B, K, W]`; bit-identical to K `decode` calls.
         """
-        cfg = self.cfg
-        b, k = x.shape[0], x.shape[1]
-        if not 1 <= k <= cfg.max_verify:
-            raise layer.StepError(f"a {k}-row verify does not fit max_verify {cfg.max_verify} "
-                                  f"(rows must be in [1, {cfg.max_verify}])")
-        n_new = _rows(b, k, None)
-        if active is not None:
-            n_new = n_new * _rows(b, 1, active)
-        layer._check_step(cfg, self.weights, self.state, x, n_new, shared_sel,
-                          (b, k, cfg.sel_width))
-        rows = cfg.max_verify
-        x_rows = jnp.zeros((b, rows, x.shape[-1]), x.dtype).at[:, :k].set(x)
-        if shared_sel is not None:
-            shared_sel = jnp.full((b, rows, cfg.sel_width), -1, jnp.int32).at[:, :k].set(
-                shared_sel)
-        y, sel = self._step(x_rows, n_new, shared_sel)
-        return y[:, :k], sel[:, :k]
+        return self._step(x, "verify", active, shared_sel)
 
     def decode(self, x: jax.Array, *, active=None, shared_sel: jax.Array | None = None
                ) -> tuple[jax.Array, jax.Array]:
@@ -180,10 +157,7 @@ class DsaAttention(nnx.Module):
         x: [B, D]; active: [B] bool (default all); shared_sel: [B, W]. Returns `y [B, D]` f32
         and `sel [B, W]` int32.
         """
-        if shared_sel is not None:
-            shared_sel = shared_sel[:, None]
-        y, sel = self.decode_k(x[:, None], active=active, shared_sel=shared_sel)
-        return y[:, 0], sel[:, 0]
+        return self._step(x, "decode", active, shared_sel)
 
     def rewind(self, lengths) -> None:
         """Drop every token at or past `lengths [B]` (a rejected speculation; `dsa_jax.rewind`)."""

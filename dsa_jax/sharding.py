@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dsa_jax.config import DsaConfig
-from dsa_jax.layer import StepError, _append_rows, _check_step, _first_rows, _pad_rows
+from dsa_jax.layer import RowLayout, StepError, prepare_step, step
 from dsa_jax.state import DsaState
 from dsa_jax.weights import DsaWeights, fold_weights
 
@@ -47,21 +47,30 @@ def replicate(tree, mesh: Mesh):
 
 
 @functools.cache
-def _sharded_step(cfg: DsaConfig, mesh: Mesh, has_shared: bool):
+def _sharded_step(cfg: DsaConfig, mesh: Mesh, layout: RowLayout, has_shared: bool):
     axis = mesh.axis_names[0]
 
     def per_rank(weights, state, x, n_new, shared_sel):
         local = jax.tree_util.tree_map(lambda a: a[0], weights)  # this rank's weights
-        y, state, sel = _append_rows(cfg, local, state, x, n_new, shared_sel)
+        x_rows, sel_rows = layout.pad(x, shared_sel)
+        y, state, sel = step(cfg, local, state, x_rows, n_new, sel_rows)
+        y, sel = layout.unpad(y, sel)
         return jax.lax.psum(y, axis), state, sel
 
-    step = jax.shard_map(
+    sharded = jax.shard_map(
         per_rank, mesh=mesh,
         in_specs=(P(axis), P(), P(), P(), P() if has_shared else None),
         out_specs=(P(), P(), P()),
         check_vma=False,  # state and sel are equal on every rank by construction
     )
-    return jax.jit(step, donate_argnums=(1,))
+    return jax.jit(sharded, donate_argnums=(1,))
+
+
+def _tp_step(cfg, mesh, weights, state, x, kind, shared_sel, check):
+    layout, n_new = prepare_step(cfg, weights, state, x, kind=kind, shared_sel=shared_sel,
+                                 check=check)
+    run = _sharded_step(cfg, mesh, layout, shared_sel is not None)
+    return run(weights, state, x, jnp.asarray(n_new), shared_sel)
 
 
 def tp_decode_k(cfg: DsaConfig, mesh: Mesh, weights: DsaWeights, state: DsaState,
@@ -69,28 +78,12 @@ def tp_decode_k(cfg: DsaConfig, mesh: Mesh, weights: DsaWeights, state: DsaState
                 ) -> tuple[jax.Array, DsaState, jax.Array]:
     """`dsa_jax.decode_k` across the mesh: x [B, K, D] (or [B, D] for a decode) -> the full
     output `y`, the new (replicated) state and `sel`. `weights` from `shard_weights`."""
-    squeeze = x.ndim == 2
-    b, k = x.shape[0], 1 if squeeze else x.shape[1]
-    if not 1 <= k <= cfg.max_verify:
-        raise StepError(f"a {k}-row verify does not fit max_verify {cfg.max_verify}")
-    n_new = np.full((b,), k, np.int32)
-    if check:
-        sel_shape = (b, cfg.sel_width) if squeeze else (b, k, cfg.sel_width)
-        _check_step(cfg, weights, state, x, n_new, shared_sel, sel_shape)
-    x_rows, sel_rows = _pad_rows(x, shared_sel, cfg.max_verify)
-    step = _sharded_step(cfg, mesh, shared_sel is not None)
-    y, state, sel = step(weights, state, x_rows, jnp.asarray(n_new), sel_rows)
-    y, sel = _first_rows(y, sel, k, squeeze)
-    return y, state, sel
+    kind = "decode" if x.ndim == 2 else "verify"
+    return _tp_step(cfg, mesh, weights, state, x, kind, shared_sel, check)
 
 
 def tp_prefill(cfg: DsaConfig, mesh: Mesh, weights: DsaWeights, state: DsaState,
                x: jax.Array, *, shared_sel: jax.Array | None = None, check: bool = True
                ) -> tuple[jax.Array, DsaState, jax.Array]:
     """`dsa_jax.prefill` across the mesh: x [B, S, D]."""
-    b, s = x.shape[0], x.shape[1]
-    n_new = np.full((b,), s, np.int32)
-    if check:
-        _check_step(cfg, weights, state, x, n_new, shared_sel, (b, s, cfg.sel_width))
-    step = _sharded_step(cfg, mesh, shared_sel is not None)
-    return step(weights, state, x, jnp.asarray(n_new), shared_sel)
+    return _tp_step(cfg, mesh, weights, state, x, "prefill", shared_sel, check)
