@@ -1,11 +1,12 @@
 """H200: is the batch-1 decode step bound by kernel launches? The same jitted step
-(dsa_jax.layer._step_jit, GLM-5.3-Flash shapes, context 16K) timed under XLA's
+(benchmarks.workloads.STEP, GLM-5.3-Flash shapes, context 16K) timed under XLA's
 command-buffer (CUDA graph) settings, each in a fresh process (XLA reads its flags once).
 
     PYTHONPATH=. python3 benchmarks/h200_launch.py [FLAG_SET ...]   (default: VARIANTS)
 
 Writes $OUT/h200-launch.json (or ./h200-launch.json). Per variant, implementation and shape:
-`step_us` (median of back-to-back steps, dsa_jax.bench.measure, as the bench's decode points),
+`step_us` (median of back-to-back steps, benchmarks.harness.measure, as the bench's decode
+points),
 `kernel_us` (device kernel time per step from a profiler trace), `idle_us` = step - kernel,
 and `dispatch_us`, the host time to enqueue one step. Rows `trivial`: a one-kernel program with
 the step's 20 argument buffers (the bare cost of a call). Rows with `layers_in_program`: 4
@@ -58,16 +59,17 @@ def _dispatch_us(r, n: int, reps: int = 15) -> tuple[float, float]:
 def child(variant: str) -> list[dict]:
     import jax
 
-    from dsa_jax.bench import StepRunner, full_plan, measure, profile_step, random_hf_tensors
+    from benchmarks.harness import measure, profile_step
+    from benchmarks.points import full_plan
+    from benchmarks.workloads import StepRunner, random_hf_tensors, random_weights
     from dsa_jax.shapes import glm53_flash
-    from dsa_jax.weights import fold_weights
 
     cfg0 = glm53_flash()
     plan = full_plan(cfg0)
     hf = random_hf_tensors(cfg0, 0)
     rows = []
     for tp, b, k in SHAPES:
-        weights = jax.block_until_ready(fold_weights(cfg0.replace(tp_degree=tp), hf, tp_rank=0))
+        weights = random_weights(cfg0, hf, tp)
         for impl in ("xla", "pallas"):
             cfg = cfg0.replace(implementation=impl, tp_degree=tp)
             row = {"variant": variant, "impl": impl, "tp": tp, "batch": b, "k": k}
@@ -102,17 +104,17 @@ class _Layers:
 
     def __init__(self, cfg, b, plan, n):
         import jax
+        import numpy as np
 
+        from benchmarks.workloads import random_hf_tensors, random_state, random_weights, step_rows
         from dsa_jax import layer
-        from dsa_jax.bench import random_hf_tensors, random_state
-        from dsa_jax.weights import fold_weights
 
         self.n, self.b, self.start = n, b, plan.ctx - plan.inner
-        self.weights = [jax.block_until_ready(fold_weights(cfg, random_hf_tensors(cfg, 10 + i),
-                                                           tp_rank=0)) for i in range(n)]
+        self.weights = [random_weights(cfg, random_hf_tensors(cfg, 10 + i), cfg.tp_degree)
+                        for i in range(n)]
         self.states = [random_state(cfg, b, self.start, 20 + i) for i in range(n)]
-        base = StepRunnerInputs(cfg, b, plan)
-        self.x, self.n_new = base.x, base.n_new
+        self.x = step_rows(cfg, b, 1, cfg.max_verify, 5, n_inputs=1)[0]  # [B, max_verify, D]
+        self.n_new = jax.device_put(np.ones((b,), np.int32))
 
         def program(weights, states, x, n_new):
             ys, new = [], []
@@ -133,34 +135,15 @@ class _Layers:
         return self.states
 
     def reset(self):
-        import jax
-        import numpy as np
+        from benchmarks.workloads import rewound
 
-        self.states = [st._replace(
-            lengths=jax.device_put(np.full((self.b,), self.start, np.int32)),
-            index_lengths=jax.device_put(np.full((self.b,), self.start, np.int32)))
-            for st in self.states]
-
-
-class StepRunnerInputs:
-    """The step's input rows and counts as dsa_jax.bench.StepRunner draws them (K = 1)."""
-
-    def __init__(self, cfg, b, plan):
-        import jax
-        import jax.numpy as jnp
-        import numpy as np
-
-        rng = np.random.default_rng(5)
-        x = np.zeros((b, cfg.max_verify, cfg.hidden_size), np.float32)
-        x[:, :1] = rng.standard_normal((b, 1, cfg.hidden_size), np.float32)
-        self.x = jax.device_put(x.astype(jnp.bfloat16))
-        self.n_new = jax.device_put(np.ones((b,), np.int32))
+        self.states = [rewound(st, self.start) for st in self.states]
 
 
 def _layers_row(variant, cfg, b, plan, n: int = 4) -> dict:
     import jax
 
-    from dsa_jax.bench import measure, profile_step
+    from benchmarks.harness import measure, profile_step
 
     row = {"variant": variant, "impl": cfg.implementation, "tp": cfg.tp_degree, "batch": b,
            "k": 1, "layers_in_program": n}
@@ -188,7 +171,7 @@ class _Trivial:
     def __init__(self, cfg, weights, b, plan):
         import jax
 
-        from dsa_jax.bench import StepRunner
+        from benchmarks.workloads import StepRunner
 
         self.r = StepRunner(cfg, weights, b, 1, cfg.max_verify, plan.ctx - plan.inner, 7)
         self.f = jax.jit(lambda w, st, x, n: (x * 2, st, n + 1), donate_argnums=(1,))

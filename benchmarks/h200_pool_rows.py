@@ -4,8 +4,8 @@ and warps, at the shapes the layer runs, checked against the XLA twin and timed.
     PYTHONPATH=. python3 benchmarks/h200_pool_rows.py
 
 Writes $OUT/h200-pool-rows.json (or ./h200-pool-rows.json). Times: `wall_us`, the median of
-back-to-back calls (dsa_jax.bench.measure), and `kernel_us`, the device kernel time per call
-from a profiler trace (dsa_jax.bench.kernel_us).
+back-to-back calls (benchmarks.harness.measure), and `kernel_us`, the device kernel time per
+call from a profiler trace (benchmarks.harness.kernel_us).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsa_jax.bench import sweep_row, sweep_times
+from benchmarks.harness import sweep_row, sweep_times
 from dsa_jax.pallas import pool_scores as ps
 
 HI, DI, P = 32, 128, 4096  # GLM-5.3-Flash indexer at max_context 16K, index_kpool 4

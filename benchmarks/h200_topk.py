@@ -4,8 +4,8 @@ shapes the layer feeds it, checked with `==` and timed; kernel variants swept.
     PYTHONPATH=. python3 benchmarks/h200_topk.py
 
 Writes $OUT/h200-topk.json (or ./h200-topk.json). Times: `wall_us`, the median of back-to-back
-calls (dsa_jax.bench.measure), and `kernel_us`, the device kernel time per call from a profiler
-trace (dsa_jax.bench.kernel_us).
+calls (benchmarks.harness.measure), and `kernel_us`, the device kernel time per call from a
+profiler trace (benchmarks.harness.kernel_us).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsa_jax.bench import sweep_row, sweep_times
+from benchmarks.harness import sweep_row, sweep_times
 from dsa_jax.pallas import pool_topk as pt
 
 K = 512  # index_topk 2048 / index_kpool 4

@@ -151,9 +151,27 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-# Subcommands whose own module parses the rest of the command line.
+def cmd_bench(argv: list[str]) -> int:
+    """`dsa-jax bench`: the benchmark harness is the repository's `benchmarks/` package, which
+    is not installed with dsa_jax; run it from the checkout this package was installed from."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.isfile(os.path.join(root, "benchmarks", "__main__.py")):
+        print("dsa-jax bench: the benchmark harness is not part of the installed package; "
+              "from a checkout of the dsa_jax repository run `python -m benchmarks`",
+              file=sys.stderr)
+        return 2
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from benchmarks.__main__ import main as bench_main
+
+    return bench_main(argv, prog="dsa-jax bench")
+
+
+# Subcommands that parse the rest of the command line themselves: a module with `main(argv)`,
+# or a function of argv.
 DELEGATED = {
-    "bench": ("dsa_jax.bench", "time the block on this machine against its roofline"),
+    "bench": (cmd_bench, "time the block on this machine against its roofline (from a "
+                         "checkout)"),
     "parity": ("dsa_jax.parity", "implementations vs reference (and HF), a pass/fail table"),
 }
 
@@ -207,7 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] in DELEGATED:
         import importlib
 
-        return importlib.import_module(DELEGATED[argv[0]][0]).main(argv[1:])
+        target = DELEGATED[argv[0]][0]
+        if callable(target):
+            return target(argv[1:])
+        return importlib.import_module(target).main(argv[1:])
     args = parser.parse_args(argv)
     return args.func(args)
 

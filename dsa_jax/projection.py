@@ -37,15 +37,17 @@ def rms_norm(v: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 HIGHEST = lax.Precision.HIGHEST
 
 
-def _matmul(v: jax.Array, w: jax.Array) -> jax.Array:
-    """`v @ w.T` for an `[out, in]` weight: operands in the weight dtype, fp32 accumulation."""
+def matmul(v: jax.Array, w: jax.Array) -> jax.Array:
+    """`v [..., in] @ w.T` for an `[out, in]` weight -> `[..., out]` f32: operands in the
+    weight dtype, fp32 accumulation. Every GEMM of the block is this one op (public so that a
+    benchmark can time other arrangements of the same GEMMs)."""
     return jnp.einsum("...i,oi->...o", v.astype(w.dtype), w, precision=HIGHEST,
                       preferred_element_type=jnp.float32)
 
 
-def _per_head(v: jax.Array, w: jax.Array, w_contract: int) -> jax.Array:
+def per_head(v: jax.Array, w: jax.Array, w_contract: int) -> jax.Array:
     """`v [..., H, K]` times each head's `w [H, ., .]` (contracting `w`'s axis `w_contract`)
-    -> `[..., H, N]`, fp32 accumulation.
+    -> `[..., H, N]`, fp32 accumulation: the per-head products with `U_k` and `U_v`.
 
     Written as a dot_general with the head axis as its batch axis: XLA:CPU has no bf16 dot
     for the operand order that `einsum` lowers this to.
@@ -61,12 +63,12 @@ def project(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> Projections:
     """`x [..., D]` -> every per-token quantity the block needs."""
     R, C, Hl, Dn = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.local_heads, cfg.qk_nope_head_dim
     Hi, Di = cfg.index_n_heads, cfg.index_head_dim
-    xw = _matmul(x, weights.x_proj)  # [..., Nx]
+    xw = matmul(x, weights.x_proj)  # [..., Nx]
     q_resid = rms_norm(xw[..., :R], weights.q_a_norm, cfg.rms_norm_eps)  # [..., R_q]
     kv_raw = xw[..., R:R + C]  # [..., C]
-    qw = _matmul(q_resid, weights.q_proj)  # [..., Nq]
+    qw = matmul(q_resid, weights.q_proj)  # [..., Nq]
     q = qw[..., :Hl * Dn].reshape(*qw.shape[:-1], Hl, Dn)
-    q_abs = _per_head(q, weights.u_k, 1)  # [..., Hl, C]
+    q_abs = per_head(q, weights.u_k, 1)  # [..., Hl, C]
     if not weights.has_indexer:
         return Projections(q_abs, kv_raw, None, None, None, None)
     qi = qw[..., Hl * Dn:].reshape(*qw.shape[:-1], Hi, Di)
@@ -79,7 +81,7 @@ def project_kv(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> Projections
     """Only what a context row stores: the raw latent and the indexer's raw k and gate."""
     R, C, Di = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.index_head_dim
     rows = C + (2 * Di if weights.has_indexer else 0)
-    xw = _matmul(x, weights.x_proj[R:R + rows])  # [..., C (+ 2 Di)]
+    xw = matmul(x, weights.x_proj[R:R + rows])  # [..., C (+ 2 Di)]
     if not weights.has_indexer:
         return Projections(None, xw[..., :C], None, None, None, None)
     return Projections(None, xw[..., :C], None, xw[..., C:C + Di], xw[..., C + Di:C + 2 * Di],
@@ -88,5 +90,5 @@ def project_kv(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> Projections
 
 def output_projection(weights: DsaWeights, o_latent: jax.Array) -> jax.Array:
     """Attended latents `[..., Hl, C]` -> `y [..., D]` (this rank's partial sum under TP)."""
-    o = _per_head(o_latent, weights.u_v, 2)  # [..., Hl, Dv]
-    return _matmul(o.reshape(*o.shape[:-2], -1), weights.o_proj)
+    o = per_head(o_latent, weights.u_v, 2)  # [..., Hl, Dv]
+    return matmul(o.reshape(*o.shape[:-2], -1), weights.o_proj)

@@ -1,22 +1,25 @@
-"""CPU smoke test of the benchmark suite: `dsa_jax.bench.main(["--smoke", ...])` runs on the
-tiny config and writes one JSON whose every point a script can check. No GPU, no torch."""
+"""The benchmark harness (`benchmarks/`, outside the installed package), on the CPU: the smoke
+plan of the whole suite, the JSON schema (also of every committed result), the cost functions
+against the committed H200 run's roofline, the targets' `met` rules, render, the device
+scripts' helpers, and that the harness uses only dsa_jax's public names."""
 
+import ast
 import glob
 import json
-import math
 import os
+import shutil
+import subprocess
 import sys
 
 import pytest
 
-from dsa_jax import bench
+from benchmarks import points, render, roofline, schema
+from benchmarks.__main__ import main as bench_main
+from benchmarks.harness import sweep_row, sweep_times
 
-POINT_KEYS = ("name", "median_us", "floor_us", "target", "met")
-
-
-def _num_or_none(v):
-    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
-                         and math.isfinite(v))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+MAIN_RUN = os.path.join(RESULTS, "h200-bench-20261130-071856.json")
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +27,7 @@ def smoke_result(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     # tp8 runs the same code as tp1 with another config, and the HF baseline needs torch:
     # both are left out here to keep the test short.
-    rc = bench.main(["--smoke", "--no-hf", "--no-levers", "--no-progress", "--skip", "tp8",
+    rc = bench_main(["--smoke", "--no-hf", "--no-levers", "--no-progress", "--skip", "tp8",
                      "--out", str(out), "--name", "smoke.json"])
     assert rc == 0
     files = glob.glob(os.path.join(out, "*.json"))
@@ -33,38 +36,59 @@ def smoke_result(tmp_path_factory):
         return json.load(f)
 
 
-def test_every_point_has_the_schema(smoke_result):
-    res = smoke_result
-    for key in ("command", "date", "machine", "jax_version", "ceilings", "points"):
-        assert key in res, key
-    assert res["command"].startswith("dsa-jax bench --smoke")
-    assert res["ceilings"]["copy_GBps"] > 0 and res["ceilings"]["matmul_bf16_TFLOPs"] > 0
-    points = res["points"]
-    assert points
-    for p in points:
-        for key in POINT_KEYS:
-            assert key in p, (p.get("name"), key)
-        assert isinstance(p["name"], str) and p["name"]
-        assert isinstance(p["target"], str) and p["target"]
-        assert isinstance(p["met"], bool), p["name"]
-        assert _num_or_none(p["median_us"]) and _num_or_none(p["floor_us"]), p["name"]
-        for key in ("xla_us", "hf_us", "ratio_vs_xla", "ratio_vs_hf"):
-            assert key in p and _num_or_none(p[key]), (p["name"], key)
+def _by_name(result):
+    return {p["name"]: p for p in result["points"]}
 
 
-def test_the_table_rows_are_all_there(smoke_result):
-    names = [p["name"] for p in smoke_result["points"]]
-    for prefix in ("decode-b1-k1-tp1", "verify-b1-k3-tp1", "decode-b2-k1-tp1", "attend-kernel-",
-                   "selection-b2", "prefill-", "scaling-b1-k1-ctx", "compile-b1-k1",
-                   "memory-state-bytes-per-seq"):
-        assert any(n.startswith(prefix) for n in names), prefix
+# ---------------------------------------------------------------------------------------------
+# The smoke run and its JSON
+# ---------------------------------------------------------------------------------------------
+
+
+def test_smoke_run_has_the_schema(smoke_result):
+    assert schema.result_problems(smoke_result) == []
+    assert smoke_result["command"].startswith("python -m benchmarks --smoke")
+    assert smoke_result["ceilings"]["copy_GBps"] > 0
+    assert smoke_result["ceilings"]["matmul_bf16_TFLOPs"] > 0
+    assert smoke_result["plan"]["big_batch"] == 2 and smoke_result["smoke"] is True
+
+
+def test_every_committed_result_keeps_the_schema():
+    runs = schema.load_runs(RESULTS)
+    assert len(runs) >= 10
+    for path, res in runs:
+        assert schema.result_problems(res) == [], path
+
+
+def test_json_round_trip_keeps_every_field(smoke_result, tmp_path):
+    path = str(tmp_path / "r.json")
+    schema.write_json(path, smoke_result)
+    (loaded,) = [res for _, res in schema.load_runs(str(tmp_path))]
+    assert loaded == smoke_result and not os.path.exists(path + ".tmp")
+    broken = json.loads(json.dumps(smoke_result))
+    del broken["points"][0]["floor_us"]
+    broken["points"][1]["met"] = "yes"
+    problems = schema.result_problems(broken)
+    assert len(problems) == 2 and "floor_us" in problems[0] and "met" in problems[1]
+
+
+def test_the_smoke_plan_runs_every_point(smoke_result):
+    cfg = _tiny()
+    want = [p.name for p in points.plan_points(cfg, points.smoke_plan(cfg))
+            if p.group != "tp8"]
+    assert [p["name"] for p in smoke_result["points"]] == want
+    names = set(want)
+    for name in ("decode-b1-k1-tp1", "verify-b1-k3-tp1", "decode-b2-k1-tp1", "public-decode-b1",
+                 "selection-b2", "selection-b2-r4", "compile-b1-k1", "loop-b1-l8",
+                 "loop-b2-l8", "spec-b1-l8-k3"):
+        assert name in names, name
     assert sum(n.startswith("attend-kernel-") for n in names) == 2
     assert sum(n.startswith("scaling-") for n in names) == 3
 
 
 def test_timed_points_have_xla_times_and_a_floor(smoke_result):
     for p in smoke_result["points"]:
-        if p["name"].startswith(("memory", "compile")):
+        if p["group"] in ("memory", "loop") or p["name"].startswith(("compile", "public")):
             continue
         assert p["xla_us"] is not None and p["xla_us"] > 0, p["name"]
         assert p["floor_us"] is not None and p["floor_us"] > 0, p["name"]
@@ -72,42 +96,239 @@ def test_timed_points_have_xla_times_and_a_floor(smoke_result):
         assert p["median_us"] is not None and p["time_over_floor"] > 0
 
 
+def test_met_in_the_json_is_the_points_rule(smoke_result):
+    """Each recorded verdict is its point's pure rule applied to the recorded point."""
+    cfg = _tiny()
+    plan = {p.name: p for p in points.plan_points(cfg, points.smoke_plan(cfg))}
+    verdicts = set()
+    for p in smoke_result["points"]:
+        point = plan[p["name"]]
+        assert p["target"] == point.target
+        # A timed point whose every implementation failed is not met, whatever its rule.
+        assert p["met"] == (False if p["impls"] and p["median_us"] is None else point.met(p))
+        verdicts.add(p["met"])
+    assert verdicts == {True, False}
+
+
+def test_not_measured_points_say_why(smoke_result):
+    pts = _by_name(smoke_result)
+    for name in ("loop-b1-l8", "loop-b2-l8", "spec-b1-l8-k3"):
+        p = pts[name]
+        assert p["status"] == points.NOT_MEASURED and p["median_us"] is None
+        assert p["met"] is False and p["impls"] == {}
+
+
 def test_pallas_off_gpu_is_recorded_not_fatal(smoke_result):
-    p = next(p for p in smoke_result["points"] if p["name"] == "decode-b1-k1-tp1")
+    p = _by_name(smoke_result)["decode-b1-k1-tp1"]
     assert p["impl"] == "xla"  # the pallas step cannot run on a CPU: recorded, run goes on
     assert "error" in p["impls"]["pallas"] and p["impls"]["pallas"]["median_us"] is None
+    assert "ImplementationError" in p["impls"]["pallas"]["error"]
 
 
 def test_one_compile_across_contexts(smoke_result):
-    p = next(p for p in smoke_result["points"] if p["name"] == "compile-b1-k1")
-    assert p["impls"]["xla"]["compiles"] == 1 and p["met"]
+    p = _by_name(smoke_result)["compile-b1-k1"]
+    assert p["impls"]["xla"]["compiles"] == 1 and p["compiles"] == 1 and p["met"]
+    # Every first call of the config (smoke: the decode points share it) at every context.
+    assert {c["ctx"] for c in p["impls"]["xla"]["calls"]} == set(p["contexts"])
 
 
-def test_help_and_bad_group():
+def test_public_decode_is_timed_beside_the_step(smoke_result):
+    pts = _by_name(smoke_result)
+    p = pts["public-decode-b1"]
+    t = p["impls"]["xla"]
+    assert p["median_us"] == t["median_us"] > 0 and t["inner"] == 1  # synced every call
+    assert t["step_us"] > 0 and p["device_step_us"] is None  # no kernel trace on a CPU
+    assert p["met"] is False
+    assert pts["decode-b1-k1-tp1"]["kernel_us"] is None
+
+
+def test_breakdown_covers_decode_verify_prefill_and_tp8(smoke_result):
+    """The stage breakdown runs the decode (1 and big_batch sequences), the K=3 verify, a
+    prompt, and the batch-1 decode at TP 8 (one rank), each with every stage and the step."""
+    runs = smoke_result["breakdown"]["runs"]
+    for key in ("xla-b1", "xla-b2", "xla-b1-k3", "xla-prefill4", "xla-b1-tp8"):
+        res = runs[key]
+        assert "error" not in res, (key, res.get("error"))
+        for stage in ("project", "cache_writes", "pool_scores", "top_k", "expand", "attend",
+                      "output_projection"):
+            assert res[stage]["median_us"] > 0, (key, stage)
+        assert res["step_us"] > 0
+    pub = runs["xla-b1"]["public_decode"]
+    assert pub["decode_us"] > 0 and pub["decode_unchecked_us"] > 0 and pub["host_checks_us"] > 0
+    assert "public_decode" not in runs["xla-b1-tp8"]
+
+
+def test_help_and_bad_group(capsys):
     with pytest.raises(SystemExit) as e:
-        bench.main(["--help"])
+        bench_main(["--help"])
     assert e.value.code == 0
-    assert bench.main(["--only", "nonsense"]) == 2
+    assert bench_main(["--only", "nonsense"]) == 2
+    assert "unknown group(s) ['nonsense']" in capsys.readouterr().err
 
 
-def test_render_writes_markdown_and_plot(smoke_result, tmp_path):
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
-    try:
-        import render
-    finally:
-        sys.path.pop(0)
-    results = tmp_path / "results"
-    results.mkdir()
-    (results / "smoke.json").write_text(json.dumps(smoke_result))
-    md = tmp_path / "BENCHMARKS.md"
-    png = results / "scaling.png"
-    readme = tmp_path / "README.md"
-    readme.write_text(f"intro\n{render.README_BEGIN}\nold\n{render.README_END}\nrest\n")
+def test_python_m_benchmarks_and_dsa_jax_bench(monkeypatch, capsys):
+    p = subprocess.run([sys.executable, "-m", "benchmarks", "--help"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "usage: python -m benchmarks" in p.stdout
+    from dsa_jax import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--help"])
+    assert e.value.code == 0 and "usage: dsa-jax bench" in capsys.readouterr().out
+    # An installed package without the checkout's benchmarks/ says what to run instead.
+    monkeypatch.setattr(cli.os.path, "isfile", lambda path: False)
+    assert cli.main(["bench", "--smoke"]) == 2
+    assert "run `python -m benchmarks`" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# Cost functions and targets
+# ---------------------------------------------------------------------------------------------
+
+
+def _tiny():
+    from dsa_jax.shapes import tiny
+
+    return tiny(implementation="xla")
+
+
+def test_prefill_cost_is_the_sum_of_its_rows():
+    from dsa_jax.shapes import ODD
+
+    for s in (1, 5, 37):
+        _, flops = roofline.prefill_cost(ODD, 0, s)
+        assert flops == sum(sum(roofline.row_flops(ODD, t + 1).values()) for t in range(s))
+    _, f1 = roofline.step_cost(ODD, 0, 3, 2, 50)
+    assert f1 == 3 * 2 * sum(roofline.row_flops(ODD, 50).values())
+
+
+def test_cost_functions_reproduce_the_committed_roofline():
+    """The costs as the committed H200 run computed them (GLM-5.3-Flash, fp8 cache): the
+    weights' bytes are inferred from one decode point, every other point must then match."""
+    from dsa_jax.shapes import glm53_flash
+
+    cfg = glm53_flash()
+    with open(MAIN_RUN) as f:
+        pts = _by_name(json.load(f))
+    ctx = cfg.max_context
+    roof = pts["decode-b1-k1-tp1"]["roofline"]
+    pb = roof["bytes"] - roofline.step_cost(cfg, 0, 1, 1, ctx)[0]
+    assert 0 < pb < 2 ** 30
+    cases = {"decode-b1-k1-tp1": roofline.step_cost(cfg, pb, 1, 1, ctx),
+             "verify-b1-k3-tp1": roofline.step_cost(cfg, pb, 1, 3, ctx),
+             "decode-b64-k1-tp1": roofline.step_cost(cfg, pb, 64, 1, ctx),
+             "scaling-b1-k1-ctx65536": roofline.step_cost(cfg, pb, 1, 1, 65536),
+             "prefill-9000": roofline.prefill_cost(cfg, pb, 9000),
+             "selection-b64": roofline.selection_cost(cfg, 64, 1, ctx),
+             "selection-b64-r4": roofline.selection_cost(cfg, 64, 4, ctx),
+             "attend-kernel-64x1-h64-w2051": roofline.attend_cost(64, 1, 64, 2051, 512),
+             "attend-kernel-128x2-h128-w2048": roofline.attend_cost(128, 2, 128, 2048, 512)}
+    for name, (nbytes, flops) in cases.items():
+        assert (pts[name]["roofline"]["bytes"], pts[name]["roofline"]["flops"]) == (
+            nbytes, flops), name
+
+
+def test_rules_judge_at_and_past_the_bound():
+    rule = points.time_at_most(55.0)
+    assert rule.words == "<= 55 us" and rule.needs == ("median_us",)
+    assert rule({"median_us": 55.0}) and not rule({"median_us": 55.01})
+    assert not rule({"median_us": None}) and not rule({})
+    assert points.time_at_most(10_000.0, " per layer").words == "<= 10 ms per layer"
+    rel = points.times("floor_us", 1.35, "floor")
+    assert rel({"median_us": 135.0, "floor_us": 100.0})
+    assert not rel({"median_us": 136.0, "floor_us": 100.0})
+    assert not rel({"median_us": 1.0, "floor_us": None}) and rel.needs == ("median_us",
+                                                                           "floor_us")
+    mem = points.bytes_at_most(10 * points.MiB)
+    assert mem.words == "<= 10 MiB" and mem({"value_bytes": 10 * 2 ** 20})
+    assert not mem({"value_bytes": 18_875_400})
+    one = points.Equals("compiles", 1, "exactly one compile")
+    assert one({"compiles": 1}) and not one({"compiles": 2}) and not one({})
+    seen = points.Reported("tokens_per_s")
+    assert seen({"tokens_per_s": 3.0}) and not seen({"tokens_per_s": None})
+
+
+def test_full_plan_targets_state_their_numbers():
+    from dsa_jax.shapes import glm53_flash
+
+    cfg = glm53_flash()
+    pts = {p.name: p for p in points.plan_points(cfg, points.full_plan(cfg))}
+    expect = {"attend-kernel-64x1-h64-w2051": ("<= 55 us", {"median_us": 55.0}),
+              "attend-kernel-128x2-h128-w2048": ("<= 450 us", {"median_us": 450.0}),
+              "selection-b64": ("<= 40 us", {"median_us": 40.0}),
+              "selection-b64-r4": ("<= 60 us", {"median_us": 60.0}),
+              "decode-b64-k1-tp1": ("<= 250 us", {"median_us": 250.0}),
+              "decode-b1-k1-tp1": ("device kernel time <= 100 us", {"kernel_us": 100.0}),
+              "prefill-9000": ("<= 10 ms per layer", {"median_us": 10_000.0}),
+              "memory-state-bytes-per-seq-ctx16384": ("<= 10 MiB",
+                                                      {"value_bytes": 10 * 2 ** 20}),
+              "public-decode-b1": ("<= 2 x the device step",
+                                   {"median_us": 200.0, "device_step_us": 100.0}),
+              "loop-b1-l8": ("<= 1.1 x the layers' kernel time",
+                             {"us_per_token_per_layer": 11.0,
+                              "kernel_us_per_token_per_layer": 10.0}),
+              "loop-b64-l8": ("<= 1.2 x the layers' kernel time",
+                              {"us_per_token_per_layer": 12.0,
+                               "kernel_us_per_token_per_layer": 10.0})}
+    for name, (words, at_bound) in expect.items():
+        p = pts[name]
+        assert words in p.target, (name, p.target)
+        assert p.met(at_bound), name
+        over = {k: v * 1.01 if k in p.rule.needs[:1] else v for k, v in at_bound.items()}
+        assert not p.met(over), name
+    for name in ("loop-b1-l8", "loop-b64-l8", "spec-b1-l8-k3"):
+        assert pts[name].kind is None and pts[name].status == points.NOT_MEASURED
+        assert pts[name].params["layers"] == 8 and pts[name].params["ctx"] == 16384
+    assert pts["loop-b1-l8"].params["tokens_per_dispatch"] == 32
+    assert pts["spec-b1-l8-k3"].params["drafts"] == 3
+    assert {p.group for p in pts.values()} <= set(points.GROUPS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Render
+# ---------------------------------------------------------------------------------------------
+
+
+def _render(results, tmp_path, readme=""):
+    md, png = tmp_path / "BENCHMARKS.md", tmp_path / "scaling.png"
     assert render.main(["--results", str(results), "--out", str(md), "--png", str(png),
                         "--readme", str(readme)]) == 0
-    text = md.read_text()
-    assert "decode-b1-k1-tp1" in text and "| point |" in text
+    return md.read_text(), png
+
+
+def test_render_shows_the_latest_result_of_each_point(tmp_path):
+    """Every committed results file renders; the points table takes each point from the newest
+    run that measured it, and superseded runs leave the tables."""
+    for path, _ in schema.load_runs(RESULTS):  # each file alone
+        one = tmp_path / os.path.basename(path)[:-5]
+        one.mkdir()
+        shutil.copy(path, one)
+        _render(one, one)
+    text, png = _render(RESULTS, tmp_path)
     assert png.exists() and png.stat().st_size > 1000
+    table = text.split("### Runs behind this table")[0]
+    # tp8 was measured last in -080538, the rest of the decode points in -071856.
+    row = next(r for r in table.splitlines() if r.startswith("| decode-b1-k1-tp8 |"))
+    assert "| 148.0 us |" in row
+    assert "h200-bench-20261130-040257" not in text  # an early, superseded run
+    assert "notes.md" in text and "### Changes (prediction" not in text  # linked, not copied
+    # Today's targets are applied to the stored results (the run's own verdict stays in it).
+    assert "context 16384: <= 250 us | **no** |" in table
+    assert "| loop-b1-l8 | serving loop" in text  # planned, not measured yet
+
+
+def test_render_writes_the_readme_block_and_not_measured_points(smoke_result, tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    full = json.loads(json.dumps(smoke_result))
+    full["smoke"] = False  # render shows full runs only
+    (results / "run.json").write_text(json.dumps(full))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{render.README_BEGIN}\nold\n{render.README_END}\nrest\n")
+    text, png = _render(results, tmp_path, readme)
+    assert "| decode-b1-k1-tp1 |" in text and png.exists()
+    row = next(r for r in text.splitlines() if r.startswith("| loop-b1-l8 |"))
+    assert f"- ({points.NOT_MEASURED})" in row and row.count("| - |") >= 5
     new = readme.read_text()
     assert new.startswith("intro\n") and new.endswith(f"{render.README_END}\nrest\n")
     assert "old" not in new and "| decode-b1-k1-tp1 |" in new
@@ -117,19 +338,22 @@ def test_render_writes_markdown_and_plot(smoke_result, tmp_path):
             {"variant": "default-0", "impl": "trivial", "tp": 8, "k": 1, "dispatch_us": 70.9},
             {"variant": "off-1", "impl": "xla", "tp": 1, "k": 3, "error": "Boom: bad"}]
     (results / "h200-launch.json").write_text(json.dumps({"command": "c", "results": rows}))
-    assert render.main(["--results", str(results), "--out", str(md), "--png", str(png),
-                        "--readme", ""]) == 0
-    text = md.read_text()
+    text, _ = _render(results, tmp_path)
     assert "| default-0 | pallas | 8 | 1 | 1 | 147.4 us | 116.3 us | 31.1 us | 112.5 us |" in text
     assert "| default-0 | trivial | 8 | 1 | 1 | - | - | - | 70.9 us |" in text
     assert "error: `Boom: bad`" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# Levers and the Hugging Face baseline
+# ---------------------------------------------------------------------------------------------
 
 
 def test_measured_levers(tmp_path):
     """The levers group (xla only on a CPU): the absorbed kv_b form and the separate input GEMMs
     compute the same function as the step's forms (tiny config: fp32 weights, so only fp32
     rounding apart), and both pool-key forms and both state forms are timed."""
-    rc = bench.main(["--smoke", "--only", "levers", "--impls", "xla", "--no-progress",
+    rc = bench_main(["--smoke", "--only", "levers", "--impls", "xla", "--no-progress",
                      "--out", str(tmp_path), "--name", "levers.json"])
     assert rc == 0
     with open(tmp_path / "levers.json") as f:
@@ -149,12 +373,16 @@ def test_measured_levers(tmp_path):
     donated = lev["donated_state_vs_copied"]["results"]
     assert set(donated) == {"xla-b1", "xla-b2"}
     assert all(r["donated_us"] > 0 and r["copied_us"] > 0 for r in donated.values())
+    pad = lev["decode_rows_padded_to_max_verify"]["results"]["xla"]
+    assert pad["median_us"] > 0 and pad["compiles"] >= 1
 
 
 def test_hf_baseline_for_every_step_point(tmp_path):
     """The Hugging Face block is timed for the decode, verify, batch and prefill points (tiny
     config on the CPU), and each point carries its HF time and ratio."""
-    rc = bench.main(["--smoke", "--only", "hf,decode,prefill", "--impls", "xla",
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    rc = bench_main(["--smoke", "--only", "hf,decode,prefill", "--impls", "xla",
                      "--no-progress", "--out", str(tmp_path), "--name", "hf.json"])
     assert rc == 0
     with open(tmp_path / "hf.json") as f:
@@ -164,6 +392,9 @@ def test_hf_baseline_for_every_step_point(tmp_path):
         (entry,) = hf[kind].values()
         assert any((entry.get(i) or {}).get("median_us") for i in ("eager", "sdpa")), entry
     for p in res["points"]:
+        if p["hf_key"] is None:  # the public-decode point has no HF counterpart
+            assert p["name"] == "public-decode-b1" and p["hf_us"] is None
+            continue
         assert p["hf_us"] is not None and p["hf_us"] > 0, p["name"]
         assert p["ratio_vs_hf"] == pytest.approx(p["median_us"] / p["hf_us"])
 
@@ -173,12 +404,13 @@ def test_hf_cache_fill_tiles_a_real_forward():
     sequence axis: the cache reports the context, and its tensors repeat with that period."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from dsa_jax.shapes import tiny
+    from benchmarks import hf_baseline
+    from benchmarks.workloads import random_hf_tensors
 
-    cfg = tiny(implementation="xla")
-    attn, config = bench._hf_block(cfg, bench.random_hf_tensors(cfg, 0), "cpu")
+    cfg = _tiny()
+    attn, config = hf_baseline.hf_block(cfg, random_hf_tensors(cfg, 0), "cpu")
     gen = torch.Generator().manual_seed(0)
-    cache, how = bench._hf_fill_tiled(cfg, attn, config, 42, "cpu", gen, fill_tokens=16)
+    cache, how = hf_baseline.fill_tiled(cfg, attn, config, 42, "cpu", gen, fill_tokens=16)
     assert cache.get_seq_length() == 42 and "tiled" in how
     tensors = {k: v for k, v in cache.layers[0].__dict__.items()
                if isinstance(v, torch.Tensor) and v.dim() > 1}
@@ -193,6 +425,8 @@ def test_hf_cache_fill_tiles_a_real_forward():
 def test_hf_batch_in_chunks_when_it_does_not_fit():
     """64 sequences that do not fit run as calls of fewer; the time is per 64 and says so."""
     torch = pytest.importorskip("torch")
+    from benchmarks.hf_baseline import in_chunks
+
     calls = []
 
     def run(b):
@@ -201,27 +435,17 @@ def test_hf_batch_in_chunks_when_it_does_not_fit():
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 32 GiB")
         return True, {"median_us": 10.0 * b, "min_us": 9.0 * b, "max_us": 11.0 * b}, "fill"
 
-    out = bench._hf_in_chunks(run, 64)
+    out = in_chunks(run, 64)
     assert calls == [64, 32, 16]
     assert out["median_us"] == 4 * 160.0 and out["min_us"] == 4 * 144.0
     assert out["chunks"]["sequences_per_call"] == 16 and out["chunks"]["calls"] == 4
     assert "out of memory" in out["chunks"]["why"]
-    assert bench._hf_in_chunks(run, 8)["median_us"] == 80.0 and "chunks" not in (
-        bench._hf_in_chunks(run, 8))
+    assert in_chunks(run, 8)["median_us"] == 80.0 and "chunks" not in in_chunks(run, 8)
 
 
-def test_breakdown_covers_decode_verify_prefill_and_tp8(smoke_result):
-    """The stage breakdown runs the decode (1 and big_batch sequences), the K=3 verify, a
-    prompt, and the batch-1 decode at TP 8 (one rank), each with every stage and the step."""
-    runs = smoke_result["breakdown"]["runs"]
-    for key in ("xla-b1", "xla-b2", "xla-b1-k3", "xla-prefill4", "xla-b1-tp8"):
-        res = runs[key]
-        assert "error" not in res, (key, res.get("error"))
-        for stage in ("project", "cache_writes", "pool_scores", "top_k", "expand", "attend",
-                      "output_projection"):
-            assert res[stage]["median_us"] > 0, (key, stage)
-        assert res["step_us"] > 0
-    assert "public_decode" in runs["xla-b1"] and "public_decode" not in runs["xla-b1-tp8"]
+# ---------------------------------------------------------------------------------------------
+# Device scripts' helpers, and the public-API rule
+# ---------------------------------------------------------------------------------------------
 
 
 def test_sweep_row_records_failures_and_keeps_going(tmp_path):
@@ -236,8 +460,8 @@ def test_sweep_row_records_failures_and_keeps_going(tmp_path):
     def bad(row):
         raise RuntimeError("Triton could not compile this tile")
 
-    bench.sweep_row(res, {"case": "a"}, ok, str(path))
-    bench.sweep_row(res, {"case": "b"}, bad, str(path))
+    sweep_row(res, {"case": "a"}, ok, str(path))
+    sweep_row(res, {"case": "b"}, bad, str(path))
     saved = json.loads(path.read_text())
     assert [r["case"] for r in saved["results"]] == ["a", "b"]
     assert saved["results"][0]["us"] == 1.5
@@ -260,9 +484,51 @@ def test_sweep_times_counts_calls_and_reports_both_times():
         calls.append(1)
         return f(x)
 
-    t = bench.sweep_times(call, heavy=False)
+    t = sweep_times(call, heavy=False)
     assert t["wall_us"] > 0 and t["kernel_us"] is None
     assert len(calls) == (2 + 15 * 10) + (2 + 20)
     calls.clear()
-    bench.sweep_times(call, heavy=True, heavy_inner=2)
+    sweep_times(call, heavy=True, heavy_inner=2)
     assert len(calls) == (2 + 5 * 2) + (2 + 3)
+
+
+NAMEDTUPLE_API = ("_replace", "_fields", "_asdict")  # public despite the underscore
+
+
+def private_dsa_jax_names(source: str) -> list[str]:
+    """Underscore names of dsa_jax that `source` imports or reads off a dsa_jax module."""
+    tree = ast.parse(source)
+    modules, bad = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "dsa_jax":
+            bad += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+            if any(p.startswith("_") for p in node.module.split(".")):
+                bad.append(node.module)
+            modules |= {a.asname or a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "dsa_jax":
+                    bad += [a.name for p in a.name.split(".") if p.startswith("_")]
+                    modules.add(a.asname or a.name.split(".")[0])
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                and not node.attr.startswith("__") and node.attr not in NAMEDTUPLE_API):
+            base = node.value
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in modules:
+                bad.append(f"{ast.unparse(node)}")
+    return bad
+
+
+def test_benchmarks_use_only_public_dsa_jax_names():
+    assert private_dsa_jax_names("from dsa_jax import layer\nlayer._step_jit(1)\n") == [
+        "layer._step_jit"]
+    assert private_dsa_jax_names("from dsa_jax.projection import _matmul\n") == [
+        "dsa_jax.projection._matmul"]
+    assert private_dsa_jax_names("import dsa_jax.layer as L\nL.step(1)\n") == []
+    files = glob.glob(os.path.join(ROOT, "benchmarks", "*.py"))
+    assert len(files) >= 10
+    for path in files:
+        with open(path) as f:
+            assert private_dsa_jax_names(f.read()) == [], path

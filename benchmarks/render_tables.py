@@ -1,0 +1,278 @@
+"""Markdown tables of bench results (used by benchmarks/render.py). Pure functions of the
+JSON: each takes results as loaded and returns lines."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+from benchmarks.schema import fmt_us, fmt_x, ratio
+
+STAGES = ("project", "cache_writes", "pool_scores", "top_k", "expand", "attend",
+          "output_projection")
+
+
+def rel(path: str, out_md: str) -> str:
+    """`path` relative to the folder of the Markdown file that links it."""
+    return os.path.relpath(path, os.path.dirname(os.path.abspath(out_md)))
+
+
+def link(path: str, out_md: str) -> str:
+    r = rel(path, out_md)
+    return f"[`{os.path.basename(path)}`]({r})"
+
+
+def met_cell(met: bool | None) -> str:
+    return "-" if met is None else "yes" if met else "**no**"
+
+
+def time_cell(p: dict) -> str:
+    """A point's figure: its time (with what its kind adds), its memory, or its status."""
+    if "value_MiB" in p:
+        return f"{p.get('value_MiB', 0):.2f} MiB ({p.get('value_bytes')} B)"
+    if p.get("status"):
+        return f"- ({p['status']})"
+    extra = ""
+    if p.get("TFLOPs") is not None:
+        extra = f" ({p['TFLOPs']:.0f} TFLOP/s, {p.get('GBps', 0):.0f} GB/s)"
+    if p.get("ratio_vs_k1") is not None:
+        extra = f" ({p['ratio_vs_k1']:.2f}x the K=1 step)"
+    if p.get("kernel_us") is not None:
+        extra = f" (kernels {fmt_us(p['kernel_us'])})"
+    if p.get("device_step_us") is not None:
+        extra = f" (device step {fmt_us(p['device_step_us'])})"
+    return fmt_us(p.get("median_us")) + extra
+
+
+def points_table(rows: list[tuple], labels: dict[str, str]) -> list[str]:
+    """One row per (point, path of its run, target, met): `labels[path]` names the run."""
+    lines = ["| point | run | impl | time | floor | time / floor | bound | target | met | XLA | "
+             "vs XLA | HF | vs HF |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p, path, target, met in rows:
+        roof = p.get("roofline") or {}
+        lines.append(
+            f"| {p['name']} | {labels[path]} | {p.get('impl') or '-'} | {time_cell(p)} | "
+            f"{fmt_us(p.get('floor_us'))} | {fmt_x(p.get('time_over_floor'))} | "
+            f"{roof.get('bound', '-')} | {target} | {met_cell(met)} | "
+            f"{fmt_us(p.get('xla_us'))} | {fmt_x(p.get('ratio_vs_xla'))} | "
+            f"{fmt_us(p.get('hf_us'))} | {fmt_x(p.get('ratio_vs_hf'), 4)} |")
+    return lines
+
+
+def readme_rows(rows: list[tuple]) -> list[str]:
+    lines = ["| point | time | floor | time / floor | met | vs XLA | vs HF |",
+             "|---|---|---|---|---|---|---|"]
+    for p, _, _, met in rows:
+        cell = (f"{p.get('value_MiB', 0):.1f} MiB" if "value_MiB" in p
+                else fmt_us(p.get("median_us")))
+        lines.append(f"| {p['name']} | {cell} | {fmt_us(p.get('floor_us'))} | "
+                     f"{fmt_x(p.get('time_over_floor'))} | {met_cell(met)} | "
+                     f"{fmt_x(p.get('ratio_vs_xla'))} | {fmt_x(p.get('ratio_vs_hf'), 4)} |")
+    return lines
+
+
+def impl_table(points: list[dict]) -> list[str]:
+    """Every implementation's time of each point (median, p10-p90, or its error)."""
+    impls = sorted({i for p in points for i in (p.get("impls") or {})})
+    if not impls:
+        return []
+    lines = ["| point | " + " | ".join(f"{i} median (p10-p90)" for i in impls) + " |",
+             "|---|" + "---|" * len(impls)]
+    for p in points:
+        cells = []
+        for i in impls:
+            t = (p.get("impls") or {}).get(i)
+            if t is None:
+                cells.append("-")
+            elif t.get("median_us") is None:
+                err = (t.get("error") or "not measured").splitlines()[0][:80]
+                cells.append(f"error: `{err}`")
+            elif "p10_us" in t:
+                cells.append(f"{fmt_us(t['median_us'])} ({fmt_us(t['p10_us'])}-"
+                             f"{fmt_us(t['p90_us'])})")
+            else:
+                cells.append(fmt_us(t["median_us"]))
+        if any(c != "-" for c in cells):
+            lines.append(f"| {p['name']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def public_api_table(points: list[dict]) -> list[str]:
+    """`dsa_jax.decode` beside the jitted step, where a decode point recorded both (runs
+    before the public-decode point existed kept it in the step point's timings)."""
+    rows = []
+    for p in points:
+        for impl, t in (p.get("impls") or {}).items():
+            pub = t.get("public_decode_us") if isinstance(t, dict) else None
+            if isinstance(pub, dict) and pub.get("median_us") is not None:
+                rows.append(f"| {p['name']} | {impl} | {fmt_us(t.get('median_us'))} | "
+                            f"{fmt_us(pub['median_us'])} | "
+                            f"{fmt_x(ratio(pub['median_us'], t.get('median_us')), 1)} |")
+    if not rows:
+        return []
+    return ["### The public `dsa_jax.decode` call vs the jitted step", "",
+            "Same state, same context; `decode` runs its host-side checks (a device -> host read "
+            "of the lengths and block tables), pads the row to max_verify, calls the step and "
+            "slices the outputs.", "",
+            "| point | impl | jitted step | dsa_jax.decode | ratio |", "|---|---|---|---|---|",
+            *rows, ""]
+
+
+def hf_table(res: dict) -> list[str]:
+    hf = (res.get("baselines") or {}).get("hf") or {}
+    fills = sorted({(r.get(i) or {}).get("cache_fill") for r in hf["contexts"].values()
+                    for i in ("eager", "sdpa")} - {None})
+    lines = [f"{hf.get('what', '')}; transformers {hf.get('transformers')}, torch "
+             f"{hf.get('torch')}, {hf.get('device')}.", "",
+             *[f"- cache filled by: {f}" for f in fills], "",
+             "| context | eager | sdpa |", "|---|---|---|"]
+    rows = sorted(hf["contexts"].items(), key=lambda kv: int(kv[0]))
+    # The other points' counterparts (verify, a batch of decodes, a prompt), when measured.
+    rows += [(f"{kind} {key}", r) for kind in ("verify", "batch", "prefill")
+             for key, r in (hf.get(kind) or {}).items()]
+    for what, r in rows:
+        cells = []
+        for impl in ("eager", "sdpa"):
+            t = r.get(impl) or {}
+            cells.append(fmt_us(t.get("median_us")) if t.get("median_us") is not None
+                         else "error: `" + (t.get("error") or "-").splitlines()[0][:80] + "`")
+        lines.append(f"| {what} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def breakdown_table(path: str, res: dict, out_md: str) -> list[str]:
+    """A run's stage breakdown of the decode, verify and prefill steps."""
+    bd = res["breakdown"]
+    lines = ["### Where the step's time goes", "",
+             f"From {link(path, out_md)} ({res.get('date', '?')[:19]}, `{res.get('command')}`): "
+             "each stage of the step jitted alone at the step's shapes (decode `bN` and verify "
+             f"`bN-kK` at context {(res.get('plan') or {}).get('ctx')}, rows padded to "
+             "max_verify; `prefillS` from an empty context), median wall time; `sum` adds the "
+             "stages; `step` is the whole jitted step (calls pipelined); `step, blocked` blocks "
+             "after every call. `kernels` is the step's device kernel time from a profiler "
+             "trace, `launches` its kernel count, `span` first kernel start to last kernel end "
+             "(tracing adds gaps).", "",
+             "| run | " + " | ".join(STAGES) + " | sum | step | step, blocked | kernels | "
+             "launches | span |",
+             "|---|" + "---|" * (len(STAGES) + 6)]
+    for key, r in bd["runs"].items():
+        if r.get("error"):
+            lines.append(f"| {key} | error: `{r['error'].splitlines()[0][:100]}` |")
+            continue
+        cells = [fmt_us((r.get(s) or {}).get("median_us")) for s in STAGES]
+        prof = r.get("profile") or {}
+        launches = prof.get("launches_per_step")
+        lines.append(f"| {key} | " + " | ".join(cells) + f" | {fmt_us(r.get('sum_us'))} | "
+                     f"{fmt_us(r.get('step_us'))} | "
+                     f"{fmt_us(r.get('step_blocked_each_call_us'))} | "
+                     f"{fmt_us(prof.get('kernel_us_per_step'))} | "
+                     f"{'-' if launches is None else f'{launches:.0f}'} | "
+                     f"{fmt_us(prof.get('first_to_last_kernel_us_per_step'))} |")
+    pub = [(k, r["public_decode"]) for k, r in bd["runs"].items() if r.get("public_decode")]
+    if pub:
+        lines += ["", "Public `dsa_jax.decode` at batch 1 (host checks + row padding + the "
+                  "step + slicing):", "",
+                  "| run | host checks (host time) | row padding, blocked | decode() per call |",
+                  "|---|---|---|---|"]
+        for k, r in pub:
+            lines.append(f"| {k} | {fmt_us(r.get('host_checks_us'))} | "
+                         f"{fmt_us(r.get('row_padding_blocked_us'))} | "
+                         f"{fmt_us(r.get('decode_us'))} |")
+    return lines + [""]
+
+
+def launch_section(results_dir: str, out_md: str) -> list[str]:
+    """The newest benchmarks/h200_launch.py run that holds the trivial-program rows (the
+    batch-1 step: host dispatch against GPU time)."""
+    found = []
+    for path in glob.glob(os.path.join(results_dir, "*launch*.json")):
+        with open(path) as f:
+            res = json.load(f)
+        if any(r.get("impl") == "trivial" for r in res.get("results") or []):
+            found.append((res.get("date", ""), path, res))
+    if not found:
+        return []
+    _, path, res = max(found)
+    lines = [f"### Host dispatch against GPU time at batch 1: {link(path, out_md)} "
+             f"({res.get('date', '?')[:19]})", "", f"`{res.get('command')}`; each flag set in a "
+             "fresh process; `trivial` = a one-kernel program with the step's argument buffers; "
+             "`layers` > 1: that many layers in one program, figures per layer.", "",
+             "| flag set | impl | TP | K | layers | step | kernels | idle | host dispatch |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in res["results"]:
+        if r.get("error"):
+            lines.append(f"| {r['variant']} | {r['impl']} | {r['tp']} | {r['k']} | | "
+                         f"error: `{r['error'][:80]}` |")
+            continue
+        lines.append(f"| {r['variant']} | {r['impl']} | {r['tp']} | {r['k']} | "
+                     f"{r.get('layers_in_program', 1)} | {fmt_us(r.get('step_us'))} | "
+                     f"{fmt_us(r.get('kernel_us'))} | {fmt_us(r.get('idle_us'))} | "
+                     f"{fmt_us(r.get('dispatch_us'))} |")
+    return lines + [""]
+
+
+def levers_section(res: dict) -> list[str]:
+    lev = res.get("levers") or {}
+    lines = []
+    kvb = lev.get("kv_b_absorbed_vs_runtime") or {}
+    if kvb:
+        lines += ["### Absorbed vs run-time kv_b (byte counts)", "",
+                  "| TP | run-time form: q_b + U_k + U_v + o_proj | absorbed: W_qb·U_k + "
+                  "U_v·o_proj | run-time reads fewer | FLOPs/row run-time | absorbed |",
+                  "|---|---|---|---|---|---|"]
+        for tp, d in kvb.items():
+            lines.append(f"| {tp} | {d['runtime_bytes'] / 1e6:.1f} MB | "
+                         f"{d['absorbed_bytes'] / 1e6:.1f} MB | "
+                         f"{100 * d['runtime_fewer_bytes_frac']:.0f}% | "
+                         f"{d['runtime_flops_per_row'] / 1e6:.1f} M | "
+                         f"{d['absorbed_flops_per_row'] / 1e6:.1f} M |")
+        lines.append("")
+    sweep = lev.get("attend_split_sweep")
+    if sweep:
+        lines += ["### Split count of the gather-attend (pallas, R=1, H=64, W=2051, fp8)", "",
+                  sweep.get("note", ""), "",
+                  "| batch | splits | median | p10-p90 |", "|---|---|---|---|"]
+        for r in sweep["results"].values():
+            if r.get("median_us") is None:
+                lines.append(f"| {r['B']} | {r['splits']} | error | "
+                             f"`{(r.get('error') or '').splitlines()[0][:80]}` |")
+            else:
+                lines.append(f"| {r['B']} | {r['splits']} | {fmt_us(r['median_us'])} | "
+                             f"{fmt_us(r.get('p10_us'))}-{fmt_us(r.get('p90_us'))} |")
+        lines.append("")
+    for key, title, base, other in (
+            ("kv_b_absorbed_vs_runtime_measured", "Absorbed vs run-time kv_b (measured)",
+             "runtime", "absorbed"),
+            ("pool_keys_cached_vs_recomputed", "Pool keys cached vs recomputed (measured)",
+             "cached", "recomputed"),
+            ("fused_projections_vs_separate", "Fused input GEMMs vs separate (measured)",
+             "fused", "separate"),
+            ("donated_state_vs_copied", "State donated vs copied (measured)",
+             "donated", "copied")):
+        lines += two_forms_table(lev.get(key) or {}, title, base, other)
+    pad = lev.get("decode_rows_padded_to_max_verify")
+    if pad:
+        lines += ["### Decode rows padded to max_verify", "", pad.get("note", ""), "",
+                  "| impl | max_verify=1 | padded step |", "|---|---|---|"]
+        for impl, r in pad["results"].items():
+            lines.append(f"| {impl} | {fmt_us(r.get('median_us'))} | "
+                         f"{fmt_us(r.get('padded_step_us'))} |")
+        lines.append("")
+    return lines
+
+
+def two_forms_table(lever: dict, title: str, base: str, other: str) -> list[str]:
+    """A measured lever with two forms: device kernel times, their ratio, wall times."""
+    if not lever.get("results"):
+        return []
+    lines = [f"### {title}", "", lever.get("note", ""), "",
+             f"| case | {base} kernels | {other} kernels | {other} / {base} (kernels) | "
+             f"{base} wall | {other} wall |", "|---|---|---|---|---|---|"]
+    for case, r in lever["results"].items():
+        lines.append(f"| {case} | {fmt_us(r.get(f'{base}_kernel_us'))} | "
+                     f"{fmt_us(r.get(f'{other}_kernel_us'))} | "
+                     f"{fmt_x(r.get(f'{other}_over_{base}_kernel'))} | "
+                     f"{fmt_us(r.get(f'{base}_us'))} | {fmt_us(r.get(f'{other}_us'))} |")
+    return lines + [""]
