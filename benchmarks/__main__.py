@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m benchmarks") -> i
     # HF's caches grow by concatenation: without expandable segments torch fragments its pool
     # between contexts and a 9000-token eager prefill no longer finds 20 GB in one piece.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-
+    # Imported only now: the settings above must be in place before jax (or torch) starts.
     import jax
 
     from dsa_jax.config import DsaConfig

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 
 import jax
+from tqdm import tqdm
 
 from . import breakdown, hf_baseline, levers
 from .harness import CompileLog, DeviceLost, check_device, err_text, log, measure_ceilings
@@ -90,8 +91,6 @@ class Suite:
         write_json(self.out_path, self.result)
 
     def tqdm(self, items, desc: str):
-        from tqdm import tqdm
-
         return tqdm(items, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True,
                     disable=self.args.no_progress)
 
