@@ -11,11 +11,16 @@ import shutil
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
 
-from benchmarks import points, render, roofline, schema
+from benchmarks import hf_baseline, points, render, roofline, schema
 from benchmarks.__main__ import main as bench_main
 from benchmarks.harness import sweep_row, sweep_times
+from benchmarks.workloads import random_hf_tensors
+from dsa_jax import cli
+from dsa_jax.shapes import ODD, glm53_flash, tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -40,9 +45,6 @@ def _by_name(result):
     return {p["name"]: p for p in result["points"]}
 
 
-# ---------------------------------------------------------------------------------------------
-# The smoke run and its JSON
-# ---------------------------------------------------------------------------------------------
 
 
 def test_smoke_run_has_the_schema(smoke_result):
@@ -73,7 +75,7 @@ def test_json_round_trip_keeps_every_field(smoke_result, tmp_path):
 
 
 def test_the_smoke_plan_runs_every_point(smoke_result):
-    cfg = _tiny()
+    cfg = tiny(implementation="xla")
     want = [p.name for p in points.plan_points(cfg, points.smoke_plan(cfg))
             if p.group != "tp8"]
     assert [p["name"] for p in smoke_result["points"]] == want
@@ -98,7 +100,7 @@ def test_timed_points_have_xla_times_and_a_floor(smoke_result):
 
 def test_met_in_the_json_is_the_points_rule(smoke_result):
     """Each recorded verdict is its point's pure rule applied to the recorded point."""
-    cfg = _tiny()
+    cfg = tiny(implementation="xla")
     plan = {p.name: p for p in points.plan_points(cfg, points.smoke_plan(cfg))}
     verdicts = set()
     for p in smoke_result["points"]:
@@ -118,14 +120,11 @@ def test_not_measured_points_say_why(smoke_result):
         assert p["met"] is False and p["impls"] == {}
 
 
-def test_pallas_off_gpu_is_recorded_not_fatal(smoke_result):
+def test_pallas_off_gpu_is_recorded_and_one_compile_serves_every_context(smoke_result):
     p = _by_name(smoke_result)["decode-b1-k1-tp1"]
     assert p["impl"] == "xla"  # the pallas step cannot run on a CPU: recorded, run goes on
-    assert "error" in p["impls"]["pallas"] and p["impls"]["pallas"]["median_us"] is None
+    assert p["impls"]["pallas"]["median_us"] is None
     assert "ImplementationError" in p["impls"]["pallas"]["error"]
-
-
-def test_one_compile_across_contexts(smoke_result):
     p = _by_name(smoke_result)["compile-b1-k1"]
     assert p["impls"]["xla"]["compiles"] == 1 and p["compiles"] == 1 and p["met"]
     # Every first call of the config (smoke: the decode points share it) at every context.
@@ -158,20 +157,12 @@ def test_breakdown_covers_decode_verify_prefill_and_tp8(smoke_result):
     assert "public_decode" not in runs["xla-b1-tp8"]
 
 
-def test_help_and_bad_group(capsys):
-    with pytest.raises(SystemExit) as e:
-        bench_main(["--help"])
-    assert e.value.code == 0
+def test_python_m_benchmarks_and_dsa_jax_bench(monkeypatch, capsys):
     assert bench_main(["--only", "nonsense"]) == 2
     assert "unknown group(s) ['nonsense']" in capsys.readouterr().err
-
-
-def test_python_m_benchmarks_and_dsa_jax_bench(monkeypatch, capsys):
     p = subprocess.run([sys.executable, "-m", "benchmarks", "--help"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "usage: python -m benchmarks" in p.stdout
-    from dsa_jax import cli
-
     with pytest.raises(SystemExit) as e:
         cli.main(["bench", "--help"])
     assert e.value.code == 0 and "usage: dsa-jax bench" in capsys.readouterr().out
@@ -181,20 +172,9 @@ def test_python_m_benchmarks_and_dsa_jax_bench(monkeypatch, capsys):
     assert "run `python -m benchmarks`" in capsys.readouterr().err
 
 
-# ---------------------------------------------------------------------------------------------
-# Cost functions and targets
-# ---------------------------------------------------------------------------------------------
-
-
-def _tiny():
-    from dsa_jax.shapes import tiny
-
-    return tiny(implementation="xla")
 
 
 def test_prefill_cost_is_the_sum_of_its_rows():
-    from dsa_jax.shapes import ODD
-
     for s in (1, 5, 37):
         _, flops = roofline.prefill_cost(ODD, 0, s)
         assert flops == sum(sum(roofline.row_flops(ODD, t + 1).values()) for t in range(s))
@@ -205,8 +185,6 @@ def test_prefill_cost_is_the_sum_of_its_rows():
 def test_cost_functions_reproduce_the_committed_roofline():
     """The costs as the committed H200 run computed them (GLM-5.3-Flash, fp8 cache): the
     weights' bytes are inferred from one decode point, every other point must then match."""
-    from dsa_jax.shapes import glm53_flash
-
     cfg = glm53_flash()
     with open(MAIN_RUN) as f:
         pts = _by_name(json.load(f))
@@ -249,8 +227,6 @@ def test_rules_judge_at_and_past_the_bound():
 
 
 def test_full_plan_targets_state_their_numbers():
-    from dsa_jax.shapes import glm53_flash
-
     cfg = glm53_flash()
     pts = {p.name: p for p in points.plan_points(cfg, points.full_plan(cfg))}
     expect = {"attend-kernel-64x1-h64-w2051": ("<= 55 us", {"median_us": 55.0}),
@@ -284,9 +260,6 @@ def test_full_plan_targets_state_their_numbers():
     assert {p.group for p in pts.values()} <= set(points.GROUPS)
 
 
-# ---------------------------------------------------------------------------------------------
-# Render
-# ---------------------------------------------------------------------------------------------
 
 
 def _render(results, tmp_path, readme=""):
@@ -344,9 +317,6 @@ def test_render_writes_the_readme_block_and_not_measured_points(smoke_result, tm
     assert "error: `Boom: bad`" in text
 
 
-# ---------------------------------------------------------------------------------------------
-# Levers and the Hugging Face baseline
-# ---------------------------------------------------------------------------------------------
 
 
 def test_measured_levers(tmp_path):
@@ -404,10 +374,7 @@ def test_hf_cache_fill_tiles_a_real_forward():
     sequence axis: the cache reports the context, and its tensors repeat with that period."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from benchmarks import hf_baseline
-    from benchmarks.workloads import random_hf_tensors
-
-    cfg = _tiny()
+    cfg = tiny(implementation="xla")
     attn, config = hf_baseline.hf_block(cfg, random_hf_tensors(cfg, 0), "cpu")
     gen = torch.Generator().manual_seed(0)
     cache, how = hf_baseline.fill_tiled(cfg, attn, config, 42, "cpu", gen, fill_tokens=16)
@@ -425,8 +392,6 @@ def test_hf_cache_fill_tiles_a_real_forward():
 def test_hf_batch_in_chunks_when_it_does_not_fit():
     """64 sequences that do not fit run as calls of fewer; the time is per 64 and says so."""
     torch = pytest.importorskip("torch")
-    from benchmarks.hf_baseline import in_chunks
-
     calls = []
 
     def run(b):
@@ -435,17 +400,15 @@ def test_hf_batch_in_chunks_when_it_does_not_fit():
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 32 GiB")
         return True, {"median_us": 10.0 * b, "min_us": 9.0 * b, "max_us": 11.0 * b}, "fill"
 
-    out = in_chunks(run, 64)
+    out = hf_baseline.in_chunks(run, 64)
     assert calls == [64, 32, 16]
     assert out["median_us"] == 4 * 160.0 and out["min_us"] == 4 * 144.0
     assert out["chunks"]["sequences_per_call"] == 16 and out["chunks"]["calls"] == 4
     assert "out of memory" in out["chunks"]["why"]
-    assert in_chunks(run, 8)["median_us"] == 80.0 and "chunks" not in in_chunks(run, 8)
+    small = hf_baseline.in_chunks(run, 8)
+    assert small["median_us"] == 80.0 and "chunks" not in small
 
 
-# ---------------------------------------------------------------------------------------------
-# Device scripts' helpers, and the public-API rule
-# ---------------------------------------------------------------------------------------------
 
 
 def test_sweep_row_records_failures_and_keeps_going(tmp_path):
@@ -473,9 +436,6 @@ def test_sweep_times_counts_calls_and_reports_both_times():
     """A sweep row's times: the call runs the timing's warm-up plus groups x inner times and
     the trace's 2 warm-up plus its calls (fewer of each when heavy); the wall time is positive,
     and off a GPU there is no kernel time."""
-    import jax
-    import jax.numpy as jnp
-
     calls = []
     f = jax.jit(lambda v: v * 2.0)
     x = jnp.arange(7.0) + 1.0
