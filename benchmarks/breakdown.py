@@ -43,10 +43,7 @@ def stage_fns(cfg) -> dict:
                                    layer.candidate_pools(cfg, pos, valid))
 
     def attend_rows(state, q_abs, sel):
-        # The step plans the gather-attend's split for one live row per sequence when the
-        # rows are a padded decode or verify, for every row in a prompt chunk.
-        b, r = q_abs.shape[:2]
-        return attend.attend(cfg, state, q_abs, sel, b if r <= cfg.max_verify else b * r)
+        return attend.attend(cfg, state, q_abs, sel, layer.live_rows(cfg, q_abs))
 
     return {"project": jax.jit(lambda w, x: projection.project(cfg, w, x)),
             "cache_writes": jax.jit(cache_writes, donate_argnums=(1,)),

@@ -91,12 +91,12 @@ def step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, n_n
         sel = expand_selection(cfg, top_pools(cfg, scores), pos, valid)  # [B, R, W]
     else:
         sel = jnp.where(valid[..., None], shared_sel, -1)
-    o_latent = attend(cfg, state, proj.q_abs, sel, _live_rows(cfg, x))  # [B, R, Hl, C]
+    o_latent = attend(cfg, state, proj.q_abs, sel, live_rows(cfg, x))  # [B, R, Hl, C]
     y = output_projection(weights, o_latent)  # [B, R, D]
     return y, _advance(state, n_new), sel
 
 
-def _live_rows(cfg: DsaConfig, x: jax.Array) -> int:
+def live_rows(cfg: DsaConfig, x: jax.Array) -> int:
     """Rows the gather-attend should plan its work split for: a decode or verify pads every
     sequence to max_verify rows and is planned as one live row per sequence (a K=1 decode is
     the common case; a K-row verify then runs more splits than it needs, at a small cost);
