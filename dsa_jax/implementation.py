@@ -4,34 +4,77 @@
 compiled for the GPU), "pallas-interpret" (the same kernels in Pallas interpret mode, on any
 backend: slow, for tests and debugging), or "auto": pallas on a GPU backend, xla elsewhere.
 Asking for "pallas" where it cannot run raises; nothing falls back quietly.
+
+Each hot-path op is one `Op`: its jnp definition and its Pallas kernel, called with the same
+arguments; `op(cfg, *args, **kwargs)` runs the one `cfg.implementation` names.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
 import jax
 
-from dsa_jax.pallas import pool_scores as pool_scores_op
-from dsa_jax.pallas import sparse_attend as sparse_attend_op
+from dsa_jax.pallas import index_write, latent_write, pool_scores, pool_topk, sparse_attend
 
 
 class ImplementationError(RuntimeError):
     """The requested implementation cannot run here."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One hot-path op.
+
+    name: what errors and listings call it. reference: the jnp definition, also what
+    "xla" runs. kernel: the Pallas kernel, with the reference's arguments plus `interpret`
+    and its own tuning keywords. kernel_covers: for an op whose kernel serves only some
+    shapes, `(*args, **kwargs) -> bool` (a static decision on shapes); where it is False every
+    implementation runs the reference, which returns the same result.
+    """
+    name: str
+    reference: Callable[..., Any]
+    kernel: Callable[..., Any]
+    kernel_covers: Callable[..., bool] | None = None
+
+    def __call__(self, cfg, *args, kernel_options: dict[str, Any] | None = None,
+                 **kwargs) -> Any:
+        """Run the op as `cfg.implementation` says. kernel_options: keywords only the kernel
+        takes (hints and tuning); the reference ignores them."""
+        impl = resolve(cfg.implementation)
+        if impl == "xla" or (self.kernel_covers is not None
+                             and not self.kernel_covers(*args, **kwargs)):
+            return self.reference(*args, **kwargs)
+        return self.kernel(*args, interpret=impl == "pallas-interpret",
+                           **(kernel_options or {}), **kwargs)
+
+
+latent_write_op = Op("latent_write", latent_write.latent_write_xla,
+                     latent_write.latent_write_pallas)
+index_write_op = Op("index_write", index_write.index_write_xla, index_write.index_write_pallas)
+pool_scores_op = Op("pool_scores", pool_scores.pool_scores_xla, pool_scores.pool_scores_pallas)
+# The top-k kernel serves rows of up to KERNEL_MAX_P pools; lax.top_k measured faster beyond.
+pool_topk_op = Op("pool_topk", pool_topk.pool_topk_xla, pool_topk.pool_topk_pallas,
+                  kernel_covers=lambda scores, k: scores.shape[-1] <= pool_topk.KERNEL_MAX_P)
+sparse_attend_op = Op("sparse_attend", sparse_attend.sparse_attend_xla,
+                      sparse_attend.sparse_attend_pallas)
+
+OPS: dict[str, Op] = {op.name: op for op in (latent_write_op, index_write_op, pool_scores_op,
+                                             pool_topk_op, sparse_attend_op)}
+
+
 def pallas_kernels_present() -> bool:
-    return (hasattr(sparse_attend_op, "sparse_attend_pallas")
-            and hasattr(pool_scores_op, "pool_scores_pallas"))
+    """Whether every op has a Pallas kernel (it does: the kernels ship with the package)."""
+    return all(callable(op.kernel) for op in OPS.values())
 
 
 def resolve(implementation: str) -> str:
     """The configured name -> the one that runs: "xla", "pallas" or "pallas-interpret"."""
     on_gpu = jax.default_backend() == "gpu"
     if implementation == "auto":
-        return "pallas" if on_gpu and pallas_kernels_present() else "xla"
-    if implementation.startswith("pallas") and not pallas_kernels_present():
-        raise ImplementationError(
-            f"implementation={implementation!r}: the Pallas kernels are not built into this "
-            f"version of dsa_jax. Use implementation='xla'.")
+        return "pallas" if on_gpu else "xla"
     if implementation == "pallas" and not on_gpu:
         raise ImplementationError(
             f"implementation='pallas' compiles the kernels for a GPU; this process has backend "

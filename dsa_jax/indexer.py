@@ -10,9 +10,7 @@ from __future__ import annotations
 import jax
 
 from dsa_jax.config import DsaConfig
-from dsa_jax.implementation import resolve
-from dsa_jax.pallas import index_write as index_write_op
-from dsa_jax.pallas import pool_scores as pool_scores_op
+from dsa_jax.implementation import index_write_op, pool_scores_op
 from dsa_jax.state import DsaState
 from dsa_jax.weights import DsaWeights
 
@@ -21,22 +19,13 @@ def write_index_rows(cfg: DsaConfig, weights: DsaWeights, state: DsaState, k_raw
                      g: jax.Array, pos: jax.Array, valid: jax.Array) -> DsaState:
     """Store `k_norm(k_raw)`, `g [B, R, Di]` at positions `pos [B, R]` where `valid`, and the
     key of every pool those rows complete (from the stored, cache-dtype members)."""
-    impl = resolve(cfg.implementation)
-    args = (k_raw, g, weights.k_norm_w, weights.k_norm_b, weights.ape, state.index_k,
-            state.index_g, state.pool_keys, pos, valid)
-    if impl == "xla":
-        index_k, index_g, keys = index_write_op.index_write_xla(*args)
-    else:
-        index_k, index_g, keys = index_write_op.index_write_pallas(
-            *args, interpret=impl == "pallas-interpret")
+    index_k, index_g, keys = index_write_op(cfg, k_raw, g, weights.k_norm_w, weights.k_norm_b,
+                                            weights.ape, state.index_k, state.index_g,
+                                            state.pool_keys, pos, valid)
     return state._replace(index_k=index_k, index_g=index_g, pool_keys=keys)
 
 
 def pool_scores(cfg: DsaConfig, qi: jax.Array, w: jax.Array, pool_keys: jax.Array,
                 n_cand: jax.Array) -> jax.Array:
     """`qi [B, R, Hi, Di]`, `w [B, R, Hi]`, keys `[B, P, Di]`, `n_cand [B, R]` -> `[B, R, P]`."""
-    impl = resolve(cfg.implementation)
-    if impl == "xla":
-        return pool_scores_op.pool_scores_xla(qi, w, pool_keys, n_cand)
-    return pool_scores_op.pool_scores_pallas(qi, w, pool_keys, n_cand,
-                                             interpret=impl == "pallas-interpret")
+    return pool_scores_op(cfg, qi, w, pool_keys, n_cand)

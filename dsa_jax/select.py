@@ -11,20 +11,15 @@ import jax
 import jax.numpy as jnp
 
 from dsa_jax.config import DsaConfig
-from dsa_jax.implementation import resolve
-from dsa_jax.pallas import pool_topk as pool_topk_op
+from dsa_jax.implementation import pool_topk_op
 
 
 def top_pools(cfg: DsaConfig, scores: jax.Array) -> jax.Array:
     """`scores [..., P]` -> the best `min(select_k, P)` pool indices `[..., k]`, best first.
     Every implementation returns the same indices (the kernel is tested with `==`); the pallas
-    path runs the kernel for rows of at most `KERNEL_MAX_P` pools, lax.top_k beyond (measured
-    faster there)."""
-    k = min(cfg.select_k, scores.shape[-1])
-    impl = resolve(cfg.implementation)
-    if impl == "xla" or scores.shape[-1] > pool_topk_op.KERNEL_MAX_P:
-        return pool_topk_op.pool_topk_xla(scores, k)
-    return pool_topk_op.pool_topk_pallas(scores, k, interpret=impl == "pallas-interpret")
+    path runs the kernel for rows of at most `pallas.pool_topk.KERNEL_MAX_P` pools, lax.top_k
+    beyond (measured faster there)."""
+    return pool_topk_op(cfg, scores, min(cfg.select_k, scores.shape[-1]))
 
 
 def expand_selection(cfg: DsaConfig, pools: jax.Array, pos: jax.Array, valid: jax.Array

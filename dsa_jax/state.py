@@ -14,8 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsa_jax.config import DsaConfig
-
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+from dsa_jax.pallas.common import quantize
 
 
 class DsaState(NamedTuple):
@@ -74,9 +73,7 @@ def init_state(cfg: DsaConfig, num_seqs: int, *, num_blocks: int | None = None,
 
 def quantize_latent(cfg: DsaConfig, c: jax.Array, kv_scale: jax.Array) -> jax.Array:
     """fp32 latent -> cache dtype. fp8: `clip(c / s, -448, 448)`; others: a plain cast."""
-    if cfg.cache_dtype == "float8_e4m3fn":
-        return jnp.clip(c / kv_scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
-    return c.astype(cfg.cache_dtype)
+    return quantize(c, kv_scale, cfg.cache_dtype)
 
 
 def dequantize_latent(cfg: DsaConfig, stored: jax.Array, kv_scale: jax.Array) -> jax.Array:

@@ -9,6 +9,7 @@ dtype) members, in fp32. Rows that are not valid write nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -17,11 +18,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from dsa_jax.pallas.common import next_pow2, with_overrides
+
 LN_EPS = 1e-6  # the indexer's k_norm epsilon (HF nn.LayerNorm(eps=1e-6))
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+@dataclasses.dataclass(frozen=True)
+class IndexWriteTuning:
+    """Launch parameters of `index_write_pallas` (one program per row, in each of its two
+    launches).
+
+    num_warps: warps per program; a program handles one Di-wide row (Di = 128 for GLM-5.3)."""
+    num_warps: int = 1
 
 
 def layer_norm(v: jax.Array, g: jax.Array, b: jax.Array) -> jax.Array:
@@ -65,7 +73,7 @@ def _rows_kernel(w_ref, b_ref, k_ref, g_ref, rows_ref, _k_in, _g_in, k_out, g_ou
                  width: int):
     """One row: LayerNorm of k, then k and g stored at flat cache row rows_ref[i] (-1: none)."""
     i = pl.program_id(0)
-    cols = jnp.arange(_next_pow2(width), dtype=jnp.int32)
+    cols = jnp.arange(next_pow2(width), dtype=jnp.int32)  # [Dp]
     in_width = cols < width
     k = plt.load(k_ref.at[i, cols], mask=in_width, other=0.0)
     g = plt.load(g_ref.at[i, cols], mask=in_width, other=0.0)
@@ -85,8 +93,8 @@ def _pool_kernel(ape_ref, k_ref, g_ref, first_ref, dest_ref, _keys_in, keys_out,
     """One row that may complete a pool: members at flat rows first_ref[i] + m, the key stored
     at flat pool row dest_ref[i] (-1: the row completes no pool)."""
     i = pl.program_id(0)
-    cols = jnp.arange(_next_pow2(width), dtype=jnp.int32)  # [Dp]
-    members = jnp.arange(_next_pow2(kpool), dtype=jnp.int32)  # [KPp]
+    cols = jnp.arange(next_pow2(width), dtype=jnp.int32)  # [Dp]
+    members = jnp.arange(next_pow2(kpool), dtype=jnp.int32)  # [KPp]
     dest = dest_ref[i]
     mask = jnp.broadcast_to((members < kpool)[:, None] & (cols < width)[None, :],
                             (members.shape[0], cols.shape[0]))  # [KPp, Dp]
@@ -105,10 +113,12 @@ def _pool_kernel(ape_ref, k_ref, g_ref, first_ref, dest_ref, _keys_in, keys_out,
 def index_write_pallas(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b: jax.Array,
                        ape: jax.Array, index_k: jax.Array, index_g: jax.Array,
                        pool_keys: jax.Array, pos: jax.Array, valid: jax.Array, *,
-                       interpret: bool = False, num_warps: int = 1
-                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                       interpret: bool = False, tuning: IndexWriteTuning = IndexWriteTuning(),
+                       **overrides) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`index_write_xla` as two Pallas launches, a program per row, writing the caches in
-    place (aliased): the rows first, then the pool keys, which read rows of the same step."""
+    place (aliased): the rows first, then the pool keys, which read rows of the same step.
+    `overrides`: fields of `tuning` by name (`num_warps=2`)."""
+    tuning = with_overrides(tuning, overrides)
     b, r, di = k_raw.shape
     kp, tmax, num_pools = ape.shape[0], index_k.shape[1], pool_keys.shape[1]
     n = b * r
@@ -118,7 +128,7 @@ def index_write_pallas(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b
     completes = valid & ((pos + 1) % kp == 0)
     dest = jnp.where(completes, seq * num_pools + pos // kp, -1).reshape(n).astype(jnp.int32)
     first = jnp.where(completes, seq * tmax + pos // kp * kp, 0).reshape(n).astype(jnp.int32)
-    params = plt.CompilerParams(num_warps=num_warps, num_stages=1)
+    params = plt.CompilerParams(num_warps=tuning.num_warps, num_stages=1)
     k_flat, g_flat = pl.pallas_call(
         functools.partial(_rows_kernel, width=di),
         grid=(n,),

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -15,22 +16,20 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+from dsa_jax.pallas.common import next_pow2, quantize, with_overrides
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+@dataclasses.dataclass(frozen=True)
+class LatentWriteTuning:
+    """Launch parameters of `latent_write_pallas` (one program per row).
+
+    num_warps: warps per program, each program storing one row of C values."""
+    num_warps: int = 2
 
 
 def _rms_norm(v: jax.Array, w: jax.Array, eps: float, width: int) -> jax.Array:
     """fp32 RMSNorm over the last axis; `width` real entries (padding is zero)."""
     return w * v * lax.rsqrt(jnp.sum(v * v, axis=-1, keepdims=True) / width + eps)
-
-
-def _quantize(c: jax.Array, kv_scale: jax.Array, dtype) -> jax.Array:
-    if jnp.dtype(dtype) == jnp.float8_e4m3fn:
-        return jnp.clip(c / kv_scale, -FP8_MAX, FP8_MAX).astype(dtype)
-    return c.astype(dtype)
 
 
 def flat_slots(pos: jax.Array, valid: jax.Array, block_tables: jax.Array, block_size: int
@@ -52,8 +51,8 @@ def latent_write_xla(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
     kv_scale: [] f32; block_tables: [B, MB] int32; pos, valid: [B, R]. Returns the new cache.
     """
     nb, bs, c = latent.shape
-    stored = _quantize(_rms_norm(kv_raw.astype(jnp.float32), norm_w, eps, c), kv_scale,
-                       latent.dtype)
+    stored = quantize(_rms_norm(kv_raw.astype(jnp.float32), norm_w, eps, c), kv_scale,
+                      latent.dtype)
     slots = flat_slots(pos, valid, block_tables, bs)
     slots = jnp.where(slots >= 0, slots, nb * bs)  # out of range: dropped, never clamped
     flat = latent.reshape(nb * bs, c).at[slots.reshape(-1)].set(stored.reshape(-1, c),
@@ -62,36 +61,35 @@ def latent_write_xla(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
 
 
 def _write_kernel(scale_ref, w_ref, raw_ref, slots_ref, _cache_in, out_ref, *, width: int,
-                  eps: float, fp8: bool):
+                  eps: float):
     """One row: raw_ref [N, C] f32, slots_ref [N] int32 (whole arrays); out_ref [NS, C] is
     the cache itself (aliased), written at one row."""
     i = pl.program_id(0)
-    cp = _next_pow2(width)
+    cp = next_pow2(width)
     cols = jnp.arange(cp, dtype=jnp.int32)  # [Cp]
     in_width = cols < width
     raw = plt.load(raw_ref.at[i, cols], mask=in_width, other=0.0)  # [Cp]
     w = plt.load(w_ref.at[cols], mask=in_width, other=0.0)  # [Cp]
-    c = _rms_norm(raw, w, eps, width)
-    if fp8:
-        c = jnp.clip(c / scale_ref[0], -FP8_MAX, FP8_MAX)
+    stored = quantize(_rms_norm(raw, w, eps, width), scale_ref[0], out_ref.dtype)  # [Cp]
     slot = slots_ref[i]
-    plt.store(out_ref.at[jnp.maximum(slot, 0), cols], c.astype(out_ref.dtype),
-              mask=in_width & (slot >= 0))
+    plt.store(out_ref.at[jnp.maximum(slot, 0), cols], stored, mask=in_width & (slot >= 0))
 
 
 def latent_write_pallas(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
                         kv_scale: jax.Array, block_tables: jax.Array, pos: jax.Array,
                         valid: jax.Array, *, eps: float, interpret: bool = False,
-                        num_warps: int = 2) -> jax.Array:
+                        tuning: LatentWriteTuning = LatentWriteTuning(), **overrides
+                        ) -> jax.Array:
     """`latent_write_xla` as one Pallas launch, a program per row, writing the cache in place
-    (the cache is aliased to the output; donate it to avoid a copy)."""
+    (the cache is aliased to the output; donate it to avoid a copy). `overrides`: fields of
+    `tuning` by name (`num_warps=4`)."""
+    tuning = with_overrides(tuning, overrides)
     nb, bs, c = latent.shape
     b, r, _ = kv_raw.shape
     n = b * r
     slots = flat_slots(pos, valid, block_tables, bs).reshape(n).astype(jnp.int32)
-    fp8 = latent.dtype == jnp.float8_e4m3fn
     scale = jnp.reshape(jnp.asarray(kv_scale, jnp.float32), (1,))
-    kernel = functools.partial(_write_kernel, width=c, eps=eps, fp8=fp8)
+    kernel = functools.partial(_write_kernel, width=c, eps=eps)
     out = pl.pallas_call(
         kernel,
         grid=(n,),
@@ -99,7 +97,7 @@ def latent_write_pallas(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
         out_specs=pl.BlockSpec(),
         out_shape=jax.ShapeDtypeStruct((nb * bs, c), latent.dtype),
         input_output_aliases={4: 0},
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=tuning.num_warps, num_stages=1),
         interpret=interpret,
         name="latent_write",
     )(scale, norm_w.astype(jnp.float32), kv_raw.reshape(n, c).astype(jnp.float32), slots,

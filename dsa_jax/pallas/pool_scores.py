@@ -8,6 +8,7 @@ order of the selection sees one zero.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -15,6 +16,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
+
+from dsa_jax.pallas.common import next_pow2, with_overrides
 
 # Query rows per lax.map step of the XLA twin: bounds the [rows, Hi, P] fp32 block.
 XLA_ROW_CHUNK = 256
@@ -64,8 +67,20 @@ def pool_scores_xla(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: j
 # ---------------------------------------------------------------------------------------------
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+@dataclasses.dataclass(frozen=True)
+class PoolScoresTuning:
+    """Launch parameters of `pool_scores_pallas` (H200 sweeps: benchmarks/results/
+    h200-kernel-parity.json, h200-pool-rows.json; benchmarks/notes.md).
+
+    block_p: pools per tile. num_chunks: programs per row group, each looping over its share
+    of the tiles (None: one tile per program, the fastest measured). rows_per_program: rows of
+    one sequence scored per program, a power of two (None: `default_rows_per_program`).
+    num_warps, num_stages: Triton's."""
+    block_p: int = 64
+    num_chunks: int | None = None
+    rows_per_program: int | None = None
+    num_warps: int = 4
+    num_stages: int = 3
 
 
 def _scores_kernel(ncand_ref, qi_ref, w_ref, keys_ref, out_ref, *, group_rows: int,
@@ -116,38 +131,35 @@ def _scores_kernel(ncand_ref, qi_ref, w_ref, keys_ref, out_ref, *, group_rows: i
 
 def default_rows_per_program(rows_per_seq: int) -> int:
     """Rows of one sequence per program: one for a single decode row, two otherwise (a verify,
-    a padded decode, a prompt). Measured on the H200 (results/h200-pool-rows.json, kernel time):
-    two rows per program beat one by 1.2x (64 decodes padded to 4 rows), 1.9x (16 x 4-row
-    verifies) and 1.5x (a 9000-token prompt); four or eight rows were slower at 4 warps."""
+    a padded decode, a prompt): on the H200 two rows per program beat one for padded decodes,
+    verifies and prompts, and four or eight were slower at 4 warps
+    (benchmarks/results/h200-pool-rows.json)."""
     return 1 if rows_per_seq == 1 else 2
 
 
 def pool_scores_pallas(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: jax.Array, *,
-                       interpret: bool = False, block_p: int = 64,
-                       num_chunks: int | None = None, rows_per_program: int | None = None,
-                       num_warps: int = 4, num_stages: int = 3) -> jax.Array:
+                       interpret: bool = False, tuning: PoolScoresTuning = PoolScoresTuning(),
+                       **overrides) -> jax.Array:
     """`pool_scores_xla` as a Pallas kernel; same arguments, same result within fp32 rounding
     (tests/test_kernels.py). qi [B, R, Hi, Di] -> [B, R, P] f32.
 
     Hi and Di are padded to powers of two >= 16 (the smallest dot tile) with zeros, which add
     nothing: padded heads carry weight 0, padded dims multiply zero keys. R is padded to a
-    multiple of `rows_per_program` (a power of two; None: `default_rows_per_program`) with rows
-    that have no candidate. block_p: pools per tile; num_chunks: programs per row group, each
-    looping over its share of the tiles (None: one tile per program, which measured fastest on
-    the H200: 122 us against 174 us for ~4 programs per multiprocessor at 64 rows x 4096 pools,
-    results/h200-kernel-parity.json).
+    multiple of `rows_per_program` with rows that have no candidate. `overrides`: fields of
+    `tuning` by name (`block_p=32`).
     """
+    tuning = with_overrides(tuning, overrides)
     b, r, hi, di = qi.shape
     p = pool_keys.shape[1]
-    rb = rows_per_program or default_rows_per_program(r)
+    rb = tuning.rows_per_program or default_rows_per_program(r)
     if rb & (rb - 1):
         raise ValueError(f"rows_per_program {rb} must be a power of two")
-    rp = -(-r // rb) * rb  # rows per sequence, padded
-    hp, dp = max(16, _next_pow2(hi)), max(16, _next_pow2(di))
-    block_p = min(block_p, max(16, _next_pow2(p)))
-    tiles_all = -(-p // block_p)
-    chunks = min(num_chunks or tiles_all, tiles_all)
-    tiles = -(-tiles_all // chunks)  # tiles per program
+    rp = pl.cdiv(r, rb) * rb  # rows per sequence, padded
+    hp, dp = max(16, next_pow2(hi)), max(16, next_pow2(di))
+    block_p = min(tuning.block_p, max(16, next_pow2(p)))
+    tiles_all = pl.cdiv(p, block_p)
+    chunks = min(tuning.num_chunks or tiles_all, tiles_all)
+    tiles = pl.cdiv(tiles_all, chunks)  # tiles per program
     qi_p = jnp.pad(qi.astype(jnp.float32), ((0, 0), (0, rp - r), (0, hp - hi), (0, dp - di)))
     w_p = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, rp - r), (0, hp - hi)))
     ncand_p = jnp.pad(n_cand.astype(jnp.int32), ((0, 0), (0, rp - r)))  # pad rows: none
@@ -168,7 +180,8 @@ def pool_scores_pallas(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand
         ],
         out_specs=pl.BlockSpec(),  # [Np, P], stored with a mask
         out_shape=jax.ShapeDtypeStruct((b * rp, p), jnp.float32),
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plt.CompilerParams(num_warps=tuning.num_warps,
+                                           num_stages=tuning.num_stages),
         interpret=interpret,
         name="pool_scores",
     )(ncand_p.reshape(b * rp), qi_p.reshape(groups, rb * hp, dp),

@@ -9,6 +9,7 @@ k by direct comparison. XLA sorts all P scores of a row; this counts over the ro
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -17,13 +18,29 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from dsa_jax.pallas.common import next_pow2, with_overrides
+
 _INT_MIN = -(2 ** 31)
 
 # The layer's pallas path runs this kernel for rows of at most this many pools (one chunk, held
-# in registers) and lax.top_k for longer ones: at P = 32768 (a 128K ceiling) the kernel's
-# passes stream the row from L2 and took 2.2x lax.top_k's kernel time (h200-topk.json); at
-# P = 4096 it beat lax.top_k at 4, 256 and 9000 rows (29, 43, 1124 us against 34, 68, 2007).
+# in registers) and lax.top_k for longer ones: on the H200 the kernel beat lax.top_k at
+# P = 4096, and at P = 32768 (a 128K ceiling), where its passes stream the row from L2, it
+# was slower (benchmarks/results/h200-topk.json).
 KERNEL_MAX_P = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolTopkTuning:
+    """Launch parameters of `pool_topk_pallas` (H200 sweep: benchmarks/results/h200-topk.json).
+
+    chunk: scores held in registers at once (a power of two; a longer row is walked in
+    chunks). rank_block: winners ranked per step. radix_bits: score bits settled per counting
+    pass (1, 2 or 4: 32, 16 or 8 passes over the row, each counting 2, 4 or 16 candidate
+    thresholds; 2 measured fastest). num_warps: Triton's."""
+    chunk: int = 4096
+    rank_block: int = 32
+    radix_bits: int = 2
+    num_warps: int = 4
 
 
 def pool_topk_xla(scores: jax.Array, k: int) -> jax.Array:
@@ -121,21 +138,15 @@ def _topk_kernel(s_ref, o_ref, ck_ref, ci_ref, *, k: int, chunk: int, chunks: in
     lax.fori_loop(0, pl.cdiv(k, rank_block), rank, 0)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def pool_topk_pallas(scores: jax.Array, k: int, *, interpret: bool = False,
-                     chunk: int = 4096, rank_block: int = 32, num_warps: int = 4,
-                     radix_bits: int = 2) -> jax.Array:
+                     tuning: PoolTopkTuning = PoolTopkTuning(), **overrides) -> jax.Array:
     """`pool_topk_xla` as a Pallas kernel: the same indices, bit for bit.
 
-    scores [..., P] f32 (no NaN) -> [..., k] int32, best first. chunk: scores held in
-    registers at once (a power of two; a longer row is walked in chunks); rank_block: winners
-    ranked per step; radix_bits: score bits settled per counting pass (1, 2 or 4: 32, 16
-    or 8 passes over the row, each counting 2, 4 or 16 candidate thresholds; 2 measured
-    fastest on the H200, h200-topk.json).
+    scores [..., P] f32 (no NaN) -> [..., k] int32, best first. `overrides`: fields of
+    `tuning` by name (`radix_bits=4`).
     """
+    tuning = with_overrides(tuning, overrides)
+    radix_bits = tuning.radix_bits
     *lead, p = scores.shape
     if not 1 <= k <= p:
         raise ValueError(f"pool_topk: k={k} must be in [1, P={p}]")
@@ -144,13 +155,13 @@ def pool_topk_pallas(scores: jax.Array, k: int, *, interpret: bool = False,
     n = 1
     for d in lead:
         n *= d
-    chunk = min(_next_pow2(chunk), _next_pow2(p))
-    pp = -(-p // chunk) * chunk
+    chunk = min(next_pow2(tuning.chunk), next_pow2(p))
+    pp = pl.cdiv(p, chunk) * chunk
     x = scores.reshape(n, p).astype(jnp.float32)
     if pp != p:  # -inf after every real index: never chosen before a real -inf (k <= P)
         x = jnp.pad(x, ((0, 0), (0, pp - p)), constant_values=-jnp.inf)
-    rank_block = min(_next_pow2(rank_block), _next_pow2(k))
-    kp = max(_next_pow2(k), rank_block)
+    rank_block = min(next_pow2(tuning.rank_block), next_pow2(k))
+    kp = max(next_pow2(k), rank_block)
     kernel = functools.partial(_topk_kernel, k=k, chunk=chunk, chunks=pp // chunk,
                                rank_block=rank_block, radix_bits=radix_bits,
                                barrier=not interpret)
@@ -161,7 +172,7 @@ def pool_topk_pallas(scores: jax.Array, k: int, *, interpret: bool = False,
         in_specs=[pl.BlockSpec((None, pp), lambda i: (i, 0))],
         out_specs=[row, row, row],
         out_shape=[jax.ShapeDtypeStruct((n, kp), jnp.int32)] * 3,
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=tuning.num_warps, num_stages=1),
         interpret=interpret,
         name="pool_topk",
     )(x)
