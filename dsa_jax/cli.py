@@ -1,4 +1,5 @@
-"""The `dsa-jax` command. `dsa-jax` alone is `dsa-jax run`: the main job on configs/tiny.json."""
+"""The `dsa-jax` command. `dsa-jax` alone is `dsa-jax run`: the main job on the shipped "tiny"
+config (dsa_jax/configs/tiny.json)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import jax
 import numpy as np
 
 from dsa_jax.config import DsaConfig
+from dsa_jax.shapes import load_config, shipped_configs
 
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                              "configs", "tiny.json")
+DEFAULT_CONFIG = "tiny"
 
 
 def chosen_pools(sel_row: np.ndarray, kpool: int) -> tuple[list[int], list[int]]:
@@ -74,7 +75,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from dsa_jax.engine import Engine, EngineError, ModelConfig, init_model
 
-    cfg = DsaConfig.from_json(args.config, implementation=args.implementation)
+    try:
+        cfg = load_config(args.config, implementation=args.implementation)
+    except FileNotFoundError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if args.layers is not None:
         cfg = cfg.replace(indexer_types=tuple("full" if i % 2 == 0 else "shared"
                                               for i in range(args.layers)))
@@ -181,7 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
     run = sub.add_parser("run", help="prefill and decode with random weights, showing the "
                                      "pools each step selects (the default)")
-    run.add_argument("--config", default=DEFAULT_CONFIG, help="a configs/*.json file")
+    run.add_argument("--config", default=DEFAULT_CONFIG,
+                     help=f"a shipped config by name ({', '.join(shipped_configs())}; default "
+                          f"%(default)s) or a JSON file of DsaConfig fields")
     run.add_argument("--checkpoint", help="an orbax checkpoint of folded DSA layers "
                                           "(from `dsa-jax convert`); random layers otherwise")
     run.add_argument("--layers", type=int, help="DSA layers, alternating full/shared "

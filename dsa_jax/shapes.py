@@ -1,13 +1,18 @@
-"""Named configurations that tests and benchmarks share: the one place shapes are listed."""
+"""Named configurations that tests and benchmarks share: the one place shapes are listed.
+
+The JSON configs ship inside the package (`dsa_jax/configs/*.json`) and are read through
+`importlib.resources`, so an installed wheel finds them wherever it runs.
+"""
 
 from __future__ import annotations
 
 import os
+from importlib import resources
 
 from dsa_jax.config import DsaConfig
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                          "configs")
+# The shipped configs' folder: a plain directory in a checkout and in an installed wheel.
+CONFIG_DIR = os.fspath(resources.files("dsa_jax") / "configs")
 
 # Odd sizes on purpose: nothing here is a power of two except where a divisibility rule
 # forces it, so padding and masking paths run.
@@ -19,11 +24,30 @@ ODD = DsaConfig(
 )
 
 
+def shipped_configs() -> list[str]:
+    """Names of the shipped configs ("glm5.3-flash", "tiny"), sorted."""
+    folder = resources.files("dsa_jax") / "configs"
+    return sorted(f.name[:-len(".json")] for f in folder.iterdir() if f.name.endswith(".json"))
+
+
+def load_config(name_or_path: str | os.PathLike, **overrides) -> DsaConfig:
+    """A shipped config by name (`shipped_configs()`: no ".json", no folder), or any JSON file
+    of DsaConfig fields by path. `overrides` replace fields."""
+    name = os.fspath(name_or_path)
+    if name in shipped_configs():
+        with resources.as_file(resources.files("dsa_jax") / "configs" / f"{name}.json") as path:
+            return DsaConfig.from_json(path, **overrides)
+    if not os.path.isfile(name):
+        raise FileNotFoundError(f"config {name!r}: no such file, and not a shipped config "
+                                f"(those are {shipped_configs()})")
+    return DsaConfig.from_json(name, **overrides)
+
+
 def tiny(**overrides) -> DsaConfig:
-    """configs/tiny.json, the CPU demo block."""
-    return DsaConfig.from_json(os.path.join(CONFIG_DIR, "tiny.json"), **overrides)
+    """dsa_jax/configs/tiny.json, the CPU demo block."""
+    return load_config("tiny", **overrides)
 
 
 def glm53_flash(**overrides) -> DsaConfig:
-    """configs/glm5.3-flash.json, the released model's attention block."""
-    return DsaConfig.from_json(os.path.join(CONFIG_DIR, "glm5.3-flash.json"), **overrides)
+    """dsa_jax/configs/glm5.3-flash.json, the released model's attention block."""
+    return load_config("glm5.3-flash", **overrides)

@@ -1,12 +1,13 @@
 """DsaConfig validation, HF config reading, and the shipped configs."""
 
 import json
+import os
 
 import jax
 import pytest
 
 from dsa_jax import ConfigError, DsaConfig
-from dsa_jax.shapes import ODD, glm53_flash, tiny
+from dsa_jax.shapes import CONFIG_DIR, ODD, glm53_flash, tiny
 
 HF_TEXT = {
     "model_type": "glm5_next_text", "hidden_size": 4096, "num_attention_heads": 64,
@@ -75,6 +76,7 @@ def test_shipped_configs_and_derived_sizes(tmp_path):
     assert ODD.sel_width == ODD.index_topk + ODD.index_kpool - 1
     assert ODD.replace(always_select_tail=False).sel_width == ODD.index_topk
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({**json.load(open("configs/tiny.json")), "hiden_size": 3}))
+    shipped = json.load(open(os.path.join(CONFIG_DIR, "tiny.json")))
+    bad.write_text(json.dumps({**shipped, "hiden_size": 3}))
     with pytest.raises(ConfigError, match="unknown config keys.*hiden_size"):
         DsaConfig.from_json(bad)

@@ -1,0 +1,69 @@
+"""The packaging guarantee: the wheel, installed non-editable into a fresh venv, runs
+`dsa-jax run` from a folder outside the repository and finds its shipped config.
+
+The venv borrows the running environment's installed dependencies (jax, numpy, ...) through a
+path file instead of downloading them, so the test needs no network. That path file adds the
+dependencies' folder without running its .pth files, so the checkout's editable install stays
+invisible: the venv imports the wheel's copy of dsa_jax, which the test checks.
+"""
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import sysconfig
+import venv
+from importlib import metadata
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _run(args, cwd, env=None):
+    out = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"{args} failed:\n{out.stdout}\n{out.stderr}"
+    return out.stdout
+
+
+def _version(dist: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in metadata.version(dist).split(".")[:2] if p.isdigit())
+
+
+def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
+    assert _version("setuptools") >= (70, 1), (
+        "building the wheel without build isolation needs setuptools >= 70.1 (the 'test' "
+        "extra: bash scripts/setup.sh test)")
+    # Build from a copy holding only what the wheel is built from (a build in the checkout
+    # would leave build/ and *.egg-info there).
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "dsa_jax", src / "dsa_jax",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    wheels = tmp_path / "wheels"
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+          "-w", str(wheels), str(src)], cwd=tmp_path)
+    (wheel,) = wheels.glob("dsa_jax-*.whl")
+
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=False).create(env_dir)
+    python = env_dir / "bin" / "python"
+    site = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                cwd=tmp_path).strip()
+    deps = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    pathlib.Path(site, "borrowed_dependencies.pth").write_text("\n".join(sorted(deps)) + "\n")
+    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
+          "--no-index", "-q", str(wheel)], cwd=tmp_path)
+
+    work = tmp_path / "elsewhere"  # outside the repository: nothing found relative to it
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["JAX_PLATFORMS"] = "cpu"
+    where = _run([str(python), "-c", "import dsa_jax; print(dsa_jax.__file__)"], cwd=work,
+                 env=env).strip()
+    assert pathlib.Path(where).is_relative_to(env_dir), where
+    out = _run([str(env_dir / "bin" / "dsa-jax"), "run", "--num-seqs", "1", "--prompt-len",
+                "12", "--steps", "3", "--speculate", "0", "--show", "1", "--quiet", "--out",
+                str(work / "out")], cwd=work, env=env)
+    assert "dsa-jax run: tiny " in out and "3 tokens in" in out, out
+    assert (work / "out" / "selection_map.png").stat().st_size > 0
