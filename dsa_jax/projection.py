@@ -2,7 +2,7 @@
 
 Matmuls take the weights' dtype and accumulate in fp32; norms and everything after the GEMMs
 are fp32. Row shapes are whatever the caller passes: decode and verify pass the same padded
-`[B, max_verify]` rows so that each row's reductions are identical in both (SPEC.md invariant).
+`[B, max_verify]` rows so that each row's reductions are identical in both (docs/spec.md).
 """
 
 from __future__ import annotations

@@ -62,8 +62,8 @@ def pool_scores_xla(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: j
 # of two, and the key array is never copied. One dot serves the RB rows, so each key tile is
 # read once per group. A tile past every row's candidates reads no key. fp32-accurate
 # throughout, since the scores feed an exact top-k: the dot runs as 3-pass tf32 on the GPU
-# (Triton's IEEE fp32 dot ran near 1 TFLOP/s on the H200, 25x slower than XLA) and as IEEE
-# fp32 in interpret mode.
+# (Triton's IEEE fp32 dot measured an order of magnitude slower than XLA's on the H200) and as
+# IEEE fp32 in interpret mode.
 # ---------------------------------------------------------------------------------------------
 
 
