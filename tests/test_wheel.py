@@ -50,10 +50,12 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     python = env_dir / "bin" / "python"
     site = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                 cwd=tmp_path).strip()
-    deps = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
-    pathlib.Path(site, "borrowed_dependencies.pth").write_text("\n".join(sorted(deps)) + "\n")
+    # Installed before the dependencies are borrowed, so pip sees no other dsa_jax and never
+    # touches the running environment.
     _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
           "--no-index", "-q", str(wheel)], cwd=tmp_path)
+    deps = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    pathlib.Path(site, "borrowed_dependencies.pth").write_text("\n".join(sorted(deps)) + "\n")
 
     work = tmp_path / "elsewhere"  # outside the repository: nothing found relative to it
     work.mkdir()

@@ -20,7 +20,7 @@ T = TypeVar("T")
 
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1): Triton block shapes are powers of two."""
-    return 1 << max(0, (n - 1).bit_length())
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def quantize(c: jax.Array, scale: jax.Array, dtype) -> jax.Array:
