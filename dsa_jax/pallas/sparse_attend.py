@@ -10,6 +10,7 @@ an fp32 cache (tests/test_kernels.py derives the resulting tolerance).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -18,8 +19,46 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from dsa_jax.pallas import sparse_attend_mgpu as mgpu_op
+
 # Rows per lax.map step of the XLA twin: bounds the gathered [rows, W, C] fp32 block.
 XLA_ROW_CHUNK = 64
+# Multiprocessors assumed where the device reports none (a CPU running interpret mode, where
+# the count only shapes the work split): the H200's.
+DEFAULT_SM_COUNT = 132
+BACKENDS = ("auto", "triton", "mosaic")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttendTuning:
+    """Which gather-attend kernel runs, and its tuning.
+
+    backend: "triton" (the Pallas Triton kernel below: every cache dtype, interpret mode),
+      "mosaic" (`sparse_attend_mgpu`: Pallas Mosaic GPU, fp8 e4m3 caches with C a multiple of
+      128 up to 512, compiled for a Hopper GPU only; anything else raises), or "auto" (the
+      default): mosaic where it applies (fp8 cache, supported C, not interpret mode, no
+      explicit Triton tile or dtype argument), triton otherwise. The rule is fixed; nothing
+      depends on the environment.
+    col_blocks: Triton only: the output columns split over this many programs, each of which
+      recomputes the logits over all of C but accumulates only its C / col_blocks columns
+      (smaller accumulator, more programs per multiprocessor).
+    mosaic: the Mosaic GPU kernel's tiles (`sparse_attend_mgpu.MgpuTuning`).
+    """
+
+    backend: str = "auto"
+    col_blocks: int = 1
+    mosaic: mgpu_op.MgpuTuning = mgpu_op.MgpuTuning()
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r}: must be one of {BACKENDS}")
+        if self.col_blocks < 1 or self.col_blocks & (self.col_blocks - 1):
+            raise ValueError(f"col_blocks={self.col_blocks} must be a power of two >= 1")
+
+
+def sm_count() -> int:
+    """Multiprocessors of the default device (DEFAULT_SM_COUNT where it reports none)."""
+    return int(getattr(jax.devices()[0], "core_count", None) or DEFAULT_SM_COUNT)
 
 
 def token_slots(tokens: jax.Array, block_table: jax.Array, block_size: int) -> jax.Array:
@@ -95,32 +134,51 @@ def _next_pow2(n: int) -> int:
 
 
 def _attend_kernel(scale_ref, live_ref, q_ref, slots_ref, lat_ref, o_ref, m_ref, l_ref, *,
-                   width: int, tiles: int, block_w: int, compute_dtype, precision):
-    """One (head block, split, row) program.
+                   width: int, tiles: int, block_w: int, compute_dtype, precision,
+                   col_blocks: int):
+    """One (head block x column block, split, row) program.
 
     scale_ref: [2] f32 (logit scale, output scale); live_ref: [N] int32 (whole array), slots
     past which a row has no non-empty slot; q_ref: [HB, Cp] compute dtype; slots_ref:
     [N, Wp] int32 (whole array); lat_ref: [NS, C] cache dtype (whole flat cache). Outputs this
-    split's normalized partial o_ref [HB, Cp] f32 (0 if it saw no valid slot), its running max
-    m_ref [HB] f32 and softmax denominator l_ref [HB] f32.
+    split's normalized partial o_ref [HB, Cp / col_blocks] f32 (0 if it saw no valid slot), its
+    running max m_ref [HB] f32 and softmax denominator l_ref [HB] f32 (the same values in
+    every column block: each computes the same logits in the same order).
     """
     split, row = pl.program_id(1), pl.program_id(2)
-    q = q_ref[...]  # [HB, Cp]
-    hb, cp = q.shape
+    hb, cp = q_ref.shape
+    cw = cp // col_blocks  # accumulated columns
     logit_scale, out_scale = scale_ref[0], scale_ref[1]
-    cols = jnp.arange(cp, dtype=jnp.int32)  # [Cp]
+
+    def gather(slots, valid, cols):  # -> [BW, len(cols)] compute dtype; 0 at empty slots
+        mask = valid[:, None] if width == cp else valid[:, None] & (cols < width)[None, :]
+        mask = jnp.broadcast_to(mask, (block_w, cols.shape[0]))  # Triton wants the pointer's
+        return plt.load(lat_ref.at[jnp.maximum(slots, 0)[:, None], cols[None, :]], mask=mask,
+                        other=jnp.zeros((), lat_ref.dtype)).astype(compute_dtype)
+
+    if col_blocks > 1:
+        mine = (pl.program_id(0) % col_blocks) * cw + jnp.arange(cw, dtype=jnp.int32)  # [CW]
+        q_parts = [q_ref[:, pl.ds(k * cw, cw)] for k in range(col_blocks)]  # [HB, CW] each
+    else:
+        q = q_ref[...]  # [HB, Cp]
+        cols = jnp.arange(cp, dtype=jnp.int32)  # [Cp]
 
     def tile(t, carry):
-        m, l, acc = carry  # [HB], [HB], [HB, Cp]
+        m, l, acc = carry  # [HB], [HB], [HB, CW]
         start = (split * tiles + t) * block_w
         slots = slots_ref[row, pl.ds(start, block_w)]  # [BW]
         valid = slots >= 0  # [BW]
-        mask = valid[:, None] if width == cp else valid[:, None] & (cols < width)[None, :]
-        mask = jnp.broadcast_to(mask, (block_w, cp))  # Triton wants the pointer's shape
-        c = plt.load(lat_ref.at[jnp.maximum(slots, 0)[:, None], cols[None, :]], mask=mask,
-                     other=jnp.zeros((), lat_ref.dtype)).astype(compute_dtype)  # [BW, Cp]
-        logits = _dot(q, c, ((1,), (1,)), precision) * logit_scale  # [HB, BW]
-        logits = jnp.where(valid[None, :], logits, -jnp.inf)
+        if col_blocks > 1:
+            logits = None  # [HB, BW]: the column parts summed in a fixed order
+            for k in range(col_blocks):
+                ck = gather(slots, valid, k * cw + jnp.arange(cw, dtype=jnp.int32))
+                part = _dot(q_parts[k], ck, ((1,), (1,)), precision)
+                logits = part if logits is None else logits + part
+            c = gather(slots, valid, mine)  # [BW, CW]: this program's columns (cache hits)
+        else:
+            c = gather(slots, valid, cols)  # [BW, Cp]
+            logits = _dot(q, c, ((1,), (1,)), precision)
+        logits = jnp.where(valid[None, :], logits * logit_scale, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))  # [HB]
         alpha = jnp.exp(m - m_new)  # [HB]
         p = jnp.exp(logits - m_new[:, None])  # [HB, BW], 0 at empty slots
@@ -129,7 +187,7 @@ def _attend_kernel(scale_ref, live_ref, q_ref, slots_ref, lat_ref, o_ref, m_ref,
         return m_new, l, acc
 
     init = (jnp.full((hb,), _M_INIT, jnp.float32), jnp.zeros((hb,), jnp.float32),
-            jnp.zeros((hb, cp), jnp.float32))
+            jnp.zeros((hb, cw), jnp.float32))
     live_tiles = (live_ref[row] + block_w - 1) // block_w - split * tiles
     m, l, acc = lax.fori_loop(0, jnp.clip(live_tiles, 0, tiles), tile, init)
     # Normalized here so that one split needs no merge pass at all.
@@ -190,12 +248,29 @@ def default_tiles(padded_heads: int, compute_dtype=jnp.bfloat16) -> dict:
     return dict(block_h=16, block_w=32, num_warps=4, per_sm=4)
 
 
-def _num_splits(programs_per_split: int, per_sm: int, tiles: int, max_splits: int = 16) -> int:
-    """Splits per row and head block: as many as fill the 132 multiprocessors in one wave (a
-    second, partial wave cost 35% at 32 rows x 64 heads), at most max_splits (partials cost
-    traffic and a merge) and tiles."""
-    fit = (132 * per_sm) // max(1, programs_per_split)
+def _num_splits(programs_per_split: int, per_sm: int, tiles: int, max_splits: int = 16,
+                sms: int | None = None) -> int:
+    """Splits per row and head block: as many as fill the multiprocessors (`sms`, default
+    `sm_count()`) in one wave (a second, partial wave cost 35% at 32 rows x 64 heads), at most
+    max_splits (partials cost traffic and a merge) and tiles."""
+    fit = ((sms or sm_count()) * per_sm) // max(1, programs_per_split)
     return max(1, min(max_splits, tiles, fit))
+
+
+def pick_backend(tuning: AttendTuning, cache_dtype, c: int, interpret: bool,
+                 triton_args: bool) -> str:
+    """"triton" or "mosaic" for these inputs (AttendTuning's rule); raises where "mosaic" was
+    asked for and cannot run."""
+    why = mgpu_op.supports(cache_dtype, c, tuning.mosaic)
+    if tuning.backend == "mosaic":
+        if interpret:
+            raise ValueError("backend='mosaic': Mosaic GPU kernels have no interpret mode")
+        if why is not None:
+            raise ValueError(f"backend='mosaic' does not run {why}; use backend='triton'")
+        return "mosaic"
+    if tuning.backend == "triton" or interpret or triton_args or why is not None:
+        return "triton"
+    return "mosaic"
 
 
 def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
@@ -203,20 +278,35 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
                          interpret: bool = False, block_h: int | None = None,
                          block_w: int | None = None, num_splits: int | None = None,
                          compute_dtype=None, num_warps: int | None = None,
-                         num_stages: int = 2, live_rows: int | None = None) -> jax.Array:
+                         num_stages: int = 2, live_rows: int | None = None,
+                         tuning: AttendTuning = AttendTuning()) -> jax.Array:
     """`sparse_attend_xla` as a Pallas kernel; same arguments, same result (see tolerances in
-    tests/test_kernels.py). q [B, R, H, C] f32 -> [B, R, H, C] f32.
+    tests/test_kernels.py and tests/test_attend_kernel.py). q [B, R, H, C] f32 -> [B, R, H, C]
+    f32.
 
-    block_h: heads per program (H is padded to a power of two >= 16, the smallest dot tile);
-    block_w: slots per tile; num_splits: programs per row and head block (None: enough to fill
-    the GPU); compute_dtype: dot operand dtype (None: `default_compute_dtype`). None tile
-    arguments take `default_tiles`. live_rows: how many of the B*R rows the split heuristic
-    should plan for (None: all); a decode padded to max_verify rows has about B non-empty
-    rows, and planning for the padded ones would leave most of the GPU idle.
+    tuning: which kernel (`AttendTuning.backend`) and its tiles. num_splits: programs per row
+    and head block (None: enough to fill the GPU); live_rows: how many of the B*R rows the
+    split heuristic should plan for (None: all); a decode padded to max_verify rows has about
+    B non-empty rows, and planning for the padded ones would leave most of the GPU idle.
+    Triton only (giving one selects the Triton kernel under backend="auto"): block_h: heads
+    per program (H is padded to a power of two >= 16, the smallest dot tile); block_w: slots
+    per tile; compute_dtype: dot operand dtype (None: `default_compute_dtype`); num_warps,
+    num_stages. None tile arguments take `default_tiles`.
     """
     b, r, h, c = q.shape
     nb, bs, _ = latent.shape
     n, w = b * r, sel.shape[-1]
+    triton_args = any(a is not None for a in (block_h, block_w, compute_dtype, num_warps))
+    backend = pick_backend(tuning, latent.dtype, c, interpret, triton_args)
+    slots = jax.vmap(token_slots, in_axes=(0, 0, None))(sel, block_tables, bs)  # [B, R, W]
+    slots = slots.reshape(n, w)
+    is_fp8 = latent.dtype == jnp.float8_e4m3fn
+    kv = jnp.asarray(kv_scale, jnp.float32) if is_fp8 else jnp.float32(1.0)
+    if backend == "mosaic":
+        out = _mosaic_attend(q.reshape(n, h, c), latent.reshape(nb * bs, c), kv, slots,
+                             softmax_scale, tuning.mosaic, num_splits, live_rows or n)
+        return out.reshape(b, r, h, c)
+
     compute_dtype = jnp.dtype(compute_dtype or default_compute_dtype(latent.dtype))
     hp2 = _next_pow2(max(h, 16))
     tiles_cfg = default_tiles(hp2, compute_dtype)
@@ -226,42 +316,43 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
     hb = min(_next_pow2(block_h), hp2)
     hp = -(-max(h, 16) // hb) * hb  # padded heads
     cp = max(16, _next_pow2(c))  # padded latent width (masked loads, no cache copy)
+    cb = tuning.col_blocks
+    if cp // cb < 16:
+        raise ValueError(f"col_blocks={cb}: C padded to {cp} leaves fewer than 16 columns")
     tiles_all = -(-w // block_w)
-    splits = num_splits or _num_splits((live_rows or n) * (hp // hb), tiles_cfg["per_sm"],
-                                       tiles_all)
+    splits = num_splits or _num_splits((live_rows or n) * (hp // hb) * cb,
+                                       tiles_cfg["per_sm"], tiles_all)
     tiles = -(-tiles_all // splits)  # tiles per split
     wp = splits * tiles * block_w
 
-    slots = jax.vmap(token_slots, in_axes=(0, 0, None))(sel, block_tables, bs)  # [B, R, W]
-    slots = jnp.pad(slots.reshape(n, w), ((0, 0), (0, wp - w)), constant_values=-1)  # [N, Wp]
+    slots = jnp.pad(slots, ((0, 0), (0, wp - w)), constant_values=-1)  # [N, Wp]
     live = live_extent(slots)  # [N]
     q_p = q.reshape(n, h, c)  # [N, Hp, Cp] once padded
     if (hp, cp) != (h, c):
         q_p = jnp.pad(q_p, ((0, 0), (0, hp - h), (0, cp - c)))
-    is_fp8 = latent.dtype == jnp.float8_e4m3fn
-    kv = jnp.asarray(kv_scale, jnp.float32) if is_fp8 else jnp.float32(1.0)
     # The fp8 scale is applied to the logits and the output, not to the latents, so the dot
     # sees the stored e4m3 values, which bf16 holds exactly.
     scales = jnp.stack([kv * softmax_scale, kv]).astype(jnp.float32)  # [2]
 
     kernel = functools.partial(_attend_kernel, width=c, tiles=tiles, block_w=block_w,
                                compute_dtype=compute_dtype,
-                               precision=_dot_precision(compute_dtype, interpret))
+                               precision=_dot_precision(compute_dtype, interpret),
+                               col_blocks=cb)
     part = jax.ShapeDtypeStruct((n, splits, hp), jnp.float32)
     o, m, l = pl.pallas_call(
         kernel,
-        grid=(hp // hb, splits, n),
+        grid=(hp // hb * cb, splits, n),  # (head block x column block, split, row)
         in_specs=[
             pl.BlockSpec(),  # scales [2]
             pl.BlockSpec(),  # live [N]
-            pl.BlockSpec((None, hb, cp), lambda i, s, j: (j, i, 0)),  # q [N, Hp, Cp]
+            pl.BlockSpec((None, hb, cp), lambda i, s, j: (j, i // cb, 0)),  # q [N, Hp, Cp]
             pl.BlockSpec(),  # slots [N, Wp]
             pl.BlockSpec(),  # flat cache [NS, C]
         ],
         out_specs=[
-            pl.BlockSpec((None, None, hb, cp), lambda i, s, j: (j, s, i, 0)),
-            pl.BlockSpec((None, None, hb), lambda i, s, j: (j, s, i)),
-            pl.BlockSpec((None, None, hb), lambda i, s, j: (j, s, i)),
+            pl.BlockSpec((None, None, hb, cp // cb), lambda i, s, j: (j, s, i // cb, i % cb)),
+            pl.BlockSpec((None, None, hb), lambda i, s, j: (j, s, i // cb)),
+            pl.BlockSpec((None, None, hb), lambda i, s, j: (j, s, i // cb)),
         ],
         out_shape=[jax.ShapeDtypeStruct((n, splits, hp, cp), jnp.float32), part, part],
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -270,3 +361,24 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
     )(scales, live, q_p.astype(compute_dtype), slots, latent.reshape(nb * bs, c))
     out = _merge_splits(o, m, l)  # [N, Hp, Cp]
     return out[:, :h, :c].reshape(b, r, h, c)
+
+
+def _mosaic_attend(q, latent_flat, kv, slots, softmax_scale, t: mgpu_op.MgpuTuning,
+                   num_splits, live_rows):
+    """q [N, H, C] f32, latent_flat [NS, C] fp8, slots [N, W] flat slots -> [N, H, C] f32."""
+    n, h, c = q.shape
+    w = slots.shape[1]
+    hp = -(-h // mgpu_op.HEADS_PER_CTA) * mgpu_op.HEADS_PER_CTA
+    tiles_all = -(-w // t.block_w)
+    splits = num_splits or mgpu_op.num_splits(live_rows * (hp // mgpu_op.HEADS_PER_CTA),
+                                              tiles_all, sm_count(), t.max_splits)
+    tiles = -(-tiles_all // splits)
+    slots = jnp.pad(slots, ((0, 0), (0, splits * tiles * t.block_w - w)), constant_values=-1)
+    q16, row_scale = mgpu_op.scale_rows_f16(q)  # [N, H, C] f16, [N] f32
+    if hp != h:
+        q16 = jnp.pad(q16, ((0, 0), (0, hp - h), (0, 0)))
+    scales = jnp.stack([kv * softmax_scale, kv]).astype(jnp.float32)  # [2]
+    o, m, l = mgpu_op.sparse_attend_mgpu_partials(
+        scales, row_scale, live_extent(slots), q16, slots, latent_flat, splits=splits,
+        tiles=tiles, tuning=t)
+    return _merge_splits(o, m, l)[:, :h]

@@ -1,0 +1,293 @@
+"""Sparse MLA gather-attend as a Pallas Mosaic GPU kernel (Hopper: wgmma, bulk copies).
+
+The same function as `sparse_attend.sparse_attend_xla` (the definition), for an fp8 e4m3 cache
+and f16 dot operands (`scale_rows_f16`), in the FlashMLA shape:
+
+* one CTA owns 64 heads of one query row (the wgmma M) and a contiguous share ("split") of
+  the row's slots, streamed in tiles of `block_w` slots;
+* warpgroup 2 (producer) gathers each tile's latent rows by index, one bulk copy of C bytes per
+  row into an fp8 staging buffer (`stages` deep); an empty slot (-1) copies a row of zeros, so
+  no cache row outside the selection is ever read;
+* warpgroups 0 and 1 (consumers) each own half of the C = 512 latent columns: each converts its
+  half of the staged tile to f16 (swizzled, for wgmma), computes the partial logits over its
+  half (Q half [64, C/2] x tile half^T), the two partials are summed through shared memory
+  (fp32 addition is commutative, so both warpgroups hold bitwise the same logits and the same
+  softmax), and each accumulates P @ tile half into its own [64, C/2] fp32 accumulator.
+  The latent tile is both K and V (MLA), so neither warpgroup touches the other half.
+* the per-split partials (normalized output, running max, denominator) are merged in jnp by
+  the caller, exactly as for the Triton kernel.
+
+Restrictions (the dispatcher in `sparse_attend.py` picks the Triton kernel otherwise): fp8
+e4m3 cache, C a multiple of 128 with C / 2 <= 256 (a TMA box), heads padded to a multiple of
+64. Mosaic GPU has no CPU interpret mode: its CPU tests cover the host-side planning and the
+jnp pieces; its parity against the twin runs on the GPU (benchmarks/h200_attend.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+HEADS_PER_CTA = 64  # the wgmma M of one warpgroup
+_M_INIT = -1e30  # running max before any slot: finite, so an all-empty tile rescales by 1
+_LOG2E = math.log2(math.e)
+# Staged rows are padded by 16 bytes: the 8 rows one warp reads at a time fall in distinct
+# banks (a 512-byte stride would put them all in one).
+_ROW_PAD = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuTuning:
+    """Tile shape and register split of the Mosaic GPU kernel.
+
+    block_w: slots per tile (wgmma N of the logits, K of P @ V); 64 as FlashMLA.
+    stages: fp8 staging buffers the producers may fill ahead of the consumers.
+    producers: warpgroups issuing the row copies (each takes block_w / producers rows).
+    consumer_regs / producer_regs: per-thread register budgets (setmaxnreg) of the two compute
+      warpgroups and the producers; 128 * (2 * consumer + producers * producer) <= 65536.
+    max_splits: most programs one row's slots are split over (partials cost a merge).
+    """
+
+    block_w: int = 64
+    stages: int = 2
+    producers: int = 1
+    consumer_regs: int = 232
+    producer_regs: int = 40
+    max_splits: int = 16
+
+    def __post_init__(self):
+        if self.block_w not in (64, 128):
+            raise ValueError(f"block_w={self.block_w} must be 64 or 128 (the conversion works "
+                             f"on 64-row tiles)")
+        if self.stages < 1:
+            raise ValueError(f"stages={self.stages} must be >= 1")
+        if self.producers not in (1, 2):
+            raise ValueError(f"producers={self.producers} must be 1 or 2")
+        regs = 128 * (2 * self.consumer_regs + self.producers * self.producer_regs)
+        if regs > 65536:
+            raise ValueError(f"registers 128 * (2 * {self.consumer_regs} + {self.producers} * "
+                             f"{self.producer_regs}) = {regs} exceed 65536")
+
+
+def smem_bytes(c: int, t: MgpuTuning) -> int:
+    """Shared memory the kernel allocates (the H200 gives a CTA at most 227 KiB)."""
+    half = c // 2
+    return (2 * HEADS_PER_CTA * half * 2  # Q halves, f16
+            + t.stages * t.block_w * (c + _ROW_PAD)  # fp8 staging
+            + 2 * t.block_w * half * 2  # f16 tile halves
+            + 2 * HEADS_PER_CTA * t.block_w * 4)  # partial logits exchange
+
+
+def supports(cache_dtype, c: int, t: MgpuTuning = MgpuTuning()) -> str | None:
+    """None if the kernel runs these shapes, else why not."""
+    if jnp.dtype(cache_dtype) != jnp.float8_e4m3fn:
+        return f"cache dtype {jnp.dtype(cache_dtype).name} (the kernel stages fp8 e4m3 rows)"
+    if c % 128 or c // 2 > 256:
+        return f"C={c} (needs a multiple of 128 with C/2 <= 256)"
+    if smem_bytes(c, t) > 227 * 1024:
+        return f"shared memory {smem_bytes(c, t)} B > 227 KiB"
+    return None
+
+
+def num_splits(programs_per_split: int, tiles: int, sm_count: int, max_splits: int) -> int:
+    """Splits per row and head block: enough CTAs (one per multiprocessor: the kernel takes
+    most of its shared memory) to fill the GPU once, at most max_splits and tiles."""
+    fit = sm_count // max(1, programs_per_split)
+    return max(1, min(max_splits, tiles, fit))
+
+
+def scale_rows_f16(q: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """q [N, H, C] f32 -> (q * 2^k_n as f16 [N, H, C], 2^-k_n [N] f32).
+
+    The kernel's dots take f16 operands (Hopper converts e4m3 to f16, not to bf16, in one
+    instruction; e4m3 values are exact in f16, which also rounds q and p 4x finer than bf16).
+    f16 has a narrow range, so every row is scaled by a power of two that brings its largest
+    |q| into [2^13, 2^14): exact, and undone in the logit scale."""
+    amax = jnp.max(jnp.abs(q), axis=(1, 2))  # [N]
+    _, e = jnp.frexp(jnp.where(amax > 0, amax, 1.0))  # amax = f * 2^e, f in [0.5, 1)
+    k = (14 - e).astype(jnp.int32)  # [N]
+    q16 = jnp.ldexp(q, k[:, None, None]).astype(jnp.float16)
+    return q16, jnp.ldexp(jnp.ones_like(amax), -k)
+
+
+def _kernel(scales_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_ref, zero_ref, o_ref,
+            m_ref, l_ref, *, c: int, block_w: int, tiles: int, stages: int, producers: int,
+            consumer_regs: int, producer_regs: int):
+    """One (head block, split, row) CTA of 2 + producers warpgroups; see the module docstring.
+
+    scales_ref [2] f32 (logit scale, output scale); rscale_ref [N] f32 (each row's q scale
+    undone); live_ref [N] int32; q_ref [N, Hp, C] f16;
+    slots_ref [N, Wp] int32 flat cache slots (-1 empty); lat_ref [NS, C] fp8; zero_ref [1, C]
+    fp8 zeros. Outputs o_ref [N, S, Hp, C] f32 (normalized partial), m_ref, l_ref [N, S, Hp].
+    """
+    half = c // 2
+    hb, split, row = lax.axis_index("h"), lax.axis_index("s"), lax.axis_index("r")
+    live = live_ref[row]
+    n_tiles = jnp.clip((live + block_w - 1) // block_w - split * tiles, 0, tiles)
+    base0 = split * tiles * block_w
+    heads = pl.ds(hb * HEADS_PER_CTA, HEADS_PER_CTA)
+    swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # f16 wgmma tiles
+    # fp32 partial logits, swizzled: the exchange's stores and loads are free of bank conflicts.
+    swz32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+
+    def load(ref, layout):  # ref (GMEM, or SMEM read in a layout with no planned transfer)
+        return plgpu.load(ref, (), layout=layout, optimized=False)
+
+    def scoped(q16, st8, kv16, xs, q_bar, full, free, x_full, x_free):
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg < 2)
+        def _consumer():
+            plgpu.set_max_registers(consumer_regs, action="increase")
+            cols = pl.ds(wg * half, half)
+            plgpu.copy_gmem_to_smem(q_ref.at[row, heads, cols], q16.at[wg], q_bar.at[wg])
+            plgpu.barrier_wait(q_bar.at[wg])
+            logit_scale = scales_ref[0] * rscale_ref[row] * _LOG2E  # log2 units: exp2
+            out_scale = scales_ref[1]
+
+            def tile(t, carry):
+                m, l, acc = carry  # [64] WGMMA_ROW, [64], [64, half] WGMMA
+                s = lax.rem(t, stages)
+                plgpu.barrier_wait(full.at[s])
+                plgpu.commit_smem()  # every warp's P @ V of tile t - 1 read kv16: now rewrite
+                for j in range(half // 64):
+                    x = load(st8.at[s, :, pl.ds(wg * half + j * 64, 64)], plgpu.Layout.WGMMA)
+                    kv16.at[wg, :, pl.ds(j * 64, 64)][...] = x.astype(jnp.float16)
+                base = base0 + t * block_w
+                valid = load(slots_ref.at[row, pl.ds(base, block_w)],
+                             plgpu.Layout.WGMMA.reduce(0)) >= 0  # [BW] per slot
+                plgpu.barrier_arrive(free.at[s])  # staging read: the producer may refill it
+                plgpu.commit_smem()  # f16 tile visible to wgmma
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q16.at[wg], plgpu.transpose_ref(kv16.at[wg], (1, 0)))
+                    return acc_ref[...]
+
+                part = pl.run_scoped(qk, plgpu.ACC((HEADS_PER_CTA, block_w), jnp.float32))
+
+                @pl.when(t > 0)
+                def _():
+                    plgpu.barrier_wait(x_free)  # the other warpgroup read our last partial
+
+                xs[wg] = part
+                plgpu.barrier_arrive(x_full)
+                plgpu.barrier_wait(x_full)
+                other = plgpu.layout_cast(xs[1 - wg], plgpu.Layout.WGMMA)
+                logits = (part + other) * logit_scale  # [64, BW], same in both groups
+                plgpu.barrier_arrive(x_free)
+                logits = jnp.where(lax.broadcast_in_dim(valid, logits.shape, [1]), logits,
+                                   -jnp.inf)
+                m_new = jnp.maximum(m, logits.max(axis=1))
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
+                l = l * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p16 = p.astype(jnp.float16)
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, kv16.at[wg])
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                return m_new, l, acc
+
+            m0 = plgpu.layout_cast(jnp.full((HEADS_PER_CTA,), _M_INIT, jnp.float32),
+                                   plgpu.Layout.WGMMA.reduce(1))
+            l0 = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA,), jnp.float32),
+                                   plgpu.Layout.WGMMA.reduce(1))
+            a0 = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA, half), jnp.float32),
+                                   plgpu.Layout.WGMMA)
+            m, l, acc = lax.fori_loop(0, n_tiles, tile, (m0, l0, a0))
+            inv = out_scale / jnp.where(l > 0, l, 1.0)
+            o_ref.at[row, split, heads, cols][...] = acc * lax.broadcast_in_dim(
+                inv, acc.shape, [0])
+
+            @pl.when(wg == 0)
+            def _():
+                m_ref.at[row, split, heads][...] = m * (1.0 / _LOG2E)
+                l_ref.at[row, split, heads][...] = l
+
+        @pl.when(wg >= 2)
+        def _producer():
+            plgpu.set_max_registers(producer_regs, action="decrease")
+            promise = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
+            share = block_w // producers  # rows this warpgroup copies
+            first = (wg - 2) * share
+
+            def fill(t, _):
+                s = lax.rem(t, stages)
+
+                @pl.when(t >= stages)
+                def _():
+                    plgpu.barrier_wait(free.at[s])
+
+                base = base0 + t * block_w
+                for i in range(share):
+                    copy_row(slots_ref[row, base + first + i],
+                             st8.at[s, pl.ds(first + i, 1), pl.ds(0, c)], full.at[s])
+                return ()
+
+            def copy_row(slot, dst, bar):  # one C-byte row; an empty slot copies zeros
+                @pl.when(slot >= 0)
+                def _():
+                    plgpu.copy_gmem_to_smem(lat_ref.at[pl.ds(slot, 1)], dst, bar,
+                                            oob_mode=promise)
+
+                @pl.when(slot < 0)
+                def _():
+                    plgpu.copy_gmem_to_smem(zero_ref, dst, bar, oob_mode=promise)
+
+            lax.fori_loop(0, n_tiles, fill, ())
+
+    pl.run_scoped(
+        scoped,
+        plgpu.SMEM((2, HEADS_PER_CTA, half), jnp.float16, transforms=swz),  # Q halves
+        plgpu.SMEM((stages, block_w, c + _ROW_PAD), jnp.float8_e4m3fn),  # gathered rows
+        plgpu.SMEM((2, block_w, half), jnp.float16, transforms=swz),  # f16 tile halves
+        plgpu.SMEM((2, HEADS_PER_CTA, block_w), jnp.float32, transforms=swz32),  # partial logits
+        plgpu.Barrier(num_barriers=2),  # Q loaded, per consumer
+        plgpu.Barrier(num_arrivals=block_w, num_barriers=stages),  # stage filled
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # stage consumed
+        plgpu.Barrier(num_arrivals=2),  # partial logits written
+        plgpu.Barrier(num_arrivals=2),  # partial logits read
+        collective_axes="wg",
+    )
+
+
+def sparse_attend_mgpu_partials(scales, row_scale, live, q16, slots, latent_flat, *, splits: int,
+                                tiles: int, tuning: MgpuTuning = MgpuTuning()):
+    """The kernel call: q16 [N, Hp, C] f16 (Hp a multiple of 64; `scale_rows_f16`), slots
+    [N, Wp] int32 flat cache slots with Wp = splits * tiles * block_w, latent_flat [NS, C] fp8,
+    scales [2] (logit, output), row_scale [N], live [N] (`live_extent`) ->
+    (o [N, S, Hp, C] f32, m [N, S, Hp], l [N, S, Hp])."""
+    n, hp, c = q16.shape
+    why = supports(latent_flat.dtype, c, tuning)
+    if why is not None:
+        raise ValueError(f"sparse_attend_mgpu: unsupported {why}")
+    if hp % HEADS_PER_CTA:
+        raise ValueError(f"sparse_attend_mgpu: heads {hp} not a multiple of {HEADS_PER_CTA}")
+    if slots.shape != (n, splits * tiles * tuning.block_w):
+        raise ValueError(f"sparse_attend_mgpu: slots {slots.shape} != "
+                         f"({n}, {splits * tiles * tuning.block_w})")
+    zero = jnp.zeros((1, c), latent_flat.dtype)
+    kernel = functools.partial(
+        _kernel, c=c, block_w=tuning.block_w, tiles=tiles, stages=tuning.stages,
+        producers=tuning.producers, consumer_regs=tuning.consumer_regs,
+        producer_regs=tuning.producer_regs)
+    part = jax.ShapeDtypeStruct((n, splits, hp), jnp.float32)
+    return plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct((n, splits, hp, c), jnp.float32), part, part),
+        grid=(hp // HEADS_PER_CTA, splits, n),
+        grid_names=("h", "s", "r"),
+        num_threads=2 + tuning.producers,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True,
+                                             reduction_scratch_bytes=0),
+    )(scales, row_scale, live, q16, slots, latent_flat, zero)
