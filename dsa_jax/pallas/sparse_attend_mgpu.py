@@ -38,9 +38,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 HEADS_PER_CTA = 64  # the wgmma M of one warpgroup
 _M_INIT = -1e30  # running max before any slot: finite, so an all-empty tile rescales by 1
 _LOG2E = math.log2(math.e)
-# Staged rows are padded by 16 bytes: the 8 rows one warp reads at a time fall in distinct
-# banks (a 512-byte stride would put them all in one).
-_ROW_PAD = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +47,8 @@ class MgpuTuning:
     block_w: slots per tile (wgmma N of the logits, K of P @ V); 64 as FlashMLA.
     stages: fp8 staging buffers the producers may fill ahead of the consumers.
     producers: warpgroups issuing the row copies (each takes block_w / producers rows).
+    row_pad: bytes between staged rows beyond C (16: the rows one warp reads at once fall in
+      different banks, where a C = 512-byte stride puts them in the same ones).
     consumer_regs / producer_regs: per-thread register budgets (setmaxnreg) of the two compute
       warpgroups and the producers; 128 * (2 * consumer + producers * producer) <= 65536.
     max_splits: most programs one row's slots are split over (partials cost a merge).
@@ -58,6 +57,7 @@ class MgpuTuning:
     block_w: int = 64
     stages: int = 2
     producers: int = 1
+    row_pad: int = 16
     consumer_regs: int = 232
     producer_regs: int = 40
     max_splits: int = 16
@@ -68,6 +68,8 @@ class MgpuTuning:
                              f"on 64-row tiles)")
         if self.stages < 1:
             raise ValueError(f"stages={self.stages} must be >= 1")
+        if self.row_pad % 16 or self.row_pad < 0:
+            raise ValueError(f"row_pad={self.row_pad} must be a multiple of 16 (bulk copies)")
         if self.producers not in (1, 2):
             raise ValueError(f"producers={self.producers} must be 1 or 2")
         regs = 128 * (2 * self.consumer_regs + self.producers * self.producer_regs)
@@ -80,7 +82,7 @@ def smem_bytes(c: int, t: MgpuTuning) -> int:
     """Shared memory the kernel allocates (the H200 gives a CTA at most 227 KiB)."""
     half = c // 2
     return (2 * HEADS_PER_CTA * half * 2  # Q halves, f16
-            + t.stages * t.block_w * (c + _ROW_PAD)  # fp8 staging
+            + t.stages * t.block_w * (c + t.row_pad)  # fp8 staging
             + 2 * t.block_w * half * 2  # f16 tile halves
             + 2 * HEADS_PER_CTA * t.block_w * 4)  # partial logits exchange
 
@@ -119,6 +121,7 @@ def scale_rows_f16(q: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def _kernel(scales_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_ref, zero_ref, o_ref,
             m_ref, l_ref, *, c: int, block_w: int, tiles: int, stages: int, producers: int,
+            row_pad: int,
             consumer_regs: int, producer_regs: int):
     """One (head block, split, row) CTA of 2 + producers warpgroups; see the module docstring.
 
@@ -136,6 +139,10 @@ def _kernel(scales_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_ref, zero_re
     swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # f16 wgmma tiles
     # fp32 partial logits, swizzled: the exchange's stores and loads are free of bank conflicts.
     swz32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+
+    # The conversion reads each 64-column chunk of the staged rows in the layout of a swizzled
+    # 16-bit tile copy (8 contiguous elements per thread), so the f16 store is a plain tile copy.
+    conv_layout = plgpu.Layout.SMEM_GMEM_COPY((block_w, 64), jnp.float16, 128)
 
     def load(ref, layout):  # ref (GMEM, or SMEM read in a layout with no planned transfer)
         return plgpu.load(ref, (), layout=layout, optimized=False)
@@ -158,7 +165,7 @@ def _kernel(scales_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_ref, zero_re
                 plgpu.barrier_wait(full.at[s])
                 plgpu.commit_smem()  # every warp's P @ V of tile t - 1 read kv16: now rewrite
                 for j in range(half // 64):
-                    x = load(st8.at[s, :, pl.ds(wg * half + j * 64, 64)], plgpu.Layout.WGMMA)
+                    x = load(st8.at[s, :, pl.ds(wg * half + j * 64, 64)], conv_layout)
                     kv16.at[wg, :, pl.ds(j * 64, 64)][...] = x.astype(jnp.float16)
                 base = base0 + t * block_w
                 valid = load(slots_ref.at[row, pl.ds(base, block_w)],
@@ -248,7 +255,7 @@ def _kernel(scales_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_ref, zero_re
     pl.run_scoped(
         scoped,
         plgpu.SMEM((2, HEADS_PER_CTA, half), jnp.float16, transforms=swz),  # Q halves
-        plgpu.SMEM((stages, block_w, c + _ROW_PAD), jnp.float8_e4m3fn),  # gathered rows
+        plgpu.SMEM((stages, block_w, c + row_pad), jnp.float8_e4m3fn),  # gathered rows
         plgpu.SMEM((2, block_w, half), jnp.float16, transforms=swz),  # f16 tile halves
         plgpu.SMEM((2, HEADS_PER_CTA, block_w), jnp.float32, transforms=swz32),  # partial logits
         plgpu.Barrier(num_barriers=2),  # Q loaded, per consumer
@@ -278,7 +285,8 @@ def sparse_attend_mgpu_partials(scales, row_scale, live, q16, slots, latent_flat
     zero = jnp.zeros((1, c), latent_flat.dtype)
     kernel = functools.partial(
         _kernel, c=c, block_w=tuning.block_w, tiles=tiles, stages=tuning.stages,
-        producers=tuning.producers, consumer_regs=tuning.consumer_regs,
+        producers=tuning.producers, row_pad=tuning.row_pad,
+        consumer_regs=tuning.consumer_regs,
         producer_regs=tuning.producer_regs)
     part = jax.ShapeDtypeStruct((n, splits, hp), jnp.float32)
     return plgpu.kernel(
@@ -288,6 +296,8 @@ def sparse_attend_mgpu_partials(scales, row_scale, live, q16, slots, latent_flat
         grid_names=("h", "s", "r"),
         num_threads=2 + tuning.producers,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True,
-                                             reduction_scratch_bytes=0),
+        # Lane semantics named explicitly: jax 0.11 made Warpgroup semantics the default.
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, unsafe_no_auto_barriers=True, reduction_scratch_bytes=0,
+            lowering_semantics=plgpu.LoweringSemantics.Lane),
     )(scales, row_scale, live, q16, slots, latent_flat, zero)
