@@ -58,8 +58,8 @@ def variants(group: str):
         return {"triton-default": (dict(tuning=tri), "bfloat16")}
     mos = {"mosaic-default": mg.MgpuTuning()}
     if group == "mosaic":
-        mos.update({"mosaic-p2": mg.MgpuTuning(producers=2, producer_regs=24),
-                    "mosaic-pad0": mg.MgpuTuning(row_pad=0)})
+        mos.update({"mosaic-g64": mg.MgpuTuning(index_group=64),
+                    "mosaic-warps": mg.MgpuTuning(issue_warps=True)})
     return {k: (dict(tuning=sa.AttendTuning(backend="mosaic", mosaic=t)), "float16")
             for k, t in mos.items()}
 
@@ -110,7 +110,7 @@ def bound(q, lat8, kv, tables, sel, scale, u, row_sub=None):
     m = np.abs(rows).max(axis=(2, 3))
     extra = 0.0
     if row_sub is not None:  # f16 subnormals: q and p absolute rounding (see the test)
-        d = d + scale * row_sub[..., None] * np.abs(rows).sum(axis=3).max(axis=2)
+        d = d + scale * row_sub * np.abs(rows).sum(axis=3).max(axis=2)
         extra = w * 2.0 ** -25
     return 2.0 * ((np.expm1(2 * d) + u + extra + 4 * (w + 16) * E32) * m)[..., None, None]
 

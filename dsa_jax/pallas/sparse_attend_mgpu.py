@@ -46,17 +46,21 @@ class MgpuTuning:
 
     block_w: slots per tile (wgmma N of the logits, K of P @ V); 64 as FlashMLA.
     stages: fp8 staging buffers the producers may fill ahead of the consumers.
-    producers: warpgroups issuing the row copies (each takes block_w / producers rows).
+    index_group: slot indices the producer reads before issuing their copies (one memory
+      latency per group of rows).
+    issue_warps: each of the producer's 4 warps issues a quarter of a tile's copies (else one
+      thread issues them all).
     row_pad: bytes between staged rows beyond C (16: the rows one warp reads at once fall in
       different banks, where a C = 512-byte stride puts them in the same ones).
     consumer_regs / producer_regs: per-thread register budgets (setmaxnreg) of the two compute
-      warpgroups and the producers; 128 * (2 * consumer + producers * producer) <= 65536.
+      warpgroups and the producer; 128 * (2 * consumer + producer) <= 65536.
     max_splits: most programs one row's slots are split over (partials cost a merge).
     """
 
     block_w: int = 64
     stages: int = 2
-    producers: int = 1
+    index_group: int = 16
+    issue_warps: bool = False
     row_pad: int = 16
     consumer_regs: int = 232
     producer_regs: int = 40
@@ -70,11 +74,11 @@ class MgpuTuning:
             raise ValueError(f"stages={self.stages} must be >= 1")
         if self.row_pad % 16 or self.row_pad < 0:
             raise ValueError(f"row_pad={self.row_pad} must be a multiple of 16 (bulk copies)")
-        if self.producers not in (1, 2):
-            raise ValueError(f"producers={self.producers} must be 1 or 2")
-        regs = 128 * (2 * self.consumer_regs + self.producers * self.producer_regs)
+        if self.index_group < 1:
+            raise ValueError(f"index_group={self.index_group} must be >= 1")
+        regs = 128 * (2 * self.consumer_regs + self.producer_regs)
         if regs > 65536:
-            raise ValueError(f"registers 128 * (2 * {self.consumer_regs} + {self.producers} * "
+            raise ValueError(f"registers 128 * (2 * {self.consumer_regs} + "
                              f"{self.producer_regs}) = {regs} exceed 65536")
 
 
@@ -120,10 +124,9 @@ def scale_rows_f16(q: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _kernel(scales_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_ref, zero_ref, o_ref,
-            m_ref, l_ref, *, c: int, block_w: int, tiles: int, stages: int, producers: int,
-            row_pad: int,
-            consumer_regs: int, producer_regs: int):
-    """One (head block, split, row) CTA of 2 + producers warpgroups; see the module docstring.
+            m_ref, l_ref, *, c: int, block_w: int, tiles: int, stages: int, row_pad: int,
+            index_group: int, issue_warps: bool, consumer_regs: int, producer_regs: int):
+    """One (head block, split, row) CTA of 3 warpgroups; see the module docstring.
 
     scales_ref [2] f32 (logit scale, output scale); rscale_ref [N] f32 (each row's q scale
     undone); live_ref [N] int32; q_ref [N, Hp, C] f16;
@@ -220,25 +223,10 @@ def _kernel(scales_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_ref, zero_re
                 m_ref.at[row, split, heads][...] = m * (1.0 / _LOG2E)
                 l_ref.at[row, split, heads][...] = l
 
-        @pl.when(wg >= 2)
+        @pl.when(wg == 2)
         def _producer():
             plgpu.set_max_registers(producer_regs, action="decrease")
             promise = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
-            share = block_w // producers  # rows this warpgroup copies
-            first = (wg - 2) * share
-
-            def fill(t, _):
-                s = lax.rem(t, stages)
-
-                @pl.when(t >= stages)
-                def _():
-                    plgpu.barrier_wait(free.at[s])
-
-                base = base0 + t * block_w
-                for i in range(share):
-                    copy_row(slots_ref[row, base + first + i],
-                             st8.at[s, pl.ds(first + i, 1), pl.ds(0, c)], full.at[s])
-                return ()
 
             def copy_row(slot, dst, bar):  # one C-byte row; an empty slot copies zeros
                 @pl.when(slot >= 0)
@@ -249,6 +237,31 @@ def _kernel(scales_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_ref, zero_re
                 @pl.when(slot < 0)
                 def _():
                     plgpu.copy_gmem_to_smem(zero_ref, dst, bar, oob_mode=promise)
+
+            def copy_rows(s, base, first, count):  # tile rows [first, first + count)
+                for g0 in range(0, count, index_group):
+                    n = min(index_group, count - g0)
+                    # The group's indices are all read before its first copy: one memory
+                    # latency per group rather than one per row.
+                    slots = [slots_ref[row, base + first + g0 + i] for i in range(n)]
+                    for i, slot in enumerate(slots):
+                        copy_row(slot, st8.at[s, pl.ds(first + g0 + i, 1), pl.ds(0, c)],
+                                 full.at[s])
+
+            def fill(t, _):
+                s = lax.rem(t, stages)
+
+                @pl.when(t >= stages)
+                def _():
+                    plgpu.barrier_wait(free.at[s])
+
+                base = base0 + t * block_w
+                if issue_warps:  # each warp issues a quarter of the rows
+                    per = block_w // 4
+                    plgpu.warp_map(lambda w: copy_rows(s, base, w * per, per))
+                else:
+                    copy_rows(s, base, 0, block_w)
+                return ()
 
             lax.fori_loop(0, n_tiles, fill, ())
 
@@ -285,8 +298,8 @@ def sparse_attend_mgpu_partials(scales, row_scale, live, q16, slots, latent_flat
     zero = jnp.zeros((1, c), latent_flat.dtype)
     kernel = functools.partial(
         _kernel, c=c, block_w=tuning.block_w, tiles=tiles, stages=tuning.stages,
-        producers=tuning.producers, row_pad=tuning.row_pad,
-        consumer_regs=tuning.consumer_regs,
+        row_pad=tuning.row_pad, index_group=tuning.index_group,
+        issue_warps=tuning.issue_warps, consumer_regs=tuning.consumer_regs,
         producer_regs=tuning.producer_regs)
     part = jax.ShapeDtypeStruct((n, splits, hp), jnp.float32)
     return plgpu.kernel(
@@ -294,7 +307,7 @@ def sparse_attend_mgpu_partials(scales, row_scale, live, q16, slots, latent_flat
         out_type=(jax.ShapeDtypeStruct((n, splits, hp, c), jnp.float32), part, part),
         grid=(hp // HEADS_PER_CTA, splits, n),
         grid_names=("h", "s", "r"),
-        num_threads=2 + tuning.producers,
+        num_threads=3,
         thread_name="wg",
         # Lane semantics named explicitly: jax 0.11 made Warpgroup semantics the default.
         compiler_params=plgpu.CompilerParams(
