@@ -58,8 +58,7 @@ def variants(group: str):
         return {"triton-default": (dict(tuning=tri), "bfloat16")}
     mos = {"mosaic-default": mg.MgpuTuning()}
     if group == "mosaic":
-        mos.update({"mosaic-g64": mg.MgpuTuning(index_group=64),
-                    "mosaic-warps": mg.MgpuTuning(issue_warps=True)})
+        mos.update({"mosaic-qk": mg.MgpuTuning(q_in_kernel=True)})
     return {k: (dict(tuning=sa.AttendTuning(backend="mosaic", mosaic=t)), "float16")
             for k, t in mos.items()}
 
@@ -315,7 +314,7 @@ def run_group(group: str, out_path: str, shapes: str):
     for name, (kw, op) in vs.items():
         cases = CHECK_CASES if group == "mosaic" else CHECK_CASES[:1]
         if group == "mosaic" and name != "mosaic-default":
-            cases = CHECK_CASES[:2]
+            cases = CHECK_CASES[:3]
         if group == "mosaic-smoke":
             cases = CHECK_CASES[2:3]
         for i, case in enumerate(cases):
@@ -330,7 +329,7 @@ def run_group(group: str, out_path: str, shapes: str):
             dump()
     for key in shapes:
         for name, (kw, _) in vs.items():
-            if key == "p" and name not in ("triton-default", "mosaic-default"):
+            if key == "p" and name not in ("triton-default", "mosaic-default", "mosaic-qk"):
                 continue
             row = {"variant": name, "shape": SHAPES[key][0]}
             try:
@@ -341,16 +340,65 @@ def run_group(group: str, out_path: str, shapes: str):
             res["times"].append(row)
             print(json.dumps(row, default=str), flush=True)
             dump()
+    if group == "mosaic":  # which stage costs what: drop one (wrong results; kernel time only)
+        for key in shapes.replace("p", ""):
+            for drop in ("convert", "copy"):
+                row = {"variant": f"diag-drop-{drop}", "shape": SHAPES[key][0]}
+                try:
+                    row.update(time_diag(key, drop))
+                except Exception as e:
+                    row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+                    res["errors"].append(traceback.format_exc()[-1500:])
+                res["times"].append(row)
+                print(json.dumps(row, default=str), flush=True)
+                dump()
     dump()
+
+
+def time_diag(key, drop):
+    """Kernel time of the default Mosaic kernel with one stage dropped (timing only)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsa_jax.pallas import sparse_attend as sa
+    from dsa_jax.pallas import sparse_attend_mgpu as mg
+
+    label, b, r, h, w, ctx = SHAPES[key]
+    (lat, kv, tables), sets = time_inputs(b, r, h, w, ctx)
+    t = mg.MgpuTuning()
+    n, c = b * r, 512
+    hb = -(-h // 64)
+    tiles_all = -(-w // t.block_w)
+    splits = mg.num_splits(n * hb, tiles_all, sa.sm_count(), t.max_splits)
+    tiles = -(-tiles_all // splits)
+
+    @jax.jit
+    def fn(q, sel):
+        slots = jax.vmap(sa.token_slots, in_axes=(0, 0, None))(sel, tables, 64).reshape(n, w)
+        slots = jnp.pad(slots, ((0, 0), (0, splits * tiles * t.block_w - w)),
+                        constant_values=-1)
+        q16, down = mg.scale_rows_f16(q.reshape(n, h, c))
+        scales = jnp.stack([kv / 16, kv]).astype(jnp.float32)
+        return mg.sparse_attend_mgpu_partials(
+            scales, (1 / down, down), sa.live_extent(slots), q16, slots,
+            lat.reshape(-1, c), splits=splits, tiles=tiles, tuning=t, drop=drop)[0]
+
+    it = iter(range(1 << 30))
+
+    def call():
+        q, sel = sets[next(it) % len(sets)]
+        return fn(q, sel)
+
+    return kernel_times(call, 10)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--group", default=None, help="run one group in this process")
-    ap.add_argument("--groups", default="mosaic-smoke,mosaic,triton")
+    ap.add_argument("--groups", default="mosaic-smoke,mosaic")
     ap.add_argument("--shapes", default="abp")
-    ap.add_argument("--limit-s", default="120,260,120", help="time limit per group, in order")
+    ap.add_argument("--limit-s", default="80,260", help="time limit per group, in order")
     a = ap.parse_args()
     if a.group:
         run_group(a.group, a.out, a.shapes)

@@ -374,11 +374,12 @@ def _mosaic_attend(q, latent_flat, kv, slots, softmax_scale, t: mgpu_op.MgpuTuni
                                               tiles_all, sm_count(), t.max_splits)
     tiles = -(-tiles_all // splits)
     slots = jnp.pad(slots, ((0, 0), (0, splits * tiles * t.block_w - w)), constant_values=-1)
-    q16, row_scale = mgpu_op.scale_rows_f16(q)  # [N, H, C] f16, [N] f32
+    up, down = mgpu_op.row_scales(q)  # [N] each
+    qk = q if t.q_in_kernel else (q * up[:, None, None]).astype(jnp.float16)  # [N, H, C]
     if hp != h:
-        q16 = jnp.pad(q16, ((0, 0), (0, hp - h), (0, 0)))
+        qk = jnp.pad(qk, ((0, 0), (0, hp - h), (0, 0)))
     scales = jnp.stack([kv * softmax_scale, kv]).astype(jnp.float32)  # [2]
     o, m, l = mgpu_op.sparse_attend_mgpu_partials(
-        scales, row_scale, live_extent(slots), q16, slots, latent_flat, splits=splits,
+        scales, (up, down), live_extent(slots), qk, slots, latent_flat, splits=splits,
         tiles=tiles, tuning=t)
     return _merge_splits(o, m, l)[:, :h]

@@ -50,6 +50,8 @@ class MgpuTuning:
       latency per group of rows).
     issue_warps: each of the producer's 4 warps issues a quarter of a tile's copies (else one
       thread issues them all).
+    q_in_kernel: the consumers read q in fp32 and scale and convert it to f16 themselves (else
+      jnp converts q before the call, one more pass over q).
     row_pad: bytes between staged rows beyond C (16: the rows one warp reads at once fall in
       different banks, where a C = 512-byte stride puts them in the same ones).
     consumer_regs / producer_regs: per-thread register budgets (setmaxnreg) of the two compute
@@ -60,7 +62,8 @@ class MgpuTuning:
     block_w: int = 64
     stages: int = 2
     index_group: int = 16
-    issue_warps: bool = False
+    issue_warps: bool = True
+    q_in_kernel: bool = False
     row_pad: int = 16
     consumer_regs: int = 232
     producer_regs: int = 40
@@ -109,6 +112,16 @@ def num_splits(programs_per_split: int, tiles: int, sm_count: int, max_splits: i
     return max(1, min(max_splits, tiles, fit))
 
 
+def row_scales(q: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """q [N, H, C] f32 -> (2^k_n, 2^-k_n) [N] f32 each: the power of two that brings each
+    row's largest |q| into [2^13, 2^14) (see `scale_rows_f16`)."""
+    amax = jnp.max(jnp.abs(q), axis=(1, 2))  # [N]
+    _, e = jnp.frexp(jnp.where(amax > 0, amax, 1.0))  # amax = f * 2^e, f in [0.5, 1)
+    k = jnp.clip(14 - e, -126, 126).astype(jnp.int32)  # [N]
+    one = jnp.ones_like(amax)
+    return jnp.ldexp(one, k), jnp.ldexp(one, -k)
+
+
 def scale_rows_f16(q: jax.Array) -> tuple[jax.Array, jax.Array]:
     """q [N, H, C] f32 -> (q * 2^k_n as f16 [N, H, C], 2^-k_n [N] f32).
 
@@ -116,20 +129,19 @@ def scale_rows_f16(q: jax.Array) -> tuple[jax.Array, jax.Array]:
     instruction; e4m3 values are exact in f16, which also rounds q and p 4x finer than bf16).
     f16 has a narrow range, so every row is scaled by a power of two that brings its largest
     |q| into [2^13, 2^14): exact, and undone in the logit scale."""
-    amax = jnp.max(jnp.abs(q), axis=(1, 2))  # [N]
-    _, e = jnp.frexp(jnp.where(amax > 0, amax, 1.0))  # amax = f * 2^e, f in [0.5, 1)
-    k = (14 - e).astype(jnp.int32)  # [N]
-    q16 = jnp.ldexp(q, k[:, None, None]).astype(jnp.float16)
-    return q16, jnp.ldexp(jnp.ones_like(amax), -k)
+    up, down = row_scales(q)
+    return (q * up[:, None, None]).astype(jnp.float16), down
 
 
-def _kernel(scales_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_ref, zero_ref, o_ref,
-            m_ref, l_ref, *, c: int, block_w: int, tiles: int, stages: int, row_pad: int,
-            index_group: int, issue_warps: bool, consumer_regs: int, producer_regs: int):
+def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_ref, zero_ref,
+            o_ref, m_ref, l_ref, *, c: int, block_w: int, tiles: int, stages: int, row_pad: int,
+            index_group: int, issue_warps: bool, q_in_kernel: bool, consumer_regs: int,
+            producer_regs: int, drop: str):
     """One (head block, split, row) CTA of 3 warpgroups; see the module docstring.
 
-    scales_ref [2] f32 (logit scale, output scale); rscale_ref [N] f32 (each row's q scale
-    undone); live_ref [N] int32; q_ref [N, Hp, C] f16;
+    scales_ref [2] f32 (logit scale, output scale); qscale_ref, rscale_ref [N] f32 (each row's
+    q scale 2^k and 2^-k); live_ref [N] int32; q_ref [N, Hp, C] f16 (already scaled), or f32
+    when q_in_kernel;
     slots_ref [N, Wp] int32 flat cache slots (-1 empty); lat_ref [NS, C] fp8; zero_ref [1, C]
     fp8 zeros. Outputs o_ref [N, S, Hp, C] f32 (normalized partial), m_ref, l_ref [N, S, Hp].
     """
@@ -157,8 +169,15 @@ def _kernel(scales_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_ref, zero_re
         def _consumer():
             plgpu.set_max_registers(consumer_regs, action="increase")
             cols = pl.ds(wg * half, half)
-            plgpu.copy_gmem_to_smem(q_ref.at[row, heads, cols], q16.at[wg], q_bar.at[wg])
-            plgpu.barrier_wait(q_bar.at[wg])
+            if q_in_kernel:  # fp32 rows -> scaled f16 tile, 64 columns at a time
+                up = qscale_ref[row]
+                for j in range(half // 64):
+                    x = load(q_ref.at[row, heads, pl.ds(wg * half + j * 64, 64)],
+                             plgpu.Layout.WGMMA)  # [64, 64] f32
+                    q16.at[wg, :, pl.ds(j * 64, 64)][...] = (x * up).astype(jnp.float16)
+            else:
+                plgpu.copy_gmem_to_smem(q_ref.at[row, heads, cols], q16.at[wg], q_bar.at[wg])
+                plgpu.barrier_wait(q_bar.at[wg])
             logit_scale = scales_ref[0] * rscale_ref[row] * _LOG2E  # log2 units: exp2
             out_scale = scales_ref[1]
 
@@ -167,7 +186,7 @@ def _kernel(scales_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_ref, zero_re
                 s = lax.rem(t, stages)
                 plgpu.barrier_wait(full.at[s])
                 plgpu.commit_smem()  # every warp's P @ V of tile t - 1 read kv16: now rewrite
-                for j in range(half // 64):
+                for j in range(half // 64 if drop != "convert" else 0):
                     x = load(st8.at[s, :, pl.ds(wg * half + j * 64, 64)], conv_layout)
                     kv16.at[wg, :, pl.ds(j * 64, 64)][...] = x.astype(jnp.float16)
                 base = base0 + t * block_w
@@ -229,6 +248,10 @@ def _kernel(scales_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_ref, zero_re
             promise = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
 
             def copy_row(slot, dst, bar):  # one C-byte row; an empty slot copies zeros
+                if drop == "copy":  # timing experiment: arrive as a copy would, move nothing
+                    plgpu.barrier_arrive(bar)
+                    return
+
                 @pl.when(slot >= 0)
                 def _():
                     plgpu.copy_gmem_to_smem(lat_ref.at[pl.ds(slot, 1)], dst, bar,
@@ -280,13 +303,20 @@ def _kernel(scales_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_ref, zero_re
     )
 
 
-def sparse_attend_mgpu_partials(scales, row_scale, live, q16, slots, latent_flat, *, splits: int,
-                                tiles: int, tuning: MgpuTuning = MgpuTuning()):
-    """The kernel call: q16 [N, Hp, C] f16 (Hp a multiple of 64; `scale_rows_f16`), slots
-    [N, Wp] int32 flat cache slots with Wp = splits * tiles * block_w, latent_flat [NS, C] fp8,
-    scales [2] (logit, output), row_scale [N], live [N] (`live_extent`) ->
+def sparse_attend_mgpu_partials(scales, q_scales, live, q, slots, latent_flat, *, splits: int,
+                                tiles: int, tuning: MgpuTuning = MgpuTuning(), drop: str = ""):
+    """The kernel call: q [N, Hp, C] (Hp a multiple of 64): f32 if tuning.q_in_kernel, else
+    f16 already scaled (`scale_rows_f16`); q_scales: (2^k, 2^-k) [N] each (`row_scales`);
+    slots [N, Wp] int32 flat cache slots with Wp = splits * tiles * block_w; latent_flat
+    [NS, C] fp8; scales [2] (logit, output); live [N] (`live_extent`). drop: "" (always, but
+    for timing experiments: "convert" or "copy" skips that stage and the result is wrong) ->
     (o [N, S, Hp, C] f32, m [N, S, Hp], l [N, S, Hp])."""
-    n, hp, c = q16.shape
+    n, hp, c = q.shape
+    want = jnp.float32 if tuning.q_in_kernel else jnp.float16
+    if q.dtype != want:
+        raise ValueError(f"sparse_attend_mgpu: q is {q.dtype}, want {jnp.dtype(want).name}")
+    if drop not in ("", "convert", "copy"):
+        raise ValueError(f"sparse_attend_mgpu: drop={drop!r} not in ('', 'convert', 'copy')")
     why = supports(latent_flat.dtype, c, tuning)
     if why is not None:
         raise ValueError(f"sparse_attend_mgpu: unsupported {why}")
@@ -299,8 +329,8 @@ def sparse_attend_mgpu_partials(scales, row_scale, live, q16, slots, latent_flat
     kernel = functools.partial(
         _kernel, c=c, block_w=tuning.block_w, tiles=tiles, stages=tuning.stages,
         row_pad=tuning.row_pad, index_group=tuning.index_group,
-        issue_warps=tuning.issue_warps, consumer_regs=tuning.consumer_regs,
-        producer_regs=tuning.producer_regs)
+        issue_warps=tuning.issue_warps, q_in_kernel=tuning.q_in_kernel,
+        consumer_regs=tuning.consumer_regs, producer_regs=tuning.producer_regs, drop=drop)
     part = jax.ShapeDtypeStruct((n, splits, hp), jnp.float32)
     return plgpu.kernel(
         kernel,
@@ -313,4 +343,4 @@ def sparse_attend_mgpu_partials(scales, row_scale, live, q16, slots, latent_flat
         compiler_params=plgpu.CompilerParams(
             approx_math=True, unsafe_no_auto_barriers=True, reduction_scratch_bytes=0,
             lowering_semantics=plgpu.LoweringSemantics.Lane),
-    )(scales, row_scale, live, q16, slots, latent_flat, zero)
+    )(scales, *q_scales, live, q, slots, latent_flat, zero)
