@@ -3,9 +3,13 @@
 For every sequence `b`, query row `r` and head `h`: gather the latents of the selected tokens
 `sel[b, r]` (`-1` slots skipped) through the sequence's block table, dequantize, and return the
 softmax-weighted latent sum `sum_j p_j c_j` with `p = softmax_j((q . c_j) * softmax_scale)`.
-A row with an empty selection returns 0. The XLA twin is fp32 throughout; the Pallas kernel
-feeds the dots bf16 operands for fp8 / bf16 caches (fp32 accumulation) and fp32 operands for
-an fp32 cache (tests/test_kernels.py derives the resulting tolerance).
+A row with an empty selection returns 0. The XLA twin is fp32 throughout. Two Pallas kernels
+compute the same function (`AttendTuning.backend` picks, by a fixed rule): the Triton kernel
+below feeds its dots bf16 operands for fp8 / bf16 caches (fp32 accumulation) and fp32 operands
+for an fp32 cache (tests/test_kernels.py derives the resulting tolerance); the Mosaic GPU
+kernel (`sparse_attend_mgpu`, fp8 caches on Hopper) feeds them f16 operands
+(tests/test_attend_kernel.py derives its tolerance; benchmarks/h200_attend.py checks it on the
+GPU against the twin).
 """
 
 from __future__ import annotations
@@ -36,9 +40,11 @@ class AttendTuning:
     backend: "triton" (the Pallas Triton kernel below: every cache dtype, interpret mode),
       "mosaic" (`sparse_attend_mgpu`: Pallas Mosaic GPU, fp8 e4m3 caches with C a multiple of
       128 up to 512, compiled for a Hopper GPU only; anything else raises), or "auto" (the
-      default): mosaic where it applies (fp8 cache, supported C, not interpret mode, no
-      explicit Triton tile or dtype argument), triton otherwise. The rule is fixed; nothing
-      depends on the environment.
+      default): mosaic where it applies and was measured faster on the H200 (fp8 cache,
+      supported C, heads a multiple of 64 so that no tile row is padding, not interpret mode,
+      no explicit Triton tile or dtype argument), triton otherwise (e.g. 8 heads per device at
+      TP 8: unmeasured, and 56 of every 64 tile rows would be padding). The rule is fixed;
+      nothing depends on the environment.
     col_blocks: Triton only: the output columns split over this many programs, each of which
       recomputes the logits over all of C but accumulates only its C / col_blocks columns
       (smaller accumulator, more programs per multiprocessor).
@@ -121,7 +127,7 @@ def sparse_attend_xla(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
 # short selections cost no tile work; the skipped tiles held only empty slots (they added
 # exact zeros), so no value changes. The head block is the fastest grid axis so that the
 # programs loading the same latents run side by side and share them through L2. The per-split
-# partials are merged in jnp (`_merge_splits`), which XLA fuses into one pass.
+# partials are merged in jnp (`merge_splits`), which XLA fuses into one pass.
 # ---------------------------------------------------------------------------------------------
 
 # Running max before any slot is seen: finite, so an all-empty tile rescales by exp(0) = 1
@@ -217,7 +223,7 @@ def live_extent(slots: jax.Array) -> jax.Array:
     return jnp.max(jnp.where(slots >= 0, pos, 0), axis=-1)
 
 
-def _merge_splits(o, m, l):
+def merge_splits(o, m, l):
     """Normalized partials o [N, S, Hp, Cp], m, l [N, S, Hp] -> [N, Hp, Cp]; 0 where no split
     saw a valid slot."""
     if o.shape[1] == 1:
@@ -257,7 +263,7 @@ def _num_splits(programs_per_split: int, per_sm: int, tiles: int, max_splits: in
     return max(1, min(max_splits, tiles, fit))
 
 
-def pick_backend(tuning: AttendTuning, cache_dtype, c: int, interpret: bool,
+def pick_backend(tuning: AttendTuning, cache_dtype, heads: int, c: int, interpret: bool,
                  triton_args: bool) -> str:
     """"triton" or "mosaic" for these inputs (AttendTuning's rule); raises where "mosaic" was
     asked for and cannot run."""
@@ -268,7 +274,8 @@ def pick_backend(tuning: AttendTuning, cache_dtype, c: int, interpret: bool,
         if why is not None:
             raise ValueError(f"backend='mosaic' does not run {why}; use backend='triton'")
         return "mosaic"
-    if tuning.backend == "triton" or interpret or triton_args or why is not None:
+    if (tuning.backend == "triton" or interpret or triton_args or why is not None
+            or heads % mgpu_op.HEADS_PER_CTA):
         return "triton"
     return "mosaic"
 
@@ -297,7 +304,7 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
     nb, bs, _ = latent.shape
     n, w = b * r, sel.shape[-1]
     triton_args = any(a is not None for a in (block_h, block_w, compute_dtype, num_warps))
-    backend = pick_backend(tuning, latent.dtype, c, interpret, triton_args)
+    backend = pick_backend(tuning, latent.dtype, h, c, interpret, triton_args)
     slots = jax.vmap(token_slots, in_axes=(0, 0, None))(sel, block_tables, bs)  # [B, R, W]
     slots = slots.reshape(n, w)
     is_fp8 = latent.dtype == jnp.float8_e4m3fn
@@ -359,7 +366,7 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
         interpret=interpret,
         name="sparse_attend",
     )(scales, live, q_p.astype(compute_dtype), slots, latent.reshape(nb * bs, c))
-    out = _merge_splits(o, m, l)  # [N, Hp, Cp]
+    out = merge_splits(o, m, l)  # [N, Hp, Cp]
     return out[:, :h, :c].reshape(b, r, h, c)
 
 
@@ -382,4 +389,4 @@ def _mosaic_attend(q, latent_flat, kv, slots, softmax_scale, t: mgpu_op.MgpuTuni
     o, m, l = mgpu_op.sparse_attend_mgpu_partials(
         scales, (up, down), live_extent(slots), qk, slots, latent_flat, splits=splits,
         tiles=tiles, tuning=t)
-    return _merge_splits(o, m, l)[:, :h]
+    return merge_splits(o, m, l)[:, :h]

@@ -6,8 +6,9 @@ and f16 dot operands (`scale_rows_f16`), in the FlashMLA shape:
 * one CTA owns 64 heads of one query row (the wgmma M) and a contiguous share ("split") of
   the row's slots, streamed in tiles of `block_w` slots;
 * warpgroup 2 (producer) gathers each tile's latent rows by index, one bulk copy of C bytes per
-  row into an fp8 staging buffer (`stages` deep); an empty slot (-1) copies a row of zeros, so
-  no cache row outside the selection is ever read;
+  row into an fp8 staging buffer (`stages` deep), each of its 4 warps issuing a quarter of the
+  rows after reading their slot indices in one go; an empty slot (-1) copies a row of zeros,
+  so no cache row outside the selection is ever read;
 * warpgroups 0 and 1 (consumers) each own half of the C = 512 latent columns: each converts its
   half of the staged tile to f16 (swizzled, for wgmma), computes the partial logits over its
   half (Q half [64, C/2] x tile half^T), the two partials are summed through shared memory
@@ -19,8 +20,10 @@ and f16 dot operands (`scale_rows_f16`), in the FlashMLA shape:
 
 Restrictions (the dispatcher in `sparse_attend.py` picks the Triton kernel otherwise): fp8
 e4m3 cache, C a multiple of 128 with C / 2 <= 256 (a TMA box), heads padded to a multiple of
-64. Mosaic GPU has no CPU interpret mode: its CPU tests cover the host-side planning and the
-jnp pieces; its parity against the twin runs on the GPU (benchmarks/h200_attend.py).
+64. jax's experimental GPU interpret mode (0.10.2) cannot run this kernel (no plgpu.load or
+run_state there), so tests/test_attend_kernel.py models its arithmetic on the CPU and its
+parity against the twin runs on the GPU (benchmarks/h200_attend.py, results committed).
+Written for Lane lowering semantics, named explicitly (jax 0.11 defaults to Warpgroup).
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ _LOG2E = math.log2(math.e)
 
 @dataclasses.dataclass(frozen=True)
 class MgpuTuning:
-    """Tile shape and register split of the Mosaic GPU kernel.
+    """Tile shape, producer and register split of the Mosaic GPU kernel. The defaults are the
+    fastest variant measured on the H200 (benchmarks/notes.md, h200-attend-run3/4.json).
 
     block_w: slots per tile (wgmma N of the logits, K of P @ V); 64 as FlashMLA.
     stages: fp8 staging buffers the producers may fill ahead of the consumers.

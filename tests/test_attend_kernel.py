@@ -1,0 +1,265 @@
+"""Gather-attend kernels beside the Triton default: the Triton column split (interpret mode),
+the Mosaic GPU kernel's host side and arithmetic, and the backend rule.
+
+Mosaic GPU kernels do not run here: jax's experimental GPU interpret mode (0.10.2) lacks
+primitives the kernel uses (plgpu.load, run_state). So the kernel itself is checked on the H200
+by benchmarks/h200_attend.py against the jnp twin with the bound below (results committed in
+benchmarks/results/h200-attend-run*.json), and here its arithmetic is modelled in numpy (the
+same rounding points: f16 q, f16 p, fp32 sums, log2-unit softmax, per-split partials merged by
+`merge_splits`) and held to that bound, together with the jnp pieces it runs (`row_scales`).
+
+Tolerances, derived (e = 2^-24, fp32 accumulation), per row with s = softmax_scale * kv_scale,
+c_j the dequantized latent row, M = max_j |c_j|_inf and L_j = s sum_c |q_c| |c_jc|:
+  * Triton (bf16 operands, u = 2^-9): tests/test_kernels.py's bound,
+    2 [(exp(2D) - 1) + u + 4 (W + S) e] M with D = max_j (u + 2 C e) L_j; the column split only
+    reorders fp32 sums, which 2 C e L_j already covers.
+  * Mosaic (f16 operands, u = 2^-11): each row's q is scaled by 2^k (max |q| in [2^13, 2^14))
+    before the f16 rounding: |dq| <= u |q| + 2^-25 2^-k (f16 subnormals), latents are exact
+    (e4m3 is a subset of f16), so the logits move by D = max_j (u + 2 C e) L_j
+    + s 2^-25 2^-k max_j sum_c |c_jc|. p is rounded to f16 (relative u, absolute 2^-25 below
+    2^-14) against an fp32 denominator >= 1: u M + W 2^-25 M. exp2 (approximate, ~2^-22) and
+    the fp32 sums: 4 (W + S) e M. => 2 [(exp(2D) - 1) + u + W 2^-25 + 4 (W + S) e] M.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsa_jax.pallas import sparse_attend as sa
+from dsa_jax.pallas import sparse_attend_mgpu as mg
+
+E32 = 2.0 ** -24
+U_BF16, U_F16 = 2.0 ** -9, 2.0 ** -11
+DTYPES = ["float8_e4m3fn", "bfloat16", "float32"]
+
+
+def _inputs(seed, b, r, h, c, w, bs, mb, dtype, kv_scale=0.05, empty=()):
+    """Random q, cache (NB > B*MB: spare blocks), permuted tables, sel with ~20% -1 and the
+    (b, r) rows in `empty` fully -1."""
+    ks = jax.random.split(jax.random.key(seed), 5)
+    nb = b * mb + 2
+    q = jax.random.normal(ks[0], (b, r, h, c))
+    lat = jax.random.normal(ks[1], (nb, bs, c))
+    if dtype == "float8_e4m3fn":
+        lat = jnp.clip(lat / kv_scale, -448, 448)
+    lat = lat.astype(dtype)
+    tables = jax.random.permutation(ks[2], nb)[: b * mb].reshape(b, mb).astype(jnp.int32)
+    sel = jax.random.randint(ks[3], (b, r, w), 0, mb * bs).astype(jnp.int32)
+    sel = jnp.where(jax.random.uniform(ks[4], sel.shape) < 0.2, -1, sel)
+    for bi, ri in empty:
+        sel = sel.at[bi, ri].set(-1)
+    return q, lat, jnp.float32(kv_scale), tables, sel
+
+
+def _rows(lat, kv_scale, tables, sel):
+    """Selected rows, dequantized, float64 [B, R, W, C]; -1 slots are zeros."""
+    nb, bs, c = lat.shape
+    flat = np.asarray(lat.astype(jnp.float32), np.float64).reshape(nb * bs, c)
+    if lat.dtype == jnp.float8_e4m3fn:
+        flat = flat * float(kv_scale)
+    sel, tables = np.asarray(sel), np.asarray(tables)
+    s = np.clip(sel, 0, None)
+    slots = tables[np.arange(sel.shape[0])[:, None, None], s // bs] * bs + s % bs
+    return np.where((sel >= 0)[..., None], flat[slots], 0.0)
+
+
+def _bound(q, lat, kv_scale, tables, sel, scale, u, splits, q_sub=None):
+    """The module docstring's elementwise bound, [B, R, 1, 1]. q_sub [B, R]: 2^-25 2^-k (f16
+    subnormal rounding of the scaled q, Mosaic only)."""
+    rows = _rows(lat, kv_scale, tables, sel)
+    c, w = rows.shape[-1], rows.shape[-2]
+    l_j = scale * np.einsum("brhc,brwc->brhw", np.abs(np.asarray(q, np.float64)), np.abs(rows))
+    d = (u + 2 * c * E32) * l_j.max(axis=(2, 3))  # [B, R]
+    extra = 0.0
+    if q_sub is not None:
+        d = d + scale * q_sub * np.abs(rows).sum(axis=3).max(axis=2)
+        extra = w * 2.0 ** -25
+    m = np.abs(rows).max(axis=(2, 3))
+    return 2.0 * ((np.expm1(2 * d) + u + extra + 4 * (w + splits) * E32) * m)[..., None, None]
+
+
+def _check(out, ref, bound):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert not np.isnan(out).any(), "an output element was never written (or a NaN leaked)"
+    err = np.abs(out - ref)
+    assert (err <= bound).all(), f"max err/bound {np.max(err / np.maximum(bound, 1e-30)):.3g}"
+
+
+# ------------------------------------------------------------------ Triton column split
+
+TRITON_CB = sa.AttendTuning(backend="triton", col_blocks=2)
+# (B, R, H, C, W, block size, blocks per seq, kwargs, dtypes): odd heads and widths, partial
+# tiles and column blocks (C = 40, 48 pad to 64: 2 blocks of 32, the second partly padding),
+# more splits than some rows have tiles, two head blocks.
+CB_CASES = [
+    (2, 3, 5, 24, 37, 8, 6, dict(block_w=16), DTYPES),
+    (1, 2, 3, 40, 70, 16, 5, dict(block_w=16, num_splits=3), ["float8_e4m3fn"]),
+    (2, 1, 20, 48, 19, 4, 7, dict(block_h=16, num_splits=2, block_w=16), ["bfloat16"]),
+]
+CB_PARAMS = [(i, dt) for i, case in enumerate(CB_CASES) for dt in case[-1]]
+
+
+@pytest.mark.parametrize("case,dtype", CB_PARAMS)
+def test_triton_column_split_matches_twin(case, dtype):
+    b, r, h, c, w, bs, mb, kw, _ = CB_CASES[case]
+    args = _inputs(30 + case + len(dtype), b, r, h, c, w, bs, mb, dtype, empty=[(0, 0)])
+    out = sa.sparse_attend_pallas(*args, softmax_scale=0.3, interpret=True, tuning=TRITON_CB,
+                                  **kw)
+    ref = sa.sparse_attend_xla(*args, softmax_scale=0.3)
+    u = U_BF16 if dtype != "float32" else E32
+    _check(out, ref, _bound(*args, 0.3, u, splits=8))
+    assert (np.asarray(out)[0, 0] == 0).all()  # an empty selection returns exactly 0
+
+
+@pytest.mark.parametrize("col_blocks", [1, 2])
+def test_triton_never_reads_unselected_rows(col_blocks):
+    """Every cache row outside the selection (slot 0 included, which empty slots clamp to) is
+    NaN: the output has no NaN and equals, bitwise, the output with those rows finite."""
+    q, lat, kv, tables, sel = _inputs(7, 2, 2, 5, 24, 37, 8, 6, "float8_e4m3fn",
+                                      empty=[(1, 1)])
+    nb, bs, c = lat.shape
+    rows = jax.vmap(sa.token_slots, in_axes=(0, 0, None))(sel, tables, bs)
+    sel = jnp.where(rows == 0, -1, sel)  # slot 0, which empty slots clamp to, is poisoned too
+    rows = np.asarray(jnp.where(sel >= 0, rows, -1))
+    used = np.zeros(nb * bs, bool)
+    used[rows[rows >= 0]] = True
+    flat = np.asarray(lat.astype(jnp.float32)).reshape(nb * bs, c)
+    poisoned = jnp.asarray(np.where(used[:, None], flat, np.nan).reshape(lat.shape), lat.dtype)
+    tun = sa.AttendTuning(backend="triton", col_blocks=col_blocks)
+    outs = [np.asarray(sa.sparse_attend_pallas(q, x, kv, tables, sel, softmax_scale=0.3,
+                                               interpret=True, tuning=tun, block_w=16))
+            for x in (poisoned, lat)]
+    assert not np.isnan(outs[0]).any()
+    np.testing.assert_array_equal(outs[0], outs[1])
+    assert (outs[0][1, 1] == 0).all() and (np.abs(outs[0][0, 0]) > 0).any()
+
+
+# ------------------------------------------------------------------ backend rule, tuning
+
+def test_backend_rule():
+    fp8, bf16 = jnp.float8_e4m3fn, jnp.bfloat16
+    auto, tri, mos = sa.AttendTuning(), sa.AttendTuning("triton"), sa.AttendTuning("mosaic")
+    pick = sa.pick_backend
+    assert pick(auto, fp8, 64, 512, False, False) == "mosaic"
+    assert pick(auto, fp8, 128, 512, False, False) == "mosaic"
+    assert pick(auto, fp8, 64, 512, True, False) == "triton"  # interpret mode
+    assert pick(auto, fp8, 64, 512, False, True) == "triton"  # a Triton tile argument
+    assert pick(auto, fp8, 8, 512, False, False) == "triton"  # heads not filling a tile
+    assert pick(auto, bf16, 64, 512, False, False) == "triton"
+    assert pick(auto, jnp.float32, 64, 512, False, False) == "triton"
+    assert pick(auto, fp8, 64, 24, False, False) == "triton"  # C not a multiple of 128
+    assert pick(tri, fp8, 64, 512, False, False) == "triton"
+    assert pick(mos, fp8, 8, 512, False, False) == "mosaic"  # asked for: padded heads
+    with pytest.raises(ValueError, match="bfloat16"):
+        pick(mos, bf16, 64, 512, False, False)
+    with pytest.raises(ValueError, match="C=640"):
+        pick(mos, fp8, 64, 640, False, False)
+    with pytest.raises(ValueError, match="interpret"):
+        pick(mos, fp8, 64, 512, True, False)
+    with pytest.raises(ValueError, match="interpret"):  # raised before anything is traced
+        sa.sparse_attend_pallas(*_inputs(1, 1, 1, 64, 128, 8, 8, 2, "float8_e4m3fn"),
+                                softmax_scale=0.3, interpret=True, tuning=mos)
+
+
+def test_tuning_errors_name_the_value():
+    for bad, match in ((dict(backend="cuda"), "cuda"), (dict(col_blocks=3), "col_blocks=3")):
+        with pytest.raises(ValueError, match=match):
+            sa.AttendTuning(**bad)
+    for bad, match in ((dict(block_w=32), "block_w=32"), (dict(row_pad=8), "row_pad=8"),
+                       (dict(consumer_regs=256, producer_regs=64), "65536"),
+                       (dict(index_group=0), "index_group=0"), (dict(stages=0), "stages=0")):
+        with pytest.raises(ValueError, match=match):
+            mg.MgpuTuning(**bad)
+
+
+def test_mosaic_plan_fits_the_h200():
+    t = mg.MgpuTuning()
+    # Q halves 64 KiB, 2 staged tiles of 64 padded rows, f16 tile halves 64 KiB, logits 32 KiB.
+    assert mg.smem_bytes(512, t) == 65536 + 2 * 64 * 528 + 65536 + 32768 <= 227 * 1024
+    assert mg.supports(jnp.float8_e4m3fn, 512) is None
+    assert mg.supports(jnp.float8_e4m3fn, 384) is None
+    assert "bfloat16" in mg.supports(jnp.bfloat16, 512)
+    assert "shared memory" in mg.supports(jnp.float8_e4m3fn, 512, mg.MgpuTuning(stages=3))
+    # 64 rows x 1 head block: 2 splits fill 132 multiprocessors; 256 x 2 need no split.
+    assert mg.num_splits(64, 33, 132, 16) == 2
+    assert mg.num_splits(512, 32, 132, 16) == 1
+    assert mg.num_splits(1, 33, 132, 16) == 16 and mg.num_splits(1, 3, 132, 16) == 3
+
+
+# ------------------------------------------------------------------ Mosaic host side, math
+
+def test_row_scales_are_exact_powers_of_two():
+    q = np.array(jax.random.normal(jax.random.key(3), (5, 3, 16)), np.float32)
+    q[1] *= 1e-30
+    q[2] *= 1e30
+    q[3] = 0.0
+    q[4, 0, 0] = 65504.0 * 8  # beyond f16 before scaling
+    up, down = (np.asarray(x) for x in mg.row_scales(jnp.asarray(q)))
+    np.testing.assert_array_equal(up * down, 1.0)
+    assert (np.frexp(up)[0] == 0.5).all()  # powers of two: the scaling is exact
+    amax = np.abs(q).max(axis=(1, 2)) * up
+    live = amax > 0
+    assert ((amax[live] >= 2.0 ** 13) & (amax[live] < 2.0 ** 14)).all()
+    q16, down16 = mg.scale_rows_f16(jnp.asarray(q))
+    back = np.asarray(q16, np.float64) * np.asarray(down16)[:, None, None]
+    tol = U_F16 * np.abs(q) + 2.0 ** -25 * down[:, None, None]  # f16 rounding, subnormals
+    assert np.isfinite(back).all() and (np.abs(back - q) <= tol).all()
+
+
+def _mosaic_model(q, lat, kv, tables, sel, scale, splits, block_w=64):
+    """The Mosaic kernel's arithmetic in numpy float32 (same rounding points), then the same
+    split merge: [B, R, H, C]."""
+    b, r, h, c = q.shape
+    n, w = b * r, sel.shape[-1]
+    up, down = (np.asarray(x) for x in mg.row_scales(jnp.asarray(q.reshape(n, h, c))))
+    q16 = (np.asarray(q).reshape(n, h, c) * up[:, None, None]).astype(np.float16)
+    slots = np.asarray(jax.vmap(sa.token_slots, in_axes=(0, 0, None))(
+        sel, tables, lat.shape[1])).reshape(n, w)
+    tiles_all = -(-w // block_w)
+    tiles = -(-tiles_all // splits)
+    slots = np.pad(slots, ((0, 0), (0, splits * tiles * block_w - w)), constant_values=-1)
+    flat = np.asarray(lat.astype(jnp.float32)).reshape(-1, c)  # stored values: exact in f16
+    log2e = np.float32(np.log2(np.e))
+    o = np.zeros((n, splits, h, c), np.float32)
+    m_out = np.zeros((n, splits, h), np.float32)
+    l_out = np.zeros((n, splits, h), np.float32)
+    for i in range(n):
+        ls = np.float32(kv * scale) * np.float32(down[i]) * log2e
+        for s in range(splits):
+            m = np.full(h, -1e30, np.float32)
+            l = np.zeros(h, np.float32)
+            acc = np.zeros((h, c), np.float32)
+            for t in range(tiles):
+                sl = slots[i, (s * tiles + t) * block_w:(s * tiles + t + 1) * block_w]
+                tile = np.where((sl >= 0)[:, None], flat[np.maximum(sl, 0)], 0.0)
+                tile = tile.astype(np.float16).astype(np.float32)  # [BW, C]
+                half = c // 2
+                parts = [q16[i][:, k * half:(k + 1) * half].astype(np.float32)
+                         @ tile[:, k * half:(k + 1) * half].T for k in range(2)]
+                logits = np.where(sl[None] >= 0, (parts[0] + parts[1]) * ls, -np.inf)
+                m_new = np.maximum(m, logits.max(axis=1))
+                alpha = np.exp2(m - m_new)
+                p = np.exp2(logits - m_new[:, None]).astype(np.float32)
+                l = l * alpha + p.sum(axis=1)
+                acc = acc * alpha[:, None] + p.astype(np.float16).astype(np.float32) @ tile
+                m = m_new
+            o[i, s] = acc * (np.float32(kv) / np.where(l > 0, l, 1.0))[:, None]
+            m_out[i, s], l_out[i, s] = m / log2e, l
+    out = sa.merge_splits(jnp.asarray(o), jnp.asarray(m_out), jnp.asarray(l_out))
+    return np.asarray(out).reshape(b, r, h, c), (2.0 ** -25) * down.reshape(b, r)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_mosaic_arithmetic_meets_the_f16_bound(splits):
+    args = _inputs(11 + splits, 2, 2, 5, 256, 150, 16, 12, "float8_e4m3fn", kv_scale=1 / 64,
+                   empty=[(1, 0)])
+    got, q_sub = _mosaic_model(*args, 0.0625, splits)
+    ref = sa.sparse_attend_xla(*args, softmax_scale=0.0625)
+    _check(got, ref, _bound(*args, 0.0625, U_F16, splits, q_sub))
+    assert (got[1, 0] == 0).all()
+    # The bound is not vacuous: the bf16 kernel's error on the same inputs is larger.
+    tri = sa.sparse_attend_pallas(*args, softmax_scale=0.0625, interpret=True,
+                                  tuning=sa.AttendTuning("triton"), block_w=32)
+    e16 = np.abs(got - np.asarray(ref)).max()
+    assert 0 < e16 < np.abs(np.asarray(tri) - np.asarray(ref)).max()
