@@ -360,6 +360,7 @@ def time_diag(key, drop):
     import jax
     import jax.numpy as jnp
 
+    from dsa_jax.pallas import common
     from dsa_jax.pallas import sparse_attend as sa
     from dsa_jax.pallas import sparse_attend_mgpu as mg
 
@@ -369,7 +370,7 @@ def time_diag(key, drop):
     n, c = b * r, 512
     hb = -(-h // 64)
     tiles_all = -(-w // t.block_w)
-    splits = mg.num_splits(n * hb, tiles_all, sa.sm_count(), t.max_splits)
+    splits = mg.num_splits(n * hb, tiles_all, common.sm_count(), t.max_splits)
     tiles = -(-tiles_all // splits)
 
     @jax.jit

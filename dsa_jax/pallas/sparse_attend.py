@@ -24,12 +24,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from dsa_jax.pallas import sparse_attend_mgpu as mgpu_op
+from dsa_jax.pallas.common import next_pow2, sm_count
 
 # Rows per lax.map step of the XLA twin: bounds the gathered [rows, W, C] fp32 block.
 XLA_ROW_CHUNK = 64
-# Multiprocessors assumed where the device reports none (a CPU running interpret mode, where
-# the count only shapes the work split): the H200's.
-DEFAULT_SM_COUNT = 132
 BACKENDS = ("auto", "triton", "mosaic")
 
 
@@ -60,11 +58,6 @@ class AttendTuning:
             raise ValueError(f"backend={self.backend!r}: must be one of {BACKENDS}")
         if self.col_blocks < 1 or self.col_blocks & (self.col_blocks - 1):
             raise ValueError(f"col_blocks={self.col_blocks} must be a power of two >= 1")
-
-
-def sm_count() -> int:
-    """Multiprocessors of the default device (DEFAULT_SM_COUNT where it reports none)."""
-    return int(getattr(jax.devices()[0], "core_count", None) or DEFAULT_SM_COUNT)
 
 
 def token_slots(tokens: jax.Array, block_table: jax.Array, block_size: int) -> jax.Array:
@@ -133,10 +126,6 @@ def sparse_attend_xla(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
 # Running max before any slot is seen: finite, so an all-empty tile rescales by exp(0) = 1
 # instead of exp(-inf + inf) = NaN; every real logit is far above it.
 _M_INIT = -1e30
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _attend_kernel(scale_ref, live_ref, q_ref, slots_ref, lat_ref, o_ref, m_ref, l_ref, *,
@@ -315,14 +304,14 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
         return out.reshape(b, r, h, c)
 
     compute_dtype = jnp.dtype(compute_dtype or default_compute_dtype(latent.dtype))
-    hp2 = _next_pow2(max(h, 16))
+    hp2 = next_pow2(max(h, 16))
     tiles_cfg = default_tiles(hp2, compute_dtype)
     block_h = block_h or tiles_cfg["block_h"]
     block_w = block_w or tiles_cfg["block_w"]
     num_warps = num_warps or tiles_cfg["num_warps"]
-    hb = min(_next_pow2(block_h), hp2)
+    hb = min(next_pow2(block_h), hp2)
     hp = -(-max(h, 16) // hb) * hb  # padded heads
-    cp = max(16, _next_pow2(c))  # padded latent width (masked loads, no cache copy)
+    cp = max(16, next_pow2(c))  # padded latent width (masked loads, no cache copy)
     cb = tuning.col_blocks
     if cp // cb < 16:
         raise ValueError(f"col_blocks={cb}: C padded to {cp} leaves fewer than 16 columns")
