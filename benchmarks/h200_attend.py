@@ -9,7 +9,8 @@ elementwise bound of tests/test_attend_kernel.py), then timed as the bench times
 `attend-kernel-*`: the jitted `sparse_attend_pallas` (kernel, slot arithmetic and split merge),
 median of groups of back-to-back calls over 3 input sets, plus the device kernel time of the
 attend kernel alone from a profiler trace. Variant groups run in child processes with a time
-limit, so a hung kernel costs only its group. The table is printed last.
+limit, so a hung kernel costs only its group (`--groups`: mosaic-smoke, mosaic, triton, and
+triton-sweep for run 1's Triton levers). The table is printed last.
 """
 
 from __future__ import annotations
