@@ -247,12 +247,12 @@ def pool_keys(suite) -> dict:
 
 def split_projection_weights(cfg, weights) -> tuple:
     """The fused input weights cut back into the seven GEMMs they fuse: x_proj rows q_a, kv_a,
-    wk, gate, weights_proj; q_proj rows q_b, wq_b (the separate side of the fusion lever)."""
+    wk, gate, weights_proj; then q_b (q_proj) and wq_b (qi_proj), two GEMMs in both forms
+    (the separate side of the fusion lever)."""
     r, c, di, hi = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.index_head_dim, cfg.index_n_heads
     cuts = [0, r, r + c, r + c + di, r + c + 2 * di, r + c + 2 * di + hi]
     x = tuple(weights.x_proj[a:b] for a, b in zip(cuts, cuts[1:], strict=False))
-    qn = cfg.local_heads * cfg.qk_nope_head_dim
-    return x, (weights.q_proj[:qn], weights.q_proj[qn:])
+    return x, (weights.q_proj, weights.qi_proj)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -274,8 +274,8 @@ def _separate(cfg, pieces, q_a_norm, u_k, x):
 
 
 def fused_projections(suite) -> dict:
-    """The step's two fused input GEMMs (x_proj = [q_a; kv_a; wk; gate; weights_proj],
-    q_proj = [q_b; wq_b]) against seven separate GEMMs on the same (pre-split) weights,
+    """The step's fused input GEMM (x_proj = [q_a; kv_a; wk; gate; weights_proj]; q_b and
+    wq_b are two GEMMs in both forms) against seven separate GEMMs on the same weights,
     through the absorbed query, at 1 and big_batch sequences (rows padded to max_verify),
     each TP degree; the two give the same projections."""
     p, cfg = suite.plan, suite.cfg

@@ -45,7 +45,10 @@ from dsa_jax.state import DsaState, init_state
 from dsa_jax.weights import DsaWeights, _checkpoint_files, fold_weights, hf_shapes, read_hf_tensors
 
 FORMAT = "dsa_jax.checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Weights of an older format have another layout (version 1: the indexer's query rows fused
+# into q_proj); state checkpoints have not changed since version 1.
+MIN_VERSION = {"weights": 2, "state": 1}
 ARRAYS_ITEM = "arrays"
 META_ITEM = "dsa_jax"
 # Fields a restore does not compare, per kind (see the module docstring).
@@ -251,6 +254,10 @@ def _info_of_kind(path: str, kind: str, cfg: DsaConfig) -> dict[str, Any]:
     if meta.get("kind") != kind:
         raise CheckpointError(f"{path}: this is a {meta.get('kind')!r} checkpoint, not a "
                               f"{kind!r} checkpoint")
+    if meta.get("version", 0) < MIN_VERSION[kind]:
+        raise CheckpointError(f"{path}: {kind} checkpoint format version {meta.get('version')} "
+                              f"is older than this dsa_jax reads ({MIN_VERSION[kind]}); "
+                              f"convert the Hugging Face checkpoint again")
     _check_config(path, kind, meta["config"], cfg)
     return meta
 

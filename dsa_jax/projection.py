@@ -1,4 +1,5 @@
-"""The weight-heavy projections: one GEMM over the input, one over `q_resid`, the output.
+"""The weight-heavy projections: one GEMM over the input, two over `q_resid` (the heads' query,
+the indexer's query), the output.
 
 Matmuls take the weights' dtype and accumulate in fp32; norms and everything after the GEMMs
 are fp32. Row shapes are whatever the caller passes: decode and verify pass the same padded
@@ -66,12 +67,16 @@ def project(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> Projections:
     xw = matmul(x, weights.x_proj)  # [..., Nx]
     q_resid = rms_norm(xw[..., :R], weights.q_a_norm, cfg.rms_norm_eps)  # [..., R_q]
     kv_raw = xw[..., R:R + C]  # [..., C]
-    qw = matmul(q_resid, weights.q_proj)  # [..., Nq]
-    q = qw[..., :Hl * Dn].reshape(*qw.shape[:-1], Hl, Dn)
+    q = matmul(q_resid, weights.q_proj).reshape(*xw.shape[:-1], Hl, Dn)  # [..., Hl, Dn]
     q_abs = per_head(q, weights.u_k, 1)  # [..., Hl, C]
     if not weights.has_indexer:
         return Projections(q_abs, kv_raw, None, None, None, None)
-    qi = qw[..., Hl * Dn:].reshape(*qw.shape[:-1], Hi, Di)
+    # The indexer's query: its own GEMM, of one shape at every TP degree (weights.py). The
+    # barrier gives it an operand of its own: XLA:GPU's dot merger would otherwise merge it
+    # with the q_b GEMM above (shared operand, a small weight) into one GEMM of a
+    # degree-dependent shape over a concatenation of the two weights copied every call.
+    qi = matmul(lax.optimization_barrier(q_resid), weights.qi_proj)  # [..., Hi*Di]
+    qi = qi.reshape(*xw.shape[:-1], Hi, Di)
     idx = xw[..., R + C:]
     return Projections(q_abs, kv_raw, qi, idx[..., :Di], idx[..., Di:2 * Di],
                        idx[..., 2 * Di:2 * Di + Hi])

@@ -75,15 +75,19 @@ def hf_shapes(cfg: DsaConfig, has_indexer: bool = True) -> dict[str, tuple[int, 
 class DsaWeights(NamedTuple):
     """One layer's folded weights for one tensor-parallel rank (`Hl` = heads on the rank).
 
-    `Nx = R_q + C (+ 2*Di + Hi)`, `Nq = Hl*Dn (+ Hi*Di)`: the indexer's rows ride along in the
-    query-path GEMMs of a "full" layer; a "shared" layer has no indexer and its indexer fields
+    `Nx = R_q + C (+ 2*Di + Hi)`: the indexer's k, gate and head-weight rows ride along in the
+    input GEMM, whose shape is the same at every tensor-parallel degree. The indexer's query
+    (`qi_proj`) is a GEMM of its own over `q_resid`, never fused with this rank's `q_b` rows:
+    fused, its shape (and so, on a GPU, its algorithm and its bits) would change with the
+    degree, and the selection with it. A "shared" layer has no indexer and its indexer fields
     are None.
     """
 
     x_proj: jax.Array  # [Nx, D] param dtype: q_a ; kv_a ; indexer wk ; gate ; weights_proj*s
     q_a_norm: jax.Array  # [R_q] f32
     kv_a_norm: jax.Array  # [C] f32
-    q_proj: jax.Array  # [Nq, R_q] param dtype: q_b (this rank's heads) ; indexer wq_b
+    q_proj: jax.Array  # [Hl*Dn, R_q] param dtype: q_b, this rank's heads
+    qi_proj: jax.Array | None  # [Hi*Di, R_q] param dtype: indexer wq_b (every rank, all of it)
     u_k: jax.Array  # [Hl, Dn, C] param dtype: key half of kv_b_proj
     u_v: jax.Array  # [Hl, Dv, C] param dtype: value half of kv_b_proj
     o_proj: jax.Array  # [D, Hl*Dv] param dtype
@@ -111,8 +115,11 @@ def fold_weights(cfg: DsaConfig, hf: Mapping[str, np.ndarray | jax.Array], tp_ra
     - `kv_b_proj` is split into `U_k [H, Dn, C]` and `U_v [H, Dv, C]` and applied at run time
       (no absorption into `q_b_proj`/`o_proj`: at batch 1 that reads fewer weight bytes).
     - `q_a`, `kv_a`, the indexer's `wk`, gate and `weights_proj` are stacked into one `[Nx, D]`
-      GEMM over the input; `q_b` and the indexer's `wq_b` into one GEMM over `q_resid`.
-    - Heads `[tp_rank*Hl, (tp_rank+1)*Hl)` of `q_b`, `kv_b` and `o_proj` are kept.
+      GEMM over the input. `q_b` (this rank's heads) and the indexer's `wq_b` stay two GEMMs
+      over `q_resid`, so that every indexer GEMM has the same shape at every TP degree
+      (selection bitwise independent of the degree; `DsaWeights`).
+    - Heads `[tp_rank*Hl, (tp_rank+1)*Hl)` of `q_b`, `kv_b` and `o_proj` are kept; the
+      input GEMM and the indexer are the same on every rank.
     - Norm weights, the LayerNorm bias and `ape` are stored fp32.
     """
     if not 0 <= tp_rank < cfg.tp_degree:
@@ -132,16 +139,15 @@ def fold_weights(cfg: DsaConfig, hf: Mapping[str, np.ndarray | jax.Array], tp_ra
     o = f32("o_proj.weight").reshape(cfg.hidden_size, H, Dv)[:, heads].reshape(
         cfg.hidden_size, Hl * Dv)
     x_rows = [f32("q_a_proj.weight"), f32("kv_a_proj_with_mqa.weight")[:C]]
-    q_rows = [q_b]
     if has_indexer:
         x_rows += [f32("indexer.wk.weight"), f32("indexer.index_kpool_compress_gate"),
                    f32("indexer.weights_proj.weight") * head_weight_scale(cfg)]
-        q_rows += [f32("indexer.wq_b.weight")]
     return DsaWeights(
         x_proj=jnp.concatenate(x_rows, axis=0).astype(pdt),
         q_a_norm=f32("q_a_layernorm.weight"),
         kv_a_norm=f32("kv_a_layernorm.weight"),
-        q_proj=jnp.concatenate(q_rows, axis=0).astype(pdt),
+        q_proj=q_b.astype(pdt),
+        qi_proj=f32("indexer.wq_b.weight").astype(pdt) if has_indexer else None,
         u_k=kv_b[:, :Dn].astype(pdt),
         u_v=kv_b[:, Dn:].astype(pdt),
         o_proj=o.astype(pdt),

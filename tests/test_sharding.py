@@ -1,18 +1,76 @@
-"""Tensor parallelism over 8 host devices equals the single-device block."""
+"""Tensor and data parallelism over 8 host devices against one device (tests/mesh_check.py, in
+one subprocess for every case), and the mesh API's errors in this process."""
 
 import os
 import subprocess
 import sys
 
+import jax
+import numpy as np
+import pytest
 
-def test_tp8_over_devices_matches_one_device():
-    here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(here)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, os.path.join(here, "tp_check.py")], env=env,
-                         capture_output=True, text=True, timeout=600,
-                         cwd=root)
+import dsa_jax
+from dsa_jax import sharding
+from dsa_jax.layer import StepError
+from dsa_jax.shapes import ODD
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def run_with_devices(script: str, devices: int, args=(), timeout: int = 400):
+    """Run `script` in a subprocess that sees `devices` CPU devices. The XLA CPU backend at
+    optimization level 0 compiles in about half the time; both sides of every comparison run
+    in that one process, under the same flags."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
+                         "--xla_backend_optimization_level=0 "
+                         "--xla_llvm_disable_expensive_passes=true",
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, script, *args], env=env, capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT)
+
+
+def test_every_mesh_matches_one_device():
+    out = run_with_devices(os.path.join(HERE, "mesh_check.py"), 8)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "tp8 == tp1: ok" in out.stdout
+    for case in ("dp 1 x tp 2", "dp 1 x tp 4", "dp 1 x tp 8", "dp 2 x tp 4", "dp 4 x tp 2",
+                 "dp 8 x tp 1", "extras"):
+        assert f"{case}: ok" in out.stdout, case
+    assert "mesh == one device: ok" in out.stdout
+
+
+def test_mesh_errors_name_the_values():
+    with pytest.raises(sharding.ShardingError, match=r"a 2 x 3 \(dp x tp\) mesh needs 6 "):
+        sharding.mesh(2, 3)
+    with pytest.raises(sharding.ShardingError, match="tp must be a positive integer, got 0"):
+        sharding.mesh(1, 0)
+    m = sharding.mesh(1, 1)
+    assert sharding.degrees(m) == (1, 1)
+    cfg = ODD.replace(num_heads=6, tp_degree=2)
+    with pytest.raises(sharding.ShardingError, match=r"cfg.tp_degree is 2 but the mesh's tp "
+                                                     r"axis has 1 devices"):
+        sharding.init_state(cfg, m, 2)
+
+
+def test_one_device_mesh_is_the_plain_step():
+    """dp = tp = 1: the mapped step is the layer's step, bitwise."""
+    cfg = ODD
+    m = sharding.mesh(1, 1)
+    hf = dsa_jax.init_random_hf_tensors(cfg, jax.random.key(0))
+    w = sharding.shard_weights(cfg, hf, m)
+    x = jax.random.normal(jax.random.key(1), (3, 9, cfg.hidden_size))
+    s = sharding.init_state(cfg, m, 3, kv_scale=0.5)
+    y, s, sel = sharding.dp_tp_prefill(cfg, m, w, s, x, num_tokens=np.array([9, 4, 7]))
+    y1, s1, sel1 = dsa_jax.prefill(cfg, dsa_jax.fold_weights(cfg, hf),
+                                   dsa_jax.init_state(cfg, 3, kv_scale=0.5), x,
+                                   num_tokens=np.array([9, 4, 7]))
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y1))
+    np.testing.assert_array_equal(np.asarray(sel), np.asarray(sel1))
+    np.testing.assert_array_equal(np.asarray(s.latent), np.asarray(s1.latent))
+    # Host checks run per dp shard before anything is written; the state stays usable.
+    with pytest.raises(StepError, match=r"dp shard 0 .*sequence 0: writing 90 token\(s\) at "
+                                        r"position 9 would reach 99, past max_context 96"):
+        sharding.dp_tp_prefill(cfg, m, w, s, jax.numpy.ones((3, 90, cfg.hidden_size)))
+    y, s, _ = sharding.dp_tp_decode(cfg, m, w, s, x[:, 0])
+    assert np.asarray(s.lengths).tolist() == [10, 5, 8]
