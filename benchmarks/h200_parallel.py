@@ -80,8 +80,8 @@ def parity(cfg, hf, sizes, res) -> bool:
     import numpy as np
 
     import dsa_jax
+    from benchmarks.workloads import random_state
     from dsa_jax import sharding
-    from dsa_jax.bench import random_state
     from dsa_jax.sharding import check
 
     b, ctx, rows = sizes["parity_b"], sizes["parity_ctx"], sizes["parity_rows"]
@@ -191,8 +191,9 @@ class Loop:
 def time_point(cfg, hf, dp, tp, b, steps, smoke):
     import jax
 
+    from benchmarks.harness import measure, profile_step
+    from benchmarks.workloads import random_state
     from dsa_jax import sharding
-    from dsa_jax.bench import measure, profile_step, random_state
     from dsa_jax.weights import fold_weights
 
     c = cfg.replace(tp_degree=tp)
@@ -237,7 +238,7 @@ def lever(cfg, hf, res, smoke):
     import numpy as np
     from jax import lax
 
-    from dsa_jax.bench import sweep_times
+    from benchmarks.harness import sweep_times
     from dsa_jax.weights import fold_weights
 
     def mm(v, w):
@@ -308,7 +309,7 @@ def main(argv=None) -> int:
     setup(args.smoke)
     import jax
 
-    from dsa_jax.bench import random_hf_tensors
+    from benchmarks.workloads import random_hf_tensors
 
     cfg, sizes = configs(args.smoke)
     res = {"command": "PYTHONPATH=. python3 benchmarks/h200_parallel.py " + " ".join(
