@@ -68,6 +68,11 @@ def test_one_device_mesh_is_the_plain_step():
     np.testing.assert_array_equal(np.asarray(y), np.asarray(y1))
     np.testing.assert_array_equal(np.asarray(sel), np.asarray(sel1))
     np.testing.assert_array_equal(np.asarray(s.latent), np.asarray(s1.latent))
+    # The first release's names (README): a replicated state and tp_prefill, the same step.
+    y2, _, _ = sharding.tp_prefill(cfg, sharding.tp_mesh(cfg), w,
+                                   sharding.replicate(dsa_jax.init_state(cfg, 3, kv_scale=0.5),
+                                                      m), x, num_tokens=np.array([9, 4, 7]))
+    np.testing.assert_array_equal(np.asarray(y2), np.asarray(y1))
     # Host checks run per dp shard before anything is written; the state stays usable.
     with pytest.raises(StepError, match=r"dp shard 0 .*sequence 0: writing 90 token\(s\) at "
                                         r"position 9 would reach 99, past max_context 96"):
