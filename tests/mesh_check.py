@@ -178,6 +178,8 @@ def run_case(inp, ref, dp, tp):
             assert_same(getattr(whole, name), getattr(state1, name), f"{what}: state {name}")
     if extra:
         extras(cfg, m, w, inp)
+    if (dp, tp) in ((2, 4), (8, 1)):
+        assert_collectives(cfg, m, w, inp, 1 if tp > 1 else 0)
     print(f"dp {dp} x tp {tp}: ok ({time.perf_counter() - t0:.1f} s)", flush=True)
 
 
@@ -196,6 +198,18 @@ def scan_decodes(cfg, m, w, s, xs):
         return jax.lax.scan(body, s, rows)
 
     return loop(w, s, rows)
+
+
+def assert_collectives(cfg, m, w, inp, all_reduces):
+    """The compiled decode step holds `all_reduces` all-reduces (the psum of y) and no other
+    collective: no all-gather, no resharding of the state or the rows."""
+    s = sharding.init_state(cfg, m, B, kv_scale=0.1)
+    x = sharding.put(jnp.zeros((B, cfg.max_verify, cfg.hidden_size)), sharding.row_sharding(m))
+    text = jax.jit(lambda w, s, x: sharding.sharded_step(cfg, m, w, s, x, 1, out_rows=1)).lower(
+        w, s, x).compile().as_text()
+    ops = {op: text.count(f" {op}(") for op in ("all-reduce", "all-gather", "reduce-scatter",
+                                                "collective-permute", "all-to-all")}
+    assert ops == {**dict.fromkeys(ops, 0), "all-reduce": all_reduces}, ops
 
 
 def extras(cfg, m, w, inp):

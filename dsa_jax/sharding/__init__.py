@@ -9,10 +9,19 @@ Sequences are split along `dp`: each dp shard holds only its own sequences' cach
 tables and lengths, and a pool of physical latent blocks of its own (block tables hold
 shard-local ids). A dp shard needs no communication at all.
 
+What each axis divides: tp divides the weights' bytes and the attention's heads, not the
+cache (every rank of a dp shard holds its whole state: the latent is shared by all heads) and
+not the selection (every rank runs it, from the same inputs); dp divides the sequences, their
+caches and all per-sequence work, with no communication. Under dp a device runs a smaller
+batch than one device would: `sel` stays equal to one device's as long as the kernels' bits
+do not depend on the batch size (the Pallas kernels work per row; XLA:CPU's vectorized exp
+differs from its scalar remainder loop, so there pool keys may differ in their last bits).
+
 Placement (`layout.py`): `mesh`, `shard_weights`, `init_state` (made in place),
 `shard_state` / `gather_state` (a whole state <-> split), `put`, `row_sharding`, the specs
-`WEIGHT_SPEC`, `STATE_SPECS`, `ROW_SPEC`. Steps (`steps.py`): `local_step` (inside a caller's
-`shard_map`), `sharded_step` (traceable, pre-placed arrays: for a caller's jit or scan),
+`WEIGHT_SPEC`, `STATE_SPECS`, `ROW_SPEC`. Steps (`steps.py`): `local_step` and
+`reduce_heads` (inside a caller's `shard_map`, e.g. a model step over all its layers),
+`rank_weights`, `sharded_step` (traceable, pre-placed arrays: for a caller's jit or scan),
 `dp_tp_prefill` / `dp_tp_decode` / `dp_tp_decode_k` (host checks per dp shard, padding, one
 donated step), `rewind`. Everything runs unchanged under `jax.distributed` (several processes).
 """
@@ -43,6 +52,7 @@ from dsa_jax.sharding.steps import (
     dp_tp_prefill,
     local_step,
     rank_weights,
+    reduce_heads,
     rewind,
     sharded_step,
     tp_decode_k,
@@ -52,7 +62,8 @@ from dsa_jax.sharding.steps import (
 __all__ = [
     "DP", "ROW_SPEC", "STATE_SPECS", "TP", "WEIGHT_SPEC", "ShardingError", "check_config",
     "degrees", "dp_tp_decode", "dp_tp_decode_k", "dp_tp_prefill", "gather_state", "init_state",
-    "local_step", "mesh", "put", "rank_weights", "replicate", "rewind", "row_sharding",
+    "local_step", "mesh", "put", "rank_weights", "reduce_heads", "replicate", "rewind",
+    "row_sharding",
     "shard_state", "shard_weights", "sharded_step", "state_shardings", "tp_decode_k",
     "tp_mesh", "tp_prefill",
 ]

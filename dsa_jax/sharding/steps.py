@@ -48,6 +48,13 @@ def rank_weights(weights_block: DsaWeights) -> DsaWeights:
     return jax.tree_util.tree_map(lambda a: a[0], weights_block)
 
 
+def reduce_heads(cfg: DsaConfig, y: jax.Array) -> jax.Array:
+    """Inside `shard_map`: this rank's partial output (o_proj over its heads) -> the block's
+    output, summed over tp: the step's one collective. At tp = 1 nothing is emitted. A model
+    that composes the block itself calls this on each layer's `output_projection`."""
+    return lax.psum(y, TP) if cfg.tp_degree > 1 else y
+
+
 def local_step(cfg: DsaConfig, weights_block: DsaWeights, state: DsaState, x: jax.Array,
                n_new: jax.Array | int | None = None, shared_sel: jax.Array | None = None, *,
                out_rows: int | None = None) -> tuple[jax.Array, DsaState, jax.Array]:
@@ -67,7 +74,7 @@ def local_step(cfg: DsaConfig, weights_block: DsaWeights, state: DsaState, x: ja
     if out_rows is not None and out_rows < x.shape[1]:
         y, sel = lax.optimization_barrier((y, sel))
         y, sel = y[:, :out_rows], sel[:, :out_rows]
-    return lax.psum(y, TP), state, sel
+    return reduce_heads(cfg, y), state, sel
 
 
 @functools.cache
