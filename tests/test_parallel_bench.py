@@ -29,4 +29,4 @@ def test_device_script_smoke(tmp_path):
     for name in ("tp2", "dp2"):
         assert all(v["sel_equal"] for v in res["parity"][name].values() if isinstance(v, dict))
     assert res["parity"]["tp2"]["decode_k_equals_decodes"]
-    assert "| B=64 |" in out.stdout
+    assert "| b64_tp2 (dp 1 x tp 2, 4 seqs) |" in out.stdout
