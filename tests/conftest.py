@@ -1,3 +1,32 @@
+"""Shared fixtures: the implementations a test body runs under, and the `gpu` marker.
+
+`impl` runs a test over "xla", "pallas-interpret" and "pallas"; `kernel_impl` over the two
+kernel ones. "pallas" carries the `gpu` marker: it is skipped unless jax's default backend is a
+GPU, and `pytest -m gpu` runs exactly the GPU checks (see tests/test_kernels.py).
+"""
+
 import jax
+import pytest
 
 jax.config.update("jax_enable_x64", False)
+
+PALLAS = pytest.param("pallas", marks=pytest.mark.gpu)
+
+
+@pytest.fixture(params=["xla", "pallas-interpret", PALLAS])
+def impl(request) -> str:
+    return request.param
+
+
+@pytest.fixture(params=["pallas-interpret", PALLAS])
+def kernel_impl(request) -> str:
+    return request.param
+
+
+def pytest_collection_modifyitems(config, items):
+    if jax.default_backend() == "gpu":
+        return
+    skip = pytest.mark.skip(reason=f"needs a GPU; jax's backend is {jax.default_backend()!r}")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
