@@ -1,11 +1,14 @@
 """Hugging Face oracle for the parity tests: a small random fp32 `Glm5NextTextAttention` stack.
 
 Everything here talks to `transformers` (model type `glm5_next`, DSA layer type
-"indexed_attention") and to safetensors; nothing here imports `dsa_jax`, so the oracle cannot
-inherit a bug from the code it checks.
+"indexed_attention") and to safetensors. Of `dsa_jax` it takes only the random-tensor recipe
+(`weights.random_hf_value`: how a standard normal draw becomes each tensor), so the oracle
+cannot inherit a bug from the code it checks: names and shapes are HF's own modules', the
+computation is HF's.
 
 - `make_config` builds a small fp32 `Glm5NextTextConfig` whose layers are all attention (DSA)
-  layers, with the given per-layer `indexer_types`.
+  layers, with the given per-layer `indexer_types`; `config_for` builds it at a `DsaConfig`'s
+  shapes (the one place a transformers config is made from ours).
 - `make_attention_layers` builds one `Glm5NextTextAttention` per layer and overwrites EVERY
   parameter with random non-zero values (HF's own init leaves `ape` zero, the gate one and the
   norms one, which would hide whole terms of the block).
@@ -29,6 +32,8 @@ from safetensors.numpy import save_file
 from transformers import DynamicCache
 from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
 from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextAttention
+
+from dsa_jax.weights import random_hf_value
 
 
 def _dsa_layer_type() -> str:
@@ -96,22 +101,26 @@ def make_config(*, hidden_size: int = 80, num_heads: int = 3, q_lora_rank: int =
     return config
 
 
+def config_for(cfg, indexer_types: Sequence[str] | None = None) -> Glm5NextTextConfig:
+    """`make_config` at the model shapes of `cfg` (a `DsaConfig`: all heads, before tensor
+    parallelism); `indexer_types` default to the config's."""
+    return make_config(
+        hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, q_lora_rank=cfg.q_lora_rank,
+        kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+        v_head_dim=cfg.v_head_dim, index_n_heads=cfg.index_n_heads,
+        index_head_dim=cfg.index_head_dim, index_topk=cfg.index_topk,
+        index_kpool=cfg.index_kpool, always_select_tail=cfg.always_select_tail,
+        indexer_types=tuple(cfg.indexer_types if indexer_types is None else indexer_types),
+        rms_norm_eps=cfg.rms_norm_eps)
+
+
 def _randomize(attn: Glm5NextTextAttention, gen: torch.Generator) -> None:
-    """Overwrite every parameter of `attn` with random non-zero values (fp32)."""
+    """Overwrite every parameter of `attn` with random non-zero fp32 values (the project's
+    recipe, `random_hf_value`, over draws of this oracle's own torch generator)."""
     with torch.no_grad():
         for name, p in attn.named_parameters():
-            shape = tuple(p.shape)
-            z = torch.randn(shape, generator=gen, dtype=torch.float32)
-            if name.endswith("layernorm.weight") or name == "indexer.k_norm.weight":
-                value = 1.0 + 0.25 * z  # norms around 1, with spread
-            elif name == "indexer.k_norm.bias":
-                value = 0.3 * z
-            elif name == "indexer.index_kpool_compress_ape":
-                value = 0.7 * z
-            elif name == "indexer.index_kpool_compress_gate":
-                value = 1.5 * z * shape[-1] ** -0.5  # a gate that really prefers members
-            else:  # [out, in] linear weights
-                value = z * shape[-1] ** -0.5
+            z = torch.randn(tuple(p.shape), generator=gen, dtype=torch.float32)
+            value = random_hf_value(name, z)
             # Never an exact zero anywhere (so no term can hide behind a zero weight).
             value = torch.where(value == 0, torch.full_like(value, 1e-3), value)
             p.copy_(value)

@@ -20,20 +20,16 @@ import numpy as np
 
 import dsa_jax
 from dsa_jax import reference
+from dsa_jax import testing as T
 from dsa_jax.implementation import pallas_kernels_present
-from dsa_jax.pallas import index_write as index_op
-from dsa_jax.pallas import latent_write as latent_op
-from dsa_jax.pallas import pool_scores as pool_op
-from dsa_jax.pallas import pool_topk as topk_op
-from dsa_jax.pallas import sparse_attend as attend_op
 from dsa_jax.shapes import ODD
 
 LAYER_RTOL = 1e-4  # fp32 weights, fp32 caches: the foundation issue's bound
-# fp32 operands, reductions over <= ~2K terms: |error| ~ sqrt(n) * 2^-24 relative, well under.
+# Kernel against twin, normwise: 1e-2 with bf16 dot operands (fp8 / bf16 caches: q rounded to
+# bf16, 2^-8 relative, moves the logits and the outputs by a few 1e-3), 1e-5 with fp32 ones
+# (`dsa_jax.testing.attend_rel_limit`; the tests check the derived elementwise bounds).
+# Pool scores are fp32 throughout: 1e-5.
 KERNEL_RTOL_FP32 = 1e-5
-# bf16 dot operands (fp8 / bf16 caches): q is rounded to bf16 (2^-9 relative), so logits move
-# by ~2^-9 * |logit| and outputs by a few 1e-3 relative.
-KERNEL_RTOL_BF16 = 1e-2
 
 
 class Check(NamedTuple):
@@ -48,122 +44,76 @@ class Check(NamedTuple):
         return bool(np.isfinite(self.error)) and self.error <= self.tolerance
 
 
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    denom = np.linalg.norm(b)
-    return float(np.linalg.norm(a - b) / denom) if denom > 0 else float(np.linalg.norm(a))
-
-
 def kernel_implementations() -> list[str]:
     if not pallas_kernels_present():
         return []
     return ["pallas" if jax.default_backend() == "gpu" else "pallas-interpret"]
 
 
+def _against_twin(name: str, impl: str, *args, **kwargs):
+    """(kernel output, twin output) of op `name`."""
+    return T.run_op(name, impl, *args, **kwargs), T.run_op(name, "xla", *args, **kwargs)
+
+
 def kernel_checks(impl: str, seed: int = 0) -> list[Check]:
-    interpret = impl == "pallas-interpret"
-    keys = jax.random.split(jax.random.key(seed), 8)
-    b, r, h, c, w, bs, nb = 2, 3, 5, 24, 37, 8, 12
     checks = []
-    q = jax.random.normal(keys[0], (b, r, h, c))
-    tables = jax.random.permutation(keys[1], nb)[: 2 * 6].reshape(2, 6).astype(jnp.int32)
-    sel = jax.random.randint(keys[2], (b, r, w), -1, 6 * bs).astype(jnp.int32)
-    sel = sel.at[0, 0].set(-1)  # one empty row: must give exactly 0
     for dtype in ("float32", "bfloat16", "float8_e4m3fn"):
-        latent = (jax.random.normal(keys[3], (nb, bs, c)) * 4).astype(dtype)
-        args = (q, latent, jnp.float32(0.5), tables, sel)
-        want = attend_op.sparse_attend_xla(*args, softmax_scale=c ** -0.5)
-        got = attend_op.sparse_attend_pallas(*args, softmax_scale=c ** -0.5,
-                                             interpret=interpret)
-        tol = KERNEL_RTOL_FP32 if dtype == "float32" else KERNEL_RTOL_BF16
-        err = _rel(got, want) if bool(jnp.all(got[0, 0] == 0)) else float("inf")
+        q, lat, kv, tables, sel = T.attend_inputs(seed, 2, 3, 5, 24, 37, 8, 6, dtype)
+        sel = sel.at[0, 0].set(-1)  # one empty row: must give exactly 0
+        got, want = _against_twin("sparse_attend", impl, q, lat, kv, tables, sel,
+                                  softmax_scale=24 ** -0.5)
+        err = T.rel_err(got, want) if bool(jnp.all(got[0, 0] == 0)) else float("inf")
         checks.append(Check("kernel", f"sparse_attend {dtype} (5 heads, 37 slots)", impl, err,
-                            tol))
-    hi, di, p = 3, 12, 29
-    qi = jax.random.normal(keys[4], (b, r, hi, di))
-    wts = jax.random.normal(keys[5], (b, r, hi))
-    pool_keys = jax.random.normal(keys[6], (b, p, di))
-    n_cand = jax.random.randint(keys[7], (b, r), 0, p + 1).astype(jnp.int32)
-    want = pool_op.pool_scores_xla(qi, wts, pool_keys, n_cand)
-    got = pool_op.pool_scores_pallas(qi, wts, pool_keys, n_cand, interpret=interpret)
+                            T.attend_rel_limit(T.attend_roundoff(impl, dtype))))
+    got, want = _against_twin("pool_scores", impl, *T.pool_inputs(seed, 2, 3, 3, 12, 29))
     same_inf = bool(jnp.all(jnp.isinf(got) == jnp.isinf(want)))
     finite = jnp.isfinite(want)
-    err = _rel(jnp.where(finite, got, 0), jnp.where(finite, want, 0)) if same_inf else np.inf
+    err = T.rel_err(jnp.where(finite, got, 0), jnp.where(finite, want, 0)) if same_inf \
+        else np.inf
     checks.append(Check("kernel", "pool_scores (3 heads, 29 pools)", impl, err,
                         KERNEL_RTOL_FP32))
     # Top-k: ties (scores on a 1/4 grid), -inf past each row's candidates; error = how many
     # indices differ from lax.top_k (must be none).
-    scores = jnp.round(jax.random.normal(keys[7], (b * r, 300)) * 4) / 4
-    live = jnp.array([300, 200, 40, 37, 10, 0])[:, None]
-    scores = jnp.where(jnp.arange(300)[None, :] < live, scores, -jnp.inf)
-    want = topk_op.pool_topk_xla(scores, 37)
-    got = topk_op.pool_topk_pallas(scores, 37, interpret=interpret)
+    scores = T.topk_scores(seed, 6, 300, [300, 200, 40, 37, 10, 0], ties=True)
+    got, want = _against_twin("pool_topk", impl, scores, 37)
     checks.append(Check("kernel", "pool_topk == lax.top_k (300 pools, k 37, ties)", impl,
                         float(jnp.sum(got != want)), 0.0))
-    return checks + write_kernel_checks(impl, keys)
+    return checks + write_kernel_checks(impl, seed)
 
 
 def _stored_err(got, want) -> float:
-    got = np.asarray(jnp.asarray(got).astype(jnp.float32), np.float64)
-    want = np.asarray(jnp.asarray(want).astype(jnp.float32), np.float64)
-    return _rel(got, want)
+    return T.rel_err(jnp.asarray(got).astype(jnp.float32), jnp.asarray(want).astype(jnp.float32))
 
 
-def write_kernel_checks(impl: str, keys) -> list[Check]:
+def write_kernel_checks(impl: str, seed: int = 0) -> list[Check]:
     """The cache writes: stored values within a rounding step of the cache dtype (a value on a
-    rounding boundary may land on the neighbouring code), pool keys in fp32."""
-    interpret = impl == "pallas-interpret"
+    rounding boundary may land on the neighbouring code; fp32 within a few ulps), pool keys
+    in fp32."""
     checks = []
-    b, r, c, nb, bs, mb = 3, 4, 24, 14, 8, 4
-    pos = (jnp.asarray([5, 13, 2])[:, None] + jnp.arange(r)).astype(jnp.int32)
-    valid = jnp.arange(r)[None, :] < jnp.asarray([4, 3, 0])[:, None]
-    kv_raw = jax.random.normal(keys[0], (b, r, c)) * 3
-    tables = jax.random.permutation(keys[1], nb)[: b * mb].reshape(b, mb).astype(jnp.int32)
-    for dtype, tol in (("float32", 1e-6), ("bfloat16", 2.0 ** -8), ("float8_e4m3fn", 2 ** -3)):
-        cache = jnp.full((nb, bs, c), 300.0, dtype)
-        args = (kv_raw, 1 + 0.3 * kv_raw[0, 0], cache, jnp.float32(0.02), tables, pos, valid)
-        want = latent_op.latent_write_xla(*args, eps=1e-5)
-        got = latent_op.latent_write_pallas(*args, eps=1e-5, interpret=interpret)
+    for dtype in ("float32", "bfloat16", "float8_e4m3fn"):
+        got, want = _against_twin("latent_write", impl, *T.latent_write_inputs(seed, dtype, 24),
+                                  eps=1e-5)
         checks.append(Check("kernel", f"latent_write {dtype}", impl, _stored_err(got, want),
-                            tol))
-    di, tmax, kp = 12, 24, 4
-    args = (jax.random.normal(keys[2], (b, r, di)), jax.random.normal(keys[3], (b, r, di)),
-            1 + 0.3 * jax.random.normal(keys[4], (di,)), 0.3 * jax.random.normal(keys[5], (di,)),
-            0.5 * jax.random.normal(keys[6], (kp, di)),
-            jax.random.normal(keys[7], (b, tmax, di)).astype(jnp.bfloat16),
-            jax.random.normal(keys[0], (b, tmax, di)).astype(jnp.bfloat16),
-            jnp.zeros((b, tmax // kp, di), jnp.float32), pos, valid)
-    want = index_op.index_write_xla(*args)
-    got = index_op.index_write_pallas(*args, interpret=interpret)
+                            max(T.storage_step(dtype), 1e-6)))
+    got, want = _against_twin("index_write", impl, *T.index_write_inputs(seed, 4, "bfloat16"))
     checks.append(Check("kernel", "index_write k, g (bf16 cache)", impl,
                         max(_stored_err(got[0], want[0]), _stored_err(got[1], want[1])),
-                        2.0 ** -8))
+                        T.storage_step(jnp.bfloat16)))
     checks.append(Check("kernel", "index_write pool keys (KP 4)", impl,
-                        _rel(got[2], want[2]), KERNEL_RTOL_FP32))
+                        T.rel_err(got[2], want[2]), KERNEL_RTOL_FP32))
     return checks
-
-
-def _paged_run(cfg, weights, x, prompt_len):
-    state = dsa_jax.init_state(cfg, x.shape[0])
-    y0, state, s0 = dsa_jax.prefill(cfg, weights, state, x[:, :prompt_len])
-    ys, sels = [y0], [s0]
-    for t in range(prompt_len, x.shape[1]):
-        y, state, s = dsa_jax.decode(cfg, weights, state, x[:, t])
-        ys.append(y[:, None])
-        sels.append(s[:, None])
-    return np.concatenate(ys, 1), np.concatenate(sels, 1)
 
 
 def layer_checks(impl: str, seed: int = 0) -> list[Check]:
     cfg = ODD.replace(implementation=impl)
     hf = dsa_jax.init_random_hf_tensors(cfg, jax.random.key(seed))
     weights = dsa_jax.fold_weights(cfg, hf)
-    x = jax.random.normal(jax.random.key(seed + 1), (2, 50, cfg.hidden_size))
-    y, sel = _paged_run(cfg, weights, x, 30)
+    x = T.random_rows(seed + 1, 2, 50, cfg.hidden_size)
+    y, sel, _ = T.prefill_then_decode(cfg, weights, dsa_jax.init_state(cfg, 2), x, 30)
     err, sel_ok = 0.0, True
     for s in range(2):
         ref = reference.forward(cfg, hf, x[s])
-        err = max(err, _rel(y[s], ref.y))
+        err = max(err, T.rel_err(y[s], ref.y))
         sel_ok &= bool(np.array_equal(sel[s], np.asarray(ref.sel)))
     return [Check("layer", "paged prefill+decode vs fp32 reference (y)", impl, err, LAYER_RTOL),
             Check("layer", "paged selection == reference selection (slots)", impl,
@@ -183,17 +133,16 @@ def hf_checks(impl: str, seed: int = 100) -> list[Check]:
                 os.path.join(folder, "config.json"), max_context=96, block_size=8,
                 cache_dtype="float32", index_cache_dtype="float32", param_dtype="float32",
                 implementation=impl)
-            x = np.asarray(jax.random.normal(jax.random.key(seed + attempt),
-                                             (2, 70, cfg.hidden_size)))
+            x = np.asarray(T.random_rows(seed + attempt, 2, 70, cfg.hidden_size))
             tensors = dsa_jax.read_hf_tensors(path, cfg, 0)
             refs = [reference.forward(cfg, tensors, x[s]) for s in range(2)]
             if min(oracle.boundary_gaps(np.asarray(r.pool_scores), cfg.select_k).min()
                    for r in refs) > 1e-4:
                 break
         weights = dsa_jax.load_hf_layer(path, cfg, 0)
-        y, sel = _paged_run(cfg, weights, x, 40)
+        y, sel, _ = T.prefill_then_decode(cfg, weights, dsa_jax.init_state(cfg, 2), x, 40)
         run = oracle.run_hf(config, layers, x, 40)
-    err = max(_rel(y[s, t], run.y[0][s, t]) for s in range(2) for t in range(70))
+    err = max(T.rel_err(y[s, t], run.y[0][s, t]) for s in range(2) for t in range(70))
     ours = oracle.selection_sets(sel)
     theirs = oracle.selection_sets(run.sel[0])
     checks.append(Check("hf", "prefill+decode vs HF glm5_next, worst row (y)", impl, err,

@@ -7,7 +7,8 @@ bitwise comparison of pytrees (on chex).
   `latent_write_inputs`, `index_write_inputs`). Random HF tensors have one recipe,
   `dsa_jax.init_random_hf_tensors` (weights.py); whatever needs them here calls it.
 - Running: `copy_tree` (a second state: the steps donate theirs), `prefill_then_decode`,
-  `run_op` (one cache op under "xla", "pallas-interpret" or "pallas").
+  `run_op` (one op of `dsa_jax.implementation.OPS` under "xla", "pallas-interpret" or
+  "pallas").
 - Definitions of the compute ops in float64 numpy, independent of every implementation:
   `attend_definition`, `pool_scores_definition`, `topk_definition`.
 - Errors and tolerances: `rel_err`, `unit_roundoff`, `storage_step`, the dot operand
@@ -19,7 +20,6 @@ bitwise comparison of pytrees (on chex).
 from __future__ import annotations
 
 import functools
-import inspect
 
 import chex
 import jax
@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import dsa_jax
-from dsa_jax.pallas import index_write, latent_write, pool_scores, pool_topk, sparse_attend
+from dsa_jax.implementation import OPS
+from dsa_jax.pallas import sparse_attend
 
 IMPLEMENTATIONS = ("xla", "pallas-interpret", "pallas")
 # A fill no write produces: a slot still holding it was not written (fp8 caches use 400.0).
@@ -36,9 +37,16 @@ POISON = 1234.5
 # ------------------------------------------------------------------------------ random inputs
 
 
+def _normal(rng: np.random.Generator, shape) -> np.ndarray:
+    return rng.standard_normal(shape, np.float32)
+
+
 def random_rows(seed: int, *shape: int, dtype=jnp.float32) -> jax.Array:
-    """Standard normal `shape` (e.g. x rows `[B, S, D]`) from `jax.random.key(seed)`."""
-    return jax.random.normal(jax.random.key(seed), shape, dtype)
+    """Standard normal `shape` (e.g. x rows `[B, S, D]`), drawn by numpy from `seed`.
+
+    Inputs here are numpy draws: a jax.random draw compiles a program per shape (about a
+    second of CPU each), which the many shapes of a test suite pay again and again."""
+    return jnp.asarray(_normal(np.random.default_rng(seed), shape), dtype)
 
 
 def permuted_block_tables(cfg, num_seqs: int, seed: int, num_blocks: int | None = None
@@ -46,7 +54,9 @@ def permuted_block_tables(cfg, num_seqs: int, seed: int, num_blocks: int | None 
     """`[B, MB]` int32 block tables over a shuffled pool of `num_blocks` physical blocks
     (default exactly `B * MB`): never the identity map."""
     n = num_seqs * cfg.blocks_per_seq
-    perm = np.asarray(jax.random.permutation(jax.random.key(seed), num_blocks or n), np.int32)
+    perm = np.random.default_rng(seed).permutation(num_blocks or n).astype(np.int32)
+    if np.array_equal(perm[:n], np.arange(n)):
+        perm[:2] = perm[1::-1].copy()
     return perm[:n].reshape(num_seqs, cfg.blocks_per_seq)
 
 
@@ -86,36 +96,36 @@ def attend_inputs(seed: int, b: int, r: int, h: int, c: int, w: int, bs: int, mb
     """Gather-attend operands: q `[B, R, H, C]`, a cache `[NB, bs, C]` (NB > B*MB: spare
     blocks; fp8 values spread over e4m3's range), permuted tables `[B, MB]`, `sel [B, R, W]`
     with ~20% -1 slots."""
-    ks = jax.random.split(jax.random.key(seed), 5)
+    rng = np.random.default_rng(seed)
     nb = b * mb + 2
-    q = jax.random.normal(ks[0], (b, r, h, c))
-    lat = jax.random.normal(ks[1], (nb, bs, c))
+    q = _normal(rng, (b, r, h, c))
+    lat = _normal(rng, (nb, bs, c))
     if jnp.dtype(dtype) == jnp.float8_e4m3fn:
-        lat = jnp.clip(lat / kv_scale, -448, 448)
-    lat = lat.astype(dtype)
-    tables = jax.random.permutation(ks[2], nb)[: b * mb].reshape(b, mb).astype(jnp.int32)
-    assert not np.array_equal(np.asarray(tables).ravel(), np.arange(b * mb))
-    sel = jax.random.randint(ks[3], (b, r, w), 0, mb * bs).astype(jnp.int32)
-    sel = jnp.where(jax.random.uniform(ks[4], sel.shape) < 0.2, -1, sel)
-    return q, lat, jnp.float32(kv_scale), tables, sel
+        lat = np.clip(lat / kv_scale, -448, 448)
+    tables = rng.permutation(nb)[: b * mb].reshape(b, mb).astype(np.int32)
+    assert not np.array_equal(tables.ravel(), np.arange(b * mb))
+    sel = rng.integers(0, mb * bs, (b, r, w), dtype=np.int32)
+    sel = np.where(rng.random(sel.shape) < 0.2, -1, sel).astype(np.int32)
+    return (jnp.asarray(q), jnp.asarray(lat).astype(dtype), jnp.float32(kv_scale),
+            jnp.asarray(tables), jnp.asarray(sel))
 
 
 def pool_inputs(seed: int, b: int, r: int, hi: int, di: int, p: int):
     """Pool-score operands: qi `[B, R, Hi, Di]`, head weights `[B, R, Hi]`, keys `[B, P, Di]`,
     candidate counts `[B, R]` (one row with none, one with every pool)."""
-    ks = jax.random.split(jax.random.key(seed), 4)
-    qi = jax.random.normal(ks[0], (b, r, hi, di))
-    w = jax.random.normal(ks[1], (b, r, hi)) * (hi * di) ** -0.5
-    keys = jax.random.normal(ks[2], (b, p, di))
-    n_cand = jax.random.randint(ks[3], (b, r), 0, p + 1).astype(jnp.int32)
-    n_cand = n_cand.at[0, 0].set(0).at[-1, -1].set(p)
-    return qi, w, keys, n_cand
+    rng = np.random.default_rng(seed)
+    qi = _normal(rng, (b, r, hi, di))
+    w = _normal(rng, (b, r, hi)) * np.float32((hi * di) ** -0.5)
+    keys = _normal(rng, (b, p, di))
+    n_cand = rng.integers(0, p + 1, (b, r), dtype=np.int32)
+    n_cand[0, 0], n_cand[-1, -1] = 0, p
+    return tuple(jnp.asarray(a) for a in (qi, w, keys, n_cand))
 
 
 def topk_scores(seed: int, n: int, p: int, live, ties: bool) -> jax.Array:
     """Scores `[n, P]`, -inf from `live[i]` on in row i (0: a padded row); with `ties`,
     quantized to quarters: many equal scores, and -0.0 from small negatives."""
-    x = np.array(jax.random.normal(jax.random.key(seed), (n, p)))
+    x = _normal(np.random.default_rng(seed), (n, p))
     if ties:
         x = np.round(x * 4) / 4
     x[np.arange(p)[None, :] >= np.asarray(live)[:, None]] = -np.inf
@@ -125,24 +135,25 @@ def topk_scores(seed: int, n: int, p: int, live, ties: bool) -> jax.Array:
 def write_positions(b: int, r: int, lengths, max_pos: int):
     """`pos, valid [B, R]`: rows from `lengths[b]` on; sequences take r, r - 1, 0, ... rows
     (the first is full, the last writes nothing), never past `max_pos`."""
-    pos = jnp.asarray(lengths)[:, None] + jnp.arange(r)
-    counts = jnp.asarray([r, r - 1, 0][:b])
-    valid = (jnp.arange(r)[None, :] < counts[:, None]) & (pos < max_pos)
-    return pos.astype(jnp.int32), valid
+    pos = np.asarray(lengths)[:, None] + np.arange(r)
+    counts = np.asarray([r, r - 1, 0][:b])
+    valid = (np.arange(r)[None, :] < counts[:, None]) & (pos < max_pos)
+    return jnp.asarray(pos, jnp.int32), jnp.asarray(valid)
 
 
 def latent_write_inputs(seed: int, dtype, c: int, b: int = 3, r: int = 4, nb: int = 14,
                         bs: int = 8, mb: int = 4):
     """`latent_write_*` operands: raw rows `[B, R, C]`, norm `[C]`, a poisoned cache
     `[NB, bs, C]`, kv_scale, permuted tables `[B, MB]`, `pos, valid [B, R]`."""
-    keys = jax.random.split(jax.random.key(seed), 4)
-    kv_raw = jax.random.normal(keys[0], (b, r, c)) * 3
-    norm_w = 1 + 0.3 * jax.random.normal(keys[1], (c,))
-    tables = jax.random.permutation(keys[2], nb)[: b * mb].reshape(b, mb).astype(jnp.int32)
+    rng = np.random.default_rng(seed)
+    kv_raw = _normal(rng, (b, r, c)) * 3
+    norm_w = 1 + 0.3 * _normal(rng, (c,))
+    tables = rng.permutation(nb)[: b * mb].reshape(b, mb).astype(np.int32)
     fill = 400.0 if jnp.dtype(dtype) == jnp.float8_e4m3fn else POISON
     cache = jnp.full((nb, bs, c), fill, dtype)
     pos, valid = write_positions(b, r, [5, 13, 2], mb * bs)
-    return kv_raw, norm_w, cache, jnp.float32(0.02), tables, pos, valid
+    return (jnp.asarray(kv_raw), jnp.asarray(norm_w), cache, jnp.float32(0.02),
+            jnp.asarray(tables), pos, valid)
 
 
 def index_write_inputs(seed: int, kpool: int, dtype, b: int = 3, r: int = 4, di: int = 12,
@@ -150,46 +161,39 @@ def index_write_inputs(seed: int, kpool: int, dtype, b: int = 3, r: int = 4, di:
     """`index_write_*` operands: raw k and gate `[B, R, Di]`, LayerNorm weight and bias, ape
     `[KP, Di]`, caches `[B, T, Di]` holding earlier random rows (completed pools mix old and
     new members), poisoned pool keys `[B, P, Di]`, `pos, valid [B, R]`."""
-    keys = jax.random.split(jax.random.key(seed), 8)
-    p = tmax // kpool
-    k_raw = jax.random.normal(keys[0], (b, r, di)) * 2 + 0.5
-    g = jax.random.normal(keys[1], (b, r, di))
-    norm_w = 1 + 0.3 * jax.random.normal(keys[2], (di,))
-    norm_b = 0.3 * jax.random.normal(keys[3], (di,))
-    ape = 0.5 * jax.random.normal(keys[4], (kpool, di))
-    index_k = jax.random.normal(keys[5], (b, tmax, di)).astype(dtype)
-    index_g = jax.random.normal(keys[6], (b, tmax, di)).astype(dtype)
-    pool_keys = jnp.full((b, p, di), POISON, jnp.float32)
+    rng = np.random.default_rng(seed)
+    k_raw = _normal(rng, (b, r, di)) * 2 + 0.5
+    g = _normal(rng, (b, r, di))
+    norm_w = 1 + 0.3 * _normal(rng, (di,))
+    norm_b = 0.3 * _normal(rng, (di,))
+    ape = 0.5 * _normal(rng, (kpool, di))
+    index_k = jnp.asarray(_normal(rng, (b, tmax, di))).astype(dtype)
+    index_g = jnp.asarray(_normal(rng, (b, tmax, di))).astype(dtype)
+    pool_keys = jnp.full((b, tmax // kpool, di), POISON, jnp.float32)
     pos, valid = write_positions(b, r, [5, 13, 2], tmax)
-    return k_raw, g, norm_w, norm_b, ape, index_k, index_g, pool_keys, pos, valid
+    return (*(jnp.asarray(a) for a in (k_raw, g, norm_w, norm_b, ape)), index_k, index_g,
+            pool_keys, pos, valid)
 
 
 # ---------------------------------------------------------------------------------- running
 
-_OPS = {"sparse_attend": sparse_attend, "pool_scores": pool_scores, "pool_topk": pool_topk,
-        "latent_write": latent_write, "index_write": index_write}
+@functools.cache
+def _jitted_reference(name: str, static: tuple):
+    return jax.jit(functools.partial(OPS[name].reference, **dict(static)),
+                   static_argnames=("k",) if name == "pool_topk" else ())
 
 
-@functools.lru_cache(maxsize=None)
-def _jitted_twin(op: str, static: tuple):
-    twin = getattr(_OPS[op], f"{op}_xla")
-    names = inspect.signature(twin).parameters
-    static = {k: v for k, v in static if k in names}  # the twin takes no tuning argument
-    return jax.jit(functools.partial(twin, **static), static_argnames=(
-        ("k",) if op == "pool_topk" else ()))
-
-
-def run_op(op: str, impl: str, *args, **kwargs):
-    """Cache op `op` (a module of `dsa_jax.pallas`) under `impl`: "xla" runs its jnp twin
-    under `jax.jit`, as the layer does (kernel tuning arguments dropped); "pallas-interpret" /
-    "pallas" the kernel."""
-    module = _OPS[op]
+def run_op(name: str, impl: str, *args, kernel_options: dict | None = None, **kwargs):
+    """Op `name` of `dsa_jax.implementation.OPS` under `impl`, as the layer calls it:
+    "xla" runs the jnp definition under `jax.jit`; "pallas-interpret" and "pallas" the kernel,
+    with `kernel_options` (its tuning keywords). Unlike the layer, no shape is routed to the
+    definition (`Op.kernel_covers`): the kernel is what is asked for."""
     if impl == "xla":
-        return _jitted_twin(op, tuple(sorted(kwargs.items())))(*args)
+        return _jitted_reference(name, tuple(sorted(kwargs.items())))(*args)
     if impl not in ("pallas", "pallas-interpret"):
         raise ValueError(f"implementation {impl!r} is not one of {IMPLEMENTATIONS}")
-    return getattr(module, f"{op}_pallas")(*args, interpret=impl == "pallas-interpret",
-                                           **kwargs)
+    return OPS[name].kernel(*args, interpret=impl == "pallas-interpret",
+                            **(kernel_options or {}), **kwargs)
 
 
 # ------------------------------------------------------------------------------ definitions

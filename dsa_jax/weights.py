@@ -238,18 +238,21 @@ def init_random_hf_tensors(cfg: DsaConfig, key: jax.Array, has_indexer: bool = T
     """Random fp32 HF tensors of one layer: never zeros, norms away from 1, a real gate."""
     shapes = hf_shapes(cfg, has_indexer)
     keys = jax.random.split(key, len(shapes))
-    out = {}
-    for k, (name, shape) in zip(keys, shapes.items(), strict=True):
-        if name.endswith("layernorm.weight") or name == "indexer.k_norm.weight":
-            value = 1.0 + 0.2 * jax.random.normal(k, shape)
-        elif name == "indexer.k_norm.bias":
-            value = 0.2 * jax.random.normal(k, shape)
-        elif name == "indexer.index_kpool_compress_ape":
-            value = 0.5 * jax.random.normal(k, shape)
-        else:  # [out, in] linear weights
-            value = jax.random.normal(k, shape) * shape[-1] ** -0.5
-        out[name] = np.asarray(value, np.float32)
-    return out
+    return {name: np.asarray(random_hf_value(name, jax.random.normal(k, shape)), np.float32)
+            for k, (name, shape) in zip(keys, shapes.items(), strict=True)}
+
+
+def random_hf_value(name: str, z):
+    """The random-tensor recipe: HF tensor `name` from a standard normal draw `z` of its shape
+    (any array type): norms 1 + 0.2 z, the LayerNorm bias 0.2 z, ape 0.5 z, `[out, in]` linear
+    weights z / sqrt(in). Every random HF tensor (tests, the HF oracle, benchmarks) uses it."""
+    if name.endswith("layernorm.weight") or name == "indexer.k_norm.weight":
+        return 1.0 + 0.2 * z
+    if name == "indexer.k_norm.bias":
+        return 0.2 * z
+    if name == "indexer.index_kpool_compress_ape":
+        return 0.5 * z
+    return z * z.shape[-1] ** -0.5
 
 
 def init_random_weights(cfg: DsaConfig, key: jax.Array, has_indexer: bool = True,

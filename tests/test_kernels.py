@@ -33,11 +33,12 @@ BF16_U = T.unit_roundoff(jnp.bfloat16)
 
 # ------------------------------------------------------------------------------ sparse attend
 
-def _check_attend(impl, args, scale, **kw):
+def _check_attend(impl, args, scale, **kernel_options):
     """`impl` against the float64 definition within the derived bound; a kernel with bf16
     operands also against the twin fed the same bf16-rounded q (the "tight" check: only
     accumulation, p's rounding and the merge remain)."""
-    out = T.run_op("sparse_attend", impl, *args, softmax_scale=scale, **kw)
+    out = T.run_op("sparse_attend", impl, *args, softmax_scale=scale,
+                   kernel_options=kernel_options)
     u = T.attend_roundoff(impl, args[1].dtype)
     want = T.attend_definition(*args, scale)
     T.assert_attend_close(out, want, T.attend_bound(*args, scale, u), T.attend_rel_limit(u))
@@ -83,8 +84,8 @@ def test_sparse_attend_at_glm53_flash_shapes(impl, heads, dtype):
 def test_sparse_attend_empty_rows_are_exactly_zero(impl):
     q, lat, kv, tables, sel = T.attend_inputs(3, 2, 3, 5, 24, 37, 8, 6, "float8_e4m3fn")
     sel = sel.at[0, 1].set(-1).at[1, 2].set(-1)
-    out = np.asarray(T.run_op("sparse_attend", impl, q, lat, kv, tables, sel,
-                              softmax_scale=0.3, block_w=16, num_splits=2))
+    out = np.asarray(T.run_op("sparse_attend", impl, q, lat, kv, tables, sel, softmax_scale=0.3,
+                              kernel_options=dict(block_w=16, num_splits=2)))
     assert not np.isnan(out).any()
     assert (out[0, 1] == 0).all() and (out[1, 2] == 0).all()
     assert (np.abs(out[0, 0]) > 0).any()
@@ -98,7 +99,8 @@ def test_sparse_attend_split_counts_agree(kernel_impl):
     """Splitting a row's slots across programs only reorders fp32 sums (merge included)."""
     args = T.attend_inputs(4, 1, 2, 3, 40, 70, 16, 5, "float32")
     outs = [np.asarray(T.run_op("sparse_attend", kernel_impl, *args, softmax_scale=0.3,
-                                block_w=16, num_splits=k)) for k in (1, 5)]
+                                kernel_options=dict(block_w=16, num_splits=k)))
+            for k in (1, 5)]
     for o in outs[1:]:
         chex.assert_trees_all_close(o, outs[0], rtol=0, atol=1e-5 * np.abs(outs[0]).max())
 
@@ -112,7 +114,7 @@ def test_sparse_attend_live_rows_hint_only_moves_the_split(kernel_impl):
 
     def run(**kw):
         return np.asarray(T.run_op("sparse_attend", kernel_impl, *args, softmax_scale=0.3,
-                                   block_w=16, **kw))
+                                   kernel_options=dict(block_w=16, **kw)))
 
     outs = [run(live_rows=lr) for lr in (None, 4)]
     # 2 head blocks of 16; 5 tiles of 16 slots: 16 rows plan 4 splits, 4 live rows plan 5
@@ -137,8 +139,8 @@ def test_sparse_attend_stops_at_each_rows_live_extent(impl):
 
 # ------------------------------------------------------------------------------- pool scores
 
-def _check_pool(impl, args, **kw):
-    out = T.run_op("pool_scores", impl, *args, **kw)
+def _check_pool(impl, args, **kernel_options):
+    out = T.run_op("pool_scores", impl, *args, kernel_options=kernel_options)
     bound = T.pool_scores_bound(*args[:3], T.pool_scores_roundoff(impl))
     T.assert_pool_scores_close(out, T.pool_scores_definition(*args), bound)
     return np.asarray(out)
@@ -178,7 +180,7 @@ def test_pool_scores_row_groups(kernel_impl, rows_per_program):
     args = T.pool_inputs(9, 2, 5, 3, 12, 37)
     _check_pool(kernel_impl, args, block_p=16, rows_per_program=rows_per_program)
     with pytest.raises(ValueError, match="rows_per_program 3"):
-        T.run_op("pool_scores", kernel_impl, *args, rows_per_program=3)
+        T.run_op("pool_scores", kernel_impl, *args, kernel_options=dict(rows_per_program=3))
 
 
 def test_pool_scores_negative_zero_is_normalized(impl):
@@ -194,8 +196,8 @@ def test_pool_scores_negative_zero_is_normalized(impl):
 
 # ---------------------------------------------------------------------------------- pool top-k
 
-def _check_topk(impl, s, k, **kw):
-    out = np.asarray(T.run_op("pool_topk", impl, s, k, **kw))
+def _check_topk(impl, s, k, **kernel_options):
+    out = np.asarray(T.run_op("pool_topk", impl, s, k, kernel_options=kernel_options))
     np.testing.assert_array_equal(out, T.topk_definition(s, k))
     assert all(len(set(row)) == k for row in out.reshape(-1, k))  # distinct pools
 
