@@ -1,6 +1,12 @@
 """The serving paths: K-row verify, chunked prefill, ragged decode, rewind, drafter rows,
-compile-once decode, and their errors."""
+compile-once decode, and their errors.
 
+Under `pytest -m gpu` (the H200 correctness run) decode_k == serial decodes is also checked
+bit for bit at GLM-5.3-Flash per-rank shapes (TP 8), bf16 weights and an fp8 cache, for "xla"
+and the compiled "pallas" kernels.
+"""
+
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,55 +14,58 @@ import pytest
 
 import dsa_jax
 from dsa_jax import StepError, layer
-from dsa_jax.shapes import ODD
+from dsa_jax.shapes import ODD, glm53_flash
+from dsa_jax.testing import assert_trees_bitwise_equal, copy_tree, random_rows, random_state
 
 CACHE_DTYPES = ["float32", "bfloat16", "float8_e4m3fn"]
+# Trace events jax records (`jax.monitoring`), with the traced function's name.
+TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
 
 
-def _layer(cfg, seed=0):
+def _weights(cfg, seed=0):
     return dsa_jax.init_random_weights(cfg, jax.random.key(seed))
 
 
-def _x(seed, *shape):
-    return jax.random.normal(jax.random.key(seed), shape)
-
-
-def _eq(a, b):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def _copy(state):
-    """A second, independent state (the steps donate theirs)."""
-    return jax.tree_util.tree_map(jnp.copy, state)
+def _decode_k_equals_serial_decodes(cfg, weights, base, rows):
+    """One decode_k of `rows [B, K, D]` from `base` == K decodes, bit for bit: outputs,
+    selections and every leaf of the final state."""
+    y_k, state_k, sel_k = dsa_jax.decode_k(cfg, weights, copy_tree(base), rows)
+    state = copy_tree(base)
+    for r in range(rows.shape[1]):
+        y, state, sel = dsa_jax.decode(cfg, weights, state, rows[:, r])
+        assert_trees_bitwise_equal((y_k[:, r], sel_k[:, r]), (y, sel))
+    assert_trees_bitwise_equal(state_k, state)
 
 
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_decode_k_is_bit_identical_to_serial_decodes(cache_dtype):
     cfg = ODD.replace(cache_dtype=cache_dtype, index_cache_dtype="bfloat16")
-    weights = _layer(cfg)
-    b = 2
+    weights = _weights(cfg)
     # Prompt lengths straddle pool boundaries (KP = 4): 13 -> rows 13..16 cross 15|16.
     for prompt in (13, 14, 15, 16):
-        _, base, _ = dsa_jax.prefill(cfg, weights, dsa_jax.init_state(cfg, b, kv_scale=0.1),
-                                     _x(prompt, b, prompt, cfg.hidden_size))
+        base = random_state(cfg, weights, 2, prompt, prompt, kv_scale=0.1)
         for k in (1, 2, 3, 4):
-            rows = _x(100 + k, b, k, cfg.hidden_size)
-            y_k, state_k, sel_k = dsa_jax.decode_k(cfg, weights, _copy(base), rows)
-            state = _copy(base)
-            for r in range(k):
-                y, state, sel = dsa_jax.decode(cfg, weights, state, rows[:, r])
-                _eq(y_k[:, r], y)
-                _eq(sel_k[:, r], sel)
-            for a, c in zip(jax.tree_util.tree_leaves(state_k), jax.tree_util.tree_leaves(state),
-                            strict=True):
-                _eq(a.astype(jnp.float32) if a.dtype == jnp.float8_e4m3fn else a,
-                    c.astype(jnp.float32) if c.dtype == jnp.float8_e4m3fn else c)
+            _decode_k_equals_serial_decodes(cfg, weights, base,
+                                            random_rows(100 + k, 2, k, cfg.hidden_size))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_decode_k_is_bit_identical_at_glm53_flash_per_rank_shapes(impl):
+    """TP 8 (8 heads per rank), bf16 weights, fp8 latents, a 1533-token prompt (rows
+    1533..1536 cross a pool boundary, KP = 4), K = 1..4."""
+    cfg = glm53_flash(max_context=4096, tp_degree=8, implementation=impl)
+    weights = _weights(cfg)
+    base = random_state(cfg, weights, 2, 1533, 1, kv_scale=1 / 64, dtype=jnp.bfloat16)
+    for k in (1, 2, 3, 4):
+        _decode_k_equals_serial_decodes(
+            cfg, weights, base, random_rows(10 + k, 2, k, cfg.hidden_size, dtype=jnp.bfloat16))
 
 
 def test_chunked_prefill_equals_one_prefill_and_per_row_selection():
     cfg = ODD
-    weights = _layer(cfg, 1)
-    x = _x(2, 2, 61, cfg.hidden_size)
+    weights = _weights(cfg, 1)
+    x = random_rows(2, 2, 61, cfg.hidden_size)
     y_one, state_one, sel_one = dsa_jax.prefill(cfg, weights, dsa_jax.init_state(cfg, 2), x)
     state = dsa_jax.init_state(cfg, 2)
     ys, sels = [], []
@@ -65,20 +74,20 @@ def test_chunked_prefill_equals_one_prefill_and_per_row_selection():
         ys.append(y)
         sels.append(sel)
     # Batched selection of a chunk: the same sets in the same slots as one row at a time.
-    _eq(jnp.concatenate(sels, 1), sel_one)
-    np.testing.assert_allclose(jnp.concatenate(ys, 1), y_one, rtol=1e-5, atol=1e-5)
+    assert_trees_bitwise_equal(jnp.concatenate(sels, 1), sel_one)
+    chex.assert_trees_all_close(jnp.concatenate(ys, 1), y_one, rtol=1e-5, atol=1e-5)
     per_row = dsa_jax.init_state(cfg, 2)
     for t in range(61):
         _, per_row, sel_t = dsa_jax.decode(cfg, weights, per_row, x[:, t])
-        _eq(sel_t, sel_one[:, t])
-    _eq(state.lengths, state_one.lengths)
+        assert_trees_bitwise_equal(sel_t, sel_one[:, t])
+    assert_trees_bitwise_equal(state.lengths, state_one.lengths)
 
 
 def test_ragged_prefill_and_decode_equal_each_sequence_alone():
     cfg = ODD
-    weights = _layer(cfg, 3)
+    weights = _weights(cfg, 3)
     lens = [7, 30, 19]
-    x = _x(4, 3, 40, cfg.hidden_size)
+    x = random_rows(4, 3, 40, cfg.hidden_size)
     state = dsa_jax.init_state(cfg, 3)
     _, state, _ = dsa_jax.prefill(cfg, weights, state, x[:, :30], num_tokens=lens)
     assert np.asarray(state.lengths).tolist() == lens
@@ -90,19 +99,19 @@ def test_ragged_prefill_and_decode_equal_each_sequence_alone():
         alone = dsa_jax.init_state(cfg, 1)
         _, alone, _ = dsa_jax.prefill(cfg, weights, alone, x[s:s + 1, :lens[s]])
         y_s, _, sel_s = dsa_jax.decode(cfg, weights, alone, x[s:s + 1, 35])
-        _eq(sel[s], sel_s[0])  # no padding token enters the selection
-        np.testing.assert_allclose(y[s], y_s[0], rtol=1e-5, atol=1e-6)
+        assert_trees_bitwise_equal(sel[s], sel_s[0])  # no padding token enters the selection
+        chex.assert_trees_all_close(y[s], y_s[0], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("cache_dtype", ["float32", "float8_e4m3fn"])
 def test_speculate_reject_rewind_continue_equals_never_speculating(cache_dtype):
     cfg = ODD.replace(cache_dtype=cache_dtype)
-    weights = _layer(cfg, 5)
-    x = _x(6, 2, 40, cfg.hidden_size)
-    drafts = _x(7, 2, 3, cfg.hidden_size)
+    weights = _weights(cfg, 5)
+    x = random_rows(6, 2, 40, cfg.hidden_size)
+    drafts = random_rows(7, 2, 3, cfg.hidden_size)
     _, base, _ = dsa_jax.prefill(cfg, weights, dsa_jax.init_state(cfg, 2, kv_scale=0.1),
                                  x[:, :14])
-    plain = _copy(base)
+    plain = copy_tree(base)
     plain_y = []
     for t in range(14, 20):
         y, plain, _ = dsa_jax.decode(cfg, weights, plain, x[:, t])
@@ -111,20 +120,20 @@ def test_speculate_reject_rewind_continue_equals_never_speculating(cache_dtype):
     # is accepted, the rest rewound, then decoding continues.
     rows = jnp.concatenate([x[:, 14:15], drafts], axis=1)
     y_k, spec, _ = dsa_jax.decode_k(cfg, weights, base, rows)
-    _eq(y_k[:, 0], plain_y[0])
+    assert_trees_bitwise_equal(y_k[:, 0], plain_y[0])
     spec = dsa_jax.rewind(cfg, spec, [15, 15])
     spec_y = [y_k[:, 0]]
     for t in range(15, 20):
         y, spec, _ = dsa_jax.decode(cfg, weights, spec, x[:, t])
         spec_y.append(y)
     for a, c in zip(spec_y, plain_y, strict=True):
-        _eq(a, c)
+        assert_trees_bitwise_equal(a, c)
 
 
 def test_indexer_ahead_heals_and_write_kv_row_matches_decode_caches():
     cfg = ODD
-    weights = _layer(cfg, 8)
-    x = _x(9, 1, 30, cfg.hidden_size)
+    weights = _weights(cfg, 8)
+    x = random_rows(9, 1, 30, cfg.hidden_size)
     _, state, _ = dsa_jax.prefill(cfg, weights, dsa_jax.init_state(cfg, 1), x[:, :20])
     # Only the sequence length rewound (as a scheduler that owns lengths would): heals.
     ahead = state._replace(lengths=state.lengths - 3)
@@ -132,32 +141,54 @@ def test_indexer_ahead_heals_and_write_kv_row_matches_decode_caches():
     assert np.asarray(healed.index_lengths).tolist() == [18]
     _, ref, _ = dsa_jax.prefill(cfg, weights, dsa_jax.init_state(cfg, 1), x[:, :17])
     y_ref, ref, _ = dsa_jax.decode(cfg, weights, ref, x[:, 17])
-    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(y, y_ref, rtol=1e-5, atol=1e-6)
 
-    drafted = dsa_jax.write_kv_row(cfg, weights, _copy(ref), x[:, 18])
-    _, decoded, _ = dsa_jax.decode(cfg, weights, _copy(ref), x[:, 18])
+    drafted = dsa_jax.write_kv_row(cfg, weights, copy_tree(ref), x[:, 18])
+    _, decoded, _ = dsa_jax.decode(cfg, weights, copy_tree(ref), x[:, 18])
     assert np.asarray(drafted.lengths).tolist() == [19]
-    for name in ("latent", "index_k", "index_g", "pool_keys"):
-        np.testing.assert_allclose(getattr(drafted, name), getattr(decoded, name),
-                                   rtol=1e-5, atol=1e-6, err_msg=name)
+    names = ("latent", "index_k", "index_g", "pool_keys")
+    chex.assert_trees_all_close({n: getattr(drafted, n) for n in names},
+                                {n: getattr(decoded, n) for n in names}, rtol=1e-5, atol=1e-6)
 
 
 def test_decode_compiles_once_across_context_lengths():
+    """One trace serves every context length and a K-row verify: lengths are data, shapes
+    are the config's ceiling. Checked on the public step jitted as a server would
+    (`chex.assert_max_traces`), and on `decode` / `decode_k` themselves (jax's trace events
+    for `layer.step`)."""
     cfg = ODD.replace(max_verify=3)  # a config no other test compiles
-    weights = _layer(cfg, 10)
-    state = dsa_jax.init_state(cfg, 2)
-    before = layer._step_jit._cache_size()
-    for t in range(40):  # lengths 0..39, through tails, pool boundaries and the top-k cap
-        _, state, _ = dsa_jax.decode(cfg, weights, state, _x(t, 2, cfg.hidden_size))
-    _, state, _ = dsa_jax.decode_k(cfg, weights, state, _x(99, 2, 3, cfg.hidden_size))
-    assert layer._step_jit._cache_size() - before == 1
+    weights = _weights(cfg, 10)
+    served = jax.jit(chex.assert_max_traces(layer.step, n=1), static_argnames=("cfg",),
+                     donate_argnames=("state",))
+    traces = []
+
+    def listener(event, duration, **kw):
+        if event == TRACE_EVENT:
+            traces.append(kw.get("fun_name"))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        ours, theirs = dsa_jax.init_state(cfg, 2), dsa_jax.init_state(cfg, 2)
+        # Lengths 0..39, through tails, pool boundaries and the top-k cap; then a verify.
+        steps = [("decode", random_rows(t, 2, cfg.hidden_size)) for t in range(40)]
+        for kind, x in steps + [("verify", random_rows(99, 2, 3, cfg.hidden_size))]:
+            layout, n_new = layer.prepare_step(cfg, weights, ours, x, kind=kind)
+            rows, _ = layout.pad(x, None)
+            y, ours, sel = served(cfg, weights, ours, rows, jnp.asarray(n_new))
+            step = dsa_jax.decode if kind == "decode" else dsa_jax.decode_k
+            y_lib, theirs, sel_lib = step(cfg, weights, theirs, x)
+            assert_trees_bitwise_equal(layout.unpad(y, sel), (y_lib, sel_lib))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert traces.count("step") == 2, traces  # ours and the library's: one each
+    assert np.asarray(theirs.lengths).tolist() == [43, 43]
 
 
 def test_state_is_donated_not_copied():
     cfg = ODD
-    weights = _layer(cfg, 11)
+    weights = _weights(cfg, 11)
     state = dsa_jax.init_state(cfg, 1)
-    _, new, _ = dsa_jax.decode(cfg, weights, state, _x(1, 1, cfg.hidden_size))
+    _, new, _ = dsa_jax.decode(cfg, weights, state, random_rows(1, 1, cfg.hidden_size))
     if jax.default_backend() == "cpu" and not state.latent.is_deleted():
         pytest.skip("this backend does not implement donation")
     assert state.latent.is_deleted() and not new.latent.is_deleted()
@@ -165,20 +196,21 @@ def test_state_is_donated_not_copied():
 
 def test_serving_errors_name_value_and_limit_and_leave_state_usable():
     cfg = ODD
-    weights = _layer(cfg, 12)
+    weights = _weights(cfg, 12)
     _, state, _ = dsa_jax.prefill(cfg, weights, dsa_jax.init_state(cfg, 2),
-                                  _x(1, 2, 10, cfg.hidden_size))
+                                  random_rows(1, 2, 10, cfg.hidden_size))
     with pytest.raises(StepError, match=r"a 5-row verify does not fit max_verify 4"):
-        dsa_jax.decode_k(cfg, weights, state, _x(2, 2, 5, cfg.hidden_size))
+        dsa_jax.decode_k(cfg, weights, state, random_rows(2, 2, 5, cfg.hidden_size))
     with pytest.raises(StepError, match=r"cannot rewind to length 11; it must be in \[0, 10\]"):
         dsa_jax.rewind(cfg, state, [9, 11])
     with pytest.raises(StepError, match=r"row counts \[3, 40\] must be 2 values in \[0, 5\]"):
-        dsa_jax.prefill(cfg, weights, state, _x(3, 2, 5, cfg.hidden_size), num_tokens=[3, 40])
+        dsa_jax.prefill(cfg, weights, state, random_rows(3, 2, 5, cfg.hidden_size),
+                        num_tokens=[3, 40])
     shared = dsa_jax.init_random_weights(cfg, jax.random.key(1), has_indexer=False)
     with pytest.raises(StepError, match=r"shared_sel has shape \(2, 2, 15\), expected "
                                         r"\(2, 3, 15\)"):
-        dsa_jax.decode_k(cfg, shared, state, _x(4, 2, 3, cfg.hidden_size),
+        dsa_jax.decode_k(cfg, shared, state, random_rows(4, 2, 3, cfg.hidden_size),
                          shared_sel=jnp.zeros((2, 2, cfg.sel_width), jnp.int32))
-    y, state, _ = dsa_jax.decode_k(cfg, weights, state, _x(5, 2, 4, cfg.hidden_size))
+    y, state, _ = dsa_jax.decode_k(cfg, weights, state, random_rows(5, 2, 4, cfg.hidden_size))
     assert np.isfinite(np.asarray(y)).all()
     assert np.asarray(state.lengths).tolist() == [14, 14]
