@@ -7,26 +7,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from bitwise import assert_bitwise, bits
 
 import dsa_jax
 from dsa_jax import checkpoint
 from dsa_jax.checkpoint import CheckpointError
 from dsa_jax.shapes import ODD
+from dsa_jax.testing import assert_trees_bitwise_equal, permuted_block_tables, random_rows
 
 # Two layers (a full one and a shared one), fp8 latents, bf16 indexer cache. (bf16 weights
 # are round-tripped too, but not run: XLA:CPU has no bf16 x bf16 -> f32 dot.)
 CFG = ODD.replace(cache_dtype="float8_e4m3fn", index_cache_dtype="bfloat16",
                   indexer_types=("full", "shared"))
 BF16 = CFG.replace(param_dtype="bfloat16")
-
-
-def _copy(tree):
-    return jax.tree_util.tree_map(jnp.copy, tree)
-
-
-def _x(seed, *shape):
-    return jax.random.normal(jax.random.key(seed), shape)
 
 
 def _weights(cfg=CFG):
@@ -50,57 +42,55 @@ def test_weights_round_trip_bitwise(tmp_path):
     assert restored[0].has_indexer and not restored[1].has_indexer
     assert restored[1].k_norm_w is None and restored[1].ape is None
     assert restored[0].x_proj.dtype == jnp.bfloat16
-    assert_bitwise(restored, weights)
+    assert_trees_bitwise_equal(restored, weights)
     info = checkpoint.read_info(path)
     assert info["kind"] == "weights" and info["layers"] == [0, 1]
     assert info["has_indexer"] == [True, False]
     # Serving geometry is not part of the weights: another max_context restores fine.
     other = checkpoint.restore_weights(path, BF16.replace(max_context=192, block_size=16,
                                                           cache_dtype="float32"))
-    assert_bitwise(other, weights)
+    assert_trees_bitwise_equal(other, weights)
 
 
 def test_state_round_trip_and_decode_after_restore_bitwise(tmp_path, monkeypatch):
     weights = _weights()
     b, nb = 2, 2 * CFG.blocks_per_seq + 3  # an allocator's pool: more blocks than needed
-    perm = np.asarray(jax.random.permutation(jax.random.key(3), nb), np.int32)
-    tables = perm[: b * CFG.blocks_per_seq].reshape(b, CFG.blocks_per_seq)
+    tables = permuted_block_tables(CFG, b, 3, num_blocks=nb)
     states = [dsa_jax.init_state(CFG, b, num_blocks=nb, kv_scale=0.07, block_tables=tables),
               dsa_jax.init_state(CFG, b, num_blocks=nb, kv_scale=0.11, block_tables=tables,
                                  has_indexer=False)]
     # A ragged prefix: 37 and 22 tokens.
-    _, states, _ = _step(states, weights, _x(4, b, 37, CFG.hidden_size),
+    _, states, _ = _step(states, weights, random_rows(4, b, 37, CFG.hidden_size),
                          lambda *a, **k: dsa_jax.prefill(*a, num_tokens=[37, 22], **k))
     assert states[0].latent.dtype == jnp.float8_e4m3fn
     assert float(jnp.max(jnp.abs(states[0].latent.astype(jnp.float32)))) > 0
-    extra = {"free_blocks": perm[b * CFG.blocks_per_seq:], "next_request": 7,
+    extra = {"free_blocks": np.setdiff1d(np.arange(nb), tables), "next_request": 7,
              "requests": {"a": [0, 37], "b": [1, 22]}, "empty": np.zeros((0,), np.int64)}
     monkeypatch.chdir(tmp_path)  # a relative path is made absolute for orbax
     checkpoint.save_state("prefix", CFG, states, extra)
     restored, extra_back = checkpoint.restore_state(tmp_path / "prefix", CFG)
-    assert_bitwise(restored, states)
+    assert_trees_bitwise_equal(restored, states)
     assert restored[1].index_k.shape == (b, 0, CFG.index_head_dim)
     assert np.asarray(restored[0].lengths).tolist() == [37, 22]
     assert extra_back["next_request"] == 7 and extra_back["requests"] == extra["requests"]
     assert isinstance(extra_back["free_blocks"], np.ndarray)
-    assert bits(extra_back["free_blocks"]) == bits(extra["free_blocks"])
+    assert_trees_bitwise_equal(extra_back["free_blocks"], extra["free_blocks"])
     assert extra_back["empty"].shape == (0,) and extra_back["empty"].dtype == np.int64
 
     # The saved states were not consumed: decode both copies with the same rows.
     ours, theirs = states, restored
     for t in range(5):
-        x = _x(10 + t, b, CFG.hidden_size)
+        x = random_rows(10 + t, b, CFG.hidden_size)
         y_a, ours, sel_a = _step(ours, weights, x, dsa_jax.decode)
         y_b, theirs, sel_b = _step(theirs, weights, x, dsa_jax.decode)
-        assert bits(y_a) == bits(y_b)
-        assert bits(sel_a) == bits(sel_b)
-    assert_bitwise(theirs, ours)
+        assert_trees_bitwise_equal((y_a, sel_a), (y_b, sel_b))
+    assert_trees_bitwise_equal(theirs, ours)
 
     # Without extra, restore gives None; `implementation` may differ.
     checkpoint.save_state(tmp_path / "noextra", CFG, ours)
     again, none = checkpoint.restore_state(tmp_path / "noextra", CFG.replace(implementation="auto"))
     assert none is None
-    assert_bitwise(again, ours)
+    assert_trees_bitwise_equal(again, ours)
 
 
 def test_mismatched_config_names_fields_and_values(tmp_path):
@@ -143,9 +133,9 @@ def test_overwrite_is_explicit(tmp_path):
     checkpoint.save_weights(path, CFG, w1)
     with pytest.raises(CheckpointError, match="already exists; pass overwrite=True"):
         checkpoint.save_weights(path, CFG, w2)
-    assert_bitwise(checkpoint.restore_weights(path, CFG), w1)  # untouched
+    assert_trees_bitwise_equal(checkpoint.restore_weights(path, CFG), w1)  # untouched
     checkpoint.save_weights(path, CFG, w2, overwrite=True)
-    assert_bitwise(checkpoint.restore_weights(path, CFG), w2)
+    assert_trees_bitwise_equal(checkpoint.restore_weights(path, CFG), w2)
     # Never over a directory that is not one of ours, even with overwrite=True.
     other = tmp_path / "mine"
     other.mkdir()
@@ -176,7 +166,8 @@ def test_convert_hf_checkpoint(tmp_path):
     dst = tmp_path / "folded"
     assert checkpoint.convert_hf_checkpoint(src, dst, CFG) == [0, 2]
     restored = checkpoint.restore_weights(dst, CFG)
-    assert_bitwise(restored, [dsa_jax.fold_weights(CFG, hf[0]), dsa_jax.fold_weights(CFG, hf[2])])
+    assert_trees_bitwise_equal(restored, [dsa_jax.fold_weights(CFG, hf[0]),
+                                          dsa_jax.fold_weights(CFG, hf[2])])
     assert checkpoint.read_info(dst)["layers"] == [0, 2]
     # One layer by id; a missing one names itself and what exists.
     assert checkpoint.convert_hf_checkpoint(tmp_path, tmp_path / "one", CFG, layers=[2]) == [2]

@@ -5,25 +5,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from bitwise import assert_bitwise, bits
 from flax import nnx
 
 import dsa_jax
 from dsa_jax import StepError, checkpoint
 from dsa_jax.nnx import DsaAttention, DsaCache
 from dsa_jax.shapes import ODD
+from dsa_jax.testing import assert_trees_bitwise_equal, permuted_block_tables, random_rows
 
 CFG = ODD.replace(cache_dtype="float8_e4m3fn", index_cache_dtype="bfloat16")
 B = 2
 
 
-def _x(seed, *shape):
-    return jax.random.normal(jax.random.key(seed), shape)
-
-
 def _tables():
-    n = B * CFG.blocks_per_seq
-    return np.asarray(jax.random.permutation(jax.random.key(5), n), np.int32).reshape(B, -1)
+    return permuted_block_tables(CFG, B, 5)
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +27,10 @@ def weights():
 
 
 # One script of steps: ragged prefill, decodes, a 3-row verify, a rewind, an inactive row.
-PREFILL = _x(2, B, 29, CFG.hidden_size)
-DECODES = [_x(10 + t, B, CFG.hidden_size) for t in range(3)]
-VERIFY = _x(20, B, 3, CFG.hidden_size)
-LAST = _x(30, B, CFG.hidden_size)
+PREFILL = random_rows(2, B, 29, CFG.hidden_size)
+DECODES = [random_rows(10 + t, B, CFG.hidden_size) for t in range(3)]
+VERIFY = random_rows(20, B, 3, CFG.hidden_size)
+LAST = random_rows(30, B, CFG.hidden_size)
 
 
 def _functional(weights):
@@ -77,8 +72,8 @@ def test_eager_steps_bit_identical_to_functional(weights, functional):
         lambda m, x, a: m.decode(x, active=a),
         lambda m, x: m.decode_k(x),
         lambda m, n: m.rewind(n))
-    assert_bitwise(got, want)
-    assert_bitwise(got_state, want_state)
+    assert_trees_bitwise_equal(got, want)
+    assert_trees_bitwise_equal(got_state, want_state)
     assert got_state.latent.dtype == jnp.float8_e4m3fn
     assert np.asarray(model.lengths.get_value()).tolist() == [32, 21]
 
@@ -104,36 +99,37 @@ def test_nnx_jit_steps_bit_identical_to_functional(weights, functional):
         m.rewind(n)
 
     got, got_state = _module(model, prefill, decode, decode_k, rewind)
-    assert_bitwise(got, want)
-    assert_bitwise(got_state, want_state)
+    assert_trees_bitwise_equal(got, want)
+    assert_trees_bitwise_equal(got_state, want_state)
 
 
 def test_random_init_variables_reset_and_checks():
     model = DsaAttention(CFG, rngs=nnx.Rngs(params=3), num_seqs=B)
-    assert_bitwise(model.weights, dsa_jax.init_random_weights(CFG, nnx.Rngs(params=3).params()))
+    assert_trees_bitwise_equal(model.weights,
+                               dsa_jax.init_random_weights(CFG, nnx.Rngs(params=3).params()))
     params = nnx.state(model, nnx.Param)
     caches = nnx.state(model, DsaCache)
     assert len(jax.tree_util.tree_leaves(params)) == len(dsa_jax.DsaWeights._fields)
     assert len(jax.tree_util.tree_leaves(caches)) == len(dsa_jax.DsaState._fields)
     assert isinstance(model.latent, nnx.Cache)
 
-    x = _x(40, B, 29, CFG.hidden_size)  # the prefill shape above: compiled once
+    x = random_rows(40, B, 29, CFG.hidden_size)  # the prefill shape above: compiled once
     y0, sel0 = model.prefill(x)
-    y1, _ = model.decode(_x(41, B, CFG.hidden_size))
+    y1, _ = model.decode(random_rows(41, B, CFG.hidden_size))
     assert np.asarray(model.lengths.get_value()).tolist() == [30, 30]
     assert float(jnp.max(jnp.abs(y1))) > 0
     # reset: the next prefill is exactly a fresh module's.
     model.reset()
     assert np.asarray(model.lengths.get_value()).tolist() == [0, 0]
     y2, sel2 = model.prefill(x)
-    assert bits(y2) == bits(y0) and bits(sel2) == bits(sel0)
+    assert_trees_bitwise_equal((y2, sel2), (y0, sel0))
     # Eager calls check before writing: past max_context is a StepError, the cache unchanged.
     before = model.state
     with pytest.raises(StepError, match="past max_context 96"):
-        model.prefill(_x(42, B, 80, CFG.hidden_size))
-    assert_bitwise(model.state, before)
+        model.prefill(random_rows(42, B, 80, CFG.hidden_size))
+    assert_trees_bitwise_equal(model.state, before)
     with pytest.raises(StepError, match="does not fit max_verify"):
-        model.decode_k(_x(43, B, 5, CFG.hidden_size))
+        model.decode_k(random_rows(43, B, 5, CFG.hidden_size))
 
 
 def test_shared_layer_and_checkpoint_through_module(weights, tmp_path):
@@ -141,14 +137,14 @@ def test_shared_layer_and_checkpoint_through_module(weights, tmp_path):
     full = DsaAttention.from_weights(CFG, weights, B)
     shared = DsaAttention.from_weights(CFG, shared_w, B)
     assert full.has_indexer and not shared.has_indexer and shared.ape is None
-    x = _x(50, B, 29, CFG.hidden_size)
+    x = random_rows(50, B, 29, CFG.hidden_size)
     y0, sel = full.prefill(x)
     y1, sel1 = shared.prefill(y0, shared_sel=sel)
-    assert_bitwise(sel1, sel)
+    assert_trees_bitwise_equal(sel1, sel)
     # Functional reference of the shared layer.
     ref_y, _, _ = dsa_jax.prefill(CFG, shared_w, dsa_jax.init_state(CFG, B, has_indexer=False),
                                   y0, shared_sel=sel)
-    assert bits(y1) == bits(ref_y)
+    assert_trees_bitwise_equal(y1, ref_y)
 
     # Save both modules' caches, restore into fresh modules, decode both pairs equally.
     checkpoint.save_state(tmp_path / "prefix", CFG, [full.state, shared.state])
@@ -158,10 +154,10 @@ def test_shared_layer_and_checkpoint_through_module(weights, tmp_path):
     full2.set_state(states[0])
     shared2.set_state(states[1])
     for t in range(2):
-        xt = _x(60 + t, B, CFG.hidden_size)
+        xt = random_rows(60 + t, B, CFG.hidden_size)
         a0, s_a = full.decode(xt)
         a1, _ = shared.decode(a0, shared_sel=s_a)
         b0, s_b = full2.decode(xt)
         b1, _ = shared2.decode(b0, shared_sel=s_b)
-        assert bits(a1) == bits(b1) and bits(s_a) == bits(s_b)
-    assert_bitwise([full2.state, shared2.state], [full.state, shared.state])
+        assert_trees_bitwise_equal((a1, s_a), (b1, s_b))
+    assert_trees_bitwise_equal([full2.state, shared2.state], [full.state, shared.state])

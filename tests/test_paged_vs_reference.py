@@ -1,5 +1,6 @@
 """The paged XLA path (prefill + decode) against the dense fp32 reference, every cache dtype."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,36 +8,19 @@ import pytest
 
 import dsa_jax
 from dsa_jax import reference
+from dsa_jax import testing as T
 from dsa_jax.shapes import ODD
 from dsa_jax.state import dequantize_latent, quantize_latent
 
 FP32_RTOL = 2e-5  # fp32 everywhere, reductions of <= a few hundred terms
 
 
-def _permuted_tables(cfg, num_seqs, key):
-    """Each sequence gets physical blocks in a shuffled order (not the identity map)."""
-    n = num_seqs * cfg.blocks_per_seq
-    perm = np.asarray(jax.random.permutation(key, n), np.int32)
-    return perm.reshape(num_seqs, cfg.blocks_per_seq)
-
-
 def _run_paged(cfg, weights, x, prompt_len, kv_scale=1.0):
-    """Prefill `prompt_len` rows, then decode the rest one token at a time."""
-    b, s, _ = x.shape
-    state = dsa_jax.init_state(cfg, b, kv_scale=kv_scale,
-                               block_tables=_permuted_tables(cfg, b, jax.random.key(7)))
-    y0, state, sel0 = dsa_jax.prefill(cfg, weights, state, x[:, :prompt_len])
-    ys, sels = [y0], [sel0]
-    for t in range(prompt_len, s):
-        y, state, sel = dsa_jax.decode(cfg, weights, state, x[:, t])
-        ys.append(y[:, None])
-        sels.append(sel[:, None])
-    return jnp.concatenate(ys, 1), jnp.concatenate(sels, 1), state
-
-
-def _close(a, b, rtol=FP32_RTOL):
-    """||a - b|| <= rtol * ||b||: exact equality where the reference is 0 (an empty row)."""
-    return float(jnp.linalg.norm(a - b)) <= rtol * float(jnp.linalg.norm(b))
+    """Prefill `prompt_len` rows, then decode the rest one token at a time, through shuffled
+    block tables."""
+    state = dsa_jax.init_state(cfg, x.shape[0], kv_scale=kv_scale,
+                               block_tables=T.permuted_block_tables(cfg, x.shape[0], 7))
+    return T.prefill_then_decode(cfg, weights, state, x, prompt_len)
 
 
 @pytest.mark.parametrize("tail", [True, False])
@@ -45,14 +29,14 @@ def test_fp32_cache_matches_reference(tail, kpool):
     cfg = ODD.replace(index_kpool=kpool, always_select_tail=tail)
     hf = dsa_jax.init_random_hf_tensors(cfg, jax.random.key(1))
     weights = dsa_jax.fold_weights(cfg, hf)
-    x = jax.random.normal(jax.random.key(2), (2, 71, cfg.hidden_size))
+    x = T.random_rows(2, 2, 71, cfg.hidden_size)
     y, sel, state = _run_paged(cfg, weights, x, prompt_len=45)
     assert np.asarray(state.lengths).tolist() == [71, 71]
     for b in range(2):
         ref = reference.forward(cfg, hf, x[b])
-        np.testing.assert_array_equal(np.asarray(sel[b]), np.asarray(ref.sel))
+        chex.assert_trees_all_equal(sel[b], ref.sel)
         for t in range(71):
-            assert _close(y[b, t], ref.y[t]), (b, t)
+            T.assert_rel_close(y[b, t], ref.y[t], FP32_RTOL, f"row ({b}, {t})")
 
 
 def test_selection_bites_and_rows_without_pools_give_zero():
@@ -60,7 +44,7 @@ def test_selection_bites_and_rows_without_pools_give_zero():
     cfg = ODD.replace(always_select_tail=False)
     hf = dsa_jax.init_random_hf_tensors(cfg, jax.random.key(3))
     weights = dsa_jax.fold_weights(cfg, hf)
-    x = jax.random.normal(jax.random.key(4), (1, 40, cfg.hidden_size))
+    x = T.random_rows(4, 1, 40, cfg.hidden_size)
     y, sel, _ = _run_paged(cfg, weights, x, prompt_len=40)
     kp = cfg.index_kpool
     assert (np.asarray(y[0, :kp - 1]) == 0).all()
@@ -75,28 +59,28 @@ def test_bf16_cache_matches_reference_on_stored_values():
     cfg = ODD.replace(cache_dtype="bfloat16")
     hf = dsa_jax.init_random_hf_tensors(cfg, jax.random.key(5))
     weights = dsa_jax.fold_weights(cfg, hf)
-    x = jax.random.normal(jax.random.key(6), (2, 50, cfg.hidden_size))
+    x = T.random_rows(6, 2, 50, cfg.hidden_size)
     y, sel, _ = _run_paged(cfg, weights, x, prompt_len=30)
     roundtrip = lambda c: c.astype(jnp.bfloat16).astype(jnp.float32)
     for b in range(2):
         ref = reference.forward(cfg, hf, x[b], latent_roundtrip=roundtrip)
-        np.testing.assert_array_equal(np.asarray(sel[b]), np.asarray(ref.sel))
-        assert _close(y[b], ref.y)
+        chex.assert_trees_all_equal(sel[b], ref.sel)
+        T.assert_rel_close(y[b], ref.y, FP32_RTOL, f"sequence {b}")
 
 
 def _fp8_bound(cfg, hf, x, kv_scale):
     """A rigorous bound on |y_fp8 - y_exact| per row, from the data (elementwise, max norm).
 
-    e4m3 keeps 3 mantissa bits: a normal value is stored with relative error <= 2^-4 and a
-    subnormal (|c/s| < 2^-6) with absolute error <= 2^-10 * s, so |dc| <= eps*|c| + 2^-10*s
-    with eps = 2^-4. Scores move by |ds_j| <= scale * sum_c |a_c| |dc_c| =: delta; a softmax
+    e4m3 keeps 3 mantissa bits: a normal value is stored with relative error <= u = 2^-4 and a
+    subnormal (|c/s| < 2^-6, spaced 2^-9) with absolute error <= 2^-10 * s, so
+    |dc| <= u*|c| + 2^-10*s. Scores move by |ds_j| <= scale * sum_c |a_c| |dc_c| =: delta; a softmax
     whose logits move by at most delta changes p by ||dp||_1 <= exp(2*delta) - 1. The latent
     sum then moves by <= max|dc| + (exp(2 delta) - 1) * max|c|, and y by at most that times
     the max row sum of |W_o U_v| (the output map from the attended latent).
     """
     w = {k: jnp.asarray(v, jnp.float32) for k, v in hf.items()}
     H, C, Dn, Dv = cfg.num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim
-    eps, s = 2.0 ** -4, kv_scale
+    u, s = T.unit_roundoff(jnp.float8_e4m3fn), kv_scale
     q_resid = reference.rms_norm(x @ w["q_a_proj.weight"].T, w["q_a_layernorm.weight"],
                                  cfg.rms_norm_eps)
     q = (q_resid @ w["q_b_proj.weight"].T).reshape(-1, H, Dn)
@@ -104,7 +88,7 @@ def _fp8_bound(cfg, hf, x, kv_scale):
     a = jnp.einsum("thd,hdc->thc", q, kv_b[:, :Dn])  # [S, H, C]
     c = reference.rms_norm((x @ w["kv_a_proj_with_mqa.weight"].T)[:, :C],
                            w["kv_a_layernorm.weight"], cfg.rms_norm_eps)
-    dc = eps * jnp.abs(c) + 2.0 ** -10 * s  # [S, C]
+    dc = u * jnp.abs(c) + 2.0 ** -10 * s  # [S, C]
     delta = Dn ** -0.5 * jnp.max(jnp.einsum("thc,jc->thj", jnp.abs(a), dc), axis=(1, 2))
     # Output map per head: y = W_o[:, h] U_v[h] o_lat[h]; bound by max row abs-sum.
     wo = w["o_proj.weight"].reshape(-1, H, Dv)
@@ -118,7 +102,7 @@ def test_fp8_cache_exact_on_stored_values_and_within_derived_bound():
     cfg = ODD.replace(cache_dtype="float8_e4m3fn")
     hf = dsa_jax.init_random_hf_tensors(cfg, jax.random.key(8))
     weights = dsa_jax.fold_weights(cfg, hf)
-    x = jax.random.normal(jax.random.key(9), (2, 50, cfg.hidden_size))
+    x = T.random_rows(9, 2, 50, cfg.hidden_size)
     kv_scale = 0.05  # latents reach ~|4|: stored values land near the top of e4m3's range
     y, sel, state = _run_paged(cfg, weights, x, prompt_len=30, kv_scale=kv_scale)
     assert state.latent.dtype == jnp.float8_e4m3fn
@@ -126,8 +110,8 @@ def test_fp8_cache_exact_on_stored_values_and_within_derived_bound():
     roundtrip = lambda c: dequantize_latent(cfg, quantize_latent(cfg, c, scale), scale)
     for b in range(2):
         stored = reference.forward(cfg, hf, x[b], latent_roundtrip=roundtrip)
-        np.testing.assert_array_equal(np.asarray(sel[b]), np.asarray(stored.sel))
-        assert _close(y[b], stored.y)
+        chex.assert_trees_all_equal(sel[b], stored.sel)
+        T.assert_rel_close(y[b], stored.y, FP32_RTOL, f"sequence {b}")
         exact = reference.forward(cfg, hf, x[b])
         bound = _fp8_bound(cfg, hf, x[b], kv_scale)
         err = jnp.max(jnp.abs(y[b] - exact.y), axis=-1)
@@ -145,7 +129,8 @@ def test_fp8_write_clips_to_e4m3_range():
 def test_bf16_weights_match_reference_within_bf16_rounding():
     """bf16 weights (the GLM default): the reference on the same bf16-rounded weights, within
     the activations' own bf16 roundings. Five sit on the path (x, q_resid, q, o_latent, o),
-    each <= 2^-9 relative, so the normwise error stays under 5 * 2^-9 to first order."""
+    each <= u = 2^-8 relative (bf16 keeps 8 significant bits), so the normwise error stays
+    under 5 u to first order."""
     from dsa_jax.hf_oracle import boundary_gaps
 
     cfg = ODD.replace(param_dtype="bfloat16")
@@ -154,11 +139,11 @@ def test_bf16_weights_match_reference_within_bf16_rounding():
             for k, v in hf.items()}
     weights = dsa_jax.fold_weights(cfg, hf)
     assert weights.x_proj.dtype == jnp.bfloat16
-    x = jax.random.normal(jax.random.key(13), (2, 60, cfg.hidden_size))
+    x = T.random_rows(13, 2, 60, cfg.hidden_size)
     y, sel, _ = _run_paged(cfg, weights, x, prompt_len=40)
     for b in range(2):
         ref = reference.forward(cfg, hf16, x[b])
-        assert _close(y[b], ref.y, rtol=5 * 2.0 ** -9)
+        T.assert_rel_close(y[b], ref.y, 5 * T.unit_roundoff(jnp.bfloat16), f"sequence {b}")
         # Sets (slot order follows scores, which bf16 may reorder) on rows without a near-tie
         # at the top-k boundary.
         clear = boundary_gaps(np.asarray(ref.pool_scores), cfg.select_k) > 0.05

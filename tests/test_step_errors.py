@@ -7,6 +7,7 @@ import pytest
 import dsa_jax
 from dsa_jax import ImplementationError, StepError
 from dsa_jax.shapes import ODD
+from dsa_jax.testing import random_rows
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +17,8 @@ def layer():
 
 
 def _x(cfg, *shape):
-    return jax.random.normal(jax.random.key(sum(shape)), (*shape, cfg.hidden_size))
+    """Random rows `[*shape, D]`, seeded by their shape."""
+    return random_rows(sum(shape), *shape, cfg.hidden_size)
 
 
 def _assert_usable(cfg, weights, state, lengths):

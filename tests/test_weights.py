@@ -1,5 +1,6 @@
 """Loading under other checkpoint prefixes, and the per-rank (tensor-parallel) folds."""
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -7,6 +8,7 @@ from safetensors.numpy import save_file
 
 import dsa_jax
 from dsa_jax.shapes import ODD
+from dsa_jax.testing import assert_trees_bitwise_equal
 from dsa_jax.weights import WeightError, head_weight_scale
 
 
@@ -19,9 +21,7 @@ def test_multimodal_prefix_loads_the_named_layer(tmp_path):
     path = str(tmp_path / "model.safetensors")
     save_file(tensors, path)
     got = dsa_jax.read_hf_tensors(path, cfg, 3)
-    assert set(got) == set(hf)
-    for k in hf:
-        np.testing.assert_array_equal(got[k], hf[k])
+    assert_trees_bitwise_equal(got, hf)
     shared = dsa_jax.load_hf_layer(path, cfg, 4)
     assert not shared.has_indexer and shared.k_norm_w is None
     with pytest.raises(WeightError, match="no attention tensors for layer 0"):
@@ -55,6 +55,6 @@ def test_head_weight_fold_is_the_two_scales():
     rows = w.x_proj[-cfg.index_n_heads:]
     want = hf["indexer.weights_proj.weight"] * cfg.index_n_heads ** -0.5 \
         * cfg.index_head_dim ** -0.5
-    np.testing.assert_allclose(rows, want, rtol=1e-6)
+    chex.assert_trees_all_close(rows, want, rtol=1e-6)
     assert head_weight_scale(cfg) == pytest.approx(want[0, 0] / hf[
         "indexer.weights_proj.weight"][0, 0])
