@@ -25,6 +25,7 @@ import dataclasses
 import json
 import os
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,6 +37,7 @@ from dsa_jax.hf_oracle import (
     PREFIX,
     boundary_gaps,
     checkpoint_tensors,
+    config_for,
     layer_tensors,
     make_attention_layers,
     make_config,
@@ -44,6 +46,7 @@ from dsa_jax.hf_oracle import (
     selection_sets,
     write_config,
 )
+from dsa_jax.testing import assert_trees_bitwise_equal, prefill_then_decode
 
 RTOL = 1e-4  # per row, fp32 everywhere (the issue's bound)
 GAP_RTOL = 1e-4  # minimum relative score gap at every top-k boundary of a usable draw
@@ -106,6 +109,19 @@ def test_boundary_gaps_flags_ties():
     assert gaps[2] == inf
 
 
+def test_config_for_round_trips_a_dsa_config():
+    """The one transformers config built from ours reads back as the same block."""
+    from dsa_jax.shapes import ODD
+
+    cfg = ODD.replace(indexer_types=("full", "shared", "full"), always_select_tail=False,
+                      rms_norm_eps=1e-6)
+    serving = ("max_context", "block_size", "max_verify", "cache_dtype", "index_cache_dtype",
+               "param_dtype", "tp_degree", "implementation")
+    back = dsa_jax.DsaConfig.from_hf_config(config_for(cfg).to_dict(),
+                                            **{name: getattr(cfg, name) for name in serving})
+    assert back == cfg
+
+
 def _draw(case: Case, config, cfg, seed: int):
     """Layers and inputs of one seed, the reference outputs, and the smallest boundary gap."""
     layers = make_attention_layers(config, seed)
@@ -144,31 +160,18 @@ class Built:
 
 
 def _run_ours(cfg, weights, x, prompt_len):
-    """Our paged path over all layers: prefill, then one decode per token."""
-    states = [dsa_jax.init_state(cfg, BATCH, has_indexer=w.has_indexer) for w in weights]
-    ys = [[] for _ in weights]
-    sels = [[] for _ in weights]
-    xj = jnp.asarray(x)
-    steps = [(0, prompt_len)] + [(t, t + 1) for t in range(prompt_len, x.shape[1])]
-    for i, (start, stop) in enumerate(steps):
-        shared = None  # the full layer's selection of this step, for the shared layer after it
-        for layer, w in enumerate(weights):
-            kw = {} if w.has_indexer else {"shared_sel": shared}
-            if i == 0:
-                y, states[layer], sel = dsa_jax.prefill(cfg, w, states[layer], xj[:, start:stop],
-                                                        **kw)
-            else:
-                y, states[layer], sel = dsa_jax.decode(cfg, w, states[layer], xj[:, start],
-                                                       **kw)
-            if w.has_indexer:
-                shared = sel
-            if i > 0:
-                y, sel = y[:, None], sel[:, None]
-            ys[layer].append(np.asarray(y))
-            sels[layer].append(np.asarray(sel))
-    for s in states:
-        assert np.asarray(s.lengths).tolist() == [x.shape[1]] * BATCH
-    return [np.concatenate(v, 1) for v in ys], [np.concatenate(v, 1) for v in sels]
+    """Our paged path, every layer fed the same `x`: prefill, then one decode per token; a
+    shared layer is handed the selections of the full layer before it."""
+    ys, sels, shared = [], [], None
+    for w in weights:
+        state = dsa_jax.init_state(cfg, BATCH, has_indexer=w.has_indexer)
+        y, sel, state = prefill_then_decode(cfg, w, state, jnp.asarray(x), prompt_len,
+                                            shared_sel=None if w.has_indexer else shared)
+        assert np.asarray(state.lengths).tolist() == [x.shape[1]] * BATCH
+        shared = sel if w.has_indexer else shared
+        ys.append(y)
+        sels.append(sel)
+    return ys, sels
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: c.name)
@@ -275,7 +278,7 @@ def test_paged_prefill_decode_matches_hf(built):
               f"{built.min_gap:.1e}, worst row error vs HF {worst:.1e}")
     if len(built.case.indexer_types) > 1:
         # The shared layer reports the selection it was handed.
-        np.testing.assert_array_equal(built.ours_sel[1], built.ours_sel[0])
+        chex.assert_trees_all_equal(built.ours_sel[1], built.ours_sel[0], strict=True)
 
 
 def test_reference_matches_hf(built):
@@ -370,15 +373,8 @@ def test_sharded_checkpoint_loads_same_weights(tmp_path, small_ckpt):
     for layer in (0, 1):
         a = dsa_jax.read_hf_tensors(single, cfg, layer)
         b = dsa_jax.read_hf_tensors(folder, cfg, layer)
-        assert sorted(a) == sorted(b) == sorted(layer_tensors(layers[layer]))
-        for name in a:
-            np.testing.assert_array_equal(a[name], b[name])
-            np.testing.assert_array_equal(b[name], layer_tensors(layers[layer])[name])
+        assert_trees_bitwise_equal(a, b, layer_tensors(layers[layer]))
         wa = dsa_jax.load_hf_layer(single, cfg, layer)
         wb = dsa_jax.load_hf_layer(folder, cfg, layer)
         assert wa.has_indexer == wb.has_indexer == (layer == 0)
-        for fa, fb in zip(wa, wb, strict=True):
-            if fa is None:
-                assert fb is None
-            else:
-                np.testing.assert_array_equal(np.asarray(fa), np.asarray(fb))
+        assert_trees_bitwise_equal(wa, wb)
