@@ -26,6 +26,7 @@ import os
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import chex
 import numpy as np
 import torch
 from safetensors.numpy import save_file
@@ -209,6 +210,9 @@ def run_hf(config: Glm5NextTextConfig, layers: Sequence[Glm5NextTextAttention],
     passed to the next layer as `prev_topk_indices`, as `Glm5NextTextModel` does. The indexers'
     selections are captured with forward hooks.
     """
+    chex.assert_shape(x, (None, None, config.hidden_size))
+    if not 1 <= prompt_len <= x.shape[1]:
+        raise ValueError(f"prompt_len {prompt_len} must be in [1, {x.shape[1]}] (rows of x)")
     x_t = torch.from_numpy(np.array(x, np.float32))  # a writable copy
     b, n, _ = x_t.shape
     cache = DynamicCache(config=config)

@@ -3,7 +3,8 @@
 Every row `t` of `x [S, D]` is the token at position `t` (causal over the rows before it).
 Weights are the unfolded HF tensors (see `weights.py`), so nothing here depends on our folds,
 our state layout or our kernels. Dense on purpose: attention goes through an `[S, S]` mask
-built from the selected sets, as Hugging Face does, never through a gather. Imports config only.
+built from the selected sets, as Hugging Face does, never through a gather. Imports config
+only (and chex, for the input contract).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
+import chex
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -101,6 +103,9 @@ def forward(cfg: DsaConfig, hf: Mapping[str, jax.Array], x: jax.Array, *,
     `index_roundtrip` model a cache's storage (e.g. fp8 quantize-dequantize of the latents, bf16
     of the indexer's k and gate), so a paged path can be compared on the same stored values.
     """
+    chex.assert_shape(x, (None, cfg.hidden_size))
+    if shared_sel is not None:
+        chex.assert_shape(shared_sel, (x.shape[0], cfg.sel_width))
     w = {name: jnp.asarray(v, jnp.float32) for name, v in hf.items()}
     x = jnp.asarray(x, jnp.float32)
     s = x.shape[0]

@@ -198,7 +198,7 @@ def test_pool_scores_negative_zero_is_normalized(impl):
 
 def _check_topk(impl, s, k, **kernel_options):
     out = np.asarray(T.run_op("pool_topk", impl, s, k, kernel_options=kernel_options))
-    np.testing.assert_array_equal(out, T.topk_definition(s, k))
+    chex.assert_trees_all_equal(out, T.topk_definition(s, k), strict=True)
     assert all(len(set(row)) == k for row in out.reshape(-1, k))  # distinct pools
 
 
@@ -235,7 +235,7 @@ def test_pool_topk_batch_dims_and_bad_k(kernel_impl):
     out = T.run_op("pool_topk", kernel_impl, s, 20)
     chex.assert_shape(out, (2, 3, 20))
     chex.assert_type(out, jnp.int32)
-    np.testing.assert_array_equal(out, T.topk_definition(s, 20))
+    chex.assert_trees_all_equal(out, T.topk_definition(s, 20))
     with pytest.raises(ValueError, match="k=51"):
         T.run_op("pool_topk", kernel_impl, s, 51)
 
@@ -256,7 +256,7 @@ def test_layer_kernels_match_xla(kernel_impl):
         state = dsa_jax.init_state(cfg, b, kv_scale=0.05, block_tables=tables)
         results[impl] = T.prefill_then_decode(cfg, weights, state, x, prompt)[:2]
     (y_x, sel_x), (y_p, sel_p) = results["xla"], results[kernel_impl]
-    np.testing.assert_array_equal(sel_p, sel_x)
+    chex.assert_trees_all_equal(sel_p, sel_x, strict=True)
     assert ((sel_x[:, -1] >= 0).sum(-1) < prompt + steps).all()  # the selection bites
     assert not np.isnan(y_p).any()
     T.assert_rel_close(y_p, y_x, 1e-2, "layer output")

@@ -150,3 +150,12 @@ def test_bf16_weights_match_reference_within_bf16_rounding():
         assert clear.mean() > 0.5
         for t in np.flatnonzero(clear):
             assert set(np.asarray(sel[b, t]).tolist()) == set(np.asarray(ref.sel[t]).tolist())
+
+
+def test_reference_states_its_input_contract():
+    cfg = ODD
+    hf = dsa_jax.init_random_hf_tensors(cfg, jax.random.key(1))
+    with pytest.raises(AssertionError, match=r"\(5, 7\) but expected \(None, 80\)"):
+        reference.forward(cfg, hf, jnp.ones((5, 7)))
+    with pytest.raises(AssertionError, match=r"\(5, 14\) but expected \(5, 15\)"):
+        reference.forward(cfg, hf, jnp.ones((5, 80)), shared_sel=jnp.zeros((5, 14), jnp.int32))
