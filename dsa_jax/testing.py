@@ -2,10 +2,11 @@
 check against, error measures, tolerances derived from dtypes and reduction lengths, and
 bitwise comparison of pytrees (on chex).
 
-- Random inputs (random normal draws, never zeros): `random_rows`, `permuted_block_tables`,
-  `random_state`, and the cache ops' operands (`attend_inputs`, `pool_inputs`, `topk_scores`,
-  `latent_write_inputs`, `index_write_inputs`). Random HF tensors have one recipe,
-  `dsa_jax.init_random_hf_tensors` (weights.py); whatever needs them here calls it.
+- Random inputs (numpy normal draws from a seed, never zeros): `random_rows`,
+  `permuted_block_tables`, `random_state`, and the cache ops' operands (`attend_inputs`,
+  `pool_inputs`, `topk_scores`, `latent_write_inputs`, `index_write_inputs`). Random HF
+  tensors have one recipe, `dsa_jax.weights.random_hf_value`, drawn by
+  `dsa_jax.init_random_hf_tensors` (and by the HF oracle's own generator).
 - Running: `copy_tree` (a second state: the steps donate theirs), `prefill_then_decode`,
   `run_op` (one op of `dsa_jax.implementation.OPS` under "xla", "pallas-interpret" or
   "pallas").
