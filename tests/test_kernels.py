@@ -2,9 +2,12 @@
 "xla" (the jnp twin), "pallas-interpret" (the kernels in interpret mode, any backend) and
 "pallas" (compiled; `gpu` marker, skipped off a GPU).
 
-The H200 correctness run is `pytest -m gpu` (on the GPU machine, from the repository root):
-every "pallas" case below, the kernels at GLM-5.3-Flash per-rank shapes, the layer through
-the compiled kernels, and decode_k == serial decodes bit for bit (tests/test_serving_paths.py).
+The H200 correctness run is `pytest -m gpu` on the GPU machine, from the repository root
+(`python -m pytest -m gpu tests/test_kernels.py tests/test_write_kernels.py
+tests/test_serving_paths.py` needs neither hypothesis nor torch): every "pallas" case below,
+the kernels at GLM-5.3-Flash shapes (per rank at TP 8, and TP 1), the layer through the
+compiled kernels, the cache writes, and decode_k == serial decodes bit for bit at GLM per-rank
+shapes with an fp8 cache (tests/test_serving_paths.py). Off a GPU those cases are skipped.
 
 Inputs are random (never zeros), shapes are not powers of two (odd head counts, odd widths,
 partial last tiles and splits), block tables are permuted. Interpret mode starts every output
