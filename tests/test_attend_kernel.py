@@ -10,7 +10,7 @@ same rounding points: f16 q, f16 p, fp32 sums, log2-unit softmax, per-split part
 
 Tolerances, derived (e = 2^-24, fp32 accumulation), per row with s = softmax_scale * kv_scale,
 c_j the dequantized latent row, M = max_j |c_j|_inf and L_j = s sum_c |q_c| |c_jc|:
-  * Triton (bf16 operands, u = 2^-9): tests/test_kernels.py's bound,
+  * Triton (bf16 operands, u = 2^-8): tests/test_kernels.py's bound (dsa_jax.testing),
     2 [(exp(2D) - 1) + u + 4 (W + S) e] M with D = max_j (u + 2 C e) L_j; the column split only
     reorders fp32 sums, which 2 C e L_j already covers.
   * Mosaic (f16 operands, u = 2^-11): each row's q is scaled by 2^k (max |q| in [2^13, 2^14))
@@ -26,64 +26,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dsa_jax import testing as T
 from dsa_jax.pallas import sparse_attend as sa
 from dsa_jax.pallas import sparse_attend_mgpu as mg
 
-E32 = 2.0 ** -24
-U_BF16, U_F16 = 2.0 ** -9, 2.0 ** -11
+E32 = T.E32
+U_BF16, U_F16 = T.unit_roundoff(jnp.bfloat16), T.unit_roundoff(jnp.float16)
 DTYPES = ["float8_e4m3fn", "bfloat16", "float32"]
-
-
-def _inputs(seed, b, r, h, c, w, bs, mb, dtype, kv_scale=0.05, empty=()):
-    """Random q, cache (NB > B*MB: spare blocks), permuted tables, sel with ~20% -1 and the
-    (b, r) rows in `empty` fully -1."""
-    ks = jax.random.split(jax.random.key(seed), 5)
-    nb = b * mb + 2
-    q = jax.random.normal(ks[0], (b, r, h, c))
-    lat = jax.random.normal(ks[1], (nb, bs, c))
-    if dtype == "float8_e4m3fn":
-        lat = jnp.clip(lat / kv_scale, -448, 448)
-    lat = lat.astype(dtype)
-    tables = jax.random.permutation(ks[2], nb)[: b * mb].reshape(b, mb).astype(jnp.int32)
-    sel = jax.random.randint(ks[3], (b, r, w), 0, mb * bs).astype(jnp.int32)
-    sel = jnp.where(jax.random.uniform(ks[4], sel.shape) < 0.2, -1, sel)
-    for bi, ri in empty:
-        sel = sel.at[bi, ri].set(-1)
-    return q, lat, jnp.float32(kv_scale), tables, sel
-
-
-def _rows(lat, kv_scale, tables, sel):
-    """Selected rows, dequantized, float64 [B, R, W, C]; -1 slots are zeros."""
-    nb, bs, c = lat.shape
-    flat = np.asarray(lat.astype(jnp.float32), np.float64).reshape(nb * bs, c)
-    if lat.dtype == jnp.float8_e4m3fn:
-        flat = flat * float(kv_scale)
-    sel, tables = np.asarray(sel), np.asarray(tables)
-    s = np.clip(sel, 0, None)
-    slots = tables[np.arange(sel.shape[0])[:, None, None], s // bs] * bs + s % bs
-    return np.where((sel >= 0)[..., None], flat[slots], 0.0)
 
 
 def _bound(q, lat, kv_scale, tables, sel, scale, u, splits, q_sub=None):
     """The module docstring's elementwise bound, [B, R, 1, 1]. q_sub [B, R]: 2^-25 2^-k (f16
     subnormal rounding of the scaled q, Mosaic only)."""
-    rows = _rows(lat, kv_scale, tables, sel)
-    c, w = rows.shape[-1], rows.shape[-2]
-    l_j = scale * np.einsum("brhc,brwc->brhw", np.abs(np.asarray(q, np.float64)), np.abs(rows))
-    d = (u + 2 * c * E32) * l_j.max(axis=(2, 3))  # [B, R]
-    extra = 0.0
-    if q_sub is not None:
-        d = d + scale * q_sub * np.abs(rows).sum(axis=3).max(axis=2)
-        extra = w * 2.0 ** -25
-    m = np.abs(rows).max(axis=(2, 3))
-    return 2.0 * ((np.expm1(2 * d) + u + extra + 4 * (w + splits) * E32) * m)[..., None, None]
-
-
-def _check(out, ref, bound):
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    assert not np.isnan(out).any(), "an output element was never written (or a NaN leaked)"
-    err = np.abs(out - ref)
-    assert (err <= bound).all(), f"max err/bound {np.max(err / np.maximum(bound, 1e-30)):.3g}"
+    floors = {} if q_sub is None else dict(q_floor=q_sub, p_floor=2.0 ** -25)
+    return T.attend_bound(q, lat, kv_scale, tables, sel, scale, u, splits, **floors)
 
 
 # ------------------------------------------------------------------ Triton column split
@@ -103,12 +59,12 @@ CB_PARAMS = [(i, dt) for i, case in enumerate(CB_CASES) for dt in case[-1]]
 @pytest.mark.parametrize("case,dtype", CB_PARAMS)
 def test_triton_column_split_matches_twin(case, dtype):
     b, r, h, c, w, bs, mb, kw, _ = CB_CASES[case]
-    args = _inputs(30 + case + len(dtype), b, r, h, c, w, bs, mb, dtype, empty=[(0, 0)])
+    args = T.attend_inputs(30 + case + len(dtype), b, r, h, c, w, bs, mb, dtype, empty=[(0, 0)])
     out = sa.sparse_attend_pallas(*args, softmax_scale=0.3, interpret=True, tuning=TRITON_CB,
                                   **kw)
     ref = sa.sparse_attend_xla(*args, softmax_scale=0.3)
     u = U_BF16 if dtype != "float32" else E32
-    _check(out, ref, _bound(*args, 0.3, u, splits=8))
+    T.assert_attend_close(out, ref, _bound(*args, 0.3, u, splits=8))
     assert (np.asarray(out)[0, 0] == 0).all()  # an empty selection returns exactly 0
 
 
@@ -116,7 +72,7 @@ def test_triton_column_split_matches_twin(case, dtype):
 def test_triton_never_reads_unselected_rows(col_blocks):
     """Every cache row outside the selection (slot 0 included, which empty slots clamp to) is
     NaN: the output has no NaN and equals, bitwise, the output with those rows finite."""
-    q, lat, kv, tables, sel = _inputs(7, 2, 2, 5, 24, 37, 8, 6, "float8_e4m3fn",
+    q, lat, kv, tables, sel = T.attend_inputs(7, 2, 2, 5, 24, 37, 8, 6, "float8_e4m3fn",
                                       empty=[(1, 1)])
     nb, bs, c = lat.shape
     rows = jax.vmap(sa.token_slots, in_axes=(0, 0, None))(sel, tables, bs)
@@ -131,7 +87,7 @@ def test_triton_never_reads_unselected_rows(col_blocks):
                                                interpret=True, tuning=tun, block_w=16))
             for x in (poisoned, lat)]
     assert not np.isnan(outs[0]).any()
-    np.testing.assert_array_equal(outs[0], outs[1])
+    T.assert_trees_bitwise_equal(outs[0], outs[1])
     assert (outs[0][1, 1] == 0).all() and (np.abs(outs[0][0, 0]) > 0).any()
 
 
@@ -158,7 +114,7 @@ def test_backend_rule():
     with pytest.raises(ValueError, match="interpret"):
         pick(mos, fp8, 64, 512, True, False)
     with pytest.raises(ValueError, match="interpret"):  # raised before anything is traced
-        sa.sparse_attend_pallas(*_inputs(1, 1, 1, 64, 128, 8, 8, 2, "float8_e4m3fn"),
+        sa.sparse_attend_pallas(*T.attend_inputs(1, 1, 1, 64, 128, 8, 8, 2, "float8_e4m3fn"),
                                 softmax_scale=0.3, interpret=True, tuning=mos)
 
 
@@ -190,7 +146,7 @@ def test_mosaic_plan_fits_the_h200():
 # ------------------------------------------------------------------ Mosaic host side, math
 
 def test_row_scales_are_exact_powers_of_two():
-    q = np.array(jax.random.normal(jax.random.key(3), (5, 3, 16)), np.float32)
+    q = np.array(T.random_rows(3, 5, 3, 16))
     q[1] *= 1e-30
     q[2] *= 1e30
     q[3] = 0.0
@@ -252,11 +208,11 @@ def _mosaic_model(q, lat, kv, tables, sel, scale, splits, block_w=64):
 
 @pytest.mark.parametrize("splits", [1, 3])
 def test_mosaic_arithmetic_meets_the_f16_bound(splits):
-    args = _inputs(11 + splits, 2, 2, 5, 256, 150, 16, 12, "float8_e4m3fn", kv_scale=1 / 64,
+    args = T.attend_inputs(11 + splits, 2, 2, 5, 256, 150, 16, 12, "float8_e4m3fn", kv_scale=1 / 64,
                    empty=[(1, 0)])
     got, q_sub = _mosaic_model(*args, 0.0625, splits)
     ref = sa.sparse_attend_xla(*args, softmax_scale=0.0625)
-    _check(got, ref, _bound(*args, 0.0625, U_F16, splits, q_sub))
+    T.assert_attend_close(got, ref, _bound(*args, 0.0625, U_F16, splits, q_sub))
     assert (got[1, 0] == 0).all()
     # The bound is not vacuous: the bf16 kernel's error on the same inputs is larger.
     tri = sa.sparse_attend_pallas(*args, softmax_scale=0.0625, interpret=True,

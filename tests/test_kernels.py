@@ -27,7 +27,8 @@ import pytest
 
 import dsa_jax
 from dsa_jax import testing as T
-from dsa_jax.pallas.sparse_attend import live_extent
+from dsa_jax.pallas.sparse_attend import AttendTuning, live_extent
+from dsa_jax.pallas.sparse_attend_mgpu import row_scales
 from dsa_jax.shapes import glm53_flash, tiny
 
 CACHE_DTYPES = ["float8_e4m3fn", "bfloat16", "float32"]
@@ -36,19 +37,28 @@ BF16_U = T.unit_roundoff(jnp.bfloat16)
 
 # ------------------------------------------------------------------------------ sparse attend
 
-def _check_attend(impl, args, scale, **kernel_options):
-    """`impl` against the float64 definition within the derived bound; a kernel with bf16
-    operands also against the twin fed the same bf16-rounded q (the "tight" check: only
-    accumulation, p's rounding and the merge remain)."""
+def _check_attend(impl, args, scale, backend="triton", splits=8, **kernel_options):
+    """`impl` against the float64 definition within the derived bound; the Triton kernel with
+    bf16 operands also against the twin fed the same bf16-rounded q (the "tight" check: only
+    accumulation, p's rounding and the merge remain). `backend` "mosaic": the Mosaic GPU
+    kernel, asked for by name, held to its f16 bound."""
+    if impl != "xla" and backend == "mosaic":
+        kernel_options["tuning"] = AttendTuning("mosaic")
     out = T.run_op("sparse_attend", impl, *args, softmax_scale=scale,
                    kernel_options=kernel_options)
-    u = T.attend_roundoff(impl, args[1].dtype)
+    u = T.attend_roundoff(impl, args[1].dtype, backend)
+    floors = {}
+    if impl != "xla" and backend == "mosaic":
+        b, r, h, c = args[0].shape
+        down = np.asarray(row_scales(args[0].reshape(b * r, h, c))[1]).reshape(b, r)
+        floors = dict(q_floor=2.0 ** -25 * down, p_floor=2.0 ** -25)
     want = T.attend_definition(*args, scale)
-    T.assert_attend_close(out, want, T.attend_bound(*args, scale, u), T.attend_rel_limit(u))
+    T.assert_attend_close(out, want, T.attend_bound(*args, scale, u, splits, **floors),
+                          T.attend_rel_limit(u))
     if impl != "xla" and u == BF16_U:
         q16 = args[0].astype(jnp.bfloat16).astype(jnp.float32)
         ref16 = T.run_op("sparse_attend", "xla", q16, *args[1:], softmax_scale=scale)
-        tight = T.attend_bound(q16, *args[1:], scale, 0.0) + 2 * u * np.abs(
+        tight = T.attend_bound(q16, *args[1:], scale, 0.0, splits) + 2 * u * np.abs(
             T.dequant_rows(*args[1:])).max(axis=(2, 3))[..., None, None]
         T.assert_attend_close(out, ref16, tight, 1e-2)
     return np.asarray(out)
@@ -72,16 +82,25 @@ def test_sparse_attend_matches_definition(impl, case, dtype):
     _check_attend(impl, args, 0.3, **kw)
 
 
+# GLM-5.3-Flash on the GPU: the twin, the Triton kernel, and (fp8 caches) the Mosaic GPU one.
+GLM_ATTEND = [(impl, backend, heads, dtype) for heads in (8, 64) for dtype in CACHE_DTYPES
+              for impl, backend in (("xla", "triton"), ("pallas", "triton"),
+                                    ("pallas", "mosaic"))
+              if backend == "triton" or dtype == "float8_e4m3fn"]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
-@pytest.mark.parametrize("heads", [8, 64])  # per rank at TP 8, and TP 1
-@pytest.mark.parametrize("dtype", CACHE_DTYPES)
-def test_sparse_attend_at_glm53_flash_shapes(impl, heads, dtype):
-    """GLM-5.3-Flash: C 512, W 2051 (top-k 2048 + tail 3), 64-token blocks, a 4K context."""
+@pytest.mark.parametrize("impl,backend,heads,dtype", GLM_ATTEND)
+def test_sparse_attend_at_glm53_flash_shapes(impl, backend, heads, dtype):
+    """C 512, W 2051 (top-k 2048 + tail 3), 64-token blocks, a 4K context; 8 heads per rank
+    at TP 8 and 64 at TP 1; split counts planned for the GPU (at most 16)."""
     cfg = glm53_flash(max_context=4096)
     args = T.attend_inputs(heads + len(dtype), 2, 2, heads, cfg.kv_lora_rank, cfg.sel_width,
-                           cfg.block_size, cfg.blocks_per_seq, dtype)
-    _check_attend(impl, args, cfg.qk_nope_head_dim ** -0.5)
+                           cfg.block_size, cfg.blocks_per_seq, dtype, empty=[(1, 1)])
+    options = {"tuning": AttendTuning("triton")} if backend == "triton" else {}
+    out = _check_attend(impl, args, cfg.qk_nope_head_dim ** -0.5, backend, splits=16,
+                        **(options if impl != "xla" else {}))
+    assert (out[1, 1] == 0).all()
 
 
 def test_sparse_attend_empty_rows_are_exactly_zero(impl):
