@@ -30,6 +30,7 @@ from dsa_jax import sharding
 from dsa_jax.layer import RowLayout, StepError
 from dsa_jax.shapes import ODD
 from dsa_jax.sharding import check
+from dsa_jax.testing import assert_trees_bitwise_equal
 
 CASES = ((1, 2), (1, 4), (1, 8), (2, 4), (4, 2), (8, 1))
 B, T = 8, 3  # sequences; decodes in the scan
@@ -126,9 +127,8 @@ def assert_within(y, want, tol, what, kind):
 
 
 def assert_same(a, b, what):
-    if a.dtype == jnp.float8_e4m3fn:
-        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=what)
+    """Bit for bit (fp8 included)."""
+    assert_trees_bitwise_equal({what: a}, {what: b})
 
 
 def run_case(inp, ref, dp, tp):
@@ -221,8 +221,7 @@ def extras(cfg, m, w, inp):
     st = fresh()
     for k in range(inp.rows.shape[1]):
         y, st, sel = sharding.dp_tp_decode(cfg, m, w, st, inp.rows[:, k])
-        np.testing.assert_array_equal(np.asarray(y), np.asarray(yk[:, k]), err_msg=f"row {k}")
-        np.testing.assert_array_equal(np.asarray(sel), np.asarray(selk[:, k]))
+        assert_trees_bitwise_equal({f"row {k}": (y, sel)}, {f"row {k}": (yk[:, k], selk[:, k])})
 
     # A host check on the shard's own view: this block id is valid in the whole pool but not
     # in a shard's; it must be caught, naming the shard, before anything is written.

@@ -13,6 +13,7 @@ import dsa_jax
 from dsa_jax import sharding
 from dsa_jax.layer import StepError
 from dsa_jax.shapes import ODD
+from dsa_jax.testing import assert_trees_bitwise_equal
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -65,14 +66,12 @@ def test_one_device_mesh_is_the_plain_step():
     y1, s1, sel1 = dsa_jax.prefill(cfg, dsa_jax.fold_weights(cfg, hf),
                                    dsa_jax.init_state(cfg, 3, kv_scale=0.5), x,
                                    num_tokens=np.array([9, 4, 7]))
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(y1))
-    np.testing.assert_array_equal(np.asarray(sel), np.asarray(sel1))
-    np.testing.assert_array_equal(np.asarray(s.latent), np.asarray(s1.latent))
+    assert_trees_bitwise_equal((y, sel, s.latent), (y1, sel1, s1.latent))
     # The first release's names (README): a replicated state and tp_prefill, the same step.
     y2, _, _ = sharding.tp_prefill(cfg, sharding.tp_mesh(cfg), w,
                                    sharding.replicate(dsa_jax.init_state(cfg, 3, kv_scale=0.5),
                                                       m), x, num_tokens=np.array([9, 4, 7]))
-    np.testing.assert_array_equal(np.asarray(y2), np.asarray(y1))
+    assert_trees_bitwise_equal(y2, y1)
     # Host checks run per dp shard before anything is written; the state stays usable.
     with pytest.raises(StepError, match=r"dp shard 0 .*sequence 0: writing 90 token\(s\) at "
                                         r"position 9 would reach 99, past max_context 96"):
