@@ -2,8 +2,8 @@
 compile-once decode, and their errors.
 
 Under `pytest -m gpu` (the H200 correctness run) decode_k == serial decodes is also checked
-bit for bit at GLM-5.3-Flash per-rank shapes (TP 8), bf16 weights and an fp8 cache, for "xla"
-and the compiled "pallas" kernels.
+bit for bit at GLM-5.3-Flash per-rank shapes (TP 8 and TP 1), bf16 weights and an fp8 cache,
+for "xla" and the compiled "pallas" kernels.
 """
 
 import chex
@@ -51,10 +51,12 @@ def test_decode_k_is_bit_identical_to_serial_decodes(cache_dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
-def test_decode_k_is_bit_identical_at_glm53_flash_per_rank_shapes(impl):
-    """TP 8 (8 heads per rank), bf16 weights, fp8 latents, a 1533-token prompt (rows
-    1533..1536 cross a pool boundary, KP = 4), K = 1..4."""
-    cfg = glm53_flash(max_context=4096, tp_degree=8, implementation=impl)
+@pytest.mark.parametrize("tp", [8, 1])
+def test_decode_k_is_bit_identical_at_glm53_flash_per_rank_shapes(impl, tp):
+    """One rank at TP 8 (8 heads: the Triton attend kernel) and TP 1 (64 heads: the Mosaic GPU
+    one, fp8), bf16 weights, fp8 latents, a 1533-token prompt (rows 1533..1536 cross a pool
+    boundary, KP = 4), K = 1..4."""
+    cfg = glm53_flash(max_context=4096, tp_degree=tp, implementation=impl)
     weights = _weights(cfg)
     base = random_state(cfg, weights, 2, 1533, 1, kv_scale=1 / 64, dtype=jnp.bfloat16)
     for k in (1, 2, 3, 4):
