@@ -146,11 +146,12 @@ def test_decode_compiles_once_across_context_lengths():
     cfg = ODD.replace(max_verify=3)  # a config no other test compiles
     weights = _layer(cfg, 10)
     state = dsa_jax.init_state(cfg, 2)
-    before = layer._step_jit._cache_size()
+    before = layer._layout_step._cache_size()
     for t in range(40):  # lengths 0..39, through tails, pool boundaries and the top-k cap
         _, state, _ = dsa_jax.decode(cfg, weights, state, _x(t, 2, cfg.hidden_size))
+    assert layer._layout_step._cache_size() - before == 1
     _, state, _ = dsa_jax.decode_k(cfg, weights, state, _x(99, 2, 3, cfg.hidden_size))
-    assert layer._step_jit._cache_size() - before == 1
+    assert layer._layout_step._cache_size() - before == 2  # the 3-row verify's program
 
 
 def test_state_is_donated_not_copied():
