@@ -55,8 +55,9 @@ def remember(state, lengths, index_lengths, block_tables) -> None:
     for v in numbers:
         v.setflags(write=False)
     key = id(arrays[0])
-    _ENTRIES[key] = (*(weakref.ref(a) for a in arrays), numbers)
-    weakref.finalize(arrays[0], _ENTRIES.pop, key, None)
+    # The entry goes when the lengths array does (its id may then be reused).
+    first = weakref.ref(arrays[0], lambda _, key=key: _ENTRIES.pop(key, None))
+    _ENTRIES[key] = (first, weakref.ref(arrays[1]), weakref.ref(arrays[2]), numbers)
 
 
 def host_numbers(state) -> HostNumbers:

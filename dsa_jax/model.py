@@ -215,9 +215,11 @@ def unfold_state(mcfg: ModelConfig, ms: ModelState) -> list[DsaState]:
             ik = jnp.zeros((b, 0, di), ms.index_k.dtype)
             ig = jnp.zeros((b, 0, di), ms.index_g.dtype)
             pk = jnp.zeros((b, 0, di), jnp.float32)
+        # Each layer gets its own copies: a step donates its state's arrays.
         out.append(DsaState(latent=ms.latent[l], kv_scale=ms.kv_scale[l],
-                            block_tables=ms.block_tables, index_k=ik, index_g=ig, pool_keys=pk,
-                            lengths=ms.lengths, index_lengths=ms.lengths))
+                            block_tables=jnp.copy(ms.block_tables), index_k=ik, index_g=ig,
+                            pool_keys=pk, lengths=jnp.copy(ms.lengths),
+                            index_lengths=jnp.copy(ms.lengths)))
     return out
 
 

@@ -22,10 +22,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from dsa_jax.drafting import NgramDrafter
-from dsa_jax.model import ModelConfig, ModelState, StackedWeights, forward
+from dsa_jax.model import ModelConfig, ModelState, StackedWeights, forward, init_model_state
 from dsa_jax.sampling import Sampling, sample_tokens
 
 
@@ -223,3 +224,81 @@ def admit(prog: Program, sv: Serving, mask: jax.Array, block_tables: jax.Array,
     if prog.speculate:
         ds = prog.drafter.admit(ds, mask, block_tables)
     return Serving(ms, sl, ds)
+
+
+# ------------------------------------------------------------------------------ a fixed batch
+
+class ServeError(ValueError):
+    """A batch the loop cannot serve (refused before anything runs)."""
+
+
+def check_batch(prog: Program, prompts, max_new_tokens) -> None:
+    """Every prompt non-empty and in the vocabulary, and prompt + new tokens + drafts within
+    `max_context`."""
+    cfg, vocab = prog.mcfg.dsa, prog.mcfg.vocab_size
+    if len(prompts) != len(max_new_tokens):
+        raise ServeError(f"{len(prompts)} prompts but {len(max_new_tokens)} token limits")
+    for i, (p, m) in enumerate(zip(prompts, max_new_tokens, strict=True)):
+        if len(p) == 0:
+            raise ServeError(f"prompt {i} is empty; a prompt needs at least one token")
+        if m < 1:
+            raise ServeError(f"max_new_tokens[{i}] is {m}; it must be at least 1")
+        need = len(p) + m + prog.speculate
+        if need > cfg.max_context:
+            raise ServeError(f"prompt {i}: {len(p)} tokens + {m} new tokens (+ "
+                             f"{prog.speculate} draft rows) = {need} exceeds max_context "
+                             f"{cfg.max_context}")
+        bad = [int(t) for t in p if not 0 <= int(t) < vocab]
+        if bad:
+            raise ServeError(f"prompt {i}: token ids {bad[:5]} outside the vocabulary "
+                             f"[0, {vocab})")
+
+
+def start(prog: Program, weights: StackedWeights, dweights, prompts, max_new_tokens, *,
+          seed: int = 0, chunk: int | None = None) -> tuple[Serving, jax.Array]:
+    """A serving state for a fixed batch: every prompt prefilled (chunks of `chunk` rows, by
+    default the longest prompt), its first token chosen. Sequence i's sampling key is
+    `fold_in(key(seed), i)`. Returns the state and the first tokens `[B]` (on the device)."""
+    check_batch(prog, prompts, max_new_tokens)
+    cfg = prog.mcfg.dsa
+    b, mb = len(prompts), cfg.blocks_per_seq
+    longest = max(len(p) for p in prompts)
+    chunk = longest if chunk is None else chunk
+    tables = jnp.arange(b * mb, dtype=jnp.int32).reshape(b, mb)
+    sv = Serving(init_model_state(prog.mcfg, b, b * mb), init_slots(prog.mcfg, b),
+                 prog.drafter.init_state(b, b * mb) if prog.speculate else None)
+    keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(seed), jnp.arange(b))
+    sv = admit(prog, sv, jnp.ones((b,), bool), tables,
+               jnp.asarray(max_new_tokens, jnp.int32), keys)
+    first = jnp.zeros((b,), jnp.int32)
+    lens = jnp.asarray([len(p) for p in prompts])
+    for lo in range(0, longest, chunk):
+        rows = [list(p[lo:lo + chunk]) + [0] * (chunk - len(p[lo:lo + chunk])) for p in prompts]
+        n_new = jnp.clip(lens - lo, 0, chunk).astype(jnp.int32)
+        finishing = (lens > lo) & (lens <= lo + chunk)
+        sv, got = prefill_jit(prog, weights, dweights, sv, jnp.asarray(rows, jnp.int32), n_new,
+                              finishing)
+        first = jnp.where(finishing, got, first)
+    return sv, first
+
+
+def emitted_tokens(outs: Emitted) -> list[list[int]]:
+    """A dispatch's outputs (host arrays) -> each sequence's new tokens, in order."""
+    tokens, count = np.asarray(outs.tokens), np.asarray(outs.count)  # [N, B, R], [N, B]
+    mask = np.arange(tokens.shape[-1]) < count[..., None]
+    return [tokens[:, b][mask[:, b]].tolist() for b in range(tokens.shape[1])]
+
+
+def generate(prog: Program, weights: StackedWeights, dweights, prompts, max_new_tokens, *,
+             seed: int = 0, tokens_per_dispatch: int = 32) -> list[list[int]]:
+    """Each prompt's generated tokens (first token included): `start`, then `run` until every
+    sequence is done, `tokens_per_dispatch` steps per dispatch, one host read each."""
+    sv, first = start(prog, weights, dweights, prompts, max_new_tokens, seed=seed)
+    out = [[int(t)] for t in np.asarray(first)]
+    done = False
+    while not done:
+        sv, outs, _ = run(prog, weights, dweights, sv, tokens_per_dispatch)
+        outs, done = jax.device_get((outs, jnp.all(sv.slots.done)))  # the one host read
+        for seq, new in zip(out, emitted_tokens(outs), strict=True):
+            seq.extend(new)
+    return out
