@@ -121,8 +121,6 @@ class ModelDrafter:
         return drafts, count, ds
 
     def commit(self, ds: ModelState, lengths, accepted, new_lengths) -> ModelState:
-        # Its rows at lengths .. lengths + k - 1 hold (newest, d1 .. d_{k-1}); the first
-        # `accepted` drafts were right.
-        k_minus_1 = jnp.maximum(ds.lengths - lengths - 1, 0)
-        valid = lengths + 1 + jnp.minimum(accepted, k_minus_1)
-        return ds._replace(lengths=jnp.minimum(jnp.minimum(ds.lengths, valid), new_lengths))
+        # Its rows from `lengths` on hold (newest, d1, d2, ...); the target emitted at most
+        # accepted + 1 tokens, so its new length ends within the right drafts: rewind to it.
+        return ds._replace(lengths=jnp.minimum(ds.lengths, new_lengths))
