@@ -98,9 +98,9 @@ def section_checks(s: Setup, res: dict) -> None:
     # are in the CPU tests); on the device, everything.
     checks.update(check_loops(s.check_cfg, s.vocab, ("sample",) if s.smoke else
                               ("greedy", "sample")))
-    one_layer = s.check_cfg.replace(indexer_types=("full",))
-    checks["decode_k_equals_serial_decodes"] = check_decode_k(
-        one_layer, (1, one_layer.max_verify) if s.smoke else None)
+    if not s.smoke:  # on the CPU: tests/test_serving_paths.py
+        checks["decode_k_equals_serial_decodes"] = check_decode_k(
+            s.check_cfg.replace(indexer_types=("full",)))
     if s.glm_check_cfg is not None:
         checks["scan_equals_unrolled[glm8,ctx1024]"] = check_scan_equals_unrolled(
             s.glm_check_cfg, s.vocab)
@@ -198,7 +198,7 @@ def section_spec(s: Setup, res: dict) -> None:
     got = serve.emitted_tokens(outs)[0]
     drafted = int(outs.drafted.sum())
     accepted = int((np.maximum(outs.count - 1, 0) * (outs.drafted > 0)).sum())
-    res["checks"]["speculative_equals_plain[scripted,glm8,ctx16K]"] = got == want
+    res["checks"]["speculative_equals_plain[scripted,timed model]"] = got == want
     res["points"].append({
         "name": f"spec-b1-l{nl}-k{k}", "layers": nl, "context": ctx, "drafts": k,
         "stated_acceptance": s.acceptance, "measured_acceptance": accepted / max(drafted, 1),
@@ -326,7 +326,7 @@ def section_compile(s: Setup, res: dict) -> None:
         jax.block_until_ready(serve.run(prog, stacked, None, sv, n))
     res["compile"]["run_compiles_across_two_contexts"] = serve.run._cache_size() - before
     seconds = {}
-    for depth in (2, 4) if s.smoke else (2, 8, 16):
+    for depth in (2,) if s.smoke else (2, 8, 16):
         dcfg = cfg.replace(indexer_types=("full", "shared") * (depth // 2))
         dm = ModelConfig(dcfg, vocab_size=s.vocab)
         layers = tuple(expected_weights(dcfg, kind == "full") for kind in dcfg.indexer_types)

@@ -188,13 +188,13 @@ def check_loops(cfg, vocab: int, modes=("greedy", "sample")) -> dict:
     return out
 
 
-def check_decode_k(cfg, ks=None) -> bool:
-    """Public `decode_k` (K rows) == K serial `decode`s, bitwise, for each K in `ks`."""
+def check_decode_k(cfg) -> bool:
+    """Public `decode_k` (K rows) == K serial `decode`s, bitwise, K = 1 .. max_verify."""
     weights = dsa_jax.init_random_weights(cfg, jax.random.key(4))
     x = jax.random.normal(jax.random.key(5), (2, 20 + cfg.max_verify, cfg.hidden_size))
     _, base, _ = dsa_jax.prefill(cfg, weights, dsa_jax.init_state(cfg, 2), x[:, :20])
     ok = True
-    for k in ks or range(1, cfg.max_verify + 1):
+    for k in range(1, cfg.max_verify + 1):
         rows = x[:, 20:20 + k]
         y_k, st_k, sel_k = dsa_jax.decode_k(cfg, weights, copy_tree(base), rows)
         st = copy_tree(base)

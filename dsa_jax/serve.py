@@ -204,15 +204,37 @@ def prefill(prog: Program, weights: StackedWeights, dweights, sv: Serving, token
     return Serving(ms, sl, ds), first
 
 
-prefill_jit = jax.jit(prefill, static_argnames=("prog",), donate_argnames=("sv",))
+_prefill_jit = jax.jit(prefill, static_argnames=("prog",), donate_argnames=("sv",))
 
 
-@functools.partial(jax.jit, static_argnames=("prog",), donate_argnames=("sv",))
+def _with_drafter_state(prog: Program) -> Program:
+    """The part of `prog` that admission and prefill depend on (so programs that differ only
+    in draft count, recording or a stateless drafter share their compiled prefill)."""
+    stateful = prog.speculate > 0 and not isinstance(prog.drafter, NgramDrafter)
+    return dataclasses.replace(prog, speculate=int(stateful), record=False,
+                               drafter=prog.drafter if stateful else NgramDrafter())
+
+
+def prefill_jit(prog: Program, weights: StackedWeights, dweights, sv: Serving,
+                tokens: jax.Array, n_new: jax.Array, finishing: jax.Array
+                ) -> tuple[Serving, jax.Array]:
+    """`prefill` in one dispatch (the state is donated)."""
+    return _prefill_jit(_with_drafter_state(prog), weights, dweights, sv, tokens, n_new,
+                        finishing)
+
+
 def admit(prog: Program, sv: Serving, mask: jax.Array, block_tables: jax.Array,
           limit: jax.Array, keys: jax.Array) -> Serving:
     """Reset the slots in `mask [B]` for new sequences: empty caches (lengths 0), the given
     block-table rows `[B, MB]`, token limits `[B]` and keys `[B]`; done until their prefill
-    ends."""
+    ends. One dispatch (the state is donated)."""
+    key = dataclasses.replace(_with_drafter_state(prog), sampling=Sampling(), stop_tokens=())
+    return _admit(key, sv, mask, block_tables, limit, keys)
+
+
+@functools.partial(jax.jit, static_argnames=("prog",), donate_argnames=("sv",))
+def _admit(prog: Program, sv: Serving, mask: jax.Array, block_tables: jax.Array,
+           limit: jax.Array, keys: jax.Array) -> Serving:
     ms, sl, ds = sv
     ms = ms._replace(block_tables=jnp.where(mask[:, None], block_tables, ms.block_tables),
                      lengths=jnp.where(mask, 0, ms.lengths))
