@@ -3,10 +3,6 @@ timing, a profiler-trace kernel time, random caches at a context, and the `==` c
 
 from __future__ import annotations
 
-import gzip
-import json
-import os
-import tempfile
 import time
 
 import jax
@@ -14,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import dsa_jax
+from benchmarks.harness import profile
 from dsa_jax import serve
 from dsa_jax.drafting import ModelDrafter
 from dsa_jax.model import (
@@ -51,40 +48,13 @@ def copy_tree(tree):
 
 
 def device_kernels(call, calls: int, top: int = 12) -> dict:
-    """Device kernel time per call from a JAX profiler trace (CUPTI); empty off a GPU."""
-    jax.block_until_ready(call())
-    d = tempfile.mkdtemp(prefix="h200-loop-prof-")
-    with jax.profiler.trace(d, create_perfetto_trace=True):
-        out = None
-        for _ in range(calls):
-            out = call()
-        jax.block_until_ready(out)
-    paths = [os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs
-             if f.startswith("perfetto_trace")]
-    if not paths:
+    """Device kernel time per call (`benchmarks.harness.profile`: two untimed calls, then
+    `calls` traced); empty off a GPU."""
+    p = profile(call, calls, top=top)
+    if "error" in p:
         return {}
-    with gzip.open(paths[0]) as f:
-        data = json.load(f)
-    ev = data["traceEvents"] if isinstance(data, dict) else data
-    procs = {e["pid"]: e.get("args", {}).get("name", "") for e in ev
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    threads = {(e["pid"], e["tid"]): e.get("args", {}).get("name", "") for e in ev
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    gpu = {p for p, name in procs.items() if "GPU" in name or "/device:" in name}
-    kern: dict = {}
-    for e in ev:
-        if (e.get("ph") == "X" and e.get("pid") in gpu
-                and "Stream" in threads.get((e["pid"], e.get("tid")), "")):
-            k = kern.setdefault(e.get("name", "?"), [0.0, 0])
-            k[0] += float(e.get("dur", 0.0))
-            k[1] += 1
-    if not kern:
-        return {}
-    rows = sorted(kern.items(), key=lambda kv: -kv[1][0])
-    return {"kernel_us": sum(v[0] for v in kern.values()) / calls,
-            "launches": sum(v[1] for v in kern.values()) / calls,
-            "top_kernels": [{"name": n[:120], "us": v[0] / calls, "launches": v[1] / calls}
-                            for n, v in rows[:top]]}
+    return {"kernel_us": p["kernel_us_per_step"], "launches": p["launches_per_step"],
+            "top_kernels": p["top_kernels"]}
 
 
 def wall_us(call, reps: int, prepare=None) -> float:

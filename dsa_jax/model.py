@@ -39,7 +39,7 @@ from jax import lax
 from dsa_jax.attend import attend, write_latents
 from dsa_jax.config import DsaConfig
 from dsa_jax.indexer import pool_scores, write_index_rows
-from dsa_jax.layer import candidate_pools, step
+from dsa_jax.layer import candidate_pools, live_rows, step
 from dsa_jax.projection import output_projection, project, rms_norm
 from dsa_jax.select import expand_selection, top_pools
 from dsa_jax.state import DsaState, init_state
@@ -335,12 +335,6 @@ def _segment(cfg: DsaConfig, seg: Segment, stack: Stack, h, caches: _Caches, row
     return h, caches, sels  # sels: [G, B, R, W]
 
 
-def _live_rows(cfg: DsaConfig, b: int, r: int) -> int:
-    # The rule `layer.step` applies (its docstring): a decode or verify is planned as one live
-    # row per sequence, a prompt chunk's rows are all live.
-    return b if r <= cfg.max_verify else b * r
-
-
 def lm_head(mcfg: ModelConfig, final_norm: jax.Array, head: jax.Array, h: jax.Array
             ) -> jax.Array:
     """Hidden rows `h [B, R, D]` -> logits `[B, R, V]` f32."""
@@ -362,7 +356,7 @@ def forward(mcfg: ModelConfig, weights: StackedWeights, ms: ModelState, tokens: 
                  valid=jnp.arange(r)[None, :] < n_new[:, None],
                  lengths=ms.lengths,
                  tables=jnp.where(ms.block_tables < nb, ms.block_tables, -1),
-                 kv_scale=ms.kv_scale, live_rows=_live_rows(cfg, b, r))
+                 kv_scale=ms.kv_scale, live_rows=live_rows(cfg, tokens))
     caches = _Caches(ms.latent.reshape(nl * nb, *ms.latent.shape[2:]),
                      ms.index_k.reshape(b, -1, ms.index_k.shape[-1]),
                      ms.index_g.reshape(b, -1, ms.index_g.shape[-1]),

@@ -18,6 +18,6 @@ def test_h200_loop_smoke_runs_every_section(tmp_path, capsys):
                      "scan-vs-unrolled-b1-l2", "engine-b3-l2"}
     for p in res["points"]:
         if p["name"].startswith("loop"):
-            assert p["per_token_per_layer_us"] > 0
+            assert p["us_per_token_per_layer"] > 0
     assert res["compile"]["run_compiles_across_two_contexts"] == 1
     assert "public-decode-b1" in capsys.readouterr().out  # the table, printed last
