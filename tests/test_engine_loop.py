@@ -5,6 +5,7 @@ import jax
 import numpy as np
 import pytest
 
+from dsa_jax.drafting import ModelDrafter
 from dsa_jax.engine import Engine, EngineError, ModelConfig, init_model
 from dsa_jax.sampling import Sampling
 from dsa_jax.shapes import ODD
@@ -38,7 +39,8 @@ def _generate(weights, **kw):
 def runs(weights):
     return {"one": _generate(weights, sampling=SAMPLED, tokens_per_dispatch=1),
             "many": _generate(weights, sampling=SAMPLED, tokens_per_dispatch=8),
-            "spec": _generate(weights, sampling=SAMPLED, tokens_per_dispatch=8, speculate=3)}
+            "spec": _generate(weights, sampling=SAMPLED, tokens_per_dispatch=8, speculate=3),
+            "greedy": _generate(weights, tokens_per_dispatch=8)}
 
 
 def test_sampled_tokens_do_not_depend_on_dispatch_size_or_speculation(weights, runs):
@@ -47,8 +49,19 @@ def test_sampled_tokens_do_not_depend_on_dispatch_size_or_speculation(weights, r
     assert [len(o) for o in one] == MAX_NEW
     assert eng8.stats.dispatches < eng1.stats.dispatches
     assert eng3.stats.drafted > 0  # speculation ran (greedy acceptance: test_engine.py)
-    greedy, _ = _generate(weights, tokens_per_dispatch=8)
-    assert greedy != one
+    assert runs["greedy"][0] != one
+
+
+def test_draft_model_engine_equals_plain(weights, runs, tmp_path):
+    got, eng = _generate(weights, tokens_per_dispatch=8, speculate=2,
+                         drafter=ModelDrafter(MCFG), draft_weights=weights)
+    assert got == runs["greedy"][0]
+    assert eng.stats.accepted == eng.stats.drafted > 0  # the target drafting for itself
+    with pytest.raises(EngineError, match="an engine with a draft model cannot be snapshot"):
+        eng.save(tmp_path / "snap")
+    with pytest.raises(EngineError, match="a ModelDrafter needs draft_weights"):
+        Engine(MCFG, weights, max_seqs=2, num_blocks=24, speculate=2,
+               drafter=ModelDrafter(MCFG))
 
 
 def test_one_host_read_per_step(weights, monkeypatch):
