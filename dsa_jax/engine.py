@@ -1,32 +1,44 @@
-"""A serving loop over a small causal model built of DSA blocks.
+"""A serving loop over a small causal model built of DSA blocks (`dsa_jax.model`).
 
-The model: token embedding, then per layer `h = h + DSA(rms(h))`, a final RMSNorm and an LM
-head. Layers whose `indexer_types` entry is "shared" reuse the previous full layer's
-selection. The engine keeps up to `max_seqs` sequences at once in fixed slots, hands out
-physical latent blocks from a free list, admits a request when a slot and its blocks are free,
-and runs one jitted step (all layers, donated state) for every live sequence. Greedy
-speculative decoding: an n-gram drafter proposes tokens from the sequence's own history, one
-`max_verify`-row step verifies them, the longest agreeing prefix is kept and the rest rewound.
-Every step, speculative or not, runs rows padded to `cfg.max_verify`, so each row's logits are
-bit-identical either way and speculation never changes the tokens.
+The engine keeps up to `max_seqs` sequences at once in fixed slots, hands out physical
+latent blocks from a free list, admits a request when a slot and its blocks are free, and
+runs the device loop of `dsa_jax.serve`: each `step` prefills the newly admitted prompts (one
+dispatch per chunk of `prefill_chunk` rows, every new sequence at once), then runs up to
+`tokens_per_dispatch` decode steps (or speculative rounds) of every live sequence in one
+dispatch, and reads their tokens back once. Sampling (greedy, or temperature/top-p with a
+key per request), stop tokens, length limits, the drafter's proposals, the verify and the
+rewind of rejected drafts all happen on the device.
+
+Every forward runs rows padded to `cfg.max_verify`, so each row's logits are bit-identical
+whether it is a plain decode or a verify row, and speculation never changes the tokens; a
+sampled token depends only on its logits, its request's key and its position.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections import deque
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsa_jax.config import DsaConfig
-from dsa_jax.layer import step
-from dsa_jax.projection import rms_norm
-from dsa_jax.state import DsaState, init_state
-from dsa_jax.weights import DsaWeights, init_random_weights
+from dsa_jax import serve
+from dsa_jax.drafting import ModelDrafter, NgramDrafter
+from dsa_jax.model import (
+    ModelConfig,
+    ModelWeights,
+    StackedWeights,
+    fold_states,
+    init_model,
+    init_model_state,
+    stack_weights,
+    unfold_state,
+)
+from dsa_jax.sampling import Sampling, SamplingError, check_stop_tokens
+
+__all__ = ["BlockAllocator", "Engine", "EngineError", "EngineStats", "ModelConfig",
+           "ModelWeights", "OutOfBlocks", "Request", "init_model", "ngram_draft"]
 
 
 class EngineError(ValueError):
@@ -35,91 +47,6 @@ class EngineError(ValueError):
 
 class OutOfBlocks(RuntimeError):
     """The block pool cannot cover a request right now."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    dsa: DsaConfig  # the block; len(dsa.indexer_types) is the number of layers
-    vocab_size: int = 256
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.dsa.indexer_types)
-
-
-class ModelWeights(NamedTuple):
-    embed: jax.Array  # [V, D] f32
-    norms: jax.Array  # [L, D] f32: pre-block RMSNorm weights
-    layers: tuple[DsaWeights, ...]  # L blocks; "shared" ones have no indexer
-    final_norm: jax.Array  # [D] f32
-    lm_head: jax.Array  # [V, D] param dtype
-
-
-def init_model(mcfg: ModelConfig, key: jax.Array,
-               layers: tuple[DsaWeights, ...] | None = None) -> ModelWeights:
-    """Random model weights from `key`; `layers` replaces the random DSA blocks if given."""
-    cfg = mcfg.dsa
-    d, v = cfg.hidden_size, mcfg.vocab_size
-    k_emb, k_norm, k_fin, k_head, k_layers = jax.random.split(key, 5)
-    if layers is None:
-        layers = tuple(
-            init_random_weights(cfg, k, has_indexer=kind == "full")
-            for k, kind in zip(jax.random.split(k_layers, mcfg.num_layers), cfg.indexer_types,
-                               strict=True))
-    if len(layers) != mcfg.num_layers:
-        raise EngineError(f"{len(layers)} layer weights for a {mcfg.num_layers}-layer model")
-    return ModelWeights(
-        embed=jax.random.normal(k_emb, (v, d)),
-        norms=1.0 + 0.1 * jax.random.normal(k_norm, (mcfg.num_layers, d)),
-        layers=tuple(layers),
-        final_norm=1.0 + 0.1 * jax.random.normal(k_fin, (d,)),
-        lm_head=(jax.random.normal(k_head, (v, d)) * d ** -0.5).astype(cfg.param_dtype),
-    )
-
-
-def init_model_state(mcfg: ModelConfig, num_seqs: int, num_blocks: int) -> tuple[DsaState, ...]:
-    """Per-layer states; block tables start unassigned (-1) until the allocator fills them."""
-    cfg = mcfg.dsa
-    tables = np.full((num_seqs, cfg.blocks_per_seq), -1, np.int32)
-    return tuple(init_state(cfg, num_seqs, num_blocks=num_blocks, block_tables=tables,
-                            has_indexer=kind == "full") for kind in cfg.indexer_types)
-
-
-def forward_rows(mcfg: ModelConfig, weights: ModelWeights, states: tuple[DsaState, ...],
-                 tokens: jax.Array, n_new: jax.Array):
-    """tokens [B, R] (first n_new [B] real) -> (greedy next tokens [B, R], states, sel0 [B,R,W])."""
-    cfg = mcfg.dsa
-    h = weights.embed[tokens]  # [B, R, D]
-    new_states, sel, sel0 = [], None, None
-    for i, (lw, st) in enumerate(zip(weights.layers, states, strict=True)):
-        shared = None if lw.has_indexer else sel
-        y, st, sel = step(cfg, lw, st, rms_norm(h, weights.norms[i], cfg.rms_norm_eps),
-                          n_new, shared)
-        sel0 = sel if sel0 is None else sel0
-        h = h + y
-        new_states.append(st)
-    h = rms_norm(h, weights.final_norm, cfg.rms_norm_eps)
-    logits = jnp.einsum("brd,vd->brv", h.astype(weights.lm_head.dtype), weights.lm_head,
-                        preferred_element_type=jnp.float32)
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), tuple(new_states), sel0
-
-
-@functools.partial(jax.jit, static_argnames=("mcfg",), donate_argnames=("states",))
-def model_step(mcfg, weights, states, tokens, n_new):
-    return forward_rows(mcfg, weights, states, tokens, n_new)
-
-
-@functools.partial(jax.jit, donate_argnames=("states",))
-def set_lengths(states, lengths):
-    """Every layer's lengths -> `lengths [B]` (rewind after a rejected draft, or release)."""
-    return tuple(st._replace(lengths=lengths, index_lengths=jnp.minimum(st.index_lengths, lengths))
-                 for st in states)
-
-
-@functools.partial(jax.jit, donate_argnames=("states",))
-def set_block_row(states, slot, row):
-    """Install block-table row `row [MB]` for sequence `slot` in every layer."""
-    return tuple(st._replace(block_tables=st.block_tables.at[slot].set(row)) for st in states)
 
 
 class BlockAllocator:
@@ -154,7 +81,8 @@ class BlockAllocator:
 
 
 def ngram_draft(history: list[int], max_draft: int, n: int = 2) -> list[int]:
-    """Tokens that followed the latest earlier occurrence of the last `n` (then 1) tokens."""
+    """Tokens that followed the latest earlier occurrence of the last `n` (then 1) tokens.
+    The host twin of `dsa_jax.drafting.ngram_propose` (which the engine runs)."""
     for size in range(min(n, len(history) - 1), 0, -1):
         tail = history[-size:]
         for start in range(len(history) - size - 1, -1, -1):
@@ -173,14 +101,16 @@ class Request:
     slot: int = -1
     blocks: list[int] = dataclasses.field(default_factory=list)
     selections: list[np.ndarray] = dataclasses.field(default_factory=list)  # layer-0 sel rows
+    id: int = -1  # admission order (= submission order); its sampling key derives from it
 
 
 @dataclasses.dataclass
 class EngineStats:
-    steps: int = 0
+    steps: int = 0  # model forwards of the decode loop (each: every live sequence)
     tokens: int = 0
     drafted: int = 0
     accepted: int = 0
+    dispatches: int = 0  # decode-loop dispatches (each up to tokens_per_dispatch steps)
 
     @property
     def acceptance(self) -> float:
@@ -188,11 +118,19 @@ class EngineStats:
 
 
 class Engine:
-    """Greedy generation for many sequences; `speculate` drafts up to max_verify - 1 tokens."""
+    """Generation for many sequences; `speculate` drafts up to max_verify - 1 tokens a round.
 
-    def __init__(self, mcfg: ModelConfig, weights: ModelWeights, *, max_seqs: int,
-                 num_blocks: int, speculate: int = 0, prefill_chunk: int = 32,
-                 record_selections: bool = False):
+    weights: `ModelWeights` (stacked here) or `StackedWeights`. sampling: `Sampling()`
+    (greedy) by default; sampled tokens use `fold_in(key(seed), request id)` per request.
+    stop_tokens: ids that end a sequence (emitted, then the sequence stops). drafter: the
+    n-gram drafter by default, or `ModelDrafter(draft_mcfg)` with `draft_weights`.
+    """
+
+    def __init__(self, mcfg: ModelConfig, weights: ModelWeights | StackedWeights, *,
+                 max_seqs: int, num_blocks: int, speculate: int = 0, prefill_chunk: int = 32,
+                 record_selections: bool = False, tokens_per_dispatch: int = 8,
+                 sampling: Sampling | None = None, stop_tokens=(), seed: int = 0,
+                 drafter=None, draft_weights: ModelWeights | StackedWeights | None = None):
         cfg = mcfg.dsa
         if not 0 <= speculate <= cfg.max_verify - 1:
             raise EngineError(f"speculate={speculate} drafts need {speculate + 1} verify rows; "
@@ -200,16 +138,49 @@ class Engine:
                               f"{cfg.max_verify - 1} drafts")
         if prefill_chunk < 1:
             raise EngineError(f"prefill_chunk must be positive, got {prefill_chunk}")
+        if tokens_per_dispatch < 1:
+            raise EngineError(f"tokens_per_dispatch must be positive, got "
+                              f"{tokens_per_dispatch}")
+        sampling = Sampling() if sampling is None else sampling
+        if not isinstance(sampling, Sampling):
+            raise EngineError(f"sampling must be a dsa_jax.sampling.Sampling, got "
+                              f"{type(sampling).__name__}")
+        try:
+            stop_tokens = check_stop_tokens(stop_tokens, mcfg.vocab_size)
+        except SamplingError as err:
+            raise EngineError(str(err)) from None
+        drafter = NgramDrafter() if drafter is None else drafter
+        if isinstance(drafter, ModelDrafter):
+            _check_draft_model(mcfg, drafter.mcfg, draft_weights)
+            if isinstance(draft_weights, ModelWeights):
+                draft_weights = stack_weights(drafter.mcfg, draft_weights)
+        if isinstance(weights, ModelWeights):
+            weights = stack_weights(mcfg, weights)
         self.mcfg, self.weights, self.speculate = mcfg, weights, speculate
-        self.prefill_chunk = prefill_chunk
+        self.draft_weights = draft_weights
+        self.prefill_chunk, self.tokens_per_dispatch = prefill_chunk, tokens_per_dispatch
+        self.seed = seed
+        self.program = serve.Program(mcfg, sampling, stop_tokens, speculate, drafter,
+                                     record_selections)
         self.allocator = BlockAllocator(num_blocks)
-        self.states = init_model_state(mcfg, max_seqs, num_blocks)
-        self.lengths = np.zeros(max_seqs, np.int32)  # host mirror of the cached lengths
+        self.serving = serve.Serving(init_model_state(mcfg, max_seqs, num_blocks),
+                                     serve.init_slots(mcfg, max_seqs),
+                                     drafter.init_state(max_seqs, num_blocks))
+        self.lengths = np.zeros(max_seqs, np.int32)  # host copy of the cached lengths
         self.slots: list[Request | None] = [None] * max_seqs
         self.queue: deque[Request] = deque()
         self.finished: list[Request] = []
         self.stats = EngineStats()
         self.record_selections = record_selections
+        self._next_id = 0
+
+    @property
+    def sampling(self) -> Sampling:
+        return self.program.sampling
+
+    @property
+    def stop_tokens(self) -> tuple[int, ...]:
+        return self.program.stop_tokens
 
     # Admission and release -------------------------------------------------------------
     def submit(self, prompt: list[int], max_new_tokens: int) -> Request:
@@ -236,7 +207,8 @@ class Engine:
         return -(-tokens // self.mcfg.dsa.block_size)
 
     def _admit(self) -> list[Request]:
-        """Move queued requests into free slots while their blocks are free (FIFO)."""
+        """Move queued requests into free slots while their blocks are free (FIFO), and reset
+        those slots on the device (one dispatch)."""
         admitted = []
         while self.queue and None in self.slots:
             req = self.queue[0]
@@ -246,87 +218,104 @@ class Engine:
             self.queue.popleft()
             req.slot = self.slots.index(None)
             req.blocks = self.allocator.allocate(need, owner=req.slot)
-            row = np.full(self.mcfg.dsa.blocks_per_seq, -1, np.int32)
-            row[:need] = req.blocks
-            self.states = set_block_row(self.states, req.slot, jnp.asarray(row))
+            req.id, self._next_id = self._next_id, self._next_id + 1
             self.slots[req.slot] = req
             admitted.append(req)
+        if admitted:
+            b = len(self.slots)
+            mask = np.zeros(b, bool)
+            tables = np.full((b, self.mcfg.dsa.blocks_per_seq), -1, np.int32)
+            limit, ids = np.zeros(b, np.int32), np.zeros(b, np.int32)
+            for req in admitted:
+                mask[req.slot] = True
+                tables[req.slot, :len(req.blocks)] = req.blocks
+                limit[req.slot], ids[req.slot] = req.max_new_tokens, req.id
+                self.lengths[req.slot] = 0
+            self.serving = serve.admit(self.program, self.serving, jnp.asarray(mask),
+                                       jnp.asarray(tables), jnp.asarray(limit),
+                                       self._keys(ids))
         return admitted
+
+    def _keys(self, ids: np.ndarray) -> jax.Array:
+        return jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(self.seed),
+                                                       jnp.asarray(ids, jnp.int32))
 
     def _release(self, req: Request) -> None:
         self.allocator.release(req.blocks)
         self.slots[req.slot] = None
         self.lengths[req.slot] = 0
-        self.states = set_lengths(self.states, jnp.asarray(self.lengths))
         self.finished.append(req)
 
     # Steps -----------------------------------------------------------------------------
-    def _run(self, rows: list[list[int]], width: int):
-        """One jitted step over every slot: `rows[s]` are slot s's new tokens (maybe none)."""
-        tokens = np.zeros((len(self.slots), width), np.int32)
-        n_new = np.zeros(len(self.slots), np.int32)
-        for s, r in enumerate(rows):
-            tokens[s, :len(r)] = r
-            n_new[s] = len(r)
-        nxt, self.states, sel0 = model_step(self.mcfg, self.weights, self.states,
-                                            jnp.asarray(tokens), jnp.asarray(n_new))
-        self.lengths += n_new
-        return np.asarray(nxt), (np.asarray(sel0) if self.record_selections else None)
-
-    def _prefill(self, admitted: list[Request]) -> None:
-        """Prompts of the newly admitted, in chunks of `prefill_chunk` rows (one compiled shape)."""
-        width = self.prefill_chunk
-        longest = max(len(r.prompt) for r in admitted)
-        for lo in range(0, longest, width):
-            rows = [[] for _ in self.slots]
+    def _prefill(self, admitted: list[Request]) -> list[tuple[jax.Array, np.ndarray]]:
+        """Prompts of the newly admitted, in chunks of `prefill_chunk` rows (one compiled
+        shape, one dispatch per chunk). Returns each chunk's first tokens (on the device)
+        and which slots they belong to."""
+        width, b = self.prefill_chunk, len(self.slots)
+        firsts = []
+        for lo in range(0, max(len(r.prompt) for r in admitted), width):
+            tokens = np.zeros((b, width), np.int32)
+            n_new, finishing = np.zeros(b, np.int32), np.zeros(b, bool)
             for req in admitted:
-                rows[req.slot] = req.prompt[lo:lo + width]
-            nxt, _ = self._run(rows, width)
-            for req in admitted:
-                if lo < len(req.prompt) <= lo + width:  # last chunk: first generated token
-                    req.output.append(int(nxt[req.slot, len(req.prompt) - lo - 1]))
-                    self.stats.tokens += 1
-
-    def _verify_rows(self, req: Request) -> list[int]:
-        history = req.prompt + req.output
-        room = req.max_new_tokens - len(req.output)
-        drafts = ngram_draft(history, min(self.speculate, room - 1)) if room > 1 else []
-        return [req.output[-1]] + drafts
+                chunk = req.prompt[lo:lo + width]
+                tokens[req.slot, :len(chunk)] = chunk
+                n_new[req.slot] = len(chunk)
+                finishing[req.slot] = lo < len(req.prompt) <= lo + width
+            self.serving, first = serve.prefill_jit(
+                self.program, self.weights, self.draft_weights, self.serving,
+                jnp.asarray(tokens), jnp.asarray(n_new), jnp.asarray(finishing))
+            self.lengths += n_new
+            firsts.append((first, finishing))
+        return firsts
 
     def step(self) -> None:
-        """Admit, then one decode/verify step for every live sequence."""
+        """Admit and prefill, then up to `tokens_per_dispatch` decode steps (or speculative
+        rounds) of every live sequence in one dispatch; one read of the results."""
         admitted = self._admit()
-        if admitted:
-            self._prefill(admitted)
-        live = [r for r in self.slots if r is not None and len(r.output) < r.max_new_tokens]
-        rows = [[] for _ in self.slots]
-        for req in live:
-            rows[req.slot] = self._verify_rows(req)
-        if live:
-            nxt, sel0 = self._run(rows, self.mcfg.dsa.max_verify)
-            self.stats.steps += 1
-            for req in live:
-                self._accept(req, rows[req.slot], nxt[req.slot],
-                             None if sel0 is None else sel0[req.slot])
-            self.states = set_lengths(self.states, jnp.asarray(self.lengths))
+        firsts = self._prefill(admitted) if admitted else []
+        run = None
+        if any(r is not None for r in self.slots):
+            self.serving, outs, iters = serve.run(self.program, self.weights,
+                                                  self.draft_weights, self.serving,
+                                                  self.tokens_per_dispatch)
+            run = (outs, iters)
+            self.stats.dispatches += 1
+        firsts, run, lengths, done = jax.device_get(
+            (firsts, run, self.serving.model.lengths, self.serving.slots.done))
+        for first, finishing in firsts:
+            for s in np.flatnonzero(finishing):
+                self.slots[s].output.append(int(first[s]))
+                self.stats.tokens += 1
+        if run is not None:
+            self._take(*run)
+        self.lengths = np.array(lengths, np.int32)
         for req in list(self.slots):
-            if req is not None and len(req.output) >= req.max_new_tokens:
+            if req is not None and done[req.slot]:
                 self._release(req)
 
-    def _accept(self, req: Request, row: list[int], greedy: np.ndarray, sel) -> None:
-        """Keep the longest prefix of drafts that greedy decoding agrees with."""
-        drafts = row[1:]
-        kept = 0
-        while kept < len(drafts) and drafts[kept] == greedy[kept]:
-            kept += 1
-        new = drafts[:kept] + [int(greedy[kept])]
-        req.output.extend(new)
-        if sel is not None:
-            req.selections.extend(sel[:kept + 1])
-        self.stats.drafted += len(drafts)
-        self.stats.accepted += kept
-        self.stats.tokens += len(new)
-        self.lengths[req.slot] -= len(row) - (kept + 1)  # rewind the rejected rows
+    def _take(self, outs: serve.Emitted, iters) -> None:
+        """Append the dispatch's tokens (and selections) to their requests; statistics."""
+        self.stats.steps += int(iters)
+        counts = outs.count  # [N, B]
+        self.stats.tokens += int(counts.sum())
+        self.stats.drafted += int(outs.drafted.sum())
+        self.stats.accepted += int((np.maximum(counts - 1, 0) * (outs.drafted > 0)).sum())
+        emitted = np.arange(outs.tokens.shape[-1]) < counts[..., None]  # [N, B, R]
+        for req in self.slots:
+            if req is None:
+                continue
+            mask = emitted[:, req.slot]  # [N, R]
+            req.output.extend(outs.tokens[:, req.slot][mask].tolist())
+            if outs.sel is not None:
+                req.selections.extend(outs.sel[:, req.slot][mask])
+
+    def run_until_done(self, progress=None) -> list[Request]:
+        while self.queue or any(r is not None for r in self.slots):
+            before = self.stats.tokens
+            self.step()
+            if progress is not None:
+                progress.update(self.stats.tokens - before)
+        return self.finished
 
     # Snapshots ---------------------------------------------------------------------------
     def save(self, path, *, overwrite: bool = False) -> None:
@@ -334,22 +323,31 @@ class Engine:
         so a long prefix can be reused: `Engine.restore` continues exactly from here."""
         from dsa_jax.checkpoint import save_state
 
+        if not isinstance(self.program.drafter, NgramDrafter):
+            raise EngineError("save: an engine with a draft model cannot be snapshotted "
+                              "(the draft model's cache is not saved)")
+
         def req_json(r: Request | None):
             return None if r is None else {"prompt": [int(t) for t in r.prompt],
                                            "output": [int(t) for t in r.output],
                                            "max_new_tokens": r.max_new_tokens,
-                                           "slot": r.slot, "blocks": r.blocks}
+                                           "slot": r.slot, "blocks": r.blocks, "id": r.id}
 
         extra = {"lengths": self.lengths.copy(), "speculate": self.speculate,
                  "prefill_chunk": self.prefill_chunk,
+                 "tokens_per_dispatch": self.tokens_per_dispatch,
+                 "sampling": dataclasses.asdict(self.sampling),
+                 "stop_tokens": list(self.stop_tokens), "seed": self.seed,
+                 "next_id": self._next_id,
                  "free": list(self.allocator._free),
                  "slots": [req_json(r) for r in self.slots],
                  "queue": [req_json(r) for r in self.queue],
                  "stats": dataclasses.asdict(self.stats)}
-        save_state(path, self.mcfg.dsa, list(self.states), extra, overwrite=overwrite)
+        save_state(path, self.mcfg.dsa, unfold_state(self.mcfg, self.serving.model), extra,
+                   overwrite=overwrite)
 
     @classmethod
-    def restore(cls, path, mcfg: ModelConfig, weights: ModelWeights, *,
+    def restore(cls, path, mcfg: ModelConfig, weights: ModelWeights | StackedWeights, *,
                 record_selections: bool = False) -> Engine:
         """An engine continuing from `save`'s snapshot (same model config and weights)."""
         from dsa_jax.checkpoint import restore_state
@@ -359,27 +357,56 @@ class Engine:
             raise EngineError(f"snapshot has {len(states)} layers, the model {mcfg.num_layers}")
         eng = cls(mcfg, weights, max_seqs=len(extra["slots"]),
                   num_blocks=int(states[0].latent.shape[0]), speculate=extra["speculate"],
-                  prefill_chunk=extra["prefill_chunk"], record_selections=record_selections)
-        eng.states = tuple(states)
+                  prefill_chunk=extra["prefill_chunk"], record_selections=record_selections,
+                  tokens_per_dispatch=extra.get("tokens_per_dispatch", 8),
+                  sampling=Sampling(**extra.get("sampling", {})),
+                  stop_tokens=extra.get("stop_tokens", ()), seed=extra.get("seed", 0))
         eng.lengths = np.asarray(extra["lengths"], np.int32).copy()
         eng.allocator._free = deque(extra["free"])
 
         def req_of(d):
             return Request(d["prompt"], d["max_new_tokens"], list(d["output"]), d["slot"],
-                           list(d["blocks"]))
+                           list(d["blocks"]), id=d.get("id", -1))
 
         eng.slots = [None if d is None else req_of(d) for d in extra["slots"]]
         eng.queue = deque(req_of(d) for d in extra["queue"])
-        for r in eng.slots:
-            if r is not None:
-                eng.allocator._owner.update({b: r.slot for b in r.blocks})
+        live = [r for r in eng.slots if r is not None]
+        eng._next_id = extra.get("next_id", 0)
+        for r in live:
+            eng.allocator._owner.update({b: r.slot for b in r.blocks})
+            if r.id < 0:  # a snapshot from before request ids
+                r.id, eng._next_id = eng._next_id, eng._next_id + 1
         eng.stats = EngineStats(**extra["stats"])
+        model = fold_states(mcfg, states)._replace(lengths=jnp.asarray(eng.lengths))
+        eng.serving = serve.Serving(model, eng._slots_of(live), None)
         return eng
 
-    def run_until_done(self, progress=None) -> list[Request]:
-        while self.queue or any(r is not None for r in self.slots):
-            before = self.stats.tokens
-            self.step()
-            if progress is not None:
-                progress.update(self.stats.tokens - before)
-        return self.finished
+    def _slots_of(self, live: list[Request]) -> serve.Slots:
+        """Device slots rebuilt from the requests (a restore)."""
+        b, t = len(self.slots), self.mcfg.dsa.max_context
+        history = np.zeros((b, t), np.int32)
+        last, count, limit = (np.zeros(b, np.int32) for _ in range(3))
+        done, ids = np.ones(b, bool), np.zeros(b, np.int32)
+        for r in live:
+            seq = r.prompt + r.output
+            history[r.slot, :len(seq)] = seq
+            last[r.slot], count[r.slot] = r.output[-1], len(r.output)
+            limit[r.slot], ids[r.slot] = r.max_new_tokens, r.id
+            done[r.slot] = (len(r.output) >= r.max_new_tokens
+                            or r.output[-1] in self.stop_tokens)
+        return serve.Slots(*(jnp.asarray(a) for a in (last, history, count, limit, done)),
+                           keys=self._keys(ids))
+
+
+def _check_draft_model(mcfg: ModelConfig, dcfg: ModelConfig, draft_weights) -> None:
+    """A draft model shares the target's vocabulary, block geometry and verify width."""
+    if draft_weights is None:
+        raise EngineError("a ModelDrafter needs draft_weights (its model's weights)")
+    a, b = mcfg.dsa, dcfg.dsa
+    for name, mine, theirs in (("vocab_size", mcfg.vocab_size, dcfg.vocab_size),
+                               ("max_context", a.max_context, b.max_context),
+                               ("block_size", a.block_size, b.block_size),
+                               ("max_verify", a.max_verify, b.max_verify)):
+        if mine != theirs:
+            raise EngineError(f"draft model {name} is {theirs}, the target's {mine}: they "
+                              f"must be equal")

@@ -28,10 +28,12 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from dsa_jax.attend import attend, write_latents
 from dsa_jax.config import DsaConfig
 from dsa_jax.indexer import pool_scores, write_index_rows
+from dsa_jax.mirror import host_numbers, known, remember
 from dsa_jax.projection import output_projection, project, project_kv
 from dsa_jax.select import expand_selection, top_pools
 from dsa_jax.state import DsaState
@@ -163,9 +165,8 @@ def _check_step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Arr
     if not all(_is_concrete(a) for a in (state.lengths, state.block_tables, n_new)):
         return
     n_new = np.asarray(n_new)
-    # One device->host read for everything the checks need.
-    lengths, index_lengths, tables = (np.asarray(a) for a in jax.device_get(
-        (state.lengths, state.index_lengths, state.block_tables)))
+    # The host's copy when it has one (dsa_jax.mirror), else one device->host read.
+    lengths, index_lengths, tables = host_numbers(state)
     nb = state.latent.shape[0]
     behind = np.flatnonzero(index_lengths < lengths) if weights.has_indexer else []
     if len(behind):
@@ -256,26 +257,50 @@ def prepare_step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Ar
 _step_jit = jax.jit(step, static_argnames=("cfg",), donate_argnames=("state",))
 
 
-@functools.partial(jax.jit, static_argnames=("layout",))
-def _pad(layout: RowLayout, x: jax.Array, shared_sel: jax.Array | None):
-    return layout.pad(x, shared_sel)
+@functools.partial(jax.jit, static_argnames=("cfg", "layout"), donate_argnames=("state",))
+def _layout_step(cfg: DsaConfig, layout: RowLayout, weights: DsaWeights, state: DsaState,
+                 x: jax.Array, n_new: jax.Array, shared_sel: jax.Array | None):
+    """Pad, step, unpad: one program per layout. The step sits between optimization barriers,
+    so XLA neither sees that the padded rows are zero nor moves the unpad into the step: the
+    step compiles to the same code in the decode program and in every K-row verify program
+    (the bit-identity guarantee, tested with `==`)."""
+    x, shared_sel = lax.optimization_barrier(layout.pad(x, shared_sel))
+    y, state, sel = step(cfg, weights, state, x, n_new, shared_sel)
+    y, sel = layout.unpad(*lax.optimization_barrier((y, sel)))
+    return y, state, sel
 
 
-@functools.partial(jax.jit, static_argnames=("layout",))
-def _unpad(layout: RowLayout, y: jax.Array, sel: jax.Array):
-    return layout.unpad(y, sel)
+# Row counts already on the device, by value: a decode loop passes the same few every step.
+_COUNTS: dict[bytes, jax.Array] = {}
+
+
+def _device_counts(n_new):
+    if not isinstance(n_new, np.ndarray):
+        return n_new  # traced, under the caller's jit
+    key = n_new.astype(np.int32).tobytes()
+    if key not in _COUNTS:
+        if len(_COUNTS) >= 256:
+            _COUNTS.clear()
+        _COUNTS[key] = jnp.asarray(n_new, jnp.int32)
+    return _COUNTS[key]
+
+
+def _remember_step(before, state: DsaState, n_new) -> None:
+    """Record the new state's lengths on the host when the old ones were known there."""
+    if before is not None and isinstance(n_new, np.ndarray):
+        lengths = before.lengths + n_new
+        remember(state, lengths, lengths, before.block_tables)
 
 
 def _public_step(cfg, weights, state, x, kind, counts, shared_sel, check):
-    """Pad, step, unpad. The step is its own program, so a decode and a K-row verify run the
-    very same compiled step (padding fused into it could change its bits)."""
+    """Host side (`prepare_step`: checks on the host's copy of the lengths, no device read
+    once it has one), then one dispatch: pad, step, unpad."""
     layout, n_new = prepare_step(cfg, weights, state, x, kind=kind, counts=counts,
                                  shared_sel=shared_sel, check=check)
-    if layout.rows != layout.k or layout.squeeze:
-        x, shared_sel = _pad(layout, x, shared_sel)
-    y, state, sel = _step_jit(cfg, weights, state, x, jnp.asarray(n_new), shared_sel)
-    if layout.rows != layout.k or layout.squeeze:
-        y, sel = _unpad(layout, y, sel)
+    before = known(state)
+    y, state, sel = _layout_step(cfg, layout, weights, state, x, _device_counts(n_new),
+                                 shared_sel)
+    _remember_step(before, state, n_new)
     return y, state, sel
 
 
@@ -331,14 +356,18 @@ def rewind(cfg: DsaConfig, state: DsaState, lengths) -> DsaState:
     if new.shape != state.lengths.shape:
         raise StepError(f"rewind lengths have shape {tuple(new.shape)}, expected "
                         f"{tuple(state.lengths.shape)} (one per sequence)")
-    if _is_concrete(new) and _is_concrete(state.lengths):
-        cur, want = np.asarray(state.lengths), np.asarray(new)
-        bad = (want < 0) | (want > cur)
-        if bad.any():
-            s = int(np.argmax(bad))
-            raise StepError(f"sequence {s}: cannot rewind to length {want[s]}; it must be in "
-                            f"[0, {cur[s]}] (the current length)")
-    return state._replace(lengths=new, index_lengths=jnp.minimum(state.index_lengths, new))
+    if not (_is_concrete(lengths) and _is_concrete(state.lengths)):
+        return state._replace(lengths=new, index_lengths=jnp.minimum(state.index_lengths, new))
+    numbers = host_numbers(state)
+    cur, want = numbers.lengths, np.asarray(lengths, np.int32).reshape(-1)
+    bad = (want < 0) | (want > cur)
+    if bad.any():
+        s = int(np.argmax(bad))
+        raise StepError(f"sequence {s}: cannot rewind to length {want[s]}; it must be in "
+                        f"[0, {cur[s]}] (the current length)")
+    out = state._replace(lengths=new, index_lengths=jnp.minimum(state.index_lengths, new))
+    remember(out, want, np.minimum(numbers.index_lengths, want), numbers.block_tables)
+    return out
 
 
 def write_kv_rows(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array,
@@ -362,4 +391,7 @@ def write_kv_row(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Ar
     if x.ndim == 2:
         x = x[:, None]
     _, n_new = prepare_step(cfg, weights, state, x, kind="kv", counts=active)
-    return _write_kv_rows_jit(cfg, weights, state, x, jnp.asarray(n_new))
+    before = known(state)
+    state = _write_kv_rows_jit(cfg, weights, state, x, _device_counts(n_new))
+    _remember_step(before, state, n_new)
+    return state

@@ -103,7 +103,8 @@ def test_ngram_draft():
 def test_snapshot_restores_and_continues_identically(weights, tmp_path):
     prompts = _prompts(4, seed=3)
     max_new = [14, 6, 18, 9]
-    eng = Engine(MCFG, weights, max_seqs=2, num_blocks=24, speculate=2, prefill_chunk=8)
+    eng = Engine(MCFG, weights, max_seqs=2, num_blocks=24, speculate=2, prefill_chunk=8,
+                 tokens_per_dispatch=1)  # one round per step: the snapshot falls mid-run
     reqs = [eng.submit(p, m) for p, m in zip(prompts, max_new, strict=True)]
     for _ in range(4):
         eng.step()

@@ -1,0 +1,428 @@
+"""H200: the serving loop on the device (issue 15), one call.
+
+    PYTHONPATH=. python3 benchmarks/h200_loop.py --out benchmarks/results/h200-loop.json
+    PYTHONPATH=. python3 benchmarks/h200_loop.py --smoke --out /tmp/h200-loop.json  (CPU, tiny)
+
+Checks first, bitwise (`==`), with implementation "pallas" (xla under --smoke): the scanned
+model == the unrolled stack (tiny 4-layer model, and 8 GLM-5.3-Flash layers at a short
+context); the on-device loop == the per-step Python loop (greedy and top-p sampling);
+speculative tokens == plain tokens (n-gram drafter, draft-model drafter, greedy and sampled);
+public `decode_k` == serial `decode`s. Then the points (GLM-5.3-Flash block shapes, 8 layers
+alternating full/shared, 16K context, bf16 weights, fp8 cache, vocabulary 256, caches filled
+with random values up to the context):
+- loop-b1-l8, loop-b64-l8: N=32 tokens per dispatch (`serve.run`, one host read each): per
+  token and per layer wall time, and the same layers' kernel time from a profiler trace;
+- spec-b1-l8-k3: tokens/s with 3 drafts a round at a stated acceptance (a scripted drafter
+  that proposes the right token with probability `--acceptance`), against plain decoding;
+- public-decode-b1: `dsa_jax.decode` as the README calls it, synced every call, against the
+  device step (16 steps of `layer.step` in one `lax.scan`, per step);
+- scan-vs-unrolled-b1-l8: one forward of the scanned model against the unrolled stack;
+- engine-b64-l8: `Engine.step` at 64 sequences (2K prompts) against its kernel time;
+- compile: `serve.run` compiled once across two contexts; compile seconds per model depth.
+Writes the JSON after every section (a run cut short keeps what it measured); `--only` runs
+some sections. The short table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import dsa_jax
+from benchmarks.harness import CompileLog
+from benchmarks.loop_checks import (
+    FORWARD_JITS,
+    check_decode_k,
+    check_loops,
+    check_scan_equals_unrolled,
+    copy_tree,
+    device_kernels,
+    model,
+    random_serving,
+    wall_us,
+)
+from dsa_jax import layer, serve
+from dsa_jax.checkpoint import expected_weights
+from dsa_jax.engine import Engine
+from dsa_jax.model import (
+    ModelConfig,
+    ModelWeights,
+    forward,
+    init_model_state,
+    stack_weights,
+    unfold_state,
+)
+from dsa_jax.shapes import glm53_flash, tiny
+
+SECTIONS = ("checks", "loop", "spec", "public", "scan", "engine", "compile")
+ALTERNATING8 = ("full", "shared") * 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    smoke: bool
+    check_cfg: dsa_jax.DsaConfig  # the tiny model of the checks
+    glm_check_cfg: dsa_jax.DsaConfig | None  # GLM shapes, short context (scan == unrolled)
+    bench_cfg: dsa_jax.DsaConfig  # the timed model
+    vocab: int
+    n: int  # tokens per dispatch
+    big_batch: int
+    reps: int
+    acceptance: float
+
+
+def make_setup(args) -> Setup:
+    if args.smoke:  # one small 2-layer model everywhere, so the sections share programs
+        small = tiny(implementation="xla", max_context=64, indexer_types=("full", "shared"))
+        return Setup(True, small, None, small, 64, 2, 3, 1, args.acceptance)
+    impl = "pallas"
+    return Setup(False, tiny(implementation=impl, indexer_types=("full", "shared") * 2),
+                 glm53_flash(implementation=impl, max_context=1024, indexer_types=ALTERNATING8),
+                 glm53_flash(implementation=impl, indexer_types=ALTERNATING8), args.vocab,
+                 args.tokens, 64, args.reps, args.acceptance)
+
+
+def section_checks(s: Setup, res: dict) -> None:
+    checks = res["checks"]
+    checks["scan_equals_unrolled[tiny]"] = check_scan_equals_unrolled(s.check_cfg, s.vocab)
+    # Under --smoke the greedy loop checks run only through the draft model (their twins
+    # are in the CPU tests); on the device, everything.
+    checks.update(check_loops(s.check_cfg, s.vocab, ("sample",) if s.smoke else
+                              ("greedy", "sample")))
+    if not s.smoke:  # on the CPU: tests/test_serving_paths.py
+        checks["decode_k_equals_serial_decodes"] = check_decode_k(
+            s.check_cfg.replace(indexer_types=("full",)))
+    if s.glm_check_cfg is not None:
+        checks["scan_equals_unrolled[glm8,ctx1024]"] = check_scan_equals_unrolled(
+            s.glm_check_cfg, s.vocab)
+
+
+# ------------------------------------------------------------------------------ points
+
+def _num_layers(cfg) -> int:
+    return len(cfg.indexer_types)
+
+
+def section_loop(s: Setup, res: dict) -> None:
+    cfg = s.bench_cfg
+    mcfg, _, stacked = model(cfg, s.vocab)
+    prog = serve.Program(mcfg)
+    nl, ctx = _num_layers(cfg), cfg.max_context
+    for b in (1, s.big_batch):
+        calls = s.reps + 6  # warm-up, timed, traced: every dispatch continues the sequences
+        holder = {"sv": random_serving(prog, b, ctx - calls * s.n, jax.random.key(b))}
+
+        def call(holder=holder):
+            holder["sv"], outs, _ = serve.run(prog, stacked, None, holder["sv"], s.n)
+            return jax.device_get(outs.tokens)  # the serving loop's one host read
+
+        wall = wall_us(call, s.reps)
+        kern = device_kernels(call, 2)
+        row = {"name": f"loop-b{b}-l{nl}", "batch": b, "layers": nl, "context": ctx,
+               "tokens_per_dispatch": s.n, "dispatch_us": wall,
+               "per_token_us": wall / s.n, "us_per_token_per_layer": wall / s.n / nl}
+        if kern:
+            row.update({"kernel_us_per_token_per_layer": kern["kernel_us"] / s.n / nl,
+                        "wall_over_kernel": wall / kern["kernel_us"],
+                        "launches_per_token": kern["launches"] / s.n,
+                        "top_kernels": kern["top_kernels"]})
+        res["points"].append(row)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScriptedDrafter:
+    """Proposes the known right token with probability `acceptance` (a fixed pseudo-random
+    pattern over positions), a wrong one otherwise; its state is the right tokens [B, T]."""
+    vocab: int
+    acceptance: float
+
+    def init_state(self, num_seqs, num_blocks):
+        return None
+
+    def admit(self, ds, mask, block_tables):
+        return ds
+
+    def prefill(self, dweights, ds, tokens, n_new):
+        return ds
+
+    def propose(self, dweights, ds, history, lengths, k, max_draft):
+        t = ds.shape[1]
+        at = jnp.clip(lengths[:, None] + 1 + jnp.arange(k), 0, t - 1)  # [B, k]
+        right = jnp.take_along_axis(ds, at, axis=1)
+        lucky = (at * 40503 % 65536).astype(jnp.float32) / 65536 < self.acceptance
+        drafts = jnp.where(lucky, right, (right + 1) % self.vocab)
+        count = jnp.minimum(max_draft, k).astype(jnp.int32)
+        return jnp.where(jnp.arange(k) < count[:, None], drafts, 0), count, ds
+
+    def commit(self, ds, lengths, accepted, new_lengths):
+        return ds
+
+
+def section_spec(s: Setup, res: dict) -> None:
+    cfg = s.bench_cfg
+    mcfg, _, stacked = model(cfg, s.vocab)
+    nl, ctx, k = _num_layers(cfg), cfg.max_context, 3
+    plain = serve.Program(mcfg)
+    base = random_serving(plain, 1, ctx - 2 * s.n, jax.random.key(7))
+    base = base._replace(slots=base.slots._replace(limit=jnp.full((1,), s.n, jnp.int32)))
+    box = {}
+
+    def run_plain():
+        box["sv"], box["outs"], _ = serve.run(plain, stacked, None, copy_tree(base), s.n)
+        return box["outs"].tokens
+
+    plain_us = wall_us(run_plain, s.reps)
+    want = serve.emitted_tokens(jax.device_get(box["outs"]))[0]
+    right = np.zeros((1, ctx), np.int32)
+    first = int(base.model.lengths[0]) + 1
+    right[0, first:first + len(want)] = want
+    spec = serve.Program(mcfg, speculate=k, drafter=ScriptedDrafter(s.vocab, s.acceptance))
+    spec_base = base._replace(draft=jnp.asarray(right))
+
+    def run_spec():
+        box["sv"], box["outs"], box["iters"] = serve.run(spec, stacked, None,
+                                                         copy_tree(spec_base), s.n)
+        return box["outs"].tokens
+
+    spec_us = wall_us(run_spec, s.reps)
+    outs = jax.device_get(box["outs"])
+    got = serve.emitted_tokens(outs)[0]
+    drafted = int(outs.drafted.sum())
+    accepted = int((np.maximum(outs.count - 1, 0) * (outs.drafted > 0)).sum())
+    res["checks"]["speculative_equals_plain[scripted,timed model]"] = got == want
+    res["points"].append({
+        "name": f"spec-b1-l{nl}-k{k}", "layers": nl, "context": ctx, "drafts": k,
+        "stated_acceptance": s.acceptance, "measured_acceptance": accepted / max(drafted, 1),
+        "rounds": int(box["iters"]), "tokens": len(got),
+        "tokens_per_s": len(got) / spec_us * 1e6,
+        "plain_tokens_per_s": len(want) / plain_us * 1e6,
+        "speedup": plain_us / spec_us * len(got) / max(len(want), 1)})
+
+
+def section_public(s: Setup, res: dict) -> None:
+    cfg = s.bench_cfg.replace(indexer_types=("full",))
+    weights = dsa_jax.init_random_weights(cfg, jax.random.key(8))
+    calls = 4 * s.reps + 60
+    st = dsa_jax.init_state(cfg, 1)
+    k = jax.random.split(jax.random.key(9), 4)
+    length = jnp.full((1,), cfg.max_context - calls - 40, jnp.int32)
+    st = st._replace(
+        latent=jax.random.normal(k[0], st.latent.shape, jnp.bfloat16).astype(st.latent.dtype),
+        index_k=jax.random.normal(k[1], st.index_k.shape, jnp.bfloat16).astype(
+            st.index_k.dtype),
+        index_g=jax.random.normal(k[2], st.index_g.shape, jnp.bfloat16).astype(
+            st.index_g.dtype),
+        pool_keys=0.1 * jax.random.normal(k[3], st.pool_keys.shape),
+        lengths=length, index_lengths=length)
+    x = jax.random.normal(jax.random.key(10), (1, cfg.hidden_size))
+    box = {"st": st}
+
+    def readme_call():  # the README's call, synced by the caller
+        y, box["st"], _ = dsa_jax.decode(cfg, weights, box["st"], x)
+        return y
+
+    public = wall_us(readme_call, 4 * s.reps + 10)
+    kern = device_kernels(readme_call, 10)
+    steps = 16
+    xs = jnp.zeros((steps, 1, cfg.max_verify, cfg.hidden_size)).at[:, :, 0].set(x)
+    one = jnp.ones((1,), jnp.int32)
+
+    @jax.jit
+    def scan16(w, st, xs):
+        def body(st, xr):
+            y, st, _ = layer.step(cfg, w, st, xr, one)
+            return st, y[:, 0]
+        return jax.lax.scan(body, st, xs)
+
+    def device_steps():
+        box["st"], ys = scan16(weights, box["st"], xs)
+        return ys
+
+    scan_step = wall_us(device_steps, s.reps) / steps
+    # The device step: the call's own kernel time where a trace has it (the bench's
+    # definition), else a step of 16 in one lax.scan.
+    device_step = kern["kernel_us"] if kern else scan_step
+    row = {"name": "public-decode-b1", "context": cfg.max_context, "median_us": public,
+           "device_step_us": device_step, "scan16_step_us": scan_step,
+           "public_over_device_step": public / device_step}
+    if kern:
+        row["launches"] = kern["launches"]
+    res["points"].append(row)
+
+
+def section_scan(s: Setup, res: dict) -> None:
+    """One forward (B=1, a decode's padded rows): the scanned model, the same with XLA's
+    dynamic-slice fusion (per-layer weight slices read in place by the GEMMs instead of
+    copied), and the unrolled stack. Lengths grow by one a call (the same work each)."""
+    cfg = s.bench_cfg
+    mcfg, weights, stacked = model(cfg, s.vocab)
+    nl, r = _num_layers(cfg), cfg.max_verify
+    serving = random_serving(serve.Program(mcfg), 1, cfg.max_context - 16 * s.reps - 64,
+                             jax.random.key(11))
+    box = {"scanned": serving.model, "unrolled": tuple(unfold_state(mcfg, serving.model))}
+    box["scanned-dsfusion"] = copy_tree(serving.model)
+    tokens = jnp.zeros((1, r), jnp.int32)
+    one = jnp.ones((1,), jnp.int32)
+    scanned, unrolled = FORWARD_JITS
+    forms = {"scanned": (scanned, stacked), "unrolled": (unrolled, weights)}
+    if jax.default_backend() == "gpu":
+        forms["scanned-dsfusion"] = (jax.jit(
+            forward, static_argnums=0, donate_argnums=2,
+            compiler_options={"xla_gpu_enable_dynamic_slice_fusion": True}), stacked)
+    row = {"name": f"scan-vs-unrolled-b1-l{nl}", "layers": nl}
+    for name, (fn, w) in forms.items():
+        def call(name=name, fn=fn, w=w):
+            logits, box[name], _ = fn(mcfg, w, box[name], tokens, one)
+            return logits
+
+        try:
+            row[f"{name}_us"] = wall_us(call, s.reps)
+            kern = device_kernels(call, 3)
+            if kern:
+                row[f"{name}_kernel_us"] = kern["kernel_us"]
+                row[f"{name}_top_kernels"] = kern["top_kernels"]
+        except Exception as e:  # recorded in the row; the other forms still run
+            row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
+    res["points"].append(row)
+
+
+def section_engine(s: Setup, res: dict) -> None:
+    cfg = s.bench_cfg
+    mcfg, _, stacked = model(cfg, s.vocab)
+    nl, b = _num_layers(cfg), s.big_batch
+    prompt = 12 if s.smoke else 2048
+    eng = Engine(mcfg, stacked, max_seqs=b, num_blocks=b * cfg.blocks_per_seq,
+                 prefill_chunk=8 if s.smoke else 512, tokens_per_dispatch=s.n)
+    rng = np.random.default_rng(12)
+    for _ in range(b):
+        eng.submit(rng.integers(0, s.vocab, prompt).tolist(), s.n * (s.reps + 8))
+    eng.step()  # admission, prefill, the first dispatch (compiles)
+    before = eng.stats.tokens
+    wall = wall_us(eng.step, s.reps)
+    tokens_per_step = (eng.stats.tokens - before) / (s.reps + 1)
+    kern = device_kernels(eng.step, 1)
+    row = {"name": f"engine-b{b}-l{nl}", "batch": b, "layers": nl, "prompt": prompt,
+           "tokens_per_dispatch": s.n, "step_us": wall, "per_step_per_layer_us": wall / s.n / nl,
+           "tokens_per_s": tokens_per_step / wall * 1e6}
+    if kern:
+        row.update({"kernel_per_step_per_layer_us": kern["kernel_us"] / s.n / nl,
+                    "wall_over_kernel": wall / kern["kernel_us"]})
+    res["points"].append(row)
+
+
+def section_compile(s: Setup, res: dict) -> None:
+    cfg = s.bench_cfg
+    mcfg, _, stacked = model(cfg, s.vocab)
+    prog = serve.Program(mcfg)
+    n = s.n + 1  # a dispatch length no other section compiles
+    states = [random_serving(prog, 1, ctx - 2 * n, jax.random.key(ctx))
+              for ctx in (cfg.max_context // 4, cfg.max_context)]
+    log = CompileLog()
+    mark = log.mark()
+    for sv in states:
+        jax.block_until_ready(serve.run(prog, stacked, None, sv, n))
+    res["compile"]["run_compiles_across_two_contexts"] = log.since(mark)[0]
+    seconds = {}
+    for depth in (2,) if s.smoke else (2, 8, 16):
+        dcfg = cfg.replace(indexer_types=("full", "shared") * (depth // 2))
+        dm = ModelConfig(dcfg, vocab_size=s.vocab)
+        layers = tuple(expected_weights(dcfg, kind == "full") for kind in dcfg.indexer_types)
+        f32 = jax.ShapeDtypeStruct
+        abstract = ModelWeights(f32((s.vocab, dcfg.hidden_size), jnp.float32),
+                                f32((depth, dcfg.hidden_size), jnp.float32), layers,
+                                f32((dcfg.hidden_size,), jnp.float32),
+                                f32((s.vocab, dcfg.hidden_size), jnp.dtype(dcfg.param_dtype)))
+        w = jax.eval_shape(lambda a, dm=dm: stack_weights(dm, a), abstract)
+        sv = jax.eval_shape(lambda dm=dm: serve.Serving(
+            init_model_state(dm, 1, dm.dsa.blocks_per_seq), serve.init_slots(dm, 1), None))
+        t0 = time.perf_counter()
+        serve.run.lower(serve.Program(dm), w, None, sv, s.n + 2).compile()  # not cached
+        seconds[depth] = time.perf_counter() - t0
+    res["compile"]["run_compile_s_by_depth"] = seconds
+
+
+# ------------------------------------------------------------------------------ main
+
+def table(res: dict) -> str:
+    lines = ["check                                             ok"]
+    lines += [f"  {k:<48}{v}" for k, v in res["checks"].items()]
+    lines.append("point                       per token/layer us  kernel us  wall/kernel")
+    for p in res["points"]:
+        if p["name"].startswith(("loop", "engine")):
+            wall = p.get("us_per_token_per_layer", p.get("per_step_per_layer_us"))
+            kern = p.get("kernel_us_per_token_per_layer", p.get("kernel_per_step_per_layer_us"))
+            lines.append(f"  {p['name']:<26}{wall:>12.1f}{kern or float('nan'):>11.1f}"
+                         f"{p.get('wall_over_kernel', float('nan')):>11.2f}")
+        elif p["name"].startswith("spec"):
+            lines.append(f"  {p['name']:<26}spec {p['tokens_per_s']:.0f} tok/s vs plain "
+                         f"{p['plain_tokens_per_s']:.0f} at acceptance "
+                         f"{p['measured_acceptance']:.2f}")
+        elif p["name"].startswith("public"):
+            lines.append(f"  {p['name']:<26}{p['median_us']:.0f} us vs device step "
+                         f"{p['device_step_us']:.0f} us: {p['public_over_device_step']:.2f}x")
+        else:
+            forms = ", ".join(f"{k[:-3]} {v:.0f} us" for k, v in p.items()
+                              if k.endswith("_us") and not k.endswith("kernel_us"))
+            lines.append(f"  {p['name']:<26}{forms}")
+    for k, v in res["compile"].items():
+        lines.append(f"  {k}: {v}")
+    if res["errors"]:
+        lines.append(f"errors: {len(res['errors'])} (in the JSON)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="JSON results path")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, xla")
+    ap.add_argument("--only", nargs="*", choices=SECTIONS, default=list(SECTIONS))
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--tokens", type=int, default=32, help="tokens per dispatch")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--acceptance", type=float, default=0.7)
+    args = ap.parse_args(argv)
+    s = make_setup(args)
+    res = {"command": "PYTHONPATH=. python3 benchmarks/h200_loop.py " + " ".join(
+               sys.argv[1:] if argv is None else argv),
+           "date": datetime.datetime.now(datetime.UTC).isoformat(),
+           "jax_version": jax.__version__, "backend": jax.default_backend(),
+           "device": str(jax.devices()[0].device_kind),
+           "setup": {"bench_layers": list(s.bench_cfg.indexer_types), "vocab": s.vocab,
+                     "context": s.bench_cfg.max_context, "tokens_per_dispatch": s.n,
+                     "implementation": s.bench_cfg.implementation,
+                     "cache_dtype": s.bench_cfg.cache_dtype,
+                     "param_dtype": s.bench_cfg.param_dtype},
+           "checks": {}, "points": [], "compile": {}, "errors": []}
+    sections = {"checks": section_checks, "loop": section_loop, "spec": section_spec,
+                "public": section_public, "scan": section_scan, "engine": section_engine,
+                "compile": section_compile}
+    for name in SECTIONS:
+        if name not in args.only:
+            continue
+        t0 = time.perf_counter()
+        try:
+            sections[name](s, res)
+        except Exception as e:  # recorded; the other sections still run
+            res["errors"].append({"section": name, "error": f"{type(e).__name__}: {e}"[:500],
+                                  "traceback": traceback.format_exc()[-3000:]})
+        res.setdefault("section_s", {})[name] = time.perf_counter() - t0
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    print(table(res))
+    ok = all(v is True for v in res["checks"].values())
+    return 0 if ok and not res["errors"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

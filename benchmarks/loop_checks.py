@@ -1,0 +1,177 @@
+"""Helpers and bitwise checks of benchmarks/h200_loop.py (the serving loop on the device):
+timing, a profiler-trace kernel time, random caches at a context, and the `==` checks."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import dsa_jax
+from benchmarks.harness import profile
+from dsa_jax import serve
+from dsa_jax.drafting import ModelDrafter
+from dsa_jax.model import (
+    ModelConfig,
+    forward,
+    forward_unrolled,
+    init_model,
+    init_model_state,
+    stack_weights,
+    unfold_state,
+)
+from dsa_jax.sampling import Sampling
+
+# The scanned and the unrolled model, jitted once (their caches serve every section).
+FORWARD_JITS = (jax.jit(forward, static_argnums=0, donate_argnums=2),
+                jax.jit(forward_unrolled, static_argnums=0, donate_argnums=2))
+
+
+def bits_equal(a, b) -> bool:
+    la, ta = jax.tree.flatten(a)
+    lb, tb = jax.tree.flatten(b)
+    if ta != tb:
+        return False
+    for x, y in zip(la, lb, strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return False
+        if x.tobytes() != y.tobytes():
+            return False
+    return True
+
+
+def copy_tree(tree):
+    return jax.tree.map(lambda a: a if a is None else jnp.copy(a), tree)
+
+
+def device_kernels(call, calls: int, top: int = 12) -> dict:
+    """Device kernel time per call (`benchmarks.harness.profile`: two untimed calls, then
+    `calls` traced); empty off a GPU."""
+    p = profile(call, calls, top=top)
+    if "error" in p:
+        return {}
+    return {"kernel_us": p["kernel_us_per_step"], "launches": p["launches_per_step"],
+            "top_kernels": p["top_kernels"]}
+
+
+def wall_us(call, reps: int, prepare=None) -> float:
+    """Median wall time of `call()` to completion (after one warm call); `prepare()` runs
+    untimed before each."""
+    if prepare is not None:
+        prepare()
+    jax.block_until_ready(call())
+    ts = []
+    for _ in range(reps):
+        if prepare is not None:
+            jax.block_until_ready(prepare())
+        t0 = time.perf_counter()
+        jax.block_until_ready(call())
+        ts.append((time.perf_counter() - t0) * 1e6)
+    return float(np.median(ts))
+
+
+def model(cfg, vocab: int, seed: int = 0):
+    mcfg = ModelConfig(cfg, vocab_size=vocab)
+    weights = init_model(mcfg, jax.random.key(seed))
+    return mcfg, weights, stack_weights(mcfg, weights)
+
+
+def random_serving(prog: serve.Program, b: int, ctx: int, key) -> serve.Serving:
+    """Caches filled with random values up to `ctx - 1` tokens, every slot live for N tokens
+    (the timing depends on lengths, not on values)."""
+    mcfg, cfg = prog.mcfg, prog.mcfg.dsa
+    mb = cfg.blocks_per_seq
+    ms = init_model_state(mcfg, b, b * mb, np.arange(b * mb, dtype=np.int32).reshape(b, mb))
+    k = jax.random.split(key, 5)
+    ms = ms._replace(
+        latent=jax.random.normal(k[0], ms.latent.shape, jnp.bfloat16).astype(ms.latent.dtype),
+        index_k=jax.random.normal(k[1], ms.index_k.shape, jnp.bfloat16).astype(
+            ms.index_k.dtype),
+        index_g=jax.random.normal(k[2], ms.index_g.shape, jnp.bfloat16).astype(
+            ms.index_g.dtype),
+        pool_keys=0.1 * jax.random.normal(k[3], ms.pool_keys.shape),
+        lengths=jnp.full((b,), ctx - 1, jnp.int32))
+    slots = serve.init_slots(mcfg, b)
+    slots = slots._replace(last=jax.random.randint(k[4], (b,), 0, mcfg.vocab_size),
+                           limit=jnp.full((b,), 10 ** 6, jnp.int32),
+                           done=jnp.zeros((b,), bool))
+    draft = prog.drafter.init_state(b, b * mb) if prog.speculate else None
+    return serve.Serving(ms, slots, draft)
+
+
+# ------------------------------------------------------------------------------ checks
+
+def check_scan_equals_unrolled(cfg, vocab: int, b: int = 2) -> bool:
+    mcfg, weights, stacked = model(cfg, vocab, 1)
+    nb = b * cfg.blocks_per_seq
+    rng = np.random.default_rng(0)
+    tables = np.stack([rng.permutation(nb)[:cfg.blocks_per_seq] for _ in range(b)])
+    ms = init_model_state(mcfg, b, nb, tables.astype(np.int32))
+    states = tuple(unfold_state(mcfg, ms))
+    scanned, unrolled = FORWARD_JITS
+    ok = True
+    r = cfg.max_verify
+    for rows, n_new in ((2 * r, [2 * r, r + 1]), (r, [1, r]), (r, [r - 1, 0]), (r, [1, 1])):
+        tokens = jnp.asarray(rng.integers(0, vocab, (b, rows)), jnp.int32)
+        n = jnp.asarray(n_new[:b] + [1] * (b - len(n_new)), jnp.int32)
+        a = scanned(mcfg, stacked, ms, tokens, n)
+        u = unrolled(mcfg, weights, states, tokens, n)
+        ms, states = a[1], u[1]
+        ok &= bits_equal((a[0], a[2]), (u[0], u[2]))
+        ok &= bits_equal(unfold_state(mcfg, ms), list(states))
+    return bool(ok)
+
+
+def _prompts(b: int, vocab: int, seed: int):
+    rng = np.random.default_rng(seed)
+    motif = rng.integers(0, vocab, (b, 5))  # repeats, so the n-gram drafter finds matches
+    return [np.resize(m, int(rng.integers(9, 30))).tolist() for m in motif]
+
+
+def check_loops(cfg, vocab: int, modes=("greedy", "sample")) -> dict:
+    """Device loop == Python loop and speculative == plain, per sampling mode; a draft model
+    (the target itself) drafting for greedy decoding."""
+    mcfg, weights, stacked = model(cfg, vocab, 2)
+    prompts = _prompts(3, vocab, 3)
+    limits = [23, 9, 30]
+    out, plain_tokens = {}, {}
+    for name in modes:
+        sampling = Sampling() if name == "greedy" else Sampling("sample", 0.8, 0.9)
+        plain = serve.Program(mcfg, sampling)
+        want = serve.generate(plain, stacked, None, prompts, limits, tokens_per_dispatch=8)
+        plain_tokens[name] = want
+        sv, first = serve.start(plain, stacked, None, prompts, limits)
+        sv, outs, _ = serve.run_python(plain, stacked, None, sv, 64)
+        py = [[int(f)] + t for f, t in zip(np.asarray(first), serve.emitted_tokens(outs),
+                                          strict=True)]
+        out[f"device_loop_equals_python_loop[{name}]"] = want == py
+        spec = serve.Program(mcfg, sampling, speculate=3)
+        got = serve.generate(spec, stacked, None, prompts, limits, tokens_per_dispatch=8)
+        out[f"speculative_equals_plain[ngram,{name}]"] = got == want
+    if "greedy" in plain_tokens:
+        prog = serve.Program(mcfg, Sampling(), speculate=3, drafter=ModelDrafter(mcfg))
+        got = serve.generate(prog, stacked, stacked, prompts, limits, tokens_per_dispatch=8)
+        out["speculative_equals_plain[draft_model,greedy]"] = got == plain_tokens["greedy"]
+    return out
+
+
+def check_decode_k(cfg) -> bool:
+    """Public `decode_k` (K rows) == K serial `decode`s, bitwise, K = 1 .. max_verify."""
+    weights = dsa_jax.init_random_weights(cfg, jax.random.key(4))
+    x = jax.random.normal(jax.random.key(5), (2, 20 + cfg.max_verify, cfg.hidden_size))
+    _, base, _ = dsa_jax.prefill(cfg, weights, dsa_jax.init_state(cfg, 2), x[:, :20])
+    ok = True
+    for k in range(1, cfg.max_verify + 1):
+        rows = x[:, 20:20 + k]
+        y_k, st_k, sel_k = dsa_jax.decode_k(cfg, weights, copy_tree(base), rows)
+        st = copy_tree(base)
+        for r in range(k):
+            y, st, sel = dsa_jax.decode(cfg, weights, st, rows[:, r])
+            ok &= bits_equal((y, sel), (y_k[:, r], sel_k[:, r]))
+        ok &= bits_equal(st, st_k)
+    return bool(ok)
+
+

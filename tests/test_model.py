@@ -1,0 +1,98 @@
+"""The scanned model (`dsa_jax.model.forward`) equals the unrolled stack of `layer.step`s, bit
+for bit; its plan, its stacked state and its program size."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from bitwise import assert_bitwise
+
+from dsa_jax import model as M
+from dsa_jax.checkpoint import expected_weights
+from dsa_jax.shapes import ODD
+
+CFG = ODD.replace(cache_dtype="float8_e4m3fn", index_cache_dtype="bfloat16")
+REGULAR = ("full", "shared", "full", "shared")
+IRREGULAR = ("full", "shared", "shared", "full")  # groups of 3 and 1: two scan segments
+SCANNED = jax.jit(M.forward, static_argnums=0, donate_argnums=2)
+UNROLLED = jax.jit(M.forward_unrolled, static_argnums=0, donate_argnums=2)
+
+
+def test_layer_plan_groups_a_full_layer_with_its_shared_layers():
+    Seg = M.Segment
+    assert M.layer_plan(("full",)) == (Seg(1, 1, 0, 0),)
+    assert M.layer_plan(("full", "shared") * 3) == (Seg(2, 3, 0, 0),)
+    assert M.layer_plan(("full", "shared", "shared", "full", "full", "shared")) == (
+        Seg(3, 1, 0, 0), Seg(1, 1, 3, 1), Seg(2, 1, 4, 2))
+
+
+def _tables(b, nb, mb, seed):
+    rng = np.random.default_rng(seed)
+    return np.stack([rng.permutation(nb)[:mb] for _ in range(b)]).astype(np.int32)
+
+
+@pytest.mark.parametrize("pattern", [REGULAR, IRREGULAR])
+def test_scanned_equals_unrolled_bitwise(pattern):
+    mcfg = M.ModelConfig(CFG.replace(indexer_types=pattern), vocab_size=37)
+    weights = M.init_model(mcfg, jax.random.key(1))
+    stacked = M.stack_weights(mcfg, weights)
+    b, nb, r = 2, 30, CFG.max_verify
+    ms = M.init_model_state(mcfg, b, nb, _tables(b, nb, CFG.blocks_per_seq, 2))
+    states = tuple(M.unfold_state(mcfg, ms))
+    rng = np.random.default_rng(3)
+    # A ragged prompt chunk, decode-shaped steps (ragged, one sequence idle), then rows that
+    # run past max_context (96): dropped in both, never written into another layer's rows.
+    steps = [(2 * r, [8, 5]), (2 * r, [3, 8]), (r, [1, r]), (r, [r - 1, 0])]
+    steps += [(2 * r, [8, 8])] * 11
+    for rows, n_new in steps:
+        tokens = jnp.asarray(rng.integers(0, 37, (b, rows)), jnp.int32)
+        n = jnp.asarray(n_new, jnp.int32)
+        logits, ms, sel = SCANNED(mcfg, stacked, ms, tokens, n)
+        want_logits, states, want_sel = UNROLLED(mcfg, weights, states, tokens, n)
+        assert_bitwise((logits, sel), (want_logits, want_sel))
+        assert_bitwise(M.unfold_state(mcfg, ms), list(states))
+    assert np.asarray(ms.lengths).tolist() == [103, 105]  # past 96: the rows were dropped
+    assert not np.isnan(np.asarray(logits)).any()
+
+
+def test_fold_unfold_round_trip_and_refusals():
+    mcfg = M.ModelConfig(CFG.replace(indexer_types=IRREGULAR), vocab_size=37)
+    ms = M.init_model_state(mcfg, 2, 24, _tables(2, 24, CFG.blocks_per_seq, 4))
+    k = jax.random.split(jax.random.key(5), 3)
+    ms = ms._replace(latent=jax.random.normal(k[0], ms.latent.shape).astype(ms.latent.dtype),
+                     index_k=jax.random.normal(k[1], ms.index_k.shape).astype(ms.index_k.dtype),
+                     pool_keys=jax.random.normal(k[2], ms.pool_keys.shape),
+                     lengths=jnp.asarray([7, 11], jnp.int32))
+    states = M.unfold_state(mcfg, ms)
+    assert [st.index_k.shape[1] for st in states] == [96, 0, 0, 96]
+    assert_bitwise(M.fold_states(mcfg, states), ms)
+    with pytest.raises(M.ModelError, match="3 layer states for a 4-layer model"):
+        M.fold_states(mcfg, states[:3])
+    odd = list(states)
+    odd[2] = odd[2]._replace(lengths=jnp.asarray([7, 12], jnp.int32))
+    with pytest.raises(M.ModelError, match="layer 2's lengths or block tables differ"):
+        M.fold_states(mcfg, odd)
+    behind = list(states)
+    behind[3] = behind[3]._replace(index_lengths=jnp.asarray([7, 10], jnp.int32))
+    with pytest.raises(M.ModelError, match=r"layer 3: indexer lengths \[ 7 10\] are behind"):
+        M.fold_states(mcfg, behind)
+
+
+def _program_lines(depth: int) -> int:
+    cfg = CFG.replace(indexer_types=("full", "shared") * depth)
+    mcfg = M.ModelConfig(cfg, vocab_size=37)
+    d, v = cfg.hidden_size, mcfg.vocab_size
+    spec = jax.ShapeDtypeStruct
+    layers = tuple(expected_weights(cfg, kind == "full") for kind in cfg.indexer_types)
+    per_layer = M.ModelWeights(spec((v, d), jnp.float32), spec((2 * depth, d), jnp.float32),
+                               layers, spec((d,), jnp.float32), spec((v, d), jnp.float32))
+    w = jax.eval_shape(lambda a: M.stack_weights(mcfg, a), per_layer)
+    ms = jax.eval_shape(lambda: M.init_model_state(mcfg, 1, 12))
+    tokens = jax.ShapeDtypeStruct((1, CFG.max_verify), jnp.int32)
+    n_new = jax.ShapeDtypeStruct((1,), jnp.int32)
+    text = jax.jit(M.forward, static_argnums=0).lower(mcfg, w, ms, tokens, n_new).as_text()
+    return len(text.splitlines())
+
+
+def test_program_does_not_grow_with_depth():
+    assert _program_lines(2) == _program_lines(8)

@@ -1,0 +1,73 @@
+"""The public decode path: host checks from the host's copy of the lengths and block tables
+(no device read once known, never stale), one compiled program per row layout."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dsa_jax
+from dsa_jax import layer, mirror
+from dsa_jax.shapes import ODD
+
+CFG = ODD
+
+
+def _x(seed, *shape):
+    return jax.random.normal(jax.random.key(seed), shape)
+
+
+def _device_values(state):
+    return [np.asarray(a) for a in (state.lengths, state.index_lengths, state.block_tables)]
+
+
+def test_no_device_read_after_the_first_and_the_copy_is_exact(monkeypatch):
+    weights = dsa_jax.init_random_weights(CFG, jax.random.key(1))
+    state = dsa_jax.init_state(CFG, 2)
+    reads = []
+    real = jax.device_get
+    monkeypatch.setattr(jax, "device_get", lambda x: reads.append(1) or real(x))
+    _, state, _ = dsa_jax.prefill(CFG, weights, state, _x(2, 2, 9, CFG.hidden_size),
+                                  num_tokens=[9, 4])
+    assert len(reads) == 1  # a state built by init_state: read once
+    _, state, _ = dsa_jax.decode(CFG, weights, state, _x(3, 2, CFG.hidden_size),
+                                 active=[True, False])
+    _, state, _ = dsa_jax.decode_k(CFG, weights, state, _x(4, 2, 3, CFG.hidden_size))
+    state = dsa_jax.rewind(CFG, state, [11, 6])
+    state = dsa_jax.write_kv_row(CFG, weights, state, _x(5, 2, CFG.hidden_size))
+    _, state, _ = dsa_jax.decode(CFG, weights, state, _x(6, 2, CFG.hidden_size))
+    assert len(reads) == 1
+    monkeypatch.setattr(jax, "device_get", real)
+    known = mirror.known(state)
+    assert known is not None
+    for host, device in zip(known, _device_values(state), strict=True):
+        assert np.array_equal(host, device)
+    assert known.lengths.tolist() == [13, 8]
+
+
+def test_a_state_edited_by_the_caller_is_read_again():
+    weights = dsa_jax.init_random_weights(CFG, jax.random.key(7))
+    _, state, _ = dsa_jax.prefill(CFG, weights, dsa_jax.init_state(CFG, 1),
+                                  _x(8, 1, 10, CFG.hidden_size))
+    assert mirror.known(state).lengths.tolist() == [10]
+    edited = state._replace(lengths=jnp.asarray([94], jnp.int32),
+                            index_lengths=jnp.asarray([94], jnp.int32))
+    assert mirror.known(edited) is None
+    with pytest.raises(dsa_jax.StepError, match="would reach 97, past max_context 96"):
+        dsa_jax.decode_k(CFG, weights, edited, _x(9, 1, 3, CFG.hidden_size))
+    table = np.asarray(state.block_tables).copy()
+    table[0, 1] = -1  # a caller's new block table: position 8.. has no block any more
+    unmapped = state._replace(block_tables=jnp.asarray(table))
+    with pytest.raises(dsa_jax.StepError, match="block table entry 1 is -1"):
+        dsa_jax.decode(CFG, weights, unmapped, _x(10, 1, CFG.hidden_size))
+
+
+def test_one_program_per_layout_whatever_the_context():
+    cfg = ODD.replace(max_verify=5)  # a config no other test compiles
+    weights = dsa_jax.init_random_weights(cfg, jax.random.key(11))
+    state = dsa_jax.init_state(cfg, 1)
+    before = layer._layout_step._cache_size()
+    for t in range(12):
+        _, state, _ = dsa_jax.decode(cfg, weights, state, _x(t, 1, cfg.hidden_size))
+    _, state, _ = dsa_jax.decode_k(cfg, weights, state, _x(20, 1, 5, cfg.hidden_size))
+    assert layer._layout_step._cache_size() - before == 2  # decode; a 5-row verify

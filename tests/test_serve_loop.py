@@ -1,0 +1,170 @@
+"""The on-device serving loop (`dsa_jax.serve`): the device loop equals the per-step Python
+loop, speculative tokens equal plain tokens (n-gram and draft-model drafters, greedy and
+sampled, with stop tokens), bit for bit; sampling and drafting on their own; bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsa_jax import model as M
+from dsa_jax import serve
+from dsa_jax.drafting import ModelDrafter, ngram_propose
+from dsa_jax.engine import ngram_draft
+from dsa_jax.sampling import Sampling, SamplingError, check_stop_tokens, sample_tokens
+from dsa_jax.shapes import ODD
+
+MCFG = M.ModelConfig(ODD.replace(indexer_types=("full", "shared"), cache_dtype="float8_e4m3fn",
+                                 index_cache_dtype="bfloat16"), vocab_size=37)
+SAMPLED = Sampling("sample", temperature=0.5, top_p=0.9)
+LIMITS = [23, 9, 30]
+
+
+def _prompts():
+    rng = np.random.default_rng(3)
+    motif = rng.integers(0, 37, (3, 5))  # repeats: the n-gram drafter finds matches
+    return [np.resize(m, n).tolist() for m, n in zip(motif, (13, 21, 6), strict=True)]
+
+
+PROMPTS = _prompts()
+
+
+@pytest.fixture(scope="module")
+def stacked():
+    return M.stack_weights(MCFG, M.init_model(MCFG, jax.random.key(0)))
+
+
+@pytest.fixture(scope="module")
+def plain(stacked):
+    """Plain tokens, from the device loop, greedy and sampled."""
+    return {name: serve.generate(serve.Program(MCFG, s), stacked, None, PROMPTS, LIMITS,
+                                 tokens_per_dispatch=8)
+            for name, s in (("greedy", Sampling()), ("sampled", SAMPLED))}
+
+
+def test_device_loop_equals_python_loop(stacked, plain):
+    prog = serve.Program(MCFG, SAMPLED)
+    sv, first = serve.start(prog, stacked, None, PROMPTS, LIMITS)
+    sv, outs, steps = serve.run_python(prog, stacked, None, sv, 100)
+    python = [[int(f)] + t for f, t in zip(np.asarray(first), serve.emitted_tokens(outs),
+                                          strict=True)]
+    assert python == plain["sampled"]
+    assert [len(t) for t in python] == LIMITS and steps == max(LIMITS) - 1
+    assert plain["sampled"] != plain["greedy"]
+
+
+def test_speculative_sampled_tokens_equal_plain(stacked, plain):
+    prog = serve.Program(MCFG, SAMPLED, speculate=3)
+    sv, first = serve.start(prog, stacked, None, PROMPTS, LIMITS)
+    sv, outs, _ = serve.run(prog, stacked, None, sv, 64)
+    got = [[int(f)] + t for f, t in zip(np.asarray(first), serve.emitted_tokens(outs),
+                                       strict=True)]
+    assert got == plain["sampled"]
+    assert (np.asarray(outs.count) > 1).any()  # some drafts were kept
+
+
+def test_stop_token_ends_a_sequence_the_same_with_speculation(stacked, plain):
+    stop = plain["greedy"][0][6]  # a token sequence 0 produces mid-way
+    want = [seq[:seq.index(stop) + 1] if stop in seq else seq for seq in plain["greedy"]]
+    assert len(want[0]) < LIMITS[0]
+    got = serve.generate(serve.Program(MCFG, Sampling(), (stop,), speculate=3), stacked, None,
+                         PROMPTS, LIMITS, tokens_per_dispatch=8)
+    assert got == want
+
+
+def test_draft_model_speculation_equals_plain(stacked, plain):
+    # The target as its own draft model drafts exactly what it will decode: every draft kept.
+    prog = serve.Program(MCFG, speculate=3, drafter=ModelDrafter(MCFG))
+    sv, first = serve.start(prog, stacked, stacked, PROMPTS, LIMITS)
+    sv, outs, _ = serve.run(prog, stacked, stacked, sv, 64)
+    got = [[int(f)] + t for f, t in zip(np.asarray(first), serve.emitted_tokens(outs),
+                                       strict=True)]
+    assert got == plain["greedy"]
+    drafted, count = np.asarray(outs.drafted), np.asarray(outs.count)
+    assert drafted.sum() > 0 and (count[drafted > 0] == drafted[drafted > 0] + 1).all()
+    # Another (one-layer, random) draft model: its drafts are mostly wrong, the tokens not.
+    small = M.ModelConfig(MCFG.dsa.replace(indexer_types=("full",)), vocab_size=37)
+    dweights = M.stack_weights(small, M.init_model(small, jax.random.key(9)))
+    got = serve.generate(serve.Program(MCFG, speculate=2, drafter=ModelDrafter(small)),
+                         stacked, dweights, PROMPTS, LIMITS, tokens_per_dispatch=8)
+    assert got == plain["greedy"]
+
+
+def test_draft_model_cache_follows_the_sequence_through_rejections(stacked, plain):
+    # Sampled tokens often differ from the draft model's greedy drafts: rounds end early and
+    # its cache must be rewound. Drafting with the target's own weights, every cached row
+    # of the draft model then equals the target's row at the same position, bit for bit.
+    prog = serve.Program(MCFG, SAMPLED, speculate=3, drafter=ModelDrafter(MCFG))
+    sv, first = serve.start(prog, stacked, stacked, PROMPTS, LIMITS)
+    sv, outs, _ = serve.run(prog, stacked, stacked, sv, 64)
+    got = [[int(f)] + t for f, t in zip(np.asarray(first), serve.emitted_tokens(outs),
+                                       strict=True)]
+    assert got == plain["sampled"]
+    drafted, count = np.asarray(outs.drafted), np.asarray(outs.count)
+    assert (count[drafted > 0] < drafted[drafted > 0] + 1).any()  # rejections happened
+    target, draft = sv.model, sv.draft
+    bs = MCFG.dsa.block_size
+    tables = np.asarray(target.block_tables)
+    nl, nb, _, c = target.latent.shape
+    rows_t = np.asarray(target.latent).reshape(nl, nb * bs, c)  # [L, NB*bs, C]
+    rows_d = np.asarray(draft.latent).reshape(nl, nb * bs, c)
+    for b, n in enumerate(np.minimum(np.asarray(target.lengths), np.asarray(draft.lengths))):
+        pos = np.arange(n)
+        slots = tables[b, pos // bs] * bs + pos % bs
+        assert rows_t[:, slots].tobytes() == rows_d[:, slots].tobytes()
+        assert (np.asarray(target.index_k)[b, :, :n].tobytes()
+                == np.asarray(draft.index_k)[b, :, :n].tobytes())
+
+
+def test_ngram_propose_equals_the_host_drafter():
+    rng = np.random.default_rng(4)
+    t, k = 40, 3
+    histories = [rng.integers(0, 4, n).tolist() for n in (1, 2, 3, 5, 9, 17, 31, 40)]
+    hist = np.zeros((len(histories), t), np.int32)
+    for i, h in enumerate(histories):
+        hist[i, :len(h)] = h
+    lengths = jnp.asarray([len(h) - 1 for h in histories], jnp.int32)
+    max_draft = jnp.asarray([3, 3, 3, 3, 2, 3, 1, 0], jnp.int32)
+    drafts, count = jax.jit(ngram_propose, static_argnums=2)(jnp.asarray(hist), lengths, k,
+                                                            max_draft)
+    for i, h in enumerate(histories):
+        want = ngram_draft(h, int(max_draft[i]))
+        assert np.asarray(drafts[i, :int(count[i])]).tolist() == want, (i, h)
+        assert (np.asarray(drafts[i, int(count[i]):]) == 0).all()
+    assert int(count.sum()) > 0
+
+
+def test_sampling_is_a_function_of_logits_key_and_position():
+    logits = jax.random.normal(jax.random.key(1), (4, 3, 37))
+    logits = logits.at[0, 0, 5].set(9.0).at[0, 0, 7].set(9.0)  # a tie: the lower id wins
+    keys = jax.random.split(jax.random.key(2), 4)
+    pos = jnp.arange(12, dtype=jnp.int32).reshape(4, 3)
+    greedy = sample_tokens(Sampling(), logits, keys, pos)
+    assert int(greedy[0, 0]) == 5
+    narrow = sample_tokens(Sampling("sample", 1.0, 1e-6), logits, keys, pos)
+    assert (narrow == greedy).all()  # top_p -> 0 keeps only the most likely token
+    a = sample_tokens(SAMPLED, logits, keys, pos)
+    assert (a == sample_tokens(SAMPLED, logits, keys, pos)).all()
+    flat = jnp.zeros((1, 64, 37))  # uniform: the draws follow the positions
+    draws = sample_tokens(SAMPLED, flat, keys[:1], jnp.arange(64, dtype=jnp.int32)[None])
+    assert len(set(np.asarray(draws).ravel().tolist())) > 10
+
+
+def test_bad_input_is_refused_before_anything_runs():
+    with pytest.raises(SamplingError, match=r"sampling mode 'beam' is not one of"):
+        Sampling("beam")
+    with pytest.raises(SamplingError, match="temperature must be positive, got 0"):
+        Sampling("sample", temperature=0)
+    with pytest.raises(SamplingError, match=r"top_p must be in \(0, 1\], got 1.5"):
+        Sampling("sample", top_p=1.5)
+    with pytest.raises(SamplingError, match=r"stop token\(s\) \[37\] outside the vocabulary "
+                                            r"\[0, 37\)"):
+        check_stop_tokens([3, 37], 37)
+    prog = serve.Program(MCFG, speculate=3)
+    with pytest.raises(serve.ServeError, match=r"prompt 1: 90 tokens \+ 4 new tokens \(\+ 3 "
+                                               r"draft rows\) = 97 exceeds max_context 96"):
+        serve.check_batch(prog, [[1], [1] * 90], [4, 4])
+    with pytest.raises(serve.ServeError, match=r"prompt 0: token ids \[40\] outside"):
+        serve.check_batch(prog, [[1, 40]], [4])
+    with pytest.raises(serve.ServeError, match="prompt 0 is empty"):
+        serve.check_batch(prog, [[]], [4])
