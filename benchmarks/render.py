@@ -231,6 +231,7 @@ def page(results_dir: str, out_md: str, png: str) -> list[str]:
     if bd:
         lines += tables.breakdown_table(bd[0], bd[1], out_md)
     lines += tables.launch_section(results_dir, out_md)
+    lines += tables.parallel_section(results_dir, out_md)
     lev = newest_with(runs, lambda r: (r.get("levers") or {}).get("kv_b_absorbed_vs_runtime"))
     if lev:
         lines += ["## Levers", "", f"From {tables.link(lev[0], out_md)} "

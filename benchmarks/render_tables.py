@@ -42,7 +42,21 @@ def time_cell(p: dict) -> str:
         extra = f" (kernels {fmt_us(p['kernel_us'])})"
     if p.get("device_step_us") is not None:
         extra = f" (device step {fmt_us(p['device_step_us'])})"
+    if p.get("median_us") is None:
+        return loop_cell(p)
     return fmt_us(p.get("median_us")) + extra
+
+
+def loop_cell(p: dict) -> str:
+    """The serving-loop points (benchmarks/h200_loop.py): time per token per layer and its
+    ratio to the layers' kernel time, or tokens/s for the speculation point."""
+    if p.get("us_per_token_per_layer") is not None:
+        return (f"{fmt_us(p['us_per_token_per_layer'])} per token per layer "
+                f"({p['wall_over_kernel']:.2f}x kernels)")
+    if p.get("tokens_per_s") is not None:
+        return (f"{p['tokens_per_s']:.0f} tok/s ({p['speedup']:.2f}x plain, acceptance "
+                f"{p['measured_acceptance']:.2f})")
+    return "-"
 
 
 def points_table(rows: list[tuple], labels: dict[str, str]) -> list[str]:
@@ -66,7 +80,8 @@ def readme_rows(rows: list[tuple]) -> list[str]:
              "|---|---|---|---|---|---|---|"]
     for p, _, _, met in rows:
         cell = (f"{p.get('value_MiB', 0):.1f} MiB" if "value_MiB" in p
-                else fmt_us(p.get("median_us")))
+                else fmt_us(p.get("median_us")) if p.get("median_us") is not None
+                else loop_cell(p))
         lines.append(f"| {p['name']} | {cell} | {fmt_us(p.get('floor_us'))} | "
                      f"{fmt_x(p.get('time_over_floor'))} | {met_cell(met)} | "
                      f"{fmt_x(p.get('ratio_vs_xla'))} | {fmt_x(p.get('ratio_vs_hf'), 4)} |")
@@ -275,4 +290,36 @@ def two_forms_table(lever: dict, title: str, base: str, other: str) -> list[str]
                      f"{fmt_us(r.get(f'{other}_kernel_us'))} | "
                      f"{fmt_x(r.get(f'{other}_over_{base}_kernel'))} | "
                      f"{fmt_us(r.get(f'{base}_us'))} | {fmt_us(r.get(f'{other}_us'))} |")
+    return lines + [""]
+
+
+def parallel_section(results_dir: str, out_md: str) -> list[str]:
+    """The newest benchmarks/h200_parallel.py run: TP and DP against one GPU (times per decode
+    step inside a jitted loop, targets) and the parity of each layout against one GPU."""
+    found = []
+    for path in glob.glob(os.path.join(results_dir, "*parallel*.json")):
+        with open(path) as f:
+            res = json.load(f)
+        if res.get("times"):
+            found.append((res.get("date", ""), path, res))
+    if not found:
+        return []
+    _, path, res = max(found)
+    lines = [f"## Several GPUs: {link(path, out_md)} ({res.get('date', '?')[:19]}, "
+             f"`{res.get('command', '?')}`)", "",
+             "| layout | us per step | vs one GPU | target |", "|---|---|---|---|"]
+    times, targets = res["times"], res.get("targets") or {}
+    for name, t in times.items():
+        base, limit = targets.get(name, (None, None))
+        ratio = (t["wall_us_per_step"] / times[base]["wall_us_per_step"]
+                 if base in times else None)
+        lines.append(f"| {name} (dp {t['dp']} x tp {t['tp']}, {t['num_seqs']} seqs) | "
+                     f"{fmt_us(t['wall_us_per_step'])} | {fmt_x(ratio)} | "
+                     f"{'<= ' + format(limit, '.2f') + 'x' if limit else '-'} |")
+    lines += ["", "| layout vs one GPU | step | `sel` equal | y err / bound |", "|---|---|---|---|"]
+    for layout, checks in (res.get("parity") or {}).items():
+        for step, c in checks.items():
+            if isinstance(c, dict):
+                lines.append(f"| {layout} | {step} | {'yes' if c['sel_equal'] else '**no**'} | "
+                             f"{c['y_worst_err_over_bound']:.2g} |")
     return lines + [""]
