@@ -13,7 +13,12 @@ Two forms of the same model:
   the same size form one segment, so a regular pattern (full, shared, full, shared, ...) is one
   scan and any other pattern a few.
 
-`forward` equals `forward_unrolled` bit for bit (tests/test_model.py, `==`).
+`forward` equals `forward_unrolled` bit for bit (tests/test_model.py, `==`). Both put an
+`optimization_barrier` on the hidden rows where each layer starts (and before the LM head), so
+that every layer compiles as its own island in both programs: without it XLA:GPU may fuse one
+layer's residual add into the next layer's RMSNorm in one program and not in the other (a
+scan step boundary already splits them), and the two differ in the last bits. The barrier
+only stops fusion across a layer boundary; it adds no op.
 
 The stacked caches are laid out so that no layer's cache is ever copied out of the stack:
 a kernel operand must be a whole buffer, so a per-layer slice of a stacked cache would cost
@@ -306,13 +311,20 @@ def _block(cfg: DsaConfig, w: DsaWeights, caches: _Caches, rows: _Rows, layer, f
     return output_projection(w, o_latent), caches, sel
 
 
-def _segment(cfg: DsaConfig, seg: Segment, stack: Stack, h, caches: _Caches, rows: _Rows):
+def _island(h: jax.Array, on: bool) -> jax.Array:
+    """The hidden rows `h [B, R, D]` where a layer starts: a fusion boundary when `on`."""
+    return lax.optimization_barrier(h) if on else h
+
+
+def _segment(cfg: DsaConfig, seg: Segment, stack: Stack, h, caches: _Caches, rows: _Rows,
+             barrier: bool):
     """Scan the segment's groups: each runs its full layer, then (scanned) its shared ones."""
     g, eps = seg.group_size, cfg.rms_norm_eps
 
     def group(carry, xs):
         h, caches = carry
         wf, ws, norms, layer, full = xs
+        h = _island(h, barrier)
         y, caches, sel = _block(cfg, wf, caches, rows, layer, full,
                                 rms_norm(h, norms[0], eps), None)
         h = h + y
@@ -320,6 +332,7 @@ def _segment(cfg: DsaConfig, seg: Segment, stack: Stack, h, caches: _Caches, row
             def shared(carry, xs):
                 h, caches = carry
                 w, norm, l = xs
+                h = _island(h, barrier)
                 y, caches, _ = _block(cfg, w, caches, rows, l, None, rms_norm(h, norm, eps),
                                       sel)
                 return (h + y, caches), None
@@ -344,11 +357,14 @@ def lm_head(mcfg: ModelConfig, final_norm: jax.Array, head: jax.Array, h: jax.Ar
 
 
 def forward(mcfg: ModelConfig, weights: StackedWeights, ms: ModelState, tokens: jax.Array,
-            n_new: jax.Array) -> tuple[jax.Array, ModelState, jax.Array]:
+            n_new: jax.Array, *, layer_barrier: bool = True
+            ) -> tuple[jax.Array, ModelState, jax.Array]:
     """tokens [B, R] (first n_new [B] real) -> (logits [B, R, V] f32, state, sel [B, R, W]).
 
     `sel` is the first layer's selection. Pure and traceable; no checks (the caller's host
-    side validates: lengths + n_new <= max_context, block tables cover the rows)."""
+    side validates: lengths + n_new <= max_context, block tables cover the rows).
+    layer_barrier: a fusion boundary where each layer starts (module docstring); False only
+    to measure or diagnose without it (benchmarks/h200_scan_check.py)."""
     cfg = mcfg.dsa
     b, r = tokens.shape
     nl, nb = ms.latent.shape[:2]
@@ -364,9 +380,9 @@ def forward(mcfg: ModelConfig, weights: StackedWeights, ms: ModelState, tokens: 
     h = weights.embed[tokens]  # [B, R, D]
     sel0 = None
     for seg, stack in zip(layer_plan(cfg.indexer_types), weights.segments, strict=True):
-        h, caches, sels = _segment(cfg, seg, stack, h, caches, rows)
+        h, caches, sels = _segment(cfg, seg, stack, h, caches, rows, layer_barrier)
         sel0 = sels[0] if sel0 is None else sel0
-    logits = lm_head(mcfg, weights.final_norm, weights.lm_head, h)
+    logits = lm_head(mcfg, weights.final_norm, weights.lm_head, _island(h, layer_barrier))
     ms = ms._replace(latent=caches.latent.reshape(ms.latent.shape),
                      index_k=caches.index_k.reshape(ms.index_k.shape),
                      index_g=caches.index_g.reshape(ms.index_g.shape),
@@ -376,17 +392,20 @@ def forward(mcfg: ModelConfig, weights: StackedWeights, ms: ModelState, tokens: 
 
 
 def forward_unrolled(mcfg: ModelConfig, weights: ModelWeights, states, tokens: jax.Array,
-                     n_new: jax.Array) -> tuple[jax.Array, tuple[DsaState, ...], jax.Array]:
-    """The reference: `forward` with one `layer.step` per layer over per-layer states."""
+                     n_new: jax.Array, *, layer_barrier: bool = True
+                     ) -> tuple[jax.Array, tuple[DsaState, ...], jax.Array]:
+    """The reference: `forward` with one `layer.step` per layer over per-layer states (the
+    same fusion boundaries as `forward` under the same `layer_barrier`)."""
     cfg = mcfg.dsa
     h = weights.embed[tokens]  # [B, R, D]
     new_states, sel, sel0 = [], None, None
     for i, (lw, st) in enumerate(zip(weights.layers, states, strict=True)):
         shared = None if lw.has_indexer else sel
+        h = _island(h, layer_barrier)
         y, st, sel = step(cfg, lw, st, rms_norm(h, weights.norms[i], cfg.rms_norm_eps),
                           n_new, shared)
         sel0 = sel if sel0 is None else sel0
         h = h + y
         new_states.append(st)
-    logits = lm_head(mcfg, weights.final_norm, weights.lm_head, h)
+    logits = lm_head(mcfg, weights.final_norm, weights.lm_head, _island(h, layer_barrier))
     return logits, tuple(new_states), sel0

@@ -5,11 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from bitwise import assert_bitwise
 
 from dsa_jax import model as M
 from dsa_jax.checkpoint import expected_weights
 from dsa_jax.shapes import ODD
+from dsa_jax.testing import assert_trees_bitwise_equal as assert_bitwise
 
 CFG = ODD.replace(cache_dtype="float8_e4m3fn", index_cache_dtype="bfloat16")
 REGULAR = ("full", "shared", "full", "shared")
@@ -96,3 +96,36 @@ def _program_lines(depth: int) -> int:
 
 def test_program_does_not_grow_with_depth():
     assert _program_lines(2) == _program_lines(8)
+
+
+def test_scan_check_smoke_runs_every_candidate(tmp_path, capsys):
+    """benchmarks/h200_scan_check.py on the CPU: every candidate runs, and every pair without
+    compiler options is equal bit for bit (the CPU fuses the same in both programs)."""
+    import json
+
+    from benchmarks import h200_scan_check as S
+
+    out = tmp_path / "scan-check.json"
+    free = [n for n, (_, _, opts) in S.CANDIDATES.items() if opts is None]
+    code = S.main(["--smoke", "--steps", "2", "--candidates", *free, "--out", str(out)])
+    res = json.loads(out.read_text())["results"]["tiny-xla"]
+    assert code == 0 and set(res) == set(free)
+    assert all(r["equal"] for r in res.values()), res
+    assert "per_layer_jit" in capsys.readouterr().out  # the table, printed last
+
+
+def test_scan_check_diff_finds_the_layer():
+    from benchmarks import h200_scan_check as S
+
+    cfg = CFG.replace(indexer_types=REGULAR)
+    mcfg, weights, stacked, ms = S.setup(cfg, 37)
+    states = M.unfold_state(mcfg, ms)
+    logits = jnp.ones((2, 4, 37))
+    sel = jnp.zeros((2, 4, cfg.index_topk), jnp.int32)
+    assert S.compare(mcfg, (logits, ms, sel), (logits, states, sel)) is None
+    bumped = list(states)
+    lat = bumped[2].latent
+    bumped[2] = bumped[2]._replace(latent=lat.at[0, 0, 0].set(lat[0, 0, 0] * 2 + 1))
+    d = S.compare(mcfg, (logits.at[0, 0, 0].add(1e-3), ms, sel), (logits, bumped, sel))
+    assert d["first_layer"] == 2 and d["sel0_equal"] and d["logits"]["n_diff"] == 1
+    assert set(d["layers"]) == {"2"} and d["layers"]["2"]["latent"]["n_diff"] == 1

@@ -1,0 +1,277 @@
+"""H200: where the scanned model and its unrolled reference differ in bits, and which candidate
+fix makes them equal, side by side in one call.
+
+    PYTHONPATH=. python3 benchmarks/h200_scan_check.py --out benchmarks/results/h200-scan-check.json
+    PYTHONPATH=. python3 benchmarks/h200_scan_check.py --smoke --out /tmp/scan-check.json  (CPU)
+
+Models: the tiny config (4 layers, full/shared) and GLM-5.3-Flash block shapes (8 layers
+alternating, 1K context), implementations "pallas" and "xla"; caches filled with random values
+to about half the context, then a few ragged decode/verify-shaped steps (`max_verify` rows).
+Each candidate pairs a scanned program with a reference program:
+- repeat: the scanned program run twice on the same inputs (is it deterministic at all?);
+- plain: `forward` vs `forward_unrolled`, both with `layer_barrier=False` (the old programs);
+- barrier: both with `layer_barrier=True` (a fusion boundary where each layer starts);
+- per_layer_jit: `forward` (barrier) vs a Python loop over ONE jitted layer function (norm,
+  `layer.step`, residual add) per layer kind;
+- barrier+autotune0 / plain+autotune0: compiled with `xla_gpu_autotune_level=0` (no GEMM or
+  fusion autotuning: the default algorithm, the same in any context);
+- barrier+no_triton_gemm: `xla_gpu_enable_triton_gemm=False` (GEMMs go to cuBLAS).
+For the first step where a pair differs: every differing leaf (logits, the first layer's `sel`,
+each layer's latent cache, each full layer's indexer rows and pool keys) with its count and max
+abs/rel difference; `first_layer` is the first layer whose cache differs, i.e. the first layer
+whose input rows (or its own projections) differ. A candidate whose compiler options are
+refused records the error. The JSON is written after every candidate; the table prints last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsa_jax.layer import step
+from dsa_jax.model import (
+    ModelConfig,
+    ModelState,
+    forward,
+    forward_unrolled,
+    init_model,
+    init_model_state,
+    lm_head,
+    stack_weights,
+    unfold_state,
+)
+from dsa_jax.projection import rms_norm
+from dsa_jax.shapes import glm53_flash, tiny
+
+AUTOTUNE0 = {"xla_gpu_autotune_level": 0}
+NO_TRITON_GEMM = {"xla_gpu_enable_triton_gemm": False}
+# name -> (scanned layer_barrier, reference: "unrolled" | "per_layer_jit" | "repeat", options)
+CANDIDATES = {
+    "repeat": (True, "repeat", None),
+    "plain": (False, "unrolled", None),
+    "barrier": (True, "unrolled", None),
+    "per_layer_jit": (True, "per_layer_jit", None),
+    "barrier+autotune0": (True, "unrolled", AUTOTUNE0),
+    "plain+autotune0": (False, "unrolled", AUTOTUNE0),
+    "barrier+no_triton_gemm": (True, "unrolled", NO_TRITON_GEMM),
+}
+STATE_LEAVES = ("latent", "index_k", "index_g", "pool_keys", "lengths")
+
+
+def compiled(fn, opts, *args):
+    """`fn(*args)` jitted, lowered and compiled with XLA `opts` (None: the defaults)."""
+    lowered = jax.jit(fn).lower(*args)
+    return lowered.compile(compiler_options=opts) if opts else lowered.compile()
+
+
+def per_layer_reference(mcfg: ModelConfig):
+    """The model as a Python loop over one jitted function per layer kind."""
+    cfg = mcfg.dsa
+
+    @jax.jit
+    def layer_fn(norm, lw, st, h, n_new, shared):
+        y, st, sel = step(cfg, lw, st, rms_norm(h, norm, cfg.rms_norm_eps), n_new, shared)
+        return h + y, st, sel  # h: [B, R, D]
+
+    head = jax.jit(lambda fin, w, h: lm_head(mcfg, fin, w, h))
+
+    def run(weights, states, tokens, n_new):
+        h = weights.embed[tokens]  # [B, R, D]
+        out, sel, sel0 = [], None, None
+        for i, (lw, st) in enumerate(zip(weights.layers, states, strict=True)):
+            h, st, sel = layer_fn(weights.norms[i], lw, st, h, n_new,
+                                  None if lw.has_indexer else sel)
+            sel0 = sel if sel0 is None else sel0
+            out.append(st)
+        return head(weights.final_norm, weights.lm_head, h), tuple(out), sel0
+    return run
+
+
+def leaf_diff(a, b) -> dict | None:
+    """None when `a` and `b` are the same bits; else how they differ."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return {"mismatch": f"{a.shape} {a.dtype} vs {b.shape} {b.dtype}"}
+    if a.tobytes() == b.tobytes():
+        return None
+    if a.dtype.kind in "iub":
+        ne = a != b
+        return {"n_diff": int(ne.sum()), "of": int(a.size),
+                "first_index": [int(i) for i in np.argwhere(ne)[0]]}
+    af, bf = a.astype(np.float64), b.astype(np.float64)
+    ne = a.view(np.uint8).reshape(*a.shape, -1) != b.view(np.uint8).reshape(*b.shape, -1)
+    ne = ne.any(axis=-1)  # bitwise, so +0/-0 and NaN payloads count
+    d = np.abs(af - bf)[ne]
+    rel = d / np.maximum(np.abs(bf[ne]), np.finfo(np.float32).tiny)
+    finite = np.isfinite(d)
+    return {"n_diff": int(ne.sum()), "of": int(a.size),
+            "max_abs": float(d[finite].max()) if finite.any() else None,
+            "max_rel": float(rel[finite].max()) if finite.any() else None,
+            "nonfinite": int((~finite).sum()),
+            "first_index": [int(i) for i in np.argwhere(ne)[0]]}
+
+
+def compare(mcfg, got, want) -> dict | None:
+    """got: (logits, ModelState or states, sel0); want likewise. None when equal bitwise."""
+    def layers(states):
+        return unfold_state(mcfg, states) if isinstance(states, ModelState) else states
+    out = {}
+    for name, a, b in (("logits", got[0], want[0]), ("sel0", got[2], want[2])):
+        if (d := leaf_diff(a, b)) is not None:
+            out[name] = d
+    per_layer = {}
+    for l, (sa, sb) in enumerate(zip(layers(got[1]), layers(want[1]), strict=True)):
+        ds = {f: d for f in STATE_LEAVES
+              if (d := leaf_diff(getattr(sa, f), getattr(sb, f))) is not None}
+        if ds:
+            per_layer[str(l)] = ds
+    if per_layer:
+        out["layers"] = per_layer
+        out["first_layer"] = min(int(k) for k in per_layer)
+    if not out:
+        return None
+    out["sel0_equal"] = "sel0" not in out
+    return out
+
+
+def setup(cfg, vocab: int, b: int = 2, seed: int = 0):
+    """Model, stacked weights, and a model state with random caches at about half the context
+    (its per-layer form is `unfold_state` of it)."""
+    mcfg = ModelConfig(cfg, vocab_size=vocab)
+    weights = init_model(mcfg, jax.random.key(seed))
+    nb, mb = b * cfg.blocks_per_seq, cfg.blocks_per_seq
+    rng = np.random.default_rng(seed)
+    tables = np.stack([rng.permutation(nb)[:mb] for _ in range(b)]).astype(np.int32)
+    ms = init_model_state(mcfg, b, nb, tables)
+    k = jax.random.split(jax.random.key(seed + 1), 4)
+    ctx = cfg.max_context // 2
+    ms = ms._replace(
+        latent=jax.random.normal(k[0], ms.latent.shape, jnp.bfloat16).astype(ms.latent.dtype),
+        index_k=jax.random.normal(k[1], ms.index_k.shape, jnp.bfloat16).astype(
+            ms.index_k.dtype),
+        index_g=jax.random.normal(k[2], ms.index_g.shape, jnp.bfloat16).astype(
+            ms.index_g.dtype),
+        pool_keys=0.1 * jax.random.normal(k[3], ms.pool_keys.shape),
+        lengths=jnp.asarray([ctx, ctx - 3][:b], jnp.int32))
+    return mcfg, weights, stack_weights(mcfg, weights), ms
+
+
+def run_candidate(cfg, vocab: int, name: str, steps: int) -> dict:
+    barrier, ref_kind, opts = CANDIDATES[name]
+    mcfg, weights, stacked, ms = setup(cfg, vocab)
+    r, b = cfg.max_verify, ms.num_seqs
+    rng = np.random.default_rng(7)
+    n_news = [[r, r - 1], [1, r], [r - 1, 0], [1, 1], [r, 2]][:steps]
+    tokens0 = jnp.zeros((b, r), jnp.int32)
+    n0 = jnp.ones((b,), jnp.int32)
+    t0 = time.perf_counter()
+    scan = compiled(lambda w, s, t, n: forward(mcfg, w, s, t, n, layer_barrier=barrier),
+                    opts, stacked, ms, tokens0, n0)
+    states = tuple(unfold_state(mcfg, ms))
+    if ref_kind == "unrolled":
+        ref = compiled(lambda w, s, t, n: forward_unrolled(mcfg, w, s, t, n,
+                                                           layer_barrier=barrier),
+                       opts, weights, states, tokens0, n0)
+    elif ref_kind == "per_layer_jit":
+        ref = per_layer_reference(mcfg)
+    res = {"compile_s": time.perf_counter() - t0, "equal": True, "steps": len(n_news)}
+    ref_state = ms if ref_kind == "repeat" else states
+    for i, n_new in enumerate(n_news):
+        tokens = jnp.asarray(rng.integers(0, vocab, (b, r)), jnp.int32)
+        n = jnp.asarray(n_new[:b], jnp.int32)
+        got = scan(stacked, ms, tokens, n)
+        want = (scan(stacked, ref_state, tokens, n) if ref_kind == "repeat"
+                else ref(weights, ref_state, tokens, n))
+        d = compare(mcfg, got, want)
+        if d is not None:
+            res.update(equal=False, first_step=i, n_new=n_new, diff=d)
+            break
+        ms, ref_state = got[1], want[1]
+    # The scanned program's step time (same state each call: no donation).
+    jax.block_until_ready(scan(stacked, ms, tokens, n))
+    ts = []
+    for _ in range(10):
+        t = time.perf_counter()
+        jax.block_until_ready(scan(stacked, ms, tokens, n))
+        ts.append((time.perf_counter() - t) * 1e6)
+    res["scan_step_us"] = float(np.median(ts))
+    return res
+
+
+def configs(smoke: bool, impls) -> dict:
+    if smoke:
+        return {"tiny-xla": tiny(implementation="xla", max_context=64,
+                                 indexer_types=("full", "shared") * 2)}
+    out = {}
+    for impl in impls:
+        out[f"tiny-{impl}"] = tiny(implementation=impl, indexer_types=("full", "shared") * 2)
+        out[f"glm8-ctx1024-{impl}"] = glm53_flash(implementation=impl, max_context=1024,
+                                                  indexer_types=("full", "shared") * 4)
+    return out
+
+
+def short(r: dict) -> str:
+    if "error" in r:
+        return "ERROR " + r["error"][:60]
+    if r["equal"]:
+        return f"equal ({r['steps']} steps, scan {r['scan_step_us']:.0f} us)"
+    d = r["diff"]
+    worst = max((v.get("max_abs") or 0.0 for v in [d.get("logits", {})]
+                 + [x for lay in d.get("layers", {}).values() for x in lay.values()]),
+                default=0.0)
+    return (f"DIFF step {r['first_step']} layer {d.get('first_layer')} "
+            f"sel0={'eq' if d['sel0_equal'] else 'DIFF'} max_abs={worst:.3g}")
+
+
+def table(res: dict) -> str:
+    lines = [f"scan-vs-reference bit checks ({res['backend']}, jax {res['jax_version']})"]
+    for cfg_name, cands in res["results"].items():
+        lines.append(f"{cfg_name}")
+        lines += [f"  {name:<24}{short(r)}" for name, r in cands.items()]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="JSON results path")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, xla")
+    ap.add_argument("--impls", nargs="*", default=["pallas", "xla"])
+    ap.add_argument("--candidates", nargs="*", choices=list(CANDIDATES),
+                    default=list(CANDIDATES))
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=256)
+    args = ap.parse_args(argv)
+    res = {"command": "PYTHONPATH=. python3 benchmarks/h200_scan_check.py " + " ".join(
+               sys.argv[1:] if argv is None else argv),
+           "date": datetime.datetime.now(datetime.UTC).isoformat(),
+           "jax_version": jax.__version__, "backend": jax.default_backend(),
+           "device": str(jax.devices()[0].device_kind),
+           "candidates": {k: {"layer_barrier": v[0], "reference": v[1], "options": v[2]}
+                          for k, v in CANDIDATES.items()},
+           "results": {}}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    for cfg_name, cfg in configs(args.smoke, args.impls).items():
+        for name in args.candidates:
+            try:
+                r = run_candidate(cfg, 64 if args.smoke else args.vocab, name, args.steps)
+            except Exception as e:  # recorded (a refused compiler option); the rest still run
+                r = {"error": f"{type(e).__name__}: {e}"[:500]}
+            res["results"].setdefault(cfg_name, {})[name] = r
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1, default=str)
+    print(table(res))
+    ok = all(r.get("equal") for c in res["results"].values()
+             for n, r in c.items() if n in ("repeat", "barrier"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
