@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import dsa_jax
-from dsa_jax import layer, mirror
+from dsa_jax import mirror
 from dsa_jax.shapes import ODD
 
 CFG = ODD
@@ -61,13 +61,3 @@ def test_a_state_edited_by_the_caller_is_read_again():
     with pytest.raises(dsa_jax.StepError, match="block table entry 1 is -1"):
         dsa_jax.decode(CFG, weights, unmapped, _x(10, 1, CFG.hidden_size))
 
-
-def test_one_program_per_layout_whatever_the_context():
-    cfg = ODD.replace(max_verify=5)  # a config no other test compiles
-    weights = dsa_jax.init_random_weights(cfg, jax.random.key(11))
-    state = dsa_jax.init_state(cfg, 1)
-    before = layer._layout_step._cache_size()
-    for t in range(12):
-        _, state, _ = dsa_jax.decode(cfg, weights, state, _x(t, 1, cfg.hidden_size))
-    _, state, _ = dsa_jax.decode_k(cfg, weights, state, _x(20, 1, 5, cfg.hidden_size))
-    assert layer._layout_step._cache_size() - before == 2  # decode; a 5-row verify
