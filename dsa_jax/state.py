@@ -17,6 +17,11 @@ from dsa_jax.config import DsaConfig
 from dsa_jax.pallas.common import quantize
 
 
+class StateError(ValueError):
+    """A state cannot be built as asked (sizes, scale, block tables); raised before any array
+    is made."""
+
+
 class DsaState(NamedTuple):
     latent: jax.Array  # [NB, bs, C] cache dtype: the paged latent cache
     kv_scale: jax.Array  # [] f32: per-tensor scale, stored = clip(c / s), read = stored * s
