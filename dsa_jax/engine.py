@@ -66,7 +66,9 @@ class BlockAllocator:
             raise OutOfBlocks(f"{n} blocks wanted, {len(self._free)} of {self.num_blocks} free")
         blocks = [self._free.popleft() for _ in range(n)]
         for blk in blocks:
-            assert blk not in self._owner, f"block {blk} handed out twice"
+            if blk in self._owner:  # a broken free list: never hand one block out twice
+                raise EngineError(f"block {blk} handed out twice (owned by sequence "
+                                  f"{self._owner[blk]}, asked for by {owner})")
             self._owner[blk] = owner
         return blocks
 
@@ -78,6 +80,42 @@ class BlockAllocator:
 
     def owners(self) -> dict[int, int]:
         return dict(self._owner)
+
+    def check_invariants(self) -> None:
+        """EngineError unless every block is either free (once) or owned (once), never both."""
+        free = list(self._free)
+        if len(set(free)) != len(free):
+            raise EngineError("the free list holds a block twice")
+        both = set(free) & set(self._owner)
+        if both:
+            raise EngineError(f"blocks {sorted(both)[:5]} are free and owned at once")
+        if set(free) | set(self._owner) != set(range(self.num_blocks)):
+            lost = set(range(self.num_blocks)) - set(free) - set(self._owner)
+            raise EngineError(f"blocks {sorted(lost)[:5]} are neither free nor owned (lost)")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def check_prompt(prompt, vocab_size: int) -> list[int]:
+    """`prompt` as a list of Python ints, or EngineError naming the first bad entry: a list,
+    tuple or 1-D integer array of ids in `[0, vocab_size)`, at least one."""
+    if isinstance(prompt, np.ndarray):
+        if prompt.ndim != 1:
+            raise EngineError(f"prompt must be 1-D token ids, got an array of shape "
+                              f"{prompt.shape}")
+        prompt = prompt.tolist() if np.issubdtype(prompt.dtype, np.integer) else list(prompt)
+    if not isinstance(prompt, (list, tuple)):
+        raise EngineError(f"prompt must be a list of token ids, got {type(prompt).__name__}")
+    if not prompt:
+        raise EngineError("a prompt needs at least one token")
+    for i, t in enumerate(prompt):
+        if not _is_int(t):
+            raise EngineError(f"prompt[{i}] is {t!r}, not an integer token id")
+        if not 0 <= t < vocab_size:
+            raise EngineError(f"prompt[{i}] is {t}, outside the vocabulary [0, {vocab_size})")
+    return [int(t) for t in prompt]
 
 
 def ngram_draft(history: list[int], max_draft: int, n: int = 2) -> list[int]:
@@ -184,10 +222,15 @@ class Engine:
 
     # Admission and release -------------------------------------------------------------
     def submit(self, prompt: list[int], max_new_tokens: int) -> Request:
+        """Queue a request: `prompt` token ids (a list, tuple or 1-D integer array) and how many
+        tokens to generate (>= 1). Everything is checked here, before it is queued."""
         cfg = self.mcfg.dsa
+        prompt = check_prompt(prompt, self.mcfg.vocab_size)
+        if not _is_int(max_new_tokens) or max_new_tokens < 1:
+            raise EngineError(f"max_new_tokens must be a positive integer, got "
+                              f"{max_new_tokens!r}")
+        max_new_tokens = int(max_new_tokens)
         need = len(prompt) + max_new_tokens + self.speculate
-        if not prompt:
-            raise EngineError("a prompt needs at least one token")
         if need > cfg.max_context:
             raise EngineError(f"prompt of {len(prompt)} tokens + {max_new_tokens} new tokens "
                               f"(+ {self.speculate} draft rows) = {need} exceeds max_context "
@@ -195,11 +238,7 @@ class Engine:
         if self._blocks_for(need) > self.allocator.num_blocks:
             raise EngineError(f"a request of {need} tokens needs {self._blocks_for(need)} "
                               f"blocks; the pool has {self.allocator.num_blocks}")
-        bad = [t for t in prompt if not 0 <= t < self.mcfg.vocab_size]
-        if bad:
-            raise EngineError(f"token ids {bad[:5]} outside the vocabulary [0, "
-                              f"{self.mcfg.vocab_size})")
-        req = Request(list(prompt), max_new_tokens)
+        req = Request(prompt, max_new_tokens)
         self.queue.append(req)
         return req
 

@@ -44,23 +44,34 @@ def init_state(cfg: DsaConfig, num_seqs: int, *, num_blocks: int | None = None,
 
     By default every sequence owns `cfg.blocks_per_seq` contiguous physical blocks (sequence
     `b` maps logical block `i` to `b * MB + i`). An allocator passes its own `block_tables`
-    and `num_blocks`; entries it has not handed out may hold any value, since positions are
-    only ever written through entries below the sequence's length. A "shared" layer
-    (`has_indexer=False`) keeps no indexer cache: its indexer arrays have 0 rows.
+    `[num_seqs, MB]` and `num_blocks`: every entry is a physical block in `[0, num_blocks)` or
+    -1 (not mapped yet), and no physical block is mapped twice (two sequences sharing a block
+    would overwrite each other). A "shared" layer (`has_indexer=False`) keeps no indexer
+    cache: its indexer arrays have 0 rows. Bad arguments raise `StateError`.
     """
-    if num_seqs <= 0:
-        raise ValueError(f"num_seqs must be positive, got {num_seqs}")
-    if not kv_scale > 0:
-        raise ValueError(f"kv_scale must be positive, got {kv_scale}")
+    if not _is_int(num_seqs) or num_seqs <= 0:
+        raise StateError(f"num_seqs must be a positive integer, got {num_seqs!r}")
+    if not isinstance(has_indexer, (bool, np.bool_)):
+        raise StateError(f"has_indexer must be a bool, got {has_indexer!r}")
+    kv_scale = check_kv_scale(kv_scale)
     mb = cfg.blocks_per_seq
     if num_blocks is None:
         num_blocks = num_seqs * mb
+    if not _is_int(num_blocks) or num_blocks <= 0:
+        raise StateError(f"num_blocks must be a positive integer, got {num_blocks!r}")
     if block_tables is None:
         block_tables = np.arange(num_seqs * mb, dtype=np.int32).reshape(num_seqs, mb)
-    block_tables = jnp.asarray(block_tables, jnp.int32)
-    if block_tables.shape != (num_seqs, mb):
-        raise ValueError(f"block_tables has shape {block_tables.shape}, expected "
+    elif not hasattr(block_tables, "shape"):
+        block_tables = np.asarray(block_tables)
+    if tuple(block_tables.shape) != (num_seqs, mb):
+        raise StateError(f"block_tables has shape {tuple(block_tables.shape)}, expected "
                          f"({num_seqs}, {mb}) = (num_seqs, max_context / block_size)")
+    if not np.issubdtype(np.dtype(block_tables.dtype), np.integer):
+        raise StateError(f"block_tables must hold integers, got dtype "
+                         f"{np.dtype(block_tables.dtype).name}")
+    if not isinstance(block_tables, jax.core.Tracer):
+        check_block_tables(np.asarray(block_tables), int(num_blocks))
+    block_tables = jnp.asarray(block_tables, jnp.int32)
     idt = jnp.dtype(cfg.index_cache_dtype)
     Di = cfg.index_head_dim
     rows, pools = (cfg.max_context, cfg.num_pools) if has_indexer else (0, 0)
@@ -74,6 +85,69 @@ def init_state(cfg: DsaConfig, num_seqs: int, *, num_blocks: int | None = None,
         lengths=jnp.zeros((num_seqs,), jnp.int32),
         index_lengths=jnp.zeros((num_seqs,), jnp.int32),
     )
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def check_kv_scale(kv_scale) -> float:
+    """`kv_scale` as a Python float, or `StateError`: a finite real number > 0 (an int, float,
+    numpy real scalar or 0-d real array; never a bool, string or complex number)."""
+    value = kv_scale
+    if isinstance(value, (np.ndarray, jax.Array)) and not isinstance(value, jax.core.Tracer) \
+            and value.shape == () and np.issubdtype(np.dtype(value.dtype), np.floating):
+        value = float(value)
+    ok = (isinstance(value, (int, float, np.integer, np.floating))
+          and not isinstance(value, (bool, np.bool_)) and np.isfinite(value) and value > 0)
+    if not ok:
+        raise StateError(f"kv_scale must be a finite real number > 0, got {kv_scale!r}")
+    return float(value)
+
+
+def check_block_tables(tables: np.ndarray, num_blocks: int) -> None:
+    """Entries in `[-1, num_blocks)` (-1: not mapped) and no physical block mapped twice."""
+    bad = (tables < -1) | (tables >= num_blocks)
+    if bad.any():
+        s, i = (int(v) for v in np.argwhere(bad)[0])
+        raise StateError(f"block_tables: sequence {s} entry {i} is {tables[s, i]}, outside "
+                         f"[-1, {num_blocks}) (-1 = not mapped, else a physical block)")
+    twice = mapped_twice(tables, tables >= 0, num_blocks)
+    if twice is not None:
+        raise StateError(f"block_tables: {twice} (two entries sharing a block overwrite "
+                         f"each other)")
+
+
+def mapped_twice(tables: np.ndarray, mask: np.ndarray, num_blocks: int) -> str | None:
+    """None, or which physical block two entries `mask`ed in `tables [B, MB]` share (entries
+    must be in `[0, num_blocks)` where `mask`). One bincount: cheap enough for every step."""
+    blocks = tables[mask]
+    if not len(blocks) or np.bincount(blocks, minlength=num_blocks).max() <= 1:
+        return None
+    seq, col = np.nonzero(mask)  # row-major: sequence, then entry
+    order = np.argsort(blocks, kind="stable")
+    first = int(np.flatnonzero(blocks[order][1:] == blocks[order][:-1])[0])
+    a, b = order[first], order[first + 1]
+    return (f"physical block {blocks[a]} is mapped twice: sequence {seq[a]} entry {col[a]} "
+            f"and sequence {seq[b]} entry {col[b]}")
+
+
+def expected_state_fields(cfg: DsaConfig, num_seqs: int, num_blocks: int, has_indexer: bool
+                          ) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Field -> (shape, dtype name) of a state built for `cfg` (what `init_state` makes)."""
+    rows, pools = (cfg.max_context, cfg.num_pools) if has_indexer else (0, 0)
+    di, idt = cfg.index_head_dim, jnp.dtype(cfg.index_cache_dtype).name
+    return {
+        "latent": ((num_blocks, cfg.block_size, cfg.kv_lora_rank),
+                   jnp.dtype(cfg.cache_dtype).name),
+        "kv_scale": ((), "float32"),
+        "block_tables": ((num_seqs, cfg.blocks_per_seq), "int32"),
+        "index_k": ((num_seqs, rows, di), idt),
+        "index_g": ((num_seqs, rows, di), idt),
+        "pool_keys": ((num_seqs, pools, di), "float32"),
+        "lengths": ((num_seqs,), "int32"),
+        "index_lengths": ((num_seqs,), "int32"),
+    }
 
 
 def quantize_latent(cfg: DsaConfig, c: jax.Array, kv_scale: jax.Array) -> jax.Array:

@@ -333,8 +333,8 @@ def test_8_mismatches_are_step_errors_before_jit(w):
     with pytest.raises(StepError, match=r"state field latent is float32\[24, 8, 16\], but the "
                                         r"config implies float32\[24, 8, 24\]"):
         dsa_jax.prefill(ODD, w, dsa_jax.init_state(other, 2), _x(2, 3))
-    with pytest.raises(StepError, match=r"weights field kv_a_norm is float32\[16\], but the "
-                                        r"config implies float32\[24\]"):
+    with pytest.raises(StepError, match=r"weights field x_proj is float32\[83, 80\], but the "
+                                        r"config implies float32\[91, 80\]"):
         dsa_jax.prefill(ODD, dsa_jax.init_random_weights(other, jax.random.key(0)), state,
                         _x(2, 3))
     y, _, _ = dsa_jax.prefill(ODD, w, state, _x(2, 3))
