@@ -149,7 +149,9 @@ def read_info(path: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
-def _check_destination(path: str, overwrite: bool) -> None:
+def check_destination(path: str, overwrite: bool) -> None:
+    """CheckpointError unless a checkpoint may be written at `path` (absolute): nothing there,
+    an empty folder, or (with `overwrite`) an earlier dsa_jax checkpoint."""
     if not os.path.exists(path):
         return
     if not overwrite:
@@ -170,7 +172,7 @@ def _save(path: str, arrays: dict, meta: dict, overwrite: bool) -> None:
     """Check, checksum and write atomically (`checkpoint_io`): nothing is written unless every
     array can be stored, and an existing checkpoint stays until the new one is complete."""
     checkpoint_io.check_live(arrays)
-    _check_destination(path, overwrite)
+    check_destination(path, overwrite)
     meta = {**meta, "checksums": {name: checkpoint_io.digest(a)
                                   for name, a in checkpoint_io.leaves(arrays).items()}}
     ocp = _ocp()
@@ -266,6 +268,12 @@ def _info_of_kind(path: str, kind: str, cfg: DsaConfig) -> dict[str, Any]:
     return meta
 
 
+def weights_info(path: str | os.PathLike, cfg: DsaConfig) -> dict[str, Any]:
+    """`read_info` of a weights checkpoint that `cfg` can restore (kind and config checked,
+    no array read): CheckpointError otherwise."""
+    return _info_of_kind(_abspath(path), "weights", cfg)
+
+
 def restore_weights(path: str | os.PathLike, cfg: DsaConfig, *, device=None
                     ) -> list[DsaWeights]:
     """Read a `save_weights` checkpoint: one `DsaWeights` per saved layer, on `device`
@@ -333,7 +341,7 @@ def convert_hf_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, cfg: D
                 f"{src_path}: layer(s) {missing} not found (no "
                 f"'*layers.{missing[0]}.self_attn.q_a_proj.weight'); the checkpoint has "
                 f"attention layers {found}")
-    _check_destination(dst_path, overwrite)  # fail before the (long) reading
+    check_destination(dst_path, overwrite)  # fail before the (long) reading
     folded = [jax.device_get(fold_weights(cfg, read_hf_tensors(src_path, cfg, l,
                                                                 fp8_block=fp8_block), tp_rank))
               for l in layers]
@@ -453,7 +461,8 @@ def restore_state(path: str | os.PathLike, cfg: DsaConfig, *, device=None
 
 
 __all__ = [
-    "CheckpointError", "config_from_json", "config_to_json", "convert_hf_checkpoint",
+    "CheckpointError", "check_destination", "config_from_json", "config_to_json",
+    "convert_hf_checkpoint",
     "expected_state", "expected_weights", "read_info", "restore_state", "restore_weights",
-    "save_state", "save_weights",
+    "save_state", "save_weights", "weights_info",
 ]

@@ -162,8 +162,7 @@ def _check_fields(what: str, got: tuple, want: dict) -> None:
                             f"another DsaConfig?")
 
 
-def _check_layer(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array) -> None:
-    """The static part of the checks: what shapes and dtypes tell (free, also under jit)."""
+def _check_x(cfg: DsaConfig, state: DsaState, x: jax.Array) -> None:
     b = state.num_seqs
     if x.shape[0] != b or x.shape[-1] != cfg.hidden_size:
         raise StepError(f"x has shape {tuple(x.shape)}; expected leading dim {b} (sequences in "
@@ -171,6 +170,11 @@ def _check_layer(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Ar
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise StepError(f"x has dtype {jnp.dtype(x.dtype).name}; expected a real floating "
                         f"dtype (float32, bfloat16 or float16)")
+
+
+def _check_layer(cfg: DsaConfig, weights: DsaWeights, state: DsaState) -> None:
+    """What the shapes and dtypes of the weights and state tell (static: free)."""
+    b = state.num_seqs
     state_indexer = state.index_k.shape[1] > 0
     if weights.has_indexer and not state_indexer:
         raise StepError("these weights run an indexer (a 'full' layer) but the state has no "
@@ -188,7 +192,7 @@ def _check_step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Arr
                 n_new: np.ndarray, shared_sel: jax.Array | None, sel_shape: tuple[int, ...]
                 ) -> None:
     """Host-side validation of one step (`n_new [B]` rows per sequence); see the docstring."""
-    _check_layer(cfg, weights, state, x)
+    _check_x(cfg, state, x)
     if not weights.has_indexer:
         if shared_sel is None:
             raise StepError("these weights have no indexer (a 'shared' layer): pass shared_sel, "
@@ -201,6 +205,7 @@ def _check_step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Arr
                             f"expected integer token ids")
     elif shared_sel is not None:
         raise StepError("shared_sel was given but these weights run their own indexer")
+    _check_layer(cfg, weights, state)
     # Values to check: a concrete array (not traced, not a ShapeDtypeStruct).
     check_sel = isinstance(shared_sel, (np.ndarray, jax.Array)) and _is_concrete(shared_sel)
     if not all(_is_concrete(a) for a in (state.lengths, state.block_tables, n_new)):

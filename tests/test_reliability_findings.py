@@ -258,7 +258,7 @@ def test_6_f8_e4m3_safetensors_file_loads_with_its_scales(tmp_path):
     from safetensors.torch import save_file
 
     hf, q, s, exact = _fp8_layer()
-    tensors = {f"model.layers.0.self_attn.{k}": torch.from_numpy(np.asarray(v))
+    tensors = {f"model.layers.0.self_attn.{k}": torch.from_numpy(np.array(v))
                for k, v in hf.items() if k != "q_a_proj.weight"}
     prefix = "model.layers.0.self_attn.q_a_proj."
     tensors[prefix + "weight"] = torch.from_numpy(q.view(np.uint8)).view(torch.float8_e4m3fn)
