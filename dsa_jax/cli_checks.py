@@ -92,7 +92,7 @@ def check_run_args(args: argparse.Namespace) -> DsaConfig:
     if need > cfg.max_context:
         raise CliError(f"--prompt-len {args.prompt_len} + --steps {args.steps} + --speculate "
                        f"{args.speculate} = {need} tokens exceeds max_context "
-                       f"{cfg.max_context} of {args.config}")
+                       f"{cfg.max_context} of the config")
     _writable_folder("--out", args.out)
     return cfg
 

@@ -75,7 +75,7 @@ class BlockAllocator:
     def release(self, blocks: list[int]) -> None:
         for blk in blocks:
             if self._owner.pop(blk, None) is None:
-                raise ValueError(f"block {blk} released but not allocated")
+                raise EngineError(f"block {blk} released but not allocated")
             self._free.append(blk)
 
     def owners(self) -> dict[int, int]:
@@ -170,15 +170,17 @@ class Engine:
                  sampling: Sampling | None = None, stop_tokens=(), seed: int = 0,
                  drafter=None, draft_weights: ModelWeights | StackedWeights | None = None):
         cfg = mcfg.dsa
+        for name, value in (("max_seqs", max_seqs), ("num_blocks", num_blocks),
+                            ("prefill_chunk", prefill_chunk),
+                            ("tokens_per_dispatch", tokens_per_dispatch)):
+            if not _is_int(value) or value < 1:
+                raise EngineError(f"{name} must be a positive integer, got {value!r}")
+        if not _is_int(speculate):
+            raise EngineError(f"speculate must be an integer, got {speculate!r}")
         if not 0 <= speculate <= cfg.max_verify - 1:
             raise EngineError(f"speculate={speculate} drafts need {speculate + 1} verify rows; "
                               f"max_verify is {cfg.max_verify}, so at most "
                               f"{cfg.max_verify - 1} drafts")
-        if prefill_chunk < 1:
-            raise EngineError(f"prefill_chunk must be positive, got {prefill_chunk}")
-        if tokens_per_dispatch < 1:
-            raise EngineError(f"tokens_per_dispatch must be positive, got "
-                              f"{tokens_per_dispatch}")
         sampling = Sampling() if sampling is None else sampling
         if not isinstance(sampling, Sampling):
             raise EngineError(f"sampling must be a dsa_jax.sampling.Sampling, got "
