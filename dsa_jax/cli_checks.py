@@ -69,11 +69,14 @@ def check_run_args(args: argparse.Namespace) -> DsaConfig:
     _at_least(args, 1, "num_seqs", "prompt_len", "steps", "layers")
     _at_least(args, 2, "vocab")
     _at_least(args, 0, "speculate", "show", "seed")
-    from dsa_jax.shapes import load_config
+    from dsa_jax.shapes import load_config, shipped_configs
 
     try:
         cfg = load_config(args.config, implementation=args.implementation)
-    except (ConfigError, FileNotFoundError) as e:
+    except FileNotFoundError as e:
+        raise CliError(f"--config {args.config}: no such file, and not a shipped config (those "
+                       f"are {', '.join(shipped_configs())})") from e
+    except ConfigError as e:
         raise _about("--config", args.config, str(e)) from e
     if args.layers is not None:
         cfg = cfg.replace(indexer_types=tuple("full" if i % 2 == 0 else "shared"

@@ -75,8 +75,8 @@ CLI_CASES = [
      ["run", "--implementation", "pallas"], r"--implementation pallas: .*compiles the kernels "
                                             r"for a GPU"),
     ("cli.run.config-missing", "a --config that does not exist",
-     ["run", "--config", "{missing.json}"], r"--config .*missing.json: cannot read the config "
-                                            r"\(No such file"),
+     ["run", "--config", "{missing.json}"], r"--config .*missing.json: no such file, and not "
+                                            r"a shipped config"),
     ("cli.run.config-json", "a --config that is not JSON", ["run", "--config", "{broken.json}"],
      r"--config .*broken.json: not valid JSON"),
     ("cli.run.config-field", "a --config with a bad field", ["run", "--config", "{tail.json}"],
