@@ -25,8 +25,8 @@ Paths are made absolute (orbax requires it). Writing over an existing path takes
 `overwrite=True`, and even then only replaces an earlier dsa_jax checkpoint or an empty
 directory, never an unrelated directory. Saves are atomic (the old checkpoint stays until the
 new one is complete: a save that fails leaves it as it was), and every stored array's SHA-256
-is kept in the metadata and verified on restore (`checkpoint_io.py`); a state checkpoint of
-format 1 or 2, written before checksums, restores without that comparison.
+is kept in the metadata and verified on restore (`checkpoint_io.py`); a checkpoint written
+before format 3 has no checksums and restores without that comparison.
 """
 
 from __future__ import annotations

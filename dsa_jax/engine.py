@@ -418,6 +418,7 @@ class Engine:
             if r.id < 0:  # a snapshot from before request ids
                 r.id, eng._next_id = eng._next_id, eng._next_id + 1
         eng.stats = EngineStats(**extra["stats"])
+        eng.allocator.check_invariants()  # a snapshot whose blocks overlap is refused
         model = fold_states(mcfg, states)._replace(lengths=jnp.asarray(eng.lengths))
         eng.serving = serve.Serving(model, eng._slots_of(live), None)
         return eng

@@ -153,13 +153,13 @@ def _check_fields(what: str, got: tuple, want: dict) -> None:
         value = getattr(got, name)
         if spec is None or value is None:
             continue
-        shape, dtype = tuple(value.shape), jnp.dtype(value.dtype).name
+        shape = tuple(value.shape)
         if len(shape) == len(spec[0]) + 1 and what == "weights":
             shape = shape[1:]
-        if (shape, dtype) != spec:
-            raise StepError(f"{what} field {name} is {dtype}{list(value.shape)}, but the "
-                            f"config implies {spec[1]}{list(spec[0])}: were they made for "
-                            f"another DsaConfig?")
+        if shape != spec[0] or value.dtype != spec[1]:
+            raise StepError(f"{what} field {name} is {np.dtype(value.dtype).name}"
+                            f"{list(value.shape)}, but the config implies {spec[1].name}"
+                            f"{list(spec[0])}: were they made for another DsaConfig?")
 
 
 def _check_x(cfg: DsaConfig, state: DsaState, x: jax.Array) -> None:
@@ -175,7 +175,8 @@ def _check_x(cfg: DsaConfig, state: DsaState, x: jax.Array) -> None:
 def _check_layer(cfg: DsaConfig, weights: DsaWeights, state: DsaState) -> None:
     """What the shapes and dtypes of the weights and state tell (static: free)."""
     b = state.num_seqs
-    state_indexer = state.index_k.shape[1] > 0
+    # A per-shard view of a sharded state (sharding/steps.py) carries no indexer arrays.
+    state_indexer = weights.has_indexer if state.index_k is None else state.index_k.shape[1] > 0
     if weights.has_indexer and not state_indexer:
         raise StepError("these weights run an indexer (a 'full' layer) but the state has no "
                         "indexer cache (init_state(..., has_indexer=False)); build the state "

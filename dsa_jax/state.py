@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -132,21 +133,24 @@ def mapped_twice(tables: np.ndarray, mask: np.ndarray, num_blocks: int) -> str |
             f"and sequence {seq[b]} entry {col[b]}")
 
 
+@functools.cache
 def expected_state_fields(cfg: DsaConfig, num_seqs: int, num_blocks: int, has_indexer: bool
-                          ) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Field -> (shape, dtype name) of a state built for `cfg` (what `init_state` makes)."""
+                          ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Field -> (shape, dtype) of a state built for `cfg` (what `init_state` makes).
+    Cached: read it, do not change it."""
     rows, pools = (cfg.max_context, cfg.num_pools) if has_indexer else (0, 0)
-    di, idt = cfg.index_head_dim, jnp.dtype(cfg.index_cache_dtype).name
+    di, idt = cfg.index_head_dim, jnp.dtype(cfg.index_cache_dtype)
+    f32, i32 = np.dtype(np.float32), np.dtype(np.int32)
     return {
         "latent": ((num_blocks, cfg.block_size, cfg.kv_lora_rank),
-                   jnp.dtype(cfg.cache_dtype).name),
-        "kv_scale": ((), "float32"),
-        "block_tables": ((num_seqs, cfg.blocks_per_seq), "int32"),
+                   jnp.dtype(cfg.cache_dtype)),
+        "kv_scale": ((), f32),
+        "block_tables": ((num_seqs, cfg.blocks_per_seq), i32),
         "index_k": ((num_seqs, rows, di), idt),
         "index_g": ((num_seqs, rows, di), idt),
-        "pool_keys": ((num_seqs, pools, di), "float32"),
-        "lengths": ((num_seqs,), "int32"),
-        "index_lengths": ((num_seqs,), "int32"),
+        "pool_keys": ((num_seqs, pools, di), f32),
+        "lengths": ((num_seqs,), i32),
+        "index_lengths": ((num_seqs,), i32),
     }
 
 

@@ -18,6 +18,7 @@ refuses with `WeightError`.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Mapping
@@ -181,24 +182,24 @@ def head_weight_scale(cfg: DsaConfig) -> float:
     return float(cfg.index_n_heads) ** -0.5 * float(cfg.index_head_dim) ** -0.5
 
 
+@functools.cache
 def expected_weight_fields(cfg: DsaConfig, has_indexer: bool
-                           ) -> dict[str, tuple[tuple[int, ...], str] | None]:
-    """Field -> (shape, dtype name) of one rank's folded weights (what `fold_weights` makes);
-    None for the indexer fields of a "shared" layer."""
+                           ) -> dict[str, tuple[tuple[int, ...], np.dtype] | None]:
+    """Field -> (shape, dtype) of one rank's folded weights (what `fold_weights` makes);
+    None for the indexer fields of a "shared" layer. Cached: read it, do not change it."""
     D, R, C, Hl = cfg.hidden_size, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.local_heads
     Dn, Dv, Hi, Di = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.index_n_heads, cfg.index_head_dim
-    pdt = jnp.dtype(cfg.param_dtype).name
+    pdt, f32 = jnp.dtype(cfg.param_dtype), np.dtype(np.float32)
     nx = R + C + (2 * Di + Hi if has_indexer else 0)
-    nq = Hl * Dn + (Hi * Di if has_indexer else 0)
     fields = {
-        "x_proj": ((nx, D), pdt), "q_a_norm": ((R,), "float32"), "kv_a_norm": ((C,), "float32"),
-        "q_proj": ((nq, R), pdt), "u_k": ((Hl, Dn, C), pdt), "u_v": ((Hl, Dv, C), pdt),
-        "o_proj": ((D, Hl * Dv), pdt),
-        "k_norm_w": ((Di,), "float32"), "k_norm_b": ((Di,), "float32"),
-        "ape": ((cfg.index_kpool, Di), "float32"),
+        "x_proj": ((nx, D), pdt), "q_a_norm": ((R,), f32), "kv_a_norm": ((C,), f32),
+        "q_proj": ((Hl * Dn, R), pdt), "qi_proj": ((Hi * Di, R), pdt),
+        "u_k": ((Hl, Dn, C), pdt), "u_v": ((Hl, Dv, C), pdt), "o_proj": ((D, Hl * Dv), pdt),
+        "k_norm_w": ((Di,), f32), "k_norm_b": ((Di,), f32),
+        "ape": ((cfg.index_kpool, Di), f32),
     }
     if not has_indexer:
-        fields.update(k_norm_w=None, k_norm_b=None, ape=None)
+        fields.update(qi_proj=None, k_norm_w=None, k_norm_b=None, ape=None)
     return fields
 
 
