@@ -40,7 +40,7 @@ class DsaState(NamedTuple):
 
 def init_state(cfg: DsaConfig, num_seqs: int, *, num_blocks: int | None = None,
                kv_scale: float = 1.0, block_tables: np.ndarray | jax.Array | None = None,
-               has_indexer: bool = True) -> DsaState:
+               has_indexer: bool = True, shards: int = 1) -> DsaState:
     """An empty state for `num_seqs` sequences.
 
     By default every sequence owns `cfg.blocks_per_seq` contiguous physical blocks (sequence
@@ -48,7 +48,10 @@ def init_state(cfg: DsaConfig, num_seqs: int, *, num_blocks: int | None = None,
     `[num_seqs, MB]` and `num_blocks`: every entry is a physical block in `[0, num_blocks)` or
     -1 (not mapped yet), and no physical block is mapped twice (two sequences sharing a block
     would overwrite each other). A "shared" layer (`has_indexer=False`) keeps no indexer
-    cache: its indexer arrays have 0 rows. Bad arguments raise `StateError`.
+    cache: its indexer arrays have 0 rows. `shards` > 1: a state split over that many data-
+    parallel shards (dsa_jax.sharding): sequences and blocks split evenly, and each group's
+    table entries are shard-local ids, checked within the shard's own pool of
+    `num_blocks / shards` blocks. Bad arguments raise `StateError`.
     """
     if not _is_int(num_seqs) or num_seqs <= 0:
         raise StateError(f"num_seqs must be a positive integer, got {num_seqs!r}")
@@ -70,8 +73,14 @@ def init_state(cfg: DsaConfig, num_seqs: int, *, num_blocks: int | None = None,
     if not np.issubdtype(np.dtype(block_tables.dtype), np.integer):
         raise StateError(f"block_tables must hold integers, got dtype "
                          f"{np.dtype(block_tables.dtype).name}")
+    if not _is_int(shards) or shards < 1 or num_seqs % shards or num_blocks % shards:
+        raise StateError(f"shards must be a positive integer dividing num_seqs {num_seqs} and "
+                         f"num_blocks {num_blocks}, got {shards!r}")
     if not isinstance(block_tables, jax.core.Tracer):
-        check_block_tables(np.asarray(block_tables), int(num_blocks))
+        tables, rows = np.asarray(block_tables), num_seqs // shards
+        for g in range(shards):  # each shard's sequences map into its own pool
+            check_block_tables(tables[g * rows:(g + 1) * rows], num_blocks // shards,
+                               first_seq=g * rows, shard=g if shards > 1 else None)
     block_tables = jnp.asarray(block_tables, jnp.int32)
     idt = jnp.dtype(cfg.index_cache_dtype)
     Di = cfg.index_head_dim
@@ -106,20 +115,24 @@ def check_kv_scale(kv_scale) -> float:
     return float(value)
 
 
-def check_block_tables(tables: np.ndarray, num_blocks: int) -> None:
-    """Entries in `[-1, num_blocks)` (-1: not mapped) and no physical block mapped twice."""
+def check_block_tables(tables: np.ndarray, num_blocks: int, first_seq: int = 0,
+                       shard: int | None = None) -> None:
+    """Entries in `[-1, num_blocks)` (-1: not mapped) and no physical block mapped twice.
+    `first_seq`, `shard`: the table's first sequence and its dp shard, for the message."""
     bad = (tables < -1) | (tables >= num_blocks)
     if bad.any():
         s, i = (int(v) for v in np.argwhere(bad)[0])
-        raise StateError(f"block_tables: sequence {s} entry {i} is {tables[s, i]}, outside "
-                         f"[-1, {num_blocks}) (-1 = not mapped, else a physical block)")
-    twice = mapped_twice(tables, tables >= 0, num_blocks)
+        raise StateError(f"block_tables: sequence {first_seq + s} entry {i} is {tables[s, i]}, "
+                         f"outside [-1, {num_blocks}) (-1 = not mapped, else a physical "
+                         f"block{'' if shard is None else f' of shard {shard}'})")
+    twice = mapped_twice(tables, tables >= 0, num_blocks, first_seq)
     if twice is not None:
         raise StateError(f"block_tables: {twice} (two entries sharing a block overwrite "
                          f"each other)")
 
 
-def mapped_twice(tables: np.ndarray, mask: np.ndarray, num_blocks: int) -> str | None:
+def mapped_twice(tables: np.ndarray, mask: np.ndarray, num_blocks: int, first_seq: int = 0
+                 ) -> str | None:
     """None, or which physical block two entries `mask`ed in `tables [B, MB]` share (entries
     must be in `[0, num_blocks)` where `mask`). One bincount: cheap enough for every step."""
     blocks = tables[mask]
@@ -129,8 +142,8 @@ def mapped_twice(tables: np.ndarray, mask: np.ndarray, num_blocks: int) -> str |
     order = np.argsort(blocks, kind="stable")
     first = int(np.flatnonzero(blocks[order][1:] == blocks[order][:-1])[0])
     a, b = order[first], order[first + 1]
-    return (f"physical block {blocks[a]} is mapped twice: sequence {seq[a]} entry {col[a]} "
-            f"and sequence {seq[b]} entry {col[b]}")
+    return (f"physical block {blocks[a]} is mapped twice: sequence {first_seq + seq[a]} entry "
+            f"{col[a]} and sequence {first_seq + seq[b]} entry {col[b]}")
 
 
 @functools.cache

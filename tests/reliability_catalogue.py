@@ -11,12 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import dsa_jax
-from dsa_jax import checkpoint, layer
+from dsa_jax import checkpoint, layer, sharding
 from dsa_jax.checkpoint import CheckpointError
 from dsa_jax.config import ConfigError, DsaConfig
 from dsa_jax.engine import BlockAllocator, Engine, EngineError, ModelConfig, OutOfBlocks, init_model
 from dsa_jax.implementation import ImplementationError, resolve
 from dsa_jax.shapes import ODD
+from dsa_jax.sharding import ShardingError
 from dsa_jax.state import StateError
 from dsa_jax.weights import WeightError, dequantize_fp8, fold_weights, read_hf_tensors
 
@@ -95,14 +96,14 @@ def _damaged(c):
     checkpoint.restore_weights(path, ODD)
 
 
-def _newer(c):
-    path = os.path.join(c.tmp, "newer")
+def _version(c, version):
+    path = os.path.join(c.tmp, f"version{version}")
     checkpoint.save_weights(path, ODD, [c.w])
     meta = os.path.join(path, "dsa_jax", "metadata")
     data = json.load(open(meta))
-    data["version"] = 99
+    data["version"] = version
     json.dump(data, open(meta, "w"))
-    checkpoint.read_info(path)
+    checkpoint.restore_weights(path, ODD)
 
 
 def _hf_file(c, drop=None, layer=0):
@@ -244,6 +245,9 @@ CASES = [
      r"physical block 3 is mapped twice: sequence 0 entry 3 and sequence 1 entry 0",
      lambda c: dsa_jax.init_state(ODD, 2, block_tables=_tables(lambda t: t.__setitem__(
          (1, 0), 3)))),
+    ("state.shards", "shards not dividing the sequences and blocks", StateError,
+     r"shards must be a positive integer dividing num_seqs 2 and num_blocks 24, got 5",
+     lambda c: dsa_jax.init_state(ODD, 2, shards=5)),
     # ---- entry points (prefill / decode / decode_k / write_kv_row / rewind / prepare_step)
     ("step.kind", "prepare_step with an unknown kind", layer.StepError,
      r"step kind 'chunk' is not one of",
@@ -330,10 +334,17 @@ CASES = [
      lambda c: dsa_jax.rewind(ODD, c.state, [1, 5])),
     ("impl.pallas-off-gpu", "implementation 'pallas' off a GPU (CPU only)", ImplementationError,
      r"implementation='pallas' compiles the kernels for a GPU", lambda c: resolve("pallas")),
-    ("sharding.devices", "tp_degree larger than the devices given", layer.StepError,
-     r"tp_degree 2 needs that many devices; 1 given",
-     lambda c: __import__("dsa_jax.sharding").sharding.tp_mesh(
-         ODD.replace(num_heads=4, tp_degree=2), jax.devices()[:1])),
+    ("sharding.degree", "a mesh degree that is not a positive integer", ShardingError,
+     r"dp must be a positive integer, got 0", lambda c: sharding.mesh(0, 1)),
+    ("sharding.devices", "a mesh needing more devices than given", ShardingError,
+     r"a 1 x 2 \(dp x tp\) mesh needs 2 devices; 1 were given",
+     lambda c: sharding.mesh(1, 2, jax.devices()[:1])),
+    ("sharding.tp-degree", "cfg.tp_degree not the mesh's tp size", ShardingError,
+     r"cfg.tp_degree is 3 but the mesh's tp axis has 1 devices",
+     lambda c: sharding.init_state(ODD.replace(tp_degree=3), sharding.mesh(1, 1), 2)),
+    ("sharding.split", "sequences that do not split over the dp shards", ShardingError,
+     r"num_seqs must be a positive multiple of dp=1, got 0",
+     lambda c: sharding.init_state(ODD, sharding.mesh(1, 1), 0)),
     ("nnx.no-weights", "DsaAttention without rngs or weights", ValueError,
      r"DsaAttention needs rngs \(random weights\) or weights",
      lambda c: __import__("dsa_jax.nnx").nnx.DsaAttention(ODD, num_seqs=1)),
@@ -383,7 +394,11 @@ CASES = [
      CheckpointError, r"not a dsa_jax checkpoint \(no readable 'dsa_jax' metadata item\)",
      lambda c: checkpoint.restore_weights(c.tmp_empty, ODD)),
     ("ckpt.newer", "a checkpoint format newer than this dsa_jax", CheckpointError,
-     r"checkpoint format version 99 is newer than this dsa_jax reads \(2\)", _newer),
+     r"checkpoint format version 99 is newer than this dsa_jax reads \(3\)",
+     lambda c: _version(c, 99)),
+    ("ckpt.older", "a weights checkpoint of the layout before format 2", CheckpointError,
+     r"weights checkpoint format version 1 is older than this dsa_jax reads \(2\)",
+     lambda c: _version(c, 1)),
     ("ckpt.kind", "a state checkpoint restored as weights (or the reverse)", CheckpointError,
      r"this is a 'state' checkpoint, not a 'weights' checkpoint",
      lambda c: checkpoint.restore_weights(c.state_ckpt, ODD)),
