@@ -12,12 +12,14 @@ the engine): `prepare_step` (host side: row layout, row counts, checks) and `ste
 traceable step over padded rows).
 
 Checks: before the jitted step runs, `prepare_step` validates on the host everything the
-caller's concrete state can tell (capacity, block-table coverage, indexer lockstep) and
-raises with the value and the limit; nothing has been written then, and the caller's state
-is untouched. Under an outer `jax.jit` the lengths are traced and these host checks cannot
-run (and `check=False` skips them, for a loop that validates on the host itself); the step
-then still never writes out of bounds: writes past the caches are dropped in every
-implementation.
+caller's concrete state can tell (shapes and dtypes of x, the weights and the state against
+the config; capacity; every block the step reads, i.e. all blocks below `length + n_new`,
+mapped and mapped once; indexer lockstep; `shared_sel` ids at or before their row's
+position) and raises with the value and the limit (docs/errors.md); nothing has been written
+then, and the caller's state is untouched. Under an outer `jax.jit` the lengths are traced
+and these host checks cannot run (and `check=False` skips them, for a loop that validates on
+the host itself); the step then still never writes out of bounds: writes past the caches are
+dropped in every implementation.
 """
 
 from __future__ import annotations
