@@ -11,11 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 
 import dsa_jax
-from dsa_jax import checkpoint, layer, sharding
+from dsa_jax import checkpoint, layer, serve, sharding
 from dsa_jax.checkpoint import CheckpointError
 from dsa_jax.config import ConfigError, DsaConfig
+from dsa_jax.drafting import ModelDrafter
 from dsa_jax.engine import BlockAllocator, Engine, EngineError, ModelConfig, OutOfBlocks, init_model
 from dsa_jax.implementation import ImplementationError, resolve
+from dsa_jax.model import ModelError, fold_states
+from dsa_jax.sampling import Sampling, SamplingError
+from dsa_jax.serve import ServeError
 from dsa_jax.shapes import ODD
 from dsa_jax.sharding import ShardingError
 from dsa_jax.state import StateError
@@ -445,11 +449,46 @@ CASES = [
     ("engine.pool", "a request needing more blocks than the pool has", EngineError,
      r"a request of 30 tokens needs 4 blocks; the pool has 3",
      lambda c: _engine(c, num_blocks=3).submit([1] * 20, 10)),
-    ("engine.layers", "layer weights not one per model layer", EngineError,
-     r"1 layer weights for a 2-layer model",
-     lambda c: init_model(MCFG, jax.random.key(0), layers=(c.w,))),
+    ("engine.sampling", "sampling that is not a Sampling", EngineError,
+     r"sampling must be a dsa_jax.sampling.Sampling, got str",
+     lambda c: _engine(c, sampling="greedy")),
+    ("engine.stop-tokens", "a stop token outside the vocabulary", EngineError,
+     r"stop token\(s\) \[99\] outside the vocabulary \[0, 37\)",
+     lambda c: _engine(c, stop_tokens=[99])),
+    ("engine.draft-weights", "a draft model without its weights", EngineError,
+     r"a ModelDrafter needs draft_weights", lambda c: _engine(c, speculate=1,
+                                                              drafter=ModelDrafter(MCFG))),
     ("engine.out-of-blocks", "allocating more blocks than are free", OutOfBlocks,
      r"5 blocks wanted, 4 of 4 free", lambda c: BlockAllocator(4).allocate(5, owner=0)),
     ("engine.release", "releasing a block that is not allocated", EngineError,
      r"block 2 released but not allocated", lambda c: BlockAllocator(4).release([2])),
+    # ---- the model, sampling and the fixed-batch loop
+    ("model.layers", "layer weights not one per model layer", ModelError,
+     r"1 layer weights for a 2-layer model",
+     lambda c: init_model(MCFG, jax.random.key(0), layers=(c.w,))),
+    ("model.layer-kind", "a layer's weights of the other kind (full / shared)", ModelError,
+     r"layer 0 is 'full' but its weights have no indexer",
+     lambda c: init_model(MCFG, jax.random.key(0), layers=(c.ws, c.w))),
+    ("model.states", "layer states not one per model layer", ModelError,
+     r"1 layer states for a 2-layer model", lambda c: fold_states(MCFG, [c.state])),
+    ("sampling.mode", "an unknown sampling mode", SamplingError,
+     r"sampling mode 'beam' is not one of", lambda c: Sampling(mode="beam")),
+    ("sampling.temperature", "a temperature not > 0", SamplingError,
+     r"temperature must be positive, got 0.0", lambda c: Sampling(temperature=0.0)),
+    ("sampling.top-p", "top_p outside (0, 1]", SamplingError,
+     r"top_p must be in \(0, 1\], got 1.5", lambda c: Sampling(top_p=1.5)),
+    ("serve.count", "prompts and token limits of different lengths", ServeError,
+     r"2 prompts but 1 token limits",
+     lambda c: serve.check_batch(serve.Program(MCFG), [[1], [2]], [3])),
+    ("serve.empty", "an empty prompt in the batch", ServeError,
+     r"prompt 1 is empty", lambda c: serve.check_batch(serve.Program(MCFG), [[1], []], [3, 3])),
+    ("serve.max-new", "a token limit below 1", ServeError,
+     r"max_new_tokens\[0\] is 0; it must be at least 1",
+     lambda c: serve.check_batch(serve.Program(MCFG), [[1]], [0])),
+    ("serve.too-long", "prompt + new tokens past max_context", ServeError,
+     r"prompt 0: 90 tokens \+ 10 new tokens \(\+ 0 draft rows\) = 100 exceeds max_context 96",
+     lambda c: serve.check_batch(serve.Program(MCFG), [[1] * 90], [10])),
+    ("serve.vocab", "a token id outside the vocabulary", ServeError,
+     r"prompt 0: token ids \[40\] outside the vocabulary \[0, 37\)",
+     lambda c: serve.check_batch(serve.Program(MCFG), [[1, 40]], [3])),
 ]
