@@ -367,3 +367,23 @@ def test_10_a_changed_data_byte_fails_restore(w, tmp_path):
     np.testing.assert_array_equal(np.asarray(checkpoint.restore_weights(path, ODD)[0].x_proj),
                                   np.asarray(w.x_proj))
 
+
+
+def test_4_a_full_layers_selection_is_checked_without_a_device_read(monkeypatch):
+    """The selection a full layer's step returned, given to a shared layer at the same
+    positions, needs no device read (the host knows it is valid); a hand-made one is read."""
+    w = dsa_jax.init_random_weights(ODD, jax.random.key(0))
+    ws = dsa_jax.init_random_weights(ODD, jax.random.key(1), has_indexer=False)
+    full, shared = dsa_jax.init_state(ODD, 2), dsa_jax.init_state(ODD, 2, has_indexer=False)
+    _, full, sel = dsa_jax.prefill(ODD, w, full, _x(2, 6))
+    _, shared, _ = dsa_jax.prefill(ODD, ws, shared, _x(2, 6), shared_sel=sel)
+    _, full, sel = dsa_jax.decode(ODD, w, full, _x(2))
+    reads = []
+    real_get = jax.device_get
+    monkeypatch.setattr(jax, "device_get", lambda a: reads.append(a) or real_get(a))
+    layout, _ = dsa_jax.layer.prepare_step(ODD, ws, shared, _x(2), kind="decode",
+                                           shared_sel=sel)
+    assert reads == []
+    dsa_jax.layer.prepare_step(ODD, ws, shared, _x(2), kind="decode",
+                               shared_sel=jnp.asarray(np.asarray(sel)))
+    assert len(reads) == 1
