@@ -149,7 +149,8 @@ def setup(cfg, vocab: int, b: int = 2, seed: int = 0):
     weights = init_model(mcfg, jax.random.key(seed))
     nb, mb = b * cfg.blocks_per_seq, cfg.blocks_per_seq
     rng = np.random.default_rng(seed)
-    tables = np.stack([rng.permutation(nb)[:mb] for _ in range(b)]).astype(np.int32)
+    # One shuffled pool split between the sequences: no physical block mapped twice.
+    tables = rng.permutation(nb)[:b * mb].reshape(b, mb).astype(np.int32)
     ms = init_model_state(mcfg, b, nb, tables)
     k = jax.random.split(jax.random.key(seed + 1), 4)
     ctx = cfg.max_context // 2

@@ -23,12 +23,14 @@ on it, so one converted checkpoint serves any geometry. Any other difference is 
 
 Paths are made absolute (orbax requires it). Writing over an existing path takes
 `overwrite=True`, and even then only replaces an earlier dsa_jax checkpoint or an empty
-directory, never an unrelated directory.
+directory, never an unrelated directory. Saves are atomic (the old checkpoint stays until the
+new one is complete: a save that fails leaves it as it was), and every stored array's SHA-256
+is kept in the metadata and verified on restore (`checkpoint_io.py`); a checkpoint written
+before format 3 has no checksums and restores without that comparison.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -40,15 +42,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsa_jax import checkpoint_io
+from dsa_jax.checkpoint_io import CheckpointError
 from dsa_jax.config import DsaConfig
 from dsa_jax.state import DsaState, init_state
-from dsa_jax.weights import DsaWeights, _checkpoint_files, fold_weights, hf_shapes, read_hf_tensors
+from dsa_jax.weights import (
+    DEFAULT_FP8_BLOCK,
+    DsaWeights,
+    checkpoint_files,
+    fold_weights,
+    hf_shapes,
+    read_hf_tensors,
+)
 
 FORMAT = "dsa_jax.checkpoint"
-FORMAT_VERSION = 2
-# Weights of an older format have another layout (version 1: the indexer's query rows fused
-# into q_proj); state checkpoints have not changed since version 1.
+# 2: weights in the current layout (version 1 fused the indexer's query rows into q_proj);
+# 3: per-array checksums in the metadata, verified on restore.
+FORMAT_VERSION = 3
+# Weights of an older format have another layout; state checkpoints have not changed since
+# version 1. Checksums exist from version 3 on (older checkpoints restore without them).
 MIN_VERSION = {"weights": 2, "state": 1}
+CHECKSUM_VERSION = 3
 ARRAYS_ITEM = "arrays"
 META_ITEM = "dsa_jax"
 # Fields a restore does not compare, per kind (see the module docstring).
@@ -57,10 +71,6 @@ SERVING_FIELDS = ("max_context", "block_size", "max_verify", "cache_dtype", "ind
 IGNORED_FIELDS = {"weights": RUNTIME_FIELDS + SERVING_FIELDS, "state": RUNTIME_FIELDS}
 
 _HF_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.q_a_proj\.weight$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be written or restored as asked (the message says why)."""
 
 
 # ----------------------------------------------------------------------------- config
@@ -104,17 +114,6 @@ def _ocp():
     return ocp
 
 
-@contextlib.contextmanager
-def _checkpointer():
-    """A synchronous composite checkpointer, closed afterwards."""
-    ocp = _ocp()
-    ckptr = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
-    try:
-        yield ckptr
-    finally:
-        ckptr.close()
-
-
 def _abspath(path: str | os.PathLike) -> str:
     return os.path.abspath(os.path.expanduser(os.fspath(path)))
 
@@ -125,7 +124,7 @@ def _read_meta(path: str) -> dict[str, Any] | None:
         return None
     ocp = _ocp()
     try:
-        with _checkpointer() as ckptr:
+        with checkpoint_io.checkpointer() as ckptr:
             meta = ckptr.restore(path, args=ocp.args.Composite(
                 **{META_ITEM: ocp.args.JsonRestore()}))[META_ITEM]
     except Exception:  # anything unreadable is "not ours"
@@ -150,7 +149,9 @@ def read_info(path: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
-def _check_destination(path: str, overwrite: bool) -> None:
+def check_destination(path: str, overwrite: bool) -> None:
+    """CheckpointError unless a checkpoint may be written at `path` (absolute): nothing there,
+    an empty folder, or (with `overwrite`) an earlier dsa_jax checkpoint."""
     if not os.path.exists(path):
         return
     if not overwrite:
@@ -168,19 +169,25 @@ def _is_stored(leaf) -> bool:
 
 
 def _save(path: str, arrays: dict, meta: dict, overwrite: bool) -> None:
+    """Check, checksum and write atomically (`checkpoint_io`): nothing is written unless every
+    array can be stored, and an existing checkpoint stays until the new one is complete."""
+    checkpoint_io.check_live(arrays)
+    check_destination(path, overwrite)
+    meta = {**meta, "checksums": {name: checkpoint_io.digest(a)
+                                  for name, a in checkpoint_io.leaves(arrays).items()}}
     ocp = _ocp()
-    with _checkpointer() as ckptr:
-        ckptr.save(path, args=ocp.args.Composite(**{
-            ARRAYS_ITEM: ocp.args.StandardSave(arrays),
-            META_ITEM: ocp.args.JsonSave(meta),
-        }), force=overwrite)
+    checkpoint_io.write_atomically(path, {ARRAYS_ITEM: ocp.args.StandardSave(arrays),
+                                          META_ITEM: ocp.args.JsonSave(meta)})
 
 
-def _restore_arrays(path: str, target: dict) -> dict:
+def _restore_arrays(path: str, meta: dict, target: dict) -> dict:
+    """Read the arrays, then compare every one with its stored checksum."""
     ocp = _ocp()
-    with _checkpointer() as ckptr:
-        return ckptr.restore(path, args=ocp.args.Composite(**{
-            ARRAYS_ITEM: ocp.args.StandardRestore(target)}))[ARRAYS_ITEM]
+    restored = checkpoint_io.restore(path, {ARRAYS_ITEM: ocp.args.StandardRestore(target)})
+    restored = restored[ARRAYS_ITEM]
+    checkpoint_io.verify(path, restored, meta.get("checksums")
+                         if meta.get("version", 1) >= CHECKSUM_VERSION else None)
+    return restored
 
 
 def _abstract(shape_dtype, sharding) -> jax.ShapeDtypeStruct:
@@ -242,7 +249,6 @@ def save_weights(path: str | os.PathLike, cfg: DsaConfig, weights_by_layer: Sequ
         has_indexer.append(bool(w.has_indexer))
         arrays[str(i)] = {name: getattr(w, name) for name in DsaWeights._fields
                           if getattr(w, name) is not None and _is_stored(getattr(w, name))}
-    _check_destination(path, overwrite)
     meta = {"format": FORMAT, "version": FORMAT_VERSION, "kind": "weights",
             "config": config_to_json(cfg), "num_layers": len(weights_by_layer),
             "has_indexer": has_indexer, "layers": layers, "tp_rank": int(tp_rank)}
@@ -262,6 +268,12 @@ def _info_of_kind(path: str, kind: str, cfg: DsaConfig) -> dict[str, Any]:
     return meta
 
 
+def weights_info(path: str | os.PathLike, cfg: DsaConfig) -> dict[str, Any]:
+    """`read_info` of a weights checkpoint that `cfg` can restore (kind and config checked,
+    no array read): CheckpointError otherwise."""
+    return _info_of_kind(_abspath(path), "weights", cfg)
+
+
 def restore_weights(path: str | os.PathLike, cfg: DsaConfig, *, device=None
                     ) -> list[DsaWeights]:
     """Read a `save_weights` checkpoint: one `DsaWeights` per saved layer, on `device`
@@ -274,7 +286,7 @@ def restore_weights(path: str | os.PathLike, cfg: DsaConfig, *, device=None
         str(i): {name: _abstract(getattr(e, name), sharding) for name in DsaWeights._fields
                  if getattr(e, name) is not None and _is_stored(getattr(e, name))}
         for i, e in enumerate(expected)}}
-    restored = _restore_arrays(path, target)["layers"]
+    restored = _restore_arrays(path, meta, target)["layers"]
     out = []
     for i, e in enumerate(expected):
         got = restored.get(str(i), {})
@@ -293,7 +305,7 @@ def restore_weights(path: str | os.PathLike, cfg: DsaConfig, *, device=None
 
 def _hf_layers(src: str) -> list[int]:
     found = set()
-    for name in _checkpoint_files(src):
+    for name in checkpoint_files(src):
         m = _HF_LAYER.search(name)
         if m:
             found.add(int(m.group(1)))
@@ -302,7 +314,8 @@ def _hf_layers(src: str) -> list[int]:
 
 def convert_hf_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, cfg: DsaConfig,
                           layers: list[int] | None = None, *, tp_rank: int = 0,
-                          overwrite: bool = False) -> list[int]:
+                          overwrite: bool = False,
+                          fp8_block: tuple[int, int] = DEFAULT_FP8_BLOCK) -> list[int]:
     """Fold the DSA layers of a Hugging Face checkpoint into an orbax weights checkpoint.
 
     `src`: a safetensors file or a (sharded) checkpoint folder. `layers`: the model layer ids
@@ -328,8 +341,9 @@ def convert_hf_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, cfg: D
                 f"{src_path}: layer(s) {missing} not found (no "
                 f"'*layers.{missing[0]}.self_attn.q_a_proj.weight'); the checkpoint has "
                 f"attention layers {found}")
-    _check_destination(dst_path, overwrite)  # fail before the (long) reading
-    folded = [jax.device_get(fold_weights(cfg, read_hf_tensors(src_path, cfg, l), tp_rank))
+    check_destination(dst_path, overwrite)  # fail before the (long) reading
+    folded = [jax.device_get(fold_weights(cfg, read_hf_tensors(src_path, cfg, l,
+                                                                fp8_block=fp8_block), tp_rank))
               for l in layers]
     save_weights(dst_path, cfg, folded, layers=layers, tp_rank=tp_rank, overwrite=overwrite)
     return list(layers)
@@ -359,7 +373,13 @@ def _split_extra(extra: Mapping[str, Any] | None) -> tuple[dict, dict, dict]:
         if not isinstance(key, str):
             raise CheckpointError(f"extra keys must be strings, got {key!r}")
         if isinstance(value, (np.ndarray, jax.Array)):
+            if isinstance(value, jax.Array) and value.is_deleted():
+                raise CheckpointError(f"extra[{key!r}] was donated to a step (or deleted)")
             a = np.asarray(value)
+            if not checkpoint_io.storable(a):
+                raise CheckpointError(f"extra[{key!r}] is an array of dtype {a.dtype}; only "
+                                      f"numbers and bools can be stored (convert it to a list "
+                                      f"for JSON)")
             manifest[key] = {"shape": list(a.shape), "dtype": a.dtype.name}
             if _is_stored(a):
                 arrays[key] = a
@@ -398,7 +418,6 @@ def save_state(path: str | os.PathLike, cfg: DsaConfig, states: Sequence[DsaStat
         arrays[str(i)] = {name: getattr(s, name) for name in DsaState._fields
                           if _is_stored(getattr(s, name))}
     extra_arrays, manifest, values = _split_extra(extra)
-    _check_destination(path, overwrite)
     meta = {"format": FORMAT, "version": FORMAT_VERSION, "kind": "state",
             "config": config_to_json(cfg), "num_layers": len(states),
             "has_indexer": has_indexer, "num_seqs": num_seqs, "num_blocks": num_blocks,
@@ -423,7 +442,7 @@ def restore_state(path: str | os.PathLike, cfg: DsaConfig, *, device=None
     manifest = extra_meta["arrays"] if extra_meta else {}
     extra_target = {key: np.zeros(m["shape"], np.dtype(m["dtype"]))
                     for key, m in manifest.items() if int(np.prod(m["shape"])) > 0}
-    restored = _restore_arrays(path, {"layers": layer_target, "extra": extra_target})
+    restored = _restore_arrays(path, meta, {"layers": layer_target, "extra": extra_target})
     states = []
     for i, e in enumerate(expected):
         got = restored["layers"].get(str(i), {})
@@ -442,7 +461,8 @@ def restore_state(path: str | os.PathLike, cfg: DsaConfig, *, device=None
 
 
 __all__ = [
-    "CheckpointError", "config_from_json", "config_to_json", "convert_hf_checkpoint",
+    "CheckpointError", "check_destination", "config_from_json", "config_to_json",
+    "convert_hf_checkpoint",
     "expected_state", "expected_weights", "read_info", "restore_state", "restore_weights",
-    "save_state", "save_weights",
+    "save_state", "save_weights", "weights_info",
 ]

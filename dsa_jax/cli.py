@@ -11,8 +11,10 @@ import time
 import jax
 import numpy as np
 
-from dsa_jax.config import DsaConfig
-from dsa_jax.shapes import load_config, shipped_configs
+from dsa_jax.checkpoint_io import CheckpointError
+from dsa_jax.cli_checks import CliError, OneLineParser, check_convert_args, check_run_args, one_line
+from dsa_jax.shapes import shipped_configs
+from dsa_jax.weights import WeightError
 
 DEFAULT_CONFIG = "tiny"
 
@@ -75,21 +77,17 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from dsa_jax.engine import Engine, EngineError, ModelConfig, init_model
 
-    try:
-        cfg = load_config(args.config, implementation=args.implementation)
-    except FileNotFoundError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if args.layers is not None:
-        cfg = cfg.replace(indexer_types=tuple("full" if i % 2 == 0 else "shared"
-                                              for i in range(args.layers)))
+    cfg = check_run_args(args)
     mcfg = ModelConfig(cfg, vocab_size=args.vocab)
     key = jax.random.key(args.seed)
     layers = None
     if args.checkpoint:
         from dsa_jax.checkpoint import restore_weights
 
-        layers = tuple(restore_weights(args.checkpoint, cfg))
+        try:
+            layers = tuple(restore_weights(args.checkpoint, cfg))
+        except CheckpointError as err:  # e.g. a checksum mismatch: found only when reading
+            raise CliError(f"--checkpoint {args.checkpoint}: {err}") from err
     weights = init_model(mcfg, key, layers)
     need = args.prompt_len + args.steps + args.speculate
     blocks = args.num_seqs * -(-need // cfg.block_size)
@@ -103,8 +101,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                                   args.prompt_len)) for m in motif]
         reqs = [engine.submit([int(t) for t in p], args.steps) for p in prompts]
     except EngineError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        raise CliError(str(err)) from err
     print(f"dsa-jax run: {os.path.basename(args.config)}  layers={mcfg.num_layers} "
           f"({','.join(cfg.indexer_types)})  D={cfg.hidden_size} H={cfg.num_heads} "
           f"C={cfg.kv_lora_rank} topk={cfg.index_topk} kpool={cfg.index_kpool} "
@@ -127,7 +124,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     for i, row in enumerate(req.selections[:args.show]):
         pools, tail = chosen_pools(row, cfg.index_kpool)
         print(f"{first + i:>5}  {_fmt_pools(pools)} | {tail}")
-    os.makedirs(args.out, exist_ok=True)
     png = os.path.join(args.out, "selection_map.png")
     save_selection_png(selection_map(req.selections, first, cfg.index_kpool), first, png,
                        f"dsa-jax run: layer 0, sequence 0 ({os.path.basename(args.config)})")
@@ -136,21 +132,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from dsa_jax.checkpoint import CheckpointError, convert_hf_checkpoint
-    from dsa_jax.weights import WeightError
+    from dsa_jax.checkpoint import convert_hf_checkpoint
 
-    hf_config = args.hf_config or (args.src if os.path.isdir(args.src)
-                                   else os.path.dirname(os.path.abspath(args.src)))
-    cfg = DsaConfig.from_hf_config(hf_config, max_context=args.max_context,
-                                   block_size=args.block_size, param_dtype=args.param_dtype,
-                                   tp_degree=args.tp_degree)
-    layers = [int(v) for v in args.layers.split(",")] if args.layers else None
+    cfg, layers = check_convert_args(args)
     try:
         done = convert_hf_checkpoint(args.src, args.dst, cfg, layers, tp_rank=args.tp_rank,
                                      overwrite=args.overwrite)
     except (CheckpointError, WeightError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        raise CliError(str(err)) from err
     print(f"converted layers {done} of {args.src} -> {os.path.abspath(args.dst)} "
           f"(folded, {cfg.param_dtype}, tp rank {args.tp_rank}/{cfg.tp_degree})")
     return 0
@@ -182,7 +171,7 @@ DELEGATED = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dsa-jax", description=__doc__)
+    parser = OneLineParser(prog="dsa-jax", description=__doc__)
     sub = parser.add_subparsers(dest="command")
     run = sub.add_parser("run", help="prefill and decode with random weights, showing the "
                                      "pools each step selects (the default)")
@@ -236,8 +225,13 @@ def main(argv: list[str] | None = None) -> int:
         if callable(target):
             return target(argv[1:])
         return importlib.import_module(target).main(argv[1:])
-    args = parser.parse_args(argv)
-    return args.func(args)
+    prog = f"dsa-jax {argv[0]}" if argv and argv[0] in ("run", "convert") else "dsa-jax"
+    try:
+        args = parser.parse_args(argv)
+        return args.func(args)
+    except CliError as err:
+        print(f"{prog}: error: {one_line(str(err))}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -30,6 +31,31 @@ class ConfigError(ValueError):
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+def _is_int(value) -> bool:
+    """A JSON integer: an int, not a bool (true / false are ints to Python)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    """A JSON number: an int or float, not a bool or a string."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _read_json(path: str | os.PathLike) -> dict[str, Any]:
+    """A JSON object from a file, or ConfigError naming the file and what is wrong."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ConfigError(f"{os.fspath(path)}: cannot read the config "
+                          f"({e.strerror or e})") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{os.fspath(path)}: not valid JSON ({e})") from e
+    _require(isinstance(data, dict), f"{os.fspath(path)}: expected a JSON object of config "
+                                     f"fields, got {type(data).__name__}")
+    return data
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +97,20 @@ class DsaConfig:
             "max_context", "block_size", "max_verify", "tp_degree",
         ):
             value = getattr(self, name)
-            _require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
+            _require(_is_int(value) and value > 0,
                      f"{name} must be a positive integer, got {value!r}")
+        _require(isinstance(self.always_select_tail, bool),
+                 f"always_select_tail must be a bool (true or false), got "
+                 f"{self.always_select_tail!r}")
+        _require(_is_real(self.rms_norm_eps) and math.isfinite(self.rms_norm_eps)
+                 and self.rms_norm_eps > 0,
+                 f"rms_norm_eps must be a finite real number > 0, got {self.rms_norm_eps!r}")
+        _require(_is_int(self.qk_rope_head_dim),
+                 f"qk_rope_head_dim must be an integer (0), got {self.qk_rope_head_dim!r}")
+        _require(isinstance(self.indexer_types, tuple)
+                 and all(isinstance(k, str) for k in self.indexer_types),
+                 f"indexer_types must be a list of 'full' / 'shared' (one per layer), got "
+                 f"{self.indexer_types!r}")
         _require(self.qk_rope_head_dim == 0,
                  f"qk_rope_head_dim must be 0 (this block has no RoPE), "
                  f"got {self.qk_rope_head_dim}")
@@ -104,7 +142,6 @@ class DsaConfig:
         _require(self.indexer_types[0] == "full",
                  "indexer_types[0] must be 'full': a 'shared' layer reuses the selection of "
                  "an earlier full layer")
-        _require(self.rms_norm_eps > 0, f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
 
     # Derived sizes (SPEC.md "Derived").
     @property
@@ -152,8 +189,7 @@ class DsaConfig:
             path = os.fspath(path_or_dict)
             if os.path.isdir(path):
                 path = os.path.join(path, "config.json")
-            with open(path) as f:
-                hf = json.load(f)
+            hf = _read_json(path)
         if "text_config" in hf:
             hf = dict(hf["text_config"])
         fields = {
@@ -172,8 +208,11 @@ class DsaConfig:
         kwargs: dict[str, Any] = {ours: hf[theirs] for ours, theirs in fields.items()}
         # HF defaults for fields a config.json may omit.
         kwargs["index_kpool"] = hf.get("index_kpool", 16)
-        kwargs["always_select_tail"] = bool(hf.get("index_kpool_always_select_tail", True))
-        kwargs["rms_norm_eps"] = float(hf.get("rms_norm_eps", 1e-5))
+        tail = hf.get("index_kpool_always_select_tail", True)
+        _require(isinstance(tail, bool), f"index_kpool_always_select_tail must be a bool "
+                                         f"(true or false), got {tail!r}")
+        kwargs["always_select_tail"] = tail
+        kwargs["rms_norm_eps"] = hf.get("rms_norm_eps", 1e-5)
         kwargs["qk_rope_head_dim"] = hf.get("qk_rope_head_dim", 0)
         indexer_types = hf.get("indexer_types")
         if indexer_types is not None:
@@ -182,19 +221,30 @@ class DsaConfig:
             if layer_types is not None and len(layer_types) == len(indexer_types):
                 indexer_types = [kind for kind, lt in zip(indexer_types, layer_types, strict=True)
                                  if lt in DSA_LAYER_TYPES]
+            _require(isinstance(indexer_types, list), f"indexer_types must be a list, got "
+                                                      f"{indexer_types!r}")
             kwargs["indexer_types"] = tuple(indexer_types) or ("full",)
+        _check_keys("serving fields", serving)
         kwargs.update(serving)
         return cls(**kwargs)
 
     @classmethod
     def from_json(cls, path: str | os.PathLike, **overrides: Any) -> DsaConfig:
         """Read one of `configs/*.json`: DsaConfig field names, every key checked."""
-        with open(path) as f:
-            data = json.load(f)
+        data = _read_json(path)
         data = {k: v for k, v in data.items() if not k.startswith("_")}
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        _require(not unknown, f"{os.fspath(path)}: unknown config keys {unknown}; "
-                              f"known keys are {sorted(known)}")
+        _check_keys(os.fspath(path), data)
+        _check_keys("overrides", overrides)
         data.update(overrides)
+        required = [f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.name not in data]
+        _require(not required, f"{os.fspath(path)}: required config keys {required} are "
+                               f"missing")
         return cls(**data)
+
+
+def _check_keys(where: str, data: Mapping[str, Any]) -> None:
+    known = {f.name for f in dataclasses.fields(DsaConfig)}
+    unknown = sorted(set(data) - known)
+    _require(not unknown, f"{where}: unknown config keys {unknown}; known keys are "
+                          f"{sorted(known)}")

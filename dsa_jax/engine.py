@@ -66,18 +66,56 @@ class BlockAllocator:
             raise OutOfBlocks(f"{n} blocks wanted, {len(self._free)} of {self.num_blocks} free")
         blocks = [self._free.popleft() for _ in range(n)]
         for blk in blocks:
-            assert blk not in self._owner, f"block {blk} handed out twice"
+            if blk in self._owner:  # a broken free list: never hand one block out twice
+                raise EngineError(f"block {blk} handed out twice (owned by sequence "
+                                  f"{self._owner[blk]}, asked for by {owner})")
             self._owner[blk] = owner
         return blocks
 
     def release(self, blocks: list[int]) -> None:
         for blk in blocks:
             if self._owner.pop(blk, None) is None:
-                raise ValueError(f"block {blk} released but not allocated")
+                raise EngineError(f"block {blk} released but not allocated")
             self._free.append(blk)
 
     def owners(self) -> dict[int, int]:
         return dict(self._owner)
+
+    def check_invariants(self) -> None:
+        """EngineError unless every block is either free (once) or owned (once), never both."""
+        free = list(self._free)
+        if len(set(free)) != len(free):
+            raise EngineError("the free list holds a block twice")
+        both = set(free) & set(self._owner)
+        if both:
+            raise EngineError(f"blocks {sorted(both)[:5]} are free and owned at once")
+        if set(free) | set(self._owner) != set(range(self.num_blocks)):
+            lost = set(range(self.num_blocks)) - set(free) - set(self._owner)
+            raise EngineError(f"blocks {sorted(lost)[:5]} are neither free nor owned (lost)")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def check_prompt(prompt, vocab_size: int) -> list[int]:
+    """`prompt` as a list of Python ints, or EngineError naming the first bad entry: a list,
+    tuple or 1-D integer array of ids in `[0, vocab_size)`, at least one."""
+    if isinstance(prompt, np.ndarray):
+        if prompt.ndim != 1:
+            raise EngineError(f"prompt must be 1-D token ids, got an array of shape "
+                              f"{prompt.shape}")
+        prompt = prompt.tolist() if np.issubdtype(prompt.dtype, np.integer) else list(prompt)
+    if not isinstance(prompt, (list, tuple)):
+        raise EngineError(f"prompt must be a list of token ids, got {type(prompt).__name__}")
+    if not prompt:
+        raise EngineError("a prompt needs at least one token")
+    for i, t in enumerate(prompt):
+        if not _is_int(t):
+            raise EngineError(f"prompt[{i}] is {t!r}, not an integer token id")
+        if not 0 <= t < vocab_size:
+            raise EngineError(f"prompt[{i}] is {t}, outside the vocabulary [0, {vocab_size})")
+    return [int(t) for t in prompt]
 
 
 def ngram_draft(history: list[int], max_draft: int, n: int = 2) -> list[int]:
@@ -132,15 +170,17 @@ class Engine:
                  sampling: Sampling | None = None, stop_tokens=(), seed: int = 0,
                  drafter=None, draft_weights: ModelWeights | StackedWeights | None = None):
         cfg = mcfg.dsa
+        for name, value in (("max_seqs", max_seqs), ("num_blocks", num_blocks),
+                            ("prefill_chunk", prefill_chunk),
+                            ("tokens_per_dispatch", tokens_per_dispatch)):
+            if not _is_int(value) or value < 1:
+                raise EngineError(f"{name} must be a positive integer, got {value!r}")
+        if not _is_int(speculate):
+            raise EngineError(f"speculate must be an integer, got {speculate!r}")
         if not 0 <= speculate <= cfg.max_verify - 1:
             raise EngineError(f"speculate={speculate} drafts need {speculate + 1} verify rows; "
                               f"max_verify is {cfg.max_verify}, so at most "
                               f"{cfg.max_verify - 1} drafts")
-        if prefill_chunk < 1:
-            raise EngineError(f"prefill_chunk must be positive, got {prefill_chunk}")
-        if tokens_per_dispatch < 1:
-            raise EngineError(f"tokens_per_dispatch must be positive, got "
-                              f"{tokens_per_dispatch}")
         sampling = Sampling() if sampling is None else sampling
         if not isinstance(sampling, Sampling):
             raise EngineError(f"sampling must be a dsa_jax.sampling.Sampling, got "
@@ -184,10 +224,15 @@ class Engine:
 
     # Admission and release -------------------------------------------------------------
     def submit(self, prompt: list[int], max_new_tokens: int) -> Request:
+        """Queue a request: `prompt` token ids (a list, tuple or 1-D integer array) and how many
+        tokens to generate (>= 1). Everything is checked here, before it is queued."""
         cfg = self.mcfg.dsa
+        prompt = check_prompt(prompt, self.mcfg.vocab_size)
+        if not _is_int(max_new_tokens) or max_new_tokens < 1:
+            raise EngineError(f"max_new_tokens must be a positive integer, got "
+                              f"{max_new_tokens!r}")
+        max_new_tokens = int(max_new_tokens)
         need = len(prompt) + max_new_tokens + self.speculate
-        if not prompt:
-            raise EngineError("a prompt needs at least one token")
         if need > cfg.max_context:
             raise EngineError(f"prompt of {len(prompt)} tokens + {max_new_tokens} new tokens "
                               f"(+ {self.speculate} draft rows) = {need} exceeds max_context "
@@ -195,11 +240,7 @@ class Engine:
         if self._blocks_for(need) > self.allocator.num_blocks:
             raise EngineError(f"a request of {need} tokens needs {self._blocks_for(need)} "
                               f"blocks; the pool has {self.allocator.num_blocks}")
-        bad = [t for t in prompt if not 0 <= t < self.mcfg.vocab_size]
-        if bad:
-            raise EngineError(f"token ids {bad[:5]} outside the vocabulary [0, "
-                              f"{self.mcfg.vocab_size})")
-        req = Request(list(prompt), max_new_tokens)
+        req = Request(prompt, max_new_tokens)
         self.queue.append(req)
         return req
 
@@ -377,6 +418,7 @@ class Engine:
             if r.id < 0:  # a snapshot from before request ids
                 r.id, eng._next_id = eng._next_id, eng._next_id + 1
         eng.stats = EngineStats(**extra["stats"])
+        eng.allocator.check_invariants()  # a snapshot whose blocks overlap is refused
         model = fold_states(mcfg, states)._replace(lengths=jnp.asarray(eng.lengths))
         eng.serving = serve.Serving(model, eng._slots_of(live), None)
         return eng

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -15,6 +16,11 @@ import numpy as np
 
 from dsa_jax.config import DsaConfig
 from dsa_jax.pallas.common import quantize
+
+
+class StateError(ValueError):
+    """A state cannot be built as asked (sizes, scale, block tables); raised before any array
+    is made."""
 
 
 class DsaState(NamedTuple):
@@ -34,28 +40,48 @@ class DsaState(NamedTuple):
 
 def init_state(cfg: DsaConfig, num_seqs: int, *, num_blocks: int | None = None,
                kv_scale: float = 1.0, block_tables: np.ndarray | jax.Array | None = None,
-               has_indexer: bool = True) -> DsaState:
+               has_indexer: bool = True, shards: int = 1) -> DsaState:
     """An empty state for `num_seqs` sequences.
 
     By default every sequence owns `cfg.blocks_per_seq` contiguous physical blocks (sequence
     `b` maps logical block `i` to `b * MB + i`). An allocator passes its own `block_tables`
-    and `num_blocks`; entries it has not handed out may hold any value, since positions are
-    only ever written through entries below the sequence's length. A "shared" layer
-    (`has_indexer=False`) keeps no indexer cache: its indexer arrays have 0 rows.
+    `[num_seqs, MB]` and `num_blocks`: every entry is a physical block in `[0, num_blocks)` or
+    -1 (not mapped yet), and no physical block is mapped twice (two sequences sharing a block
+    would overwrite each other). A "shared" layer (`has_indexer=False`) keeps no indexer
+    cache: its indexer arrays have 0 rows. `shards` > 1: a state split over that many data-
+    parallel shards (dsa_jax.sharding): sequences and blocks split evenly, and each group's
+    table entries are shard-local ids, checked within the shard's own pool of
+    `num_blocks / shards` blocks. Bad arguments raise `StateError`.
     """
-    if num_seqs <= 0:
-        raise ValueError(f"num_seqs must be positive, got {num_seqs}")
-    if not kv_scale > 0:
-        raise ValueError(f"kv_scale must be positive, got {kv_scale}")
+    if not _is_int(num_seqs) or num_seqs <= 0:
+        raise StateError(f"num_seqs must be a positive integer, got {num_seqs!r}")
+    if not isinstance(has_indexer, (bool, np.bool_)):
+        raise StateError(f"has_indexer must be a bool, got {has_indexer!r}")
+    kv_scale = check_kv_scale(kv_scale)
     mb = cfg.blocks_per_seq
     if num_blocks is None:
         num_blocks = num_seqs * mb
+    if not _is_int(num_blocks) or num_blocks <= 0:
+        raise StateError(f"num_blocks must be a positive integer, got {num_blocks!r}")
     if block_tables is None:
         block_tables = np.arange(num_seqs * mb, dtype=np.int32).reshape(num_seqs, mb)
-    block_tables = jnp.asarray(block_tables, jnp.int32)
-    if block_tables.shape != (num_seqs, mb):
-        raise ValueError(f"block_tables has shape {block_tables.shape}, expected "
+    elif not hasattr(block_tables, "shape"):
+        block_tables = np.asarray(block_tables)
+    if tuple(block_tables.shape) != (num_seqs, mb):
+        raise StateError(f"block_tables has shape {tuple(block_tables.shape)}, expected "
                          f"({num_seqs}, {mb}) = (num_seqs, max_context / block_size)")
+    if not np.issubdtype(np.dtype(block_tables.dtype), np.integer):
+        raise StateError(f"block_tables must hold integers, got dtype "
+                         f"{np.dtype(block_tables.dtype).name}")
+    if not _is_int(shards) or shards < 1 or num_seqs % shards or num_blocks % shards:
+        raise StateError(f"shards must be a positive integer dividing num_seqs {num_seqs} and "
+                         f"num_blocks {num_blocks}, got {shards!r}")
+    if not isinstance(block_tables, jax.core.Tracer):
+        tables, rows = np.asarray(block_tables), num_seqs // shards
+        for g in range(shards):  # each shard's sequences map into its own pool
+            check_block_tables(tables[g * rows:(g + 1) * rows], num_blocks // shards,
+                               first_seq=g * rows, shard=g if shards > 1 else None)
+    block_tables = jnp.asarray(block_tables, jnp.int32)
     idt = jnp.dtype(cfg.index_cache_dtype)
     Di = cfg.index_head_dim
     rows, pools = (cfg.max_context, cfg.num_pools) if has_indexer else (0, 0)
@@ -69,6 +95,76 @@ def init_state(cfg: DsaConfig, num_seqs: int, *, num_blocks: int | None = None,
         lengths=jnp.zeros((num_seqs,), jnp.int32),
         index_lengths=jnp.zeros((num_seqs,), jnp.int32),
     )
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def check_kv_scale(kv_scale) -> float:
+    """`kv_scale` as a Python float, or `StateError`: a finite real number > 0 (an int, float,
+    numpy real scalar or 0-d real array; never a bool, string or complex number)."""
+    value = kv_scale
+    if isinstance(value, (np.ndarray, jax.Array)) and not isinstance(value, jax.core.Tracer) \
+            and value.shape == () and np.issubdtype(np.dtype(value.dtype), np.floating):
+        value = float(value)
+    ok = (isinstance(value, (int, float, np.integer, np.floating))
+          and not isinstance(value, (bool, np.bool_)) and np.isfinite(value) and value > 0)
+    if not ok:
+        raise StateError(f"kv_scale must be a finite real number > 0, got {kv_scale!r}")
+    return float(value)
+
+
+def check_block_tables(tables: np.ndarray, num_blocks: int, first_seq: int = 0,
+                       shard: int | None = None) -> None:
+    """Entries in `[-1, num_blocks)` (-1: not mapped) and no physical block mapped twice.
+    `first_seq`, `shard`: the table's first sequence and its dp shard, for the message."""
+    bad = (tables < -1) | (tables >= num_blocks)
+    if bad.any():
+        s, i = (int(v) for v in np.argwhere(bad)[0])
+        raise StateError(f"block_tables: sequence {first_seq + s} entry {i} is {tables[s, i]}, "
+                         f"outside [-1, {num_blocks}) (-1 = not mapped, else a physical "
+                         f"block{'' if shard is None else f' of shard {shard}'})")
+    twice = mapped_twice(tables, tables >= 0, num_blocks, first_seq)
+    if twice is not None:
+        raise StateError(f"block_tables: {twice} (two entries sharing a block overwrite "
+                         f"each other)")
+
+
+def mapped_twice(tables: np.ndarray, mask: np.ndarray, num_blocks: int, first_seq: int = 0
+                 ) -> str | None:
+    """None, or which physical block two entries `mask`ed in `tables [B, MB]` share (entries
+    must be in `[0, num_blocks)` where `mask`). One bincount: cheap enough for every step."""
+    blocks = tables[mask]
+    if not len(blocks) or np.bincount(blocks, minlength=num_blocks).max() <= 1:
+        return None
+    seq, col = np.nonzero(mask)  # row-major: sequence, then entry
+    order = np.argsort(blocks, kind="stable")
+    first = int(np.flatnonzero(blocks[order][1:] == blocks[order][:-1])[0])
+    a, b = order[first], order[first + 1]
+    return (f"physical block {blocks[a]} is mapped twice: sequence {first_seq + seq[a]} entry "
+            f"{col[a]} and sequence {first_seq + seq[b]} entry {col[b]}")
+
+
+@functools.cache
+def expected_state_fields(cfg: DsaConfig, num_seqs: int, num_blocks: int, has_indexer: bool
+                          ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Field -> (shape, dtype) of a state built for `cfg` (what `init_state` makes).
+    Cached: read it, do not change it."""
+    rows, pools = (cfg.max_context, cfg.num_pools) if has_indexer else (0, 0)
+    di, idt = cfg.index_head_dim, jnp.dtype(cfg.index_cache_dtype)
+    f32, i32 = np.dtype(np.float32), np.dtype(np.int32)
+    return {
+        "latent": ((num_blocks, cfg.block_size, cfg.kv_lora_rank),
+                   jnp.dtype(cfg.cache_dtype)),
+        "kv_scale": ((), f32),
+        "block_tables": ((num_seqs, cfg.blocks_per_seq), i32),
+        "index_k": ((num_seqs, rows, di), idt),
+        "index_g": ((num_seqs, rows, di), idt),
+        "pool_keys": ((num_seqs, pools, di), f32),
+        "lengths": ((num_seqs,), i32),
+        "index_lengths": ((num_seqs,), i32),
+    }
 
 
 def quantize_latent(cfg: DsaConfig, c: jax.Array, kv_scale: jax.Array) -> jax.Array:

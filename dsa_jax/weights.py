@@ -6,10 +6,19 @@ Two forms exist:
   this form, unfolded, so it stays a literal rendering of SPEC.md.
 - `DsaWeights`: what the serving paths consume, built by `fold_weights`. Every fold is listed
   in `fold_weights`'s docstring and happens there, once.
+
+fp8 checkpoints (Hugging Face "fine-grained fp8", as in the DeepSeek-V3 / GLM-5 FP8 releases):
+a `float8_e4m3fn` (or `float8_e5m2`) tensor `name` is stored with a float32 scale
+`name + "_scale_inv"`, one per `[128, 128]` block of the `[out, in]` weight (grid
+`[ceil(out / 128), ceil(in / 128)]`; a one-element scale is per tensor), and its value is
+`weight * scale_inv` blockwise. `dequantize_fp8` applies it (in fp32); `fold_weights` and
+`read_hf_tensors` call it, so an fp8 tensor is never used without its scale: one without
+refuses with `WeightError`.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Mapping
@@ -17,6 +26,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from dsa_jax.config import DsaConfig
@@ -43,6 +53,73 @@ INDEXER_TENSORS = (
 
 class WeightError(ValueError):
     """A checkpoint tensor is missing or has the wrong shape or dtype."""
+
+
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")  # stored weights that need their scale
+SCALE_SUFFIX = "_scale_inv"  # HF: `q_a_proj.weight` -> `q_a_proj.weight_scale_inv`
+DEFAULT_FP8_BLOCK = (128, 128)  # HF quantization_config.weight_block_size of the fp8 releases
+# safetensors dtypes that its numpy reader cannot build (numpy has no fp8): read raw.
+_RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+               "F8_E8M0": ml_dtypes.float8_e8m0fnu}
+
+
+def _dtype_name(a) -> str:
+    return jnp.dtype(a.dtype).name
+
+
+def dequantize_fp8(hf: Mapping[str, np.ndarray | jax.Array], *,
+                   block: tuple[int, int] = DEFAULT_FP8_BLOCK, where: str = "layer"
+                   ) -> dict[str, np.ndarray | jax.Array]:
+    """HF tensors with fp8 weights and their `*_scale_inv` scales -> the same tensors with
+    every fp8 one replaced by `float32(weight) * scale` (blockwise, `block = [rows, cols]`
+    per scale entry) and the scale entries dropped. Other tensors pass through untouched.
+
+    `WeightError`: an fp8 tensor without its scale, a scale whose grid does not fit the
+    weight and `block`, or a scale beside a tensor that is not fp8.
+    """
+    out = {}
+    for name, value in hf.items():
+        if name.endswith(SCALE_SUFFIX):
+            base = name[:-len(SCALE_SUFFIX)]
+            if base not in hf or _dtype_name(hf[base]) not in FP8_DTYPES:
+                raise WeightError(f"{where}: scale {name!r} is there, but {base!r} is "
+                                  f"{'missing' if base not in hf else _dtype_name(hf[base])}"
+                                  f", not an fp8 tensor {FP8_DTYPES}")
+            continue
+        if _dtype_name(value) not in FP8_DTYPES:
+            out[name] = value
+            continue
+        scale_name = name + SCALE_SUFFIX
+        if scale_name not in hf:
+            raise WeightError(f"{where}: tensor {name!r} is {_dtype_name(value)} without its "
+                              f"scale {scale_name!r}: its values are meaningless unscaled "
+                              f"(HF fp8 checkpoints store it beside the weight)")
+        out[name] = _apply_scale(name, np.asarray(value), np.asarray(hf[scale_name]), block,
+                                 where)
+    return out
+
+
+def _apply_scale(name: str, w: np.ndarray, scale: np.ndarray, block: tuple[int, int],
+                 where: str) -> np.ndarray:
+    """`w [out, in]` fp8 times its per-block (or per-tensor) scale, in fp32."""
+    if not jnp.issubdtype(scale.dtype, jnp.floating):
+        raise WeightError(f"{where}: scale of {name!r} has dtype {scale.dtype.name}, expected "
+                          f"a floating dtype")
+    s = scale.astype(np.float32)
+    w32 = w.astype(np.float32)
+    if s.size == 1:
+        return w32 * s.reshape(())
+    if w.ndim != 2 or s.ndim != 2:
+        raise WeightError(f"{where}: scale of {name!r} has shape {list(s.shape)} for a weight "
+                          f"of shape {list(w.shape)}; expected one scale or a 2-D block grid")
+    b0, b1 = block
+    grid = (-(-w.shape[0] // b0), -(-w.shape[1] // b1))
+    if s.shape != grid:
+        raise WeightError(f"{where}: scale of {name!r} has shape {list(s.shape)}, but a "
+                          f"{list(w.shape)} weight in [{b0}, {b1}] blocks needs {list(grid)} "
+                          f"(pass the checkpoint's weight_block_size as fp8_block)")
+    full = np.repeat(np.repeat(s, b0, axis=0), b1, axis=1)[:w.shape[0], :w.shape[1]]
+    return w32 * full
 
 
 def hf_shapes(cfg: DsaConfig, has_indexer: bool = True) -> dict[str, tuple[int, ...]]:
@@ -105,8 +182,29 @@ def head_weight_scale(cfg: DsaConfig) -> float:
     return float(cfg.index_n_heads) ** -0.5 * float(cfg.index_head_dim) ** -0.5
 
 
-def fold_weights(cfg: DsaConfig, hf: Mapping[str, np.ndarray | jax.Array], tp_rank: int = 0
-                 ) -> DsaWeights:
+@functools.cache
+def expected_weight_fields(cfg: DsaConfig, has_indexer: bool
+                           ) -> dict[str, tuple[tuple[int, ...], np.dtype] | None]:
+    """Field -> (shape, dtype) of one rank's folded weights (what `fold_weights` makes);
+    None for the indexer fields of a "shared" layer. Cached: read it, do not change it."""
+    D, R, C, Hl = cfg.hidden_size, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.local_heads
+    Dn, Dv, Hi, Di = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.index_n_heads, cfg.index_head_dim
+    pdt, f32 = jnp.dtype(cfg.param_dtype), np.dtype(np.float32)
+    nx = R + C + (2 * Di + Hi if has_indexer else 0)
+    fields = {
+        "x_proj": ((nx, D), pdt), "q_a_norm": ((R,), f32), "kv_a_norm": ((C,), f32),
+        "q_proj": ((Hl * Dn, R), pdt), "qi_proj": ((Hi * Di, R), pdt),
+        "u_k": ((Hl, Dn, C), pdt), "u_v": ((Hl, Dv, C), pdt), "o_proj": ((D, Hl * Dv), pdt),
+        "k_norm_w": ((Di,), f32), "k_norm_b": ((Di,), f32),
+        "ape": ((cfg.index_kpool, Di), f32),
+    }
+    if not has_indexer:
+        fields.update(qi_proj=None, k_norm_w=None, k_norm_b=None, ape=None)
+    return fields
+
+
+def fold_weights(cfg: DsaConfig, hf: Mapping[str, np.ndarray | jax.Array], tp_rank: int = 0,
+                 *, fp8_block: tuple[int, int] = DEFAULT_FP8_BLOCK) -> DsaWeights:
     """HF tensors of one layer -> `DsaWeights` for rank `tp_rank`.
 
     The folds, all exact rewrites of SPEC.md:
@@ -121,9 +219,11 @@ def fold_weights(cfg: DsaConfig, hf: Mapping[str, np.ndarray | jax.Array], tp_ra
     - Heads `[tp_rank*Hl, (tp_rank+1)*Hl)` of `q_b`, `kv_b` and `o_proj` are kept; the
       input GEMM and the indexer are the same on every rank.
     - Norm weights, the LayerNorm bias and `ape` are stored fp32.
+    An fp8 tensor is first multiplied by its `*_scale_inv` (`dequantize_fp8`, `fp8_block`).
     """
-    if not 0 <= tp_rank < cfg.tp_degree:
-        raise WeightError(f"tp_rank {tp_rank} is outside [0, tp_degree={cfg.tp_degree})")
+    if not isinstance(tp_rank, (int, np.integer)) or not 0 <= tp_rank < cfg.tp_degree:
+        raise WeightError(f"tp_rank {tp_rank!r} is outside [0, tp_degree={cfg.tp_degree})")
+    hf = dequantize_fp8(hf, block=fp8_block)
     has_indexer = any(name.startswith("indexer.") for name in hf)
     check_hf_tensors(cfg, hf, has_indexer)
     pdt = jnp.dtype(cfg.param_dtype)
@@ -167,12 +267,15 @@ def check_hf_tensors(cfg: DsaConfig, hf: Mapping[str, np.ndarray | jax.Array],
         if found != shape:
             raise WeightError(f"{where}: tensor {name!r} has shape {found}, expected {shape}")
         dtype = jnp.dtype(hf[name].dtype)
+        if dtype.name in FP8_DTYPES:
+            raise WeightError(f"{where}: tensor {name!r} is {dtype.name} without its scale "
+                              f"{name + SCALE_SUFFIX!r} applied (use dequantize_fp8)")
         if not jnp.issubdtype(dtype, jnp.floating):
             raise WeightError(f"{where}: tensor {name!r} has dtype {dtype}, expected a "
                               f"floating dtype (float32, bfloat16 or float16)")
 
 
-def _checkpoint_files(path: str) -> dict[str, str]:
+def checkpoint_files(path: str) -> dict[str, str]:
     """Map tensor name -> safetensors file, for one file or a sharded checkpoint folder."""
     if os.path.isdir(path):
         index = os.path.join(path, "model.safetensors.index.json")
@@ -201,13 +304,34 @@ def _layer_prefix(names, layer: int) -> str | None:
     return None
 
 
-def read_hf_tensors(path: str | os.PathLike, cfg: DsaConfig, layer: int
-                    ) -> dict[str, np.ndarray]:
-    """Read layer `layer`'s attention tensors (HF names, checkpoint dtypes), checked."""
+def _read_tensor(file: str, name: str) -> np.ndarray:
+    """One tensor of a safetensors file in its stored dtype (fp8 too: numpy has no fp8, so
+    those are read from the file's bytes through ml_dtypes)."""
     from safetensors import safe_open
 
+    with safe_open(file, framework="numpy") as f:
+        stored = f.get_slice(name).get_dtype()
+        if stored not in _RAW_DTYPES:
+            return f.get_tensor(name)
+    with open(file, "rb") as fh:
+        header_len = int.from_bytes(fh.read(8), "little")
+        info = json.loads(fh.read(header_len))[name]
+        start, end = info["data_offsets"]
+        fh.seek(8 + header_len + start)
+        data = fh.read(end - start)
+    dtype = np.dtype(_RAW_DTYPES[stored])
+    if len(data) != int(np.prod(info["shape"])) * dtype.itemsize:
+        raise WeightError(f"{file}: tensor {name!r} ({stored} {info['shape']}) has "
+                          f"{len(data)} bytes of data")
+    return np.frombuffer(data, dtype).reshape(info["shape"])
+
+
+def read_hf_tensors(path: str | os.PathLike, cfg: DsaConfig, layer: int, *,
+                    fp8_block: tuple[int, int] = DEFAULT_FP8_BLOCK) -> dict[str, np.ndarray]:
+    """Read layer `layer`'s attention tensors (HF names, checkpoint dtypes), checked. fp8
+    tensors come back as float32 with their `*_scale_inv` applied (`dequantize_fp8`)."""
     path = os.fspath(path)
-    files = _checkpoint_files(path)
+    files = checkpoint_files(path)
     prefix = _layer_prefix(files, layer)
     if prefix is None:
         raise WeightError(f"{path}: no attention tensors for layer {layer} "
@@ -221,16 +345,20 @@ def read_hf_tensors(path: str | os.PathLike, cfg: DsaConfig, layer: int
         if full not in files:
             raise WeightError(f"{path}: tensor {full!r} is missing "
                               f"(expected shape {wanted[name]})")
-        with safe_open(files[full], framework="numpy") as f:
-            tensors[name] = f.get_tensor(full)
-    check_hf_tensors(cfg, tensors, has_indexer, where=f"{path} layer {layer}")
+        tensors[name] = _read_tensor(files[full], full)
+        if full + SCALE_SUFFIX in files:
+            tensors[name + SCALE_SUFFIX] = _read_tensor(files[full + SCALE_SUFFIX],
+                                                        full + SCALE_SUFFIX)
+    where = f"{path} layer {layer}"
+    tensors = dequantize_fp8(tensors, block=fp8_block, where=where)
+    check_hf_tensors(cfg, tensors, has_indexer, where=where)
     return tensors
 
 
-def load_hf_layer(path: str | os.PathLike, cfg: DsaConfig, layer: int, tp_rank: int = 0
-                  ) -> DsaWeights:
+def load_hf_layer(path: str | os.PathLike, cfg: DsaConfig, layer: int, tp_rank: int = 0, *,
+                  fp8_block: tuple[int, int] = DEFAULT_FP8_BLOCK) -> DsaWeights:
     """Layer `layer`'s DSA block from a safetensors file or a (sharded) checkpoint folder."""
-    return fold_weights(cfg, read_hf_tensors(path, cfg, layer), tp_rank)
+    return fold_weights(cfg, read_hf_tensors(path, cfg, layer, fp8_block=fp8_block), tp_rank)
 
 
 def init_random_hf_tensors(cfg: DsaConfig, key: jax.Array, has_indexer: bool = True

@@ -30,3 +30,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_addoption(parser):
+    # The reliability property tests and soak (tests/test_reliability_*.py) run CI-sized by
+    # default; --long runs them at full length.
+    parser.addoption("--long", action="store_true", default=False,
+                     help="run the reliability property tests and engine soak at full length")

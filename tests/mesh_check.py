@@ -30,6 +30,7 @@ from dsa_jax import sharding
 from dsa_jax.layer import RowLayout, StepError
 from dsa_jax.shapes import ODD
 from dsa_jax.sharding import check
+from dsa_jax.state import StateError
 from dsa_jax.testing import assert_trees_bitwise_equal
 
 CASES = ((1, 2), (1, 4), (1, 8), (2, 4), (4, 2), (8, 1))
@@ -228,7 +229,15 @@ def extras(cfg, m, w, inp):
     nbl = 4 * cfg.blocks_per_seq
     tables = np.tile(np.arange(nbl, dtype=np.int32).reshape(4, -1), (2, 1))
     tables[5, 0] = nbl
-    bad = sharding.init_state(cfg, m, B, kv_scale=0.1, block_tables=tables)
+    try:  # refused where the tables enter the state ...
+        sharding.init_state(cfg, m, B, kv_scale=0.1, block_tables=tables)
+    except StateError as e:
+        assert f"sequence 5 entry 0 is {nbl}" in str(e) and "shard 1" in str(e), str(e)
+    else:
+        raise AssertionError("a block id outside the shard's pool entered the state")
+    # ... and by the step's checks when they get in some other way.
+    bad = sharding.init_state(cfg, m, B, kv_scale=0.1)._replace(block_tables=sharding.put(
+        tables, sharding.state_shardings(m).block_tables))
     try:
         sharding.dp_tp_decode(cfg, m, w, bad, inp.xd)
     except StepError as e:

@@ -112,7 +112,7 @@ def test_bad_engine_settings_are_refused(weights):
         Engine(MCFG, weights, max_seqs=2, num_blocks=24, stop_tokens=(36, 37))
     with pytest.raises(EngineError, match=r"speculate=4 drafts need 5 verify rows"):
         Engine(MCFG, weights, max_seqs=2, num_blocks=24, speculate=4)
-    with pytest.raises(EngineError, match="tokens_per_dispatch must be positive, got 0"):
+    with pytest.raises(EngineError, match="tokens_per_dispatch must be a positive integer, got 0"):
         Engine(MCFG, weights, max_seqs=2, num_blocks=24, tokens_per_dispatch=0)
     with pytest.raises(EngineError, match="sampling must be a dsa_jax.sampling.Sampling"):
         Engine(MCFG, weights, max_seqs=2, num_blocks=24, sampling="greedy")

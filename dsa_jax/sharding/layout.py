@@ -161,7 +161,7 @@ def init_state(cfg: DsaConfig, m: Mesh, num_seqs: int, *, blocks_per_shard: int 
 
     def build():
         return state_mod.init_state(cfg, num_seqs, num_blocks=dp * nbl, kv_scale=kv_scale,
-                                    block_tables=tables, has_indexer=has_indexer)
+                                    block_tables=tables, has_indexer=has_indexer, shards=dp)
 
     return jax.jit(build, out_shardings=state_shardings(m))()
 

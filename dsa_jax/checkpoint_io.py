@@ -1,0 +1,150 @@
+"""Checkpoint files: atomic orbax writes and per-array checksums (used by `checkpoint.py`).
+
+Atomic: a checkpoint is written complete into a hidden folder beside its destination
+(`.<name>.dsa_jax-tmp-<id>`) and only then renamed into place. Replacing an existing one
+renames the old aside (`.<name>.dsa_jax-old-<id>`), renames the new into place and only then
+deletes the old: a save that fails at any point, or is killed, never costs the old checkpoint
+(a kill between the two renames, a window of two system calls, leaves the complete old
+checkpoint in its `-old-` folder beside the path). A failed save removes what it wrote.
+
+Checksums: the SHA-256 of every stored array's bytes, keyed by its path in the pytree
+(`layers/0/latent`, `extra/lengths`), are stored in the metadata and compared on restore, so
+a changed data byte fails the restore with the array's name instead of restoring other values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import hashlib
+import os
+import shutil
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+# Extra (host metadata) arrays must be numbers or bools: orbax stores nothing else.
+STORABLE_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be written or restored as asked (the message says why)."""
+
+
+def _ocp():
+    import orbax.checkpoint as ocp
+
+    return ocp
+
+
+@contextlib.contextmanager
+def checkpointer():
+    """A synchronous composite checkpointer, closed afterwards."""
+    ocp = _ocp()
+    ckptr = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+    try:
+        yield ckptr
+    finally:
+        ckptr.close()
+
+
+def leaves(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested dict of arrays -> {"a/b/c": array}."""
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(leaves(value, name + "/"))
+        else:
+            out[name] = value
+    return out
+
+
+def storable(a) -> bool:
+    """An array orbax can store bit for bit: numbers or bools."""
+    dtype = np.dtype(a.dtype)
+    return dtype.kind in "biuf" or dtype.name in STORABLE_DTYPES
+
+
+def check_live(tree: Mapping[str, Any]) -> None:
+    """CheckpointError if any array was donated to a step (its buffer is gone)."""
+    for name, a in leaves(tree).items():
+        if isinstance(a, jax.Array) and a.is_deleted():
+            raise CheckpointError(f"array {name} was donated to a step (or deleted): its "
+                                  f"buffer is gone; save a state before passing it to a step "
+                                  f"that donates it, or save the state that step returned")
+
+
+def digest(a) -> str:
+    """SHA-256 of an array's bytes (fetched to the host)."""
+    host = np.ascontiguousarray(np.asarray(a))
+    return "sha256:" + hashlib.sha256(host.view(np.uint8).reshape(-1)).hexdigest()
+
+
+def _remove(paths) -> None:
+    for p in paths:
+        if os.path.isdir(p):
+            shutil.rmtree(p, ignore_errors=True)
+        elif os.path.lexists(p):
+            os.remove(p)
+
+
+def write_atomically(path: str, items: Mapping[str, Any]) -> None:
+    """Write the orbax composite `items` (name -> `ocp.args.*Save`) as the checkpoint `path`,
+    replacing an existing one only once the new one is complete (module docstring)."""
+    parent, base = os.path.split(path)
+    os.makedirs(parent, exist_ok=True)
+    tag = uuid.uuid4().hex[:12]
+    tmp = os.path.join(parent, f".{base}.dsa_jax-tmp-{tag}")
+    ocp = _ocp()
+    try:
+        with checkpointer() as ckptr:
+            ckptr.save(tmp, args=ocp.args.Composite(**items))
+        if not os.path.lexists(path):
+            os.rename(tmp, path)
+            return
+        old = os.path.join(parent, f".{base}.dsa_jax-old-{tag}")
+        os.rename(path, old)
+        try:
+            os.rename(tmp, path)
+        except BaseException:
+            os.rename(old, path)
+            raise
+        _remove([old])
+    finally:
+        # Whatever this save left beside the path (orbax writes its own temporaries under
+        # names that start with ours).
+        _remove(glob.glob(glob.escape(tmp) + "*"))
+
+
+def verify(path: str, restored: Mapping[str, Any], checksums: Mapping[str, str] | None
+           ) -> None:
+    """Every restored array's checksum equals the stored one (None: a version-1 checkpoint,
+    written before checksums existed, which has none to compare)."""
+    if checksums is None:
+        return
+    for name, a in leaves(restored).items():
+        want = checksums.get(name)
+        if want is None:
+            raise CheckpointError(f"{path}: array {name} has no stored checksum; the "
+                                  f"metadata does not match the arrays")
+        got = digest(a)
+        if got != want:
+            raise CheckpointError(f"{path}: array {name}: checksum mismatch (saved "
+                                  f"{want[:19]}..., read {got[:19]}...): its data changed on "
+                                  f"disk after it was saved")
+
+
+def restore(path: str, items: Mapping[str, Any]) -> dict:
+    """orbax composite restore of `items`; any failure to read is a CheckpointError."""
+    ocp = _ocp()
+    try:
+        with checkpointer() as ckptr:
+            return ckptr.restore(path, args=ocp.args.Composite(**items))
+    except Exception as e:  # orbax / tensorstore raise many types for damaged files
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CheckpointError(f"{path}: the stored arrays cannot be read "
+                              f"({type(e).__name__}: {first[:300]})") from e
