@@ -4,10 +4,11 @@
 
 The H200 correctness run is `pytest -m gpu` on the GPU machine, from the repository root
 (`python -m pytest -m gpu tests/test_kernels.py tests/test_write_kernels.py
-tests/test_serving_paths.py` needs neither hypothesis nor torch): every "pallas" case below,
+tests/test_serving_paths.py tests/test_gpu_serving.py`): every "pallas" case below,
 the kernels at GLM-5.3-Flash shapes (per rank at TP 8, and TP 1), the layer through the
 compiled kernels, the cache writes, and decode_k == serial decodes bit for bit at GLM per-rank
-shapes with an fp8 cache (tests/test_serving_paths.py). Off a GPU those cases are skipped.
+shapes with an fp8 cache (tests/test_serving_paths.py), the engine's speculation and
+`dsa-jax parity` compiled (tests/test_gpu_serving.py). Off a GPU those cases are skipped.
 
 Inputs are random (never zeros), shapes are not powers of two (odd head counts, odd widths,
 partial last tiles and splits), block tables are permuted. Interpret mode starts every output
