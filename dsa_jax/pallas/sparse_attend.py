@@ -202,8 +202,8 @@ def _dot(a, b, contract, precision):
 
 def _dot_precision(compute_dtype, interpret: bool):
     """fp32 operands: 3-pass tf32 on the GPU (fp32-level error on tensor cores; Triton's IEEE
-    fp32 dot runs near 1 TFLOP/s on an H200); IEEE fp32 in interpret mode, where the CPU has no
-    tf32. bf16 operands: a plain bf16 MMA either way."""
+    fp32 dot is far slower: benchmarks/notes.md); IEEE fp32 in interpret mode, where the CPU
+    has no tf32. bf16 operands: a plain bf16 MMA either way."""
     if compute_dtype == jnp.float32 and not interpret:
         return lax.DotAlgorithmPreset.TF32_TF32_F32_X3
     return lax.Precision.HIGHEST
