@@ -1,0 +1,198 @@
+"""The host-side checks of a step (`dsa_jax.layer.prepare_step` calls them): everything a
+concrete state can tell, raised as `StepError` with the value and the limit before anything is
+written. Numbers come from the host's copy of the lengths and tables (`dsa_jax.mirror`) when it
+has one, else from one device read.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsa_jax.config import DsaConfig
+from dsa_jax.mirror import host_numbers
+from dsa_jax.state import DsaState, expected_state_fields, mapped_twice
+from dsa_jax.weights import DsaWeights, expected_weight_fields
+
+
+class StepError(ValueError):
+    """A step's inputs do not fit the state; raised before anything is written."""
+
+
+def is_concrete(a) -> bool:
+    return not isinstance(a, jax.core.Tracer)
+
+
+def check_fields(what: str, got: tuple, want: dict) -> None:
+    """Every field's shape and dtype as the config implies (`what` names the pytree). A
+    leading tensor-parallel axis (weights stacked by `sharding.shard_weights`) is allowed."""
+    for name, spec in want.items():
+        value = getattr(got, name)
+        if spec is None or value is None:
+            continue
+        shape = tuple(value.shape)
+        if len(shape) == len(spec[0]) + 1 and what == "weights":
+            shape = shape[1:]
+        if shape != spec[0] or value.dtype != spec[1]:
+            raise StepError(f"{what} field {name} is {np.dtype(value.dtype).name}"
+                            f"{list(value.shape)}, but the config implies {spec[1].name}"
+                            f"{list(spec[0])}: were they made for another DsaConfig?")
+
+
+def check_x(cfg: DsaConfig, state: DsaState, x: jax.Array) -> None:
+    b = state.num_seqs
+    if x.shape[0] != b or x.shape[-1] != cfg.hidden_size:
+        raise StepError(f"x has shape {tuple(x.shape)}; expected leading dim {b} (sequences in "
+                        f"the state) and last dim {cfg.hidden_size} (hidden_size)")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise StepError(f"x has dtype {jnp.dtype(x.dtype).name}; expected a real floating "
+                        f"dtype (float32, bfloat16 or float16)")
+
+
+def check_layer(cfg: DsaConfig, weights: DsaWeights, state: DsaState) -> None:
+    """What the shapes and dtypes of the weights and state tell (static: free)."""
+    b = state.num_seqs
+    # A per-shard view of a sharded state (sharding/steps.py) carries no indexer arrays.
+    state_indexer = weights.has_indexer if state.index_k is None else state.index_k.shape[1] > 0
+    if weights.has_indexer and not state_indexer:
+        raise StepError("these weights run an indexer (a 'full' layer) but the state has no "
+                        "indexer cache (init_state(..., has_indexer=False)); build the state "
+                        "with has_indexer=True")
+    if not weights.has_indexer and state_indexer:
+        raise StepError("these weights have no indexer (a 'shared' layer) but the state has an "
+                        "indexer cache; build the state with has_indexer=False")
+    check_fields("weights", weights, expected_weight_fields(cfg, weights.has_indexer))
+    check_fields("state", state, expected_state_fields(cfg, b, state.latent.shape[0],
+                                                        state_indexer))
+
+
+def check_step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array,
+                n_new: np.ndarray, shared_sel: jax.Array | None, sel_shape: tuple[int, ...]
+                ) -> None:
+    """Host-side validation of one step (`n_new [B]` rows per sequence); see the docstring."""
+    check_x(cfg, state, x)
+    if not weights.has_indexer:
+        if shared_sel is None:
+            raise StepError("these weights have no indexer (a 'shared' layer): pass shared_sel, "
+                            "the selection of the previous full layer")
+        if tuple(shared_sel.shape) != sel_shape:
+            raise StepError(f"shared_sel has shape {tuple(shared_sel.shape)}, expected "
+                            f"{sel_shape} (one selection row per input row)")
+        if not jnp.issubdtype(shared_sel.dtype, jnp.integer):
+            raise StepError(f"shared_sel has dtype {jnp.dtype(shared_sel.dtype).name}; "
+                            f"expected integer token ids")
+    elif shared_sel is not None:
+        raise StepError("shared_sel was given but these weights run their own indexer")
+    check_layer(cfg, weights, state)
+    # Values to check: a concrete array (not traced, not a ShapeDtypeStruct).
+    check_sel = isinstance(shared_sel, (np.ndarray, jax.Array)) and is_concrete(shared_sel)
+    if not all(is_concrete(a) for a in (state.lengths, state.block_tables, n_new)):
+        return
+    n_new = np.asarray(n_new)
+    # The host's copy when it has one (dsa_jax.mirror), else one device->host read.
+    lengths, index_lengths, tables = host_numbers(state)
+    sel = shared_sel_values(shared_sel, lengths) if check_sel else None
+    nb = state.latent.shape[0]
+    behind = np.flatnonzero(index_lengths < lengths) if weights.has_indexer else []
+    if len(behind):
+        s = int(behind[0])
+        raise StepError(f"sequence {s}: indexer length {index_lengths[s]} is behind the "
+                        f"sequence length {lengths[s]}: rows {index_lengths[s]}..{lengths[s] - 1}"
+                        f" were never written to the indexer cache")
+    over = np.flatnonzero(lengths + n_new > cfg.max_context)
+    if len(over):
+        s = int(over[0])
+        raise StepError(f"sequence {s}: writing {n_new[s]} token(s) at position {lengths[s]} "
+                        f"would reach {lengths[s] + n_new[s]}, past max_context "
+                        f"{cfg.max_context}")
+    check_tables(cfg, tables, lengths, n_new, nb)
+    if sel is not None:
+        check_shared_sel(sel, lengths, n_new, cfg.max_context)
+
+
+# Selections returned by this module's steps, with the lengths before the step that made
+# them (keyed by the array, like dsa_jax.mirror): a "shared" layer given one at those same
+# positions needs no device read to check it, since the indexer selects only tokens at or
+# before each row's position (and -1 on padding rows).
+_VOUCHED: dict[int, tuple[weakref.ref, np.ndarray]] = {}
+
+
+def vouch(sel, lengths_before: np.ndarray) -> None:
+    if not isinstance(sel, jax.Array) or isinstance(sel, jax.core.Tracer):
+        return
+    key = id(sel)
+    ref = weakref.ref(sel, lambda _, key=key: _VOUCHED.pop(key, None))
+    _VOUCHED[key] = (ref, np.array(lengths_before))
+
+
+def shared_sel_values(shared_sel, lengths: np.ndarray) -> np.ndarray | None:
+    """shared_sel's values for the check: a host array as it is; None (nothing to check) for
+    a selection a full layer's step returned at these positions; else one device read."""
+    if isinstance(shared_sel, np.ndarray):
+        return shared_sel
+    entry = _VOUCHED.get(id(shared_sel))
+    if entry is not None and entry[0]() is shared_sel and np.array_equal(entry[1], lengths):
+        return None
+    return np.asarray(jax.device_get(shared_sel))
+
+
+def check_tables(cfg: DsaConfig, tables: np.ndarray, lengths: np.ndarray, n_new: np.ndarray,
+                  nb: int) -> None:
+    """Every block the step reads (positions < length + n_new: a row may select any earlier
+    token) is mapped to a physical block, and no two of them are the same block."""
+    bs = cfg.block_size
+    cols = np.arange(tables.shape[1])[None, :]
+    read = cols < -(-(lengths + n_new) // bs)[:, None]  # [B, MB]
+    bad = read & ((tables < 0) | (tables >= nb))
+    if bad.any():
+        s = int(np.flatnonzero(bad.any(axis=1))[0])
+        i = int(np.argmax(bad[s]))
+        written = n_new[s] > 0 and (i + 1) * bs > lengths[s]
+        where = (f"position {max(i * bs, int(lengths[s]))} is to be written there" if written
+                 else f"position {i * bs} is read")
+        raise StepError(f"sequence {s}: block table entry {i} is {tables[s, i]}, outside "
+                        f"[0, {nb}) physical blocks, but {where}")
+    twice = mapped_twice(tables, read, nb)
+    if twice is not None:
+        raise StepError(f"{twice}: two sequences (or positions) sharing a physical block "
+                        f"overwrite each other")
+
+
+def check_shared_sel(sel: np.ndarray, lengths: np.ndarray, n_new: np.ndarray,
+                      max_context: int) -> None:
+    """Every id of a real row is -1 or a token at or before the row's position (written, or
+    written by this step): `sel [B, W]` (a decode) or `[B, R, W]`."""
+    rows = sel if sel.ndim == 3 else sel[:, None]
+    pos = lengths[:, None] + np.arange(rows.shape[1])[None, :]  # [B, R]
+    real = np.arange(rows.shape[1])[None, :] < n_new[:, None]
+    bad = real[..., None] & ((rows < -1) | (rows > pos[..., None]) | (rows >= max_context))
+    if bad.any():
+        s, r, j = (int(v) for v in np.argwhere(bad)[0])
+        row = f" row {r} (position {pos[s, r]})" if sel.ndim == 3 else ""
+        raise StepError(f"sequence {s}{row}: shared_sel slot {j} holds token {rows[s, r, j]}; "
+                        f"ids must be -1 or in [0, {pos[s, r]}] (at or before the row's "
+                        f"position, below max_context {max_context})")
+
+
+def rows_per_seq(b: int, count: int, given, name: str):
+    """Per-sequence row counts: `given` ([B] ints or bools) or `count` for every sequence.
+    Concrete counts are checked on the host; traced ones (under a caller's jit) pass as they
+    are. Non-integer counts are refused, never truncated."""
+    if given is None:
+        return np.full((b,), count, np.int32)
+    if not hasattr(given, "dtype"):
+        given = np.asarray(given)
+    dtype = jnp.dtype(given.dtype)
+    if not (jnp.issubdtype(dtype, jnp.integer) or dtype == jnp.bool_):
+        shown = f" {np.asarray(given).tolist()}" if is_concrete(given) else ""
+        raise StepError(f"{name} must be integers, got {dtype.name}{shown}")
+    if not is_concrete(given):
+        return jnp.asarray(given).astype(jnp.int32).reshape(b)
+    n = np.asarray(given).astype(np.int64).reshape(-1)
+    if n.shape != (b,) or (n < 0).any() or (n > count).any():
+        raise StepError(f"{name}: per-sequence row counts {n.tolist()} must be {b} values in "
+                        f"[0, {count}]")
+    return n.astype(np.int32)
