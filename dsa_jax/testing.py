@@ -30,6 +30,7 @@ import numpy as np
 import dsa_jax
 from dsa_jax.implementation import OPS
 from dsa_jax.pallas import sparse_attend
+from dsa_jax.weights import hf_shapes, random_hf_value
 
 IMPLEMENTATIONS = ("xla", "pallas-interpret", "pallas")
 # A fill no write produces: a slot still holding it was not written (fp8 caches use 400.0).
@@ -59,6 +60,14 @@ def permuted_block_tables(cfg, num_seqs: int, seed: int, num_blocks: int | None 
     if np.array_equal(perm[:n], np.arange(n)):
         perm[:2] = perm[1::-1].copy()
     return perm[:n].reshape(num_seqs, cfg.blocks_per_seq)
+
+
+def random_hf_numpy(cfg, rng: np.random.Generator, has_indexer: bool = True
+                     ) -> dict[str, np.ndarray]:
+    """One layer's HF tensors drawn with numpy (no per-shape compile) through the one recipe,
+    `dsa_jax.weights.random_hf_value`: `{name: [out, in] f32}`."""
+    return {name: random_hf_value(name, rng.standard_normal(shape)).astype(np.float32)
+            for name, shape in hf_shapes(cfg, has_indexer).items()}
 
 
 def copy_tree(tree):

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 import dsa_jax
 from dsa_jax import reference
 from dsa_jax.config import DsaConfig
-from dsa_jax.weights import hf_shapes
+from dsa_jax.testing import copy_tree, random_hf_numpy
 
 # fp32 everywhere; the reductions here are a few tens of terms (tests/test_paged_vs_reference.py
 # derives 2e-5 for a few hundred).
@@ -100,25 +100,6 @@ def draw_plan(data, cfg: DsaConfig, b: int, poisoned: set[int], rng) -> list[dic
     return plan
 
 
-def random_hf_tensors(cfg: DsaConfig, rng) -> dict[str, np.ndarray]:
-    """`init_random_hf_tensors`' recipe in numpy (no compile per new shape): never zeros,
-    norms away from 1, a real gate."""
-    out = {}
-    for name, shape in hf_shapes(cfg).items():
-        if name.endswith("layernorm.weight") or name == "indexer.k_norm.weight":
-            value = 1.0 + 0.2 * rng.standard_normal(shape)
-        elif name in ("indexer.k_norm.bias", "indexer.index_kpool_compress_ape"):
-            value = 0.4 * rng.standard_normal(shape)
-        else:
-            value = rng.standard_normal(shape) * shape[-1] ** -0.5
-        out[name] = value.astype(np.float32)
-    return out
-
-
-def _copy(state):
-    return jax.tree_util.tree_map(jnp.copy, state)
-
-
 def _bits(a) -> bytes:
     return np.ascontiguousarray(np.asarray(a)).view(np.uint8).tobytes()
 
@@ -145,7 +126,7 @@ def execute(cfg, weights, plan, b: int, poison: bool, tables: np.ndarray):
         elif op["kind"] == "kv":
             state = dsa_jax.write_kv_row(cfg, weights, state, xj[:, 0], active=active)
         else:
-            serial = _copy(state)
+            serial = copy_tree(state)
             y, state, sel = dsa_jax.decode_k(cfg, weights, state, xj, active=active)
             for r in range(x.shape[1]):  # K serial decodes give the very same bits
                 ys, serial, ss = dsa_jax.decode(cfg, weights, serial, xj[:, r], active=active)
@@ -225,7 +206,7 @@ def test_random_operation_sequences_match_the_reference_and_never_leak(pytestcon
             st.integers(0, b - 1), min_size=1, max_size=b, unique=True), label="clean")}
         poisoned = set(range(b)) - clean
         rng = np.random.default_rng(data.draw(st.integers(0, 2**31 - 1), label="seed"))
-        hf = random_hf_tensors(cfg, rng)
+        hf = random_hf_numpy(cfg, rng)
         weights = dsa_jax.fold_weights(cfg, hf)
         # An allocator's tables: blocks in allocation order (the engine's free list hands
         # out low blocks first) or shuffled, from a pool with spare blocks.

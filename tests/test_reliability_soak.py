@@ -18,7 +18,8 @@ from dsa_jax.model import unfold_state
 from dsa_jax.projection import rms_norm
 from dsa_jax.shapes import ODD
 from dsa_jax.state import mapped_twice
-from dsa_jax.weights import fold_weights, hf_shapes
+from dsa_jax.testing import random_hf_numpy
+from dsa_jax.weights import fold_weights
 
 # fp32 caches and weights: the engine's logits are the reference's to fp32 rounding.
 CFG = ODD.replace(indexer_types=("full", "shared"), hidden_size=32, num_heads=2,
@@ -30,22 +31,9 @@ MCFG = ModelConfig(CFG, vocab_size=11)
 TIE = 1e-4
 
 
-def _hf(rng, has_indexer):
-    out = {}
-    for name, shape in hf_shapes(CFG, has_indexer).items():
-        if name.endswith("layernorm.weight") or name == "indexer.k_norm.weight":
-            value = 1.0 + 0.2 * rng.standard_normal(shape)
-        elif name in ("indexer.k_norm.bias", "indexer.index_kpool_compress_ape"):
-            value = 0.4 * rng.standard_normal(shape)
-        else:
-            value = rng.standard_normal(shape) * shape[-1] ** -0.5
-        out[name] = value.astype(np.float32)
-    return out
-
-
 def _model():
     rng = np.random.default_rng(0)
-    hf = [_hf(rng, kind == "full") for kind in CFG.indexer_types]
+    hf = [random_hf_numpy(CFG, rng, kind == "full") for kind in CFG.indexer_types]
     weights = init_model(MCFG, jax.random.key(0), tuple(fold_weights(CFG, t) for t in hf))
     return hf, weights
 
