@@ -70,10 +70,10 @@ def token_slots(tokens: jax.Array, block_table: jax.Array, block_size: int) -> j
 def _attend_row(q, latent_flat, kv_scale, slots, softmax_scale):
     """One query row: q [H, C] f32, slots [W] -> [H, C] f32 (slots < 0 are empty)."""
     valid = slots >= 0  # [W]
-    c = latent_flat[jnp.maximum(slots, 0)].astype(jnp.float32)  # [W, C]
-    # Empty slots gathered physical row 0, which may hold anything (another sequence's NaN):
-    # mask the values themselves, since a zero weight times NaN is NaN.
-    c = jnp.where(valid[:, None], c, 0.0)
+    # Empty slots load nothing: they point past the cache and the gather fills 0, since a
+    # physical row of another sequence may hold anything (a zero weight times NaN is NaN).
+    rows = jnp.where(valid, slots, latent_flat.shape[0])  # [W]
+    c = jnp.take(latent_flat, rows, axis=0, mode="fill", fill_value=0).astype(jnp.float32)  # [W, C]
     if latent_flat.dtype == jnp.float8_e4m3fn:
         c = c * kv_scale
     # HIGHEST: the definition is fp32 on every backend (a GPU would otherwise use tf32).
