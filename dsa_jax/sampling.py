@@ -11,6 +11,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 SAMPLING_MODES = ("greedy", "sample")
 
@@ -30,6 +31,12 @@ class Sampling:
     def __post_init__(self):
         if self.mode not in SAMPLING_MODES:
             raise SamplingError(f"sampling mode {self.mode!r} is not one of {SAMPLING_MODES}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float,
+                                                                            np.floating,
+                                                                            np.integer)):
+                raise SamplingError(f"{name} must be a real number, got {value!r}")
         if not self.temperature > 0:
             raise SamplingError(f"temperature must be positive, got {self.temperature}")
         if not 0 < self.top_p <= 1:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from typing import Any, NamedTuple
 
 import jax
@@ -254,6 +255,17 @@ class ServeError(ValueError):
     """A batch the loop cannot serve (refused before anything runs)."""
 
 
+def _is_token_id(t) -> bool:
+    """An integer (Python, numpy or a 0-d integer array), never a bool or a float."""
+    if isinstance(t, (bool, np.bool_)):
+        return False
+    try:
+        operator.index(t)
+    except TypeError:
+        return False
+    return True
+
+
 def check_batch(prog: Program, prompts, max_new_tokens) -> None:
     """Every prompt non-empty and in the vocabulary, and prompt + new tokens + drafts within
     `max_context`."""
@@ -270,6 +282,9 @@ def check_batch(prog: Program, prompts, max_new_tokens) -> None:
             raise ServeError(f"prompt {i}: {len(p)} tokens + {m} new tokens (+ "
                              f"{prog.speculate} draft rows) = {need} exceeds max_context "
                              f"{cfg.max_context}")
+        odd = [t for t in p if not _is_token_id(t)]
+        if odd:
+            raise ServeError(f"prompt {i}: token ids must be integers, got {odd[:5]}")
         bad = [int(t) for t in p if not 0 <= int(t) < vocab]
         if bad:
             raise ServeError(f"prompt {i}: token ids {bad[:5]} outside the vocabulary "
