@@ -8,21 +8,25 @@ NCCL's NVLink multicast stays off: NCCL_NVLS_ENABLE=0 and NVSHMEM_DISABLE_NVLS=1
 below before jax is imported (the lent machines' GPUs are shared, and a program that uses
 multicast can put them out of service; the device notes, KINDS.md).
 
-1. parity (GLM-5.3-Flash block, bf16 weights, fp8 cache, pallas): TP=2 (mesh 1x2) and DP=2
-   (mesh 2x1) against one GPU on the same random state (with --gpus n: TP=n, DP=n, 2 x n/2,
-   4 x n/4), for a prefill chunk, a K=3 verify and
-   a decode: `sel` bitwise (and the share of rows that differ, if any), `y` against the bound
-   of `dsa_jax.sharding.check` (worst error / bound); at TP=2 also decode_k == K decodes.
-2. times, 16K context: decode B=64 at TP=1 (one GPU), TP=2, DP=2 (32 sequences per GPU),
-   and decode B=1 at TP=1 and TP=2 (--gpus n: TP=n, DP=n; from n=4 also 256 sequences at
-   TP=1 and DP=n). Each is T=16 decode steps in one jitted `lax.scan`
-   (state carried and donated, lengths reset to 16K - T at each call): no host work between
-   steps. Per step: the wall time, and from a profile the kernel time per GPU with the
-   all-reduce's kernels apart.
-3. the indexer's query GEMM (TP=1): fused with q_b into one GEMM (the old layout) against two
-   GEMMs (the layout now: the indexer's shape is the same at every degree), and the two
-   without the barrier that keeps XLA's dot merger from merging them again; plus whether
-   the indexer columns and q_b's columns come out bitwise equal across these shapes.
+1. parity (GLM-5.3-Flash block, bf16 weights, fp8 cache, pallas): TP=2 (mesh 1x2, the
+   selection replicated as the default rule has it at 4 sequences, and split over the ranks)
+   and DP=2 (mesh 2x1) against one GPU on the same random state (with --gpus n: TP=n, DP=n,
+   2 x n/2, 4 x n/4), for a prefill chunk, a K=3 verify and a decode: `sel` bitwise (and the
+   share of rows that differ, if any), `y` against the bound of `dsa_jax.sharding.check`
+   (worst error / bound); at TP=n also decode_k == K decodes.
+2. times, 16K context: decode B=64 at TP=1 (one GPU), B=32 at TP=1 (what a DP=2 device
+   runs), TP=2 as the library runs it now (selection split over the ranks, the Mosaic attend
+   at 32 heads padded to its 64-row tile), TP=2 with the selection replicated, TP=2 as
+   before (replicated, Triton attend at 32 heads), DP=2; B=8 at TP=2 split and replicated
+   (the split rule's threshold); B=1 at TP=1, TP=2 and TP=2 as before (--gpus n: TP=n,
+   DP=n; from n=4 also 256 sequences at TP=1 and DP=n). Each is T=16 decode steps in one
+   jitted `lax.scan` (state carried and donated, lengths reset to 16K - T at each call):
+   no host work between steps. Per step: the wall time, and from a profile the kernel time
+   per GPU with the collectives' kernels apart (found through the compiled program's
+   collective instructions: `parallel_probes.collective_names`).
+3. attend32: the Mosaic attend at 32 heads against the jnp twin (derived f16 bound).
+4. prefill_bits: which piece of a prefill depends on the batch or the program
+   (`parallel_probes.prefill_bits`).
 
 JSON to --out (rewritten after each part); a short table is printed last. Exit status 1 if a
 parity check failed. Parts not started within --budget-s are listed under "skipped" (run them
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gzip
 import json
 import os
 import sys
@@ -52,12 +57,22 @@ def parity_meshes(n: int) -> list[tuple[int, int]]:
     return [(1, n), (n, 1), *mixed]
 
 
-def time_points(n: int, big: int) -> list[tuple[str, int, int, int]]:
-    """(key, dp, tp, sequences): "b64" is the big batch (64; 4 in --smoke)."""
-    pts = [("b64_tp1", 1, 1, big), (f"b64_tp{n}", 1, n, big), (f"b64_dp{n}", n, 1, big),
-           ("b1_tp1", 1, 1, 1), (f"b1_tp{n}", 1, n, 1)]
+def time_points(n: int, big: int) -> list[tuple[str, int, int, int, bool | None, bool]]:
+    """(key, dp, tp, sequences, split_selection, attend rule as before): "b64" is the big
+    batch (64; 4 in --smoke), "b32" half of it, "b8" 8 (2 in --smoke)."""
+    small = 8 if big >= 64 else 2
+    # The targets' points first: a run cut short by --budget-s keeps them.
+    pts = [("b64_tp1", 1, 1, big, None, False), (f"b64_tp{n}", 1, n, big, None, False),
+           (f"b64_dp{n}", n, 1, big, None, False), ("b1_tp1", 1, 1, 1, None, False),
+           (f"b1_tp{n}", 1, n, 1, None, False), ("b32_tp1", 1, 1, big // 2, None, False),
+           (f"b64_tp{n}_replicated", 1, n, big, False, False),
+           (f"b64_tp{n}_before", 1, n, big, False, True),
+           (f"b1_tp{n}_before", 1, n, 1, False, True),
+           (f"b8_tp{n}_split", 1, n, small, True, False),
+           (f"b8_tp{n}_replicated", 1, n, small, False, False)]
     if n >= 4:
-        pts += [("b256_tp1", 1, 1, 4 * big), (f"b256_dp{n}", n, 1, 4 * big)]
+        pts += [("b256_tp1", 1, 1, 4 * big, None, False),
+                (f"b256_dp{n}", n, 1, 4 * big, None, False)]
     return pts
 
 
@@ -69,7 +84,8 @@ def parse(argv):
     p.add_argument("--gpus", type=int, default=2,
                    help="devices to spread over (2 on nvidia-h200-x2; 4, 8 on larger kinds)")
     p.add_argument("--steps", type=int, default=16, help="decode steps per timed loop")
-    p.add_argument("--only", default="parity,times,lever", help="parts to run")
+    p.add_argument("--only", default="parity,times,attend32,prefill_bits",
+                   help="parts to run")
     p.add_argument("--budget-s", type=float, default=540.0,
                    help="start no part or timing point after this many seconds (the device "
                         "tool stops a command at 600 s; what ran is in the JSON)")
@@ -130,18 +146,22 @@ def parity(cfg, hf, sizes, n, res) -> bool:
     ref["decode"] = (y, sel, tol(cfg, w1, s, xd[:, None], sel[:, None])[:, 0])
     del s
     ok = True
-    for dp, tp in parity_meshes(n):
+    variants = [(dp, tp, None) for dp, tp in parity_meshes(n)]
+    variants.insert(1, (1, n, True))  # TP=n with the selection split over the ranks
+    for dp, tp, split in variants:
         name = f"tp{tp}" if dp == 1 else f"dp{dp}" if tp == 1 else f"dp{dp}xtp{tp}"
         c = cfg.replace(tp_degree=tp)
+        name += "_split" if split else ""
         m = sharding.mesh(dp, tp)
         w = sharding.shard_weights(c, hf, m)
         s = sharding.shard_state(c, m, host)
         got = {}
-        y, s, sel = sharding.dp_tp_prefill(c, m, w, s, x)
+        kw = dict(split_selection=split)
+        y, s, sel = sharding.dp_tp_prefill(c, m, w, s, x, **kw)
         got["prefill"] = (y, sel)
-        y, s, sel = sharding.dp_tp_decode_k(c, m, w, s, xk)
+        y, s, sel = sharding.dp_tp_decode_k(c, m, w, s, xk, **kw)
         got["decode_k"] = (y, sel)
-        y, s, sel = sharding.dp_tp_decode(c, m, w, s, xd)
+        y, s, sel = sharding.dp_tp_decode(c, m, w, s, xd, **kw)
         got["decode"] = (y, sel)
         out = {}
         for step, (y, sel) in got.items():
@@ -158,24 +178,26 @@ def parity(cfg, hf, sizes, n, res) -> bool:
             ok &= out[step]["sel_equal"] and out[step]["y_within_bound"]
         if tp > 1:
             s = sharding.shard_state(c, m, host)
-            yk, _, selk = sharding.dp_tp_decode_k(c, m, w, s, xk)
+            yk, _, selk = sharding.dp_tp_decode_k(c, m, w, s, xk, **kw)
             s = sharding.shard_state(c, m, host)
             same = True
             for k in range(xk.shape[1]):
-                y, s, sel = sharding.dp_tp_decode(c, m, w, s, xk[:, k])
+                y, s, sel = sharding.dp_tp_decode(c, m, w, s, xk[:, k], **kw)
                 same &= bool(np.array_equal(np.asarray(y), np.asarray(yk[:, k])) and
                              np.array_equal(np.asarray(sel), np.asarray(selk[:, k])))
             out["decode_k_equals_decodes"] = same
             ok &= same
+        out["split_selection"] = sharding.split_rule(c, b // dp, split)
         res["parity"][name] = out
         del s, w
     return ok
 
 
 class Loop:
-    """T decode steps in one jitted lax.scan; the state lives here between calls."""
+    """T decode steps in one jitted lax.scan, compiled ahead of time (its HLO text kept for
+    the collectives' names); the state lives here between calls."""
 
-    def __init__(self, cfg, m, weights, state, b, steps, l0, seed):
+    def __init__(self, cfg, m, weights, state, b, steps, l0, seed, split=None):
         import functools
 
         import jax
@@ -195,7 +217,8 @@ class Loop:
         else:
             xs = jax.device_put(xs, jax.sharding.NamedSharding(
                 m, jax.sharding.PartitionSpec(None, sharding.DP)))
-            step = functools.partial(sharding.sharded_step, cfg, m, n_new=1, out_rows=1)
+            step = functools.partial(sharding.sharded_step, cfg, m, n_new=1, out_rows=1,
+                                     split_selection=split)
 
         def loop(w, s, xs):
             start = jnp.full_like(s.lengths, l0)
@@ -206,7 +229,8 @@ class Loop:
                 return s, y[:, 0]
             return jax.lax.scan(body, s, xs)
 
-        self.fn = jax.jit(loop, donate_argnums=1)
+        self.fn = jax.jit(loop, donate_argnums=1).lower(weights, state, xs).compile()
+        self.hlo = self.fn.as_text()
         self.w, self.s, self.xs = weights, state, xs
 
     def __call__(self):
@@ -217,10 +241,13 @@ class Loop:
         pass
 
 
-def time_point(cfg, hf, dp, tp, b, steps, smoke):
+def time_point(cfg, hf, dp, tp, b, steps, smoke, split=None, before=False, hlo_path=None):
+    """One timed point; `split`: split_selection; `before`: the attend rule as before
+    (`parallel_probes.attend_rule`); `hlo_path`: write the compiled loop's HLO there."""
     import jax
 
     from benchmarks.harness import measure, profile_step
+    from benchmarks.parallel_probes import attend_rule, collective_names, is_collective
     from benchmarks.workloads import random_state
     from dsa_jax import sharding
     from dsa_jax.weights import fold_weights
@@ -234,22 +261,30 @@ def time_point(cfg, hf, dp, tp, b, steps, smoke):
         m = sharding.mesh(dp, tp)
         w = sharding.shard_weights(c, hf, m)
         state = sharding.shard_state(c, m, state)
-    loop = Loop(c, m, w, state, b, steps, l0, seed=3)
     t0 = time.perf_counter()
+    with attend_rule(before):
+        loop = Loop(c, m, w, state, b, steps, l0, seed=3, split=split)
     jax.block_until_ready(loop())
     row = {"dp": dp, "tp": tp, "num_seqs": b, "context": l0, "steps_per_call": steps,
+           "split_selection": None if m is None else sharding.split_rule(c, b // dp, split),
+           "attend_rule": "before" if before else "now",
            "compile_and_first_call_s": time.perf_counter() - t0}
+    names = collective_names(loop.hlo)
+    row["collective_instructions"] = names
+    if hlo_path:
+        with gzip.open(hlo_path, "wt") as f:
+            f.write(loop.hlo)
     t = measure(loop, warmup=1, groups=3 if smoke else 9, inner=1 if smoke else 3)
     row["wall_us_per_step"] = t["median_us"] / steps
     row["wall_us_per_step_p10_p90"] = [t["p10_us"] / steps, t["p90_us"] / steps]
     prof = profile_step(loop, 2 if smoke else 4, top=80)
     if "kernel_us_per_step" in prof:
         gpus = dp * tp
-        coll = [k for k in prof["top_kernels"]
-                if any(s in k["name"].lower() for s in ("nccl", "allreduce", "all_reduce"))]
+        coll = [k for k in prof["top_kernels"] if is_collective(k["name"], names)]
         row["kernel_us_per_step_per_gpu"] = prof["kernel_us_per_step"] / steps / gpus
-        row["allreduce_us_per_step_per_gpu"] = sum(k["us_per_step"] for k in coll) / steps / gpus
-        row["allreduce_kernels"] = [k["name"][:100] for k in coll]
+        row["collective_us_per_step_per_gpu"] = sum(k["us_per_step"] for k in coll) / steps / gpus
+        row["collective_kernels"] = {k["name"][:100]: k["us_per_step"] / steps / gpus
+                                     for k in coll}
         row["busy_us_per_step"] = prof["kernel_busy_us_per_step"] / steps
         row["top_kernels"] = [{"name": k["name"][:100], "us_per_step_per_gpu":
                                k["us_per_step"] / steps / gpus} for k in prof["top_kernels"][:12]]
@@ -259,64 +294,20 @@ def time_point(cfg, hf, dp, tp, b, steps, smoke):
     return row
 
 
-def lever(cfg, hf, res, smoke):
-    """The indexer's query GEMM fused with q_b, or its own GEMM (with and without the
-    barrier)."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax import lax
-
-    from benchmarks.harness import sweep_times
-    from dsa_jax.weights import fold_weights
-
-    def mm(v, w):
-        return jnp.einsum("...i,oi->...o", v.astype(w.dtype), w,
-                          preferred_element_type=jnp.float32)
-
-    w = fold_weights(cfg, hf)
-    nq = w.q_proj.shape[0]
-    fused_w = jnp.concatenate([w.q_proj, w.qi_proj])
-    forms = {
-        "fused": jax.jit(lambda v, a, f: (lambda o: (o[..., :nq], o[..., nq:]))(mm(v, f))),
-        "separate": jax.jit(lambda v, a, f: (mm(v, a[0]), mm(lax.optimization_barrier(v),
-                                                                a[1]))),
-        "separate_no_barrier": jax.jit(lambda v, a, f: (mm(v, a[0]), mm(v, a[1]))),
-    }
-    half = fold_weights(cfg.replace(tp_degree=2), hf).q_proj  # rank 0's q_b rows
-    out = {}
-    for b in (1, 8 if smoke else 64):
-        rng = np.random.default_rng(b)
-        v = jnp.asarray(rng.standard_normal((b, cfg.max_verify, cfg.q_lora_rank)), jnp.float32)
-        row = {}
-        vals = {}
-        for name, fn in forms.items():
-            call = (lambda fn=fn, v=v: fn(v, (w.q_proj, w.qi_proj), fused_w))
-            vals[name] = jax.device_get(call())
-            row[name] = sweep_times(call, heavy=False)
-        q_half = np.asarray(jax.jit(mm)(v, half))
-        row["indexer_bits_fused_eq_separate"] = bool(np.array_equal(vals["fused"][1],
-                                                                    vals["separate"][1]))
-        row["q_b_bits_tp2_eq_tp1"] = bool(np.array_equal(q_half, vals["separate"][0][
-            ..., :half.shape[0]]))
-        out[f"b{b}"] = row
-    res["lever_indexer_query_gemm"] = out
-
-
 def table(res) -> str:
     t, targets = res.get("times", {}), res.get("targets", {})
 
     def us(k):
         return t.get(k, {}).get("wall_us_per_step")
 
-    lines = ["| decode, 16K | us/step | vs TP=1 | target | all-reduce us/step/GPU |",
+    lines = ["| decode, 16K | us/step | vs TP=1 | target | collectives us/step/GPU |",
              "|---|---|---|---|---|"]
     for key, row in t.items():
         base = "b1_tp1" if key.startswith("b1_") else key.split("_")[0] + "_tp1"
         mine, one = us(key), us(base)
         ratio = f"{mine / one:.2f}x" if mine and one and key != base else "-"
         goal = targets.get(key)
-        ar = row.get("allreduce_us_per_step_per_gpu")
+        ar = row.get("collective_us_per_step_per_gpu")
         lines.append(f"| {key} (dp {row['dp']} x tp {row['tp']}, {row['num_seqs']} seqs) | "
                      f"{'-' if mine is None else f'{mine:.1f}'} | {ratio} | "
                      f"{'-' if goal is None else f'<= {goal[1]:.2f}x'} | "
@@ -353,6 +344,8 @@ def main(argv=None) -> int:
     parts = args.only.split(",")
     ok = True
 
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+
     def save():
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1, default=str)
@@ -378,17 +371,40 @@ def main(argv=None) -> int:
             nonlocal ok
             ok = parity(cfg, hf, sizes, n, res)
         guarded("parity", run_parity)
+    attend_ok = True
+    if "attend32" in parts and not args.smoke:  # the Mosaic kernel runs on a Hopper GPU only
+        def run_attend32():
+            nonlocal attend_ok
+            from benchmarks.parallel_probes import attend32
+            attend_ok = attend32(res)
+        guarded("attend32", run_attend32)
+    tasks = []
     if "times" in parts:
-        for key, dp, tp, b in time_points(n, sizes["big_b"]):
-            def run_time(key=key, dp=dp, tp=tp, b=b):
-                res["times"][key] = time_point(cfg, hf, dp, tp, b, args.steps, args.smoke)
-            guarded(f"times {key}", run_time)
-    if "lever" in parts:
-        guarded("lever", lambda: lever(cfg, hf, res, args.smoke))
+        folder = os.path.dirname(os.path.abspath(args.out))
+        for key, dp, tp, b, split, before in time_points(n, sizes["big_b"]):
+            hlo = (os.path.join(folder, f"hlo-{key}.txt.gz")
+                   if key in ("b64_tp1", f"b64_tp{n}", f"b64_dp{n}", f"b1_tp{n}") else None)
+
+            def run_time(key=key, dp=dp, tp=tp, b=b, split=split, before=before, hlo=hlo):
+                res["times"][key] = time_point(cfg, hf, dp, tp, b, args.steps, args.smoke,
+                                               split=split, before=before, hlo_path=hlo)
+            tasks.append((f"times {key}", run_time))
+    if "prefill_bits" in parts:
+        def run_bits():
+            from benchmarks.parallel_probes import prefill_bits
+            prefill_bits(cfg, hf, sizes["parity_b"], sizes["parity_ctx"], sizes["parity_rows"],
+                         res)
+        # After the points the targets and the levers need, before the threshold's points.
+        tasks.insert(min(len(tasks), 8), ("prefill_bits", run_bits))
+    for name, fn in tasks:
+        guarded(name, fn)
     res["parity_ok"] = ok and not any(e.startswith("parity") for e in res["errors"])
+    res["attend32_ok"] = attend_ok and not any(e.startswith("attend32") for e in res["errors"])
     save()
     print(table(res))
-    return 0 if res["parity_ok"] else 1
+    print(json.dumps({k: res.get(k) for k in ("prefill_bits", "errors", "skipped")}, indent=1,
+                     default=str)[:6000])
+    return 0 if res["parity_ok"] and res["attend32_ok"] else 1
 
 
 if __name__ == "__main__":

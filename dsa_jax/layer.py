@@ -75,8 +75,18 @@ def _advance(state: DsaState, n_new: jax.Array) -> DsaState:
     return state._replace(lengths=lengths, index_lengths=lengths)
 
 
+def select_pools(cfg: DsaConfig, qi: jax.Array, w: jax.Array, pool_keys: jax.Array,
+                 pos: jax.Array, valid: jax.Array) -> jax.Array:
+    """The indexer's choice for rows at `pos [B, R]` (`valid`): scores of the pools complete
+    at each row's position, then the top-k -> pool ids `[B, R, k]`, best first. Every row's
+    result depends on that row's inputs only (the kernels work per row)."""
+    scores = pool_scores(cfg, qi, w, pool_keys, candidate_pools(cfg, pos, valid))  # [B, R, P]
+    return top_pools(cfg, scores)
+
+
 def step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, n_new: jax.Array,
-         shared_sel: jax.Array | None = None) -> tuple[jax.Array, DsaState, jax.Array]:
+         shared_sel: jax.Array | None = None, *, select=select_pools
+         ) -> tuple[jax.Array, DsaState, jax.Array]:
     """The block's step: append rows `x [B, R, D]` to every sequence; pure and traceable.
 
     n_new: [B] int32, the first `n_new[b]` rows of sequence b are real (the rest padding:
@@ -84,6 +94,8 @@ def step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, n_n
     indexer. Returns `y [B, R, D]` f32, the new state and `sel [B, R, W]` int32. No checks run
     here (see `prepare_step`); writes past the caches are dropped. Call it inside your own
     `jax.jit` (donate the state) to serve; `decode`, `decode_k` and `prefill` wrap it.
+    select: `select_pools` or a function with its arguments and result (the sharded step
+    splits the rows' selection over tensor-parallel ranks with it).
 
     Order within the step: every latent and indexer write, then one selection over all rows
     (row r sees only pools complete at its own position), then one gather-attend. Row r's
@@ -93,9 +105,8 @@ def step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, n_n
     proj = project(cfg, weights, x)
     state, pos, valid = _write_rows(cfg, weights, state, proj, n_new)
     if weights.has_indexer:
-        scores = pool_scores(cfg, proj.qi, proj.w, state.pool_keys,
-                             candidate_pools(cfg, pos, valid))  # [B, R, P]
-        sel = expand_selection(cfg, top_pools(cfg, scores), pos, valid)  # [B, R, W]
+        pools = select(cfg, proj.qi, proj.w, state.pool_keys, pos, valid)  # [B, R, k]
+        sel = expand_selection(cfg, pools, pos, valid)  # [B, R, W]
     else:
         sel = jnp.where(valid[..., None], shared_sel, -1)
     o_latent = attend(cfg, state, proj.q_abs, sel, live_rows(cfg, x))  # [B, R, Hl, C]

@@ -34,6 +34,9 @@ from dsa_jax.state import StateError
 from dsa_jax.testing import assert_trees_bitwise_equal
 
 CASES = ((1, 2), (1, 4), (1, 8), (2, 4), (4, 2), (8, 1))
+# split_selection per case: forced on where the default rule (at least 4 sequences per tp rank)
+# would replicate it; (1, 2) splits by that rule and (4, 2) replicates by it.
+SPLIT = {(1, 4): True, (1, 8): True, (2, 4): True}
 B, T = 8, 3  # sequences; decodes in the scan
 CFG1 = ODD.replace(num_heads=8, cache_dtype="float8_e4m3fn", param_dtype="bfloat16",
                    index_cache_dtype="bfloat16")
@@ -144,18 +147,21 @@ def run_case(inp, ref, dp, tp):
     else:
         s = sharding.init_state(cfg, m, B, kv_scale=0.1)
     got = {}
-    y, s, sel = sharding.dp_tp_prefill(cfg, m, w, s, inp.x, num_tokens=inp.num_tokens)
+    split = SPLIT.get((dp, tp))
+    y, s, sel = sharding.dp_tp_prefill(cfg, m, w, s, inp.x, num_tokens=inp.num_tokens,
+                                       split_selection=split)
     got["prefill"] = (y, sel)
-    y, s, sel = sharding.dp_tp_decode_k(cfg, m, w, s, inp.rows, active=inp.active)
+    y, s, sel = sharding.dp_tp_decode_k(cfg, m, w, s, inp.rows, active=inp.active,
+                                        split_selection=split)
     got["decode_k"] = (y, sel)
-    y, s, sel = sharding.dp_tp_decode(cfg, m, w, s, inp.xd)
+    y, s, sel = sharding.dp_tp_decode(cfg, m, w, s, inp.xd, split_selection=split)
     got["decode"] = (y, sel)
     if extra:
-        s, scanned = scan_decodes(cfg, m, w, s, inp.xs)
+        s, scanned = scan_decodes(cfg, m, w, s, inp.xs, split)
         for t in range(T):
             got[f"scan{t}"] = (scanned[0][t], scanned[1][t])
         s = sharding.rewind(cfg, s, np.asarray(jax.device_get(s.lengths)) - 2)
-        y, s, sel = sharding.dp_tp_decode(cfg, m, w, s, inp.xd)
+        y, s, sel = sharding.dp_tp_decode(cfg, m, w, s, inp.xd, split_selection=split)
         got["rewound"] = (y, sel)
     t1 = time.perf_counter()
     emulated, state_e = emulate(inp, dp, tp, extra)
@@ -178,13 +184,14 @@ def run_case(inp, ref, dp, tp):
         if dp == 1 or name != "pool_keys":  # pool keys: see the module docstring
             assert_same(getattr(whole, name), getattr(state1, name), f"{what}: state {name}")
     if extra:
-        extras(cfg, m, w, inp)
-    if (dp, tp) in ((2, 4), (8, 1)):
-        assert_collectives(cfg, m, w, inp, 1 if tp > 1 else 0)
-    print(f"dp {dp} x tp {tp}: ok ({time.perf_counter() - t0:.1f} s)", flush=True)
+        extras(cfg, m, w, inp, split)
+    if (dp, tp) in ((2, 4), (4, 2), (8, 1)):
+        assert_collectives(cfg, m, w, inp, split)
+    print(f"dp {dp} x tp {tp}: ok ({time.perf_counter() - t0:.1f} s; split selection "
+          f"{sharding.split_rule(cfg, B // dp, split)})", flush=True)
 
 
-def scan_decodes(cfg, m, w, s, xs):
+def scan_decodes(cfg, m, w, s, xs, split):
     """T decodes through `sharded_step` inside one jitted `lax.scan`, arrays pre-placed."""
     layout = RowLayout(rows=cfg.max_verify, k=1, squeeze=True)
     rows = jax.vmap(lambda v: layout.pad(v, None)[0])(xs)  # [T, B, max_verify, D]
@@ -194,34 +201,42 @@ def scan_decodes(cfg, m, w, s, xs):
     @jax.jit
     def loop(w, s, rows):
         def body(s, x):
-            y, s, sel = sharding.sharded_step(cfg, m, w, s, x, 1, out_rows=1)
+            y, s, sel = sharding.sharded_step(cfg, m, w, s, x, 1, out_rows=1,
+                                              split_selection=split)
             return s, (y[:, 0], sel[:, 0])
         return jax.lax.scan(body, s, rows)
 
     return loop(w, s, rows)
 
 
-def assert_collectives(cfg, m, w, inp, all_reduces):
-    """The compiled decode step holds `all_reduces` all-reduces (the psum of y) and no other
-    collective: no all-gather, no resharding of the state or the rows."""
+def assert_collectives(cfg, m, w, inp, split):
+    """The compiled decode step holds one all-reduce (the psum of y) where tp > 1, one
+    all-gather (the pool ids) where the selection is split, and no other collective: no
+    resharding of the state or the rows."""
+    dp, tp = sharding.degrees(m)
     s = sharding.init_state(cfg, m, B, kv_scale=0.1)
     x = sharding.put(jnp.zeros((B, cfg.max_verify, cfg.hidden_size)), sharding.row_sharding(m))
-    text = jax.jit(lambda w, s, x: sharding.sharded_step(cfg, m, w, s, x, 1, out_rows=1)).lower(
-        w, s, x).compile().as_text()
+    text = jax.jit(lambda w, s, x: sharding.sharded_step(
+        cfg, m, w, s, x, 1, out_rows=1, split_selection=split)).lower(w, s, x).compile(
+        ).as_text()
     ops = {op: text.count(f" {op}(") for op in ("all-reduce", "all-gather", "reduce-scatter",
                                                 "collective-permute", "all-to-all")}
-    assert ops == {**dict.fromkeys(ops, 0), "all-reduce": all_reduces}, ops
+    want = {"all-reduce": int(tp > 1), "all-gather": int(sharding.split_rule(cfg, B // dp,
+                                                                             split))}
+    assert ops == {**dict.fromkeys(ops, 0), **want}, (ops, want)
 
 
-def extras(cfg, m, w, inp):
+def extras(cfg, m, w, inp, split):
     # decode_k of K rows == K decodes, bitwise, on the mesh.
     def fresh():
         st = sharding.init_state(cfg, m, B, kv_scale=0.1)
-        return sharding.dp_tp_prefill(cfg, m, w, st, inp.x, num_tokens=inp.num_tokens)[1]
-    yk, _, selk = sharding.dp_tp_decode_k(cfg, m, w, fresh(), inp.rows)
+        return sharding.dp_tp_prefill(cfg, m, w, st, inp.x, num_tokens=inp.num_tokens,
+                                      split_selection=split)[1]
+    yk, _, selk = sharding.dp_tp_decode_k(cfg, m, w, fresh(), inp.rows, split_selection=split)
     st = fresh()
     for k in range(inp.rows.shape[1]):
-        y, st, sel = sharding.dp_tp_decode(cfg, m, w, st, inp.rows[:, k])
+        y, st, sel = sharding.dp_tp_decode(cfg, m, w, st, inp.rows[:, k],
+                                           split_selection=split)
         assert_trees_bitwise_equal({f"row {k}": (y, sel)}, {f"row {k}": (yk[:, k], selk[:, k])})
 
     # A host check on the shard's own view: this block id is valid in the whole pool but not

@@ -102,6 +102,9 @@ def test_backend_rule():
     assert pick(auto, fp8, 64, 512, True, False) == "triton"  # interpret mode
     assert pick(auto, fp8, 64, 512, False, True) == "triton"  # a Triton tile argument
     assert pick(auto, fp8, 8, 512, False, False) == "triton"  # heads not filling a tile
+    assert pick(auto, fp8, 31, 512, False, False) == "triton"  # under half a tile
+    assert pick(auto, fp8, 32, 512, False, False) == "mosaic"  # TP 2: half a tile, padded
+    assert pick(auto, fp8, 96, 512, False, False) == "mosaic"
     assert pick(auto, bf16, 64, 512, False, False) == "triton"
     assert pick(auto, jnp.float32, 64, 512, False, False) == "triton"
     assert pick(auto, fp8, 64, 24, False, False) == "triton"  # C not a multiple of 128

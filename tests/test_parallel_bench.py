@@ -24,9 +24,40 @@ def test_device_script_smoke(tmp_path):
     res = json.loads(path.read_text())
     assert res["errors"] == [] and res["parity_ok"], res["errors"]
     assert res["env"]["NCCL_NVLS_ENABLE"] == "0"
-    assert set(res["times"]) == {"b64_tp1", "b64_tp2", "b64_dp2", "b1_tp1", "b1_tp2"}
+    assert set(res["times"]) == {"b64_tp1", "b64_tp2", "b64_dp2", "b1_tp1", "b1_tp2", "b32_tp1",
+                                 "b64_tp2_replicated", "b64_tp2_before", "b1_tp2_before",
+                                 "b8_tp2_split", "b8_tp2_replicated"}
     assert all(r["wall_us_per_step"] > 0 for r in res["times"].values())
-    for name in ("tp2", "dp2"):
+    times = res["times"]
+    assert times["b8_tp2_split"]["split_selection"] and not times["b8_tp2_replicated"][
+        "split_selection"]
+    # The compiled programs' collectives, found by name: the psum, and the split's all-gather.
+    assert any(n.startswith("psum") for n in times["b64_tp2"]["collective_instructions"])
+    assert any("gather" in n for n in times["b8_tp2_split"]["collective_instructions"])
+    assert times["b64_tp1"]["collective_instructions"] == []
+    for name in ("tp2", "tp2_split", "dp2"):
         assert all(v["sel_equal"] for v in res["parity"][name].values() if isinstance(v, dict))
+    assert res["parity"]["tp2_split"]["split_selection"]
     assert res["parity"]["tp2"]["decode_k_equals_decodes"]
+    assert res["parity"]["tp2_split"]["decode_k_equals_decodes"]
+    bits = res["prefill_bits"]
+    assert bits["default"]["sel_half_batch_rows_differing"] == 0.0  # bitwise on the CPU
     assert "| b64_tp2 (dp 1 x tp 2, 4 seqs) |" in out.stdout
+
+
+def test_collective_kernels_are_found_by_instruction_name():
+    """The profile's filter: XLA's own all-reduce kernel is named after its instruction, NCCL's
+    after NCCL; other kernels (a psum-like prefix of another name included) are not."""
+    from benchmarks.parallel_probes import collective_names, is_collective
+
+    hlo = ("  %psum.7 = f32[64,1,4096]{2,1,0} all-reduce(%p), channel_id=1, to_apply=%add\n"
+           "  ROOT %all-gather.3 = s32[64,4,512]{2,1,0} all-gather(%q), dimensions={0}\n"
+           "  %fusion.2 = f32[8]{0} fusion(%a), kind=kLoop, calls=%fused_all_reduce_like\n")
+    names = collective_names(hlo)
+    assert names == ["all_gather_3", "psum_7"]
+    assert is_collective("psum_7_0_fusion_1", names)
+    assert is_collective("all_gather_3", names)
+    assert is_collective("ncclDevKernel_AllReduce_Sum_f32_RING_LL", [])
+    assert not is_collective("psum_70_fusion", names)
+    assert not is_collective("pool_scores", names)
+    assert not is_collective("loop_convert_fusion_1", names)

@@ -39,10 +39,12 @@ class AttendTuning:
       "mosaic" (`sparse_attend_mgpu`: Pallas Mosaic GPU, fp8 e4m3 caches with C a multiple of
       128 up to 512, compiled for a Hopper GPU only; anything else raises), or "auto" (the
       default): mosaic where it applies and was measured faster on the H200 (fp8 cache,
-      supported C, heads a multiple of 64 so that no tile row is padding, not interpret mode,
-      no explicit Triton tile or dtype argument), triton otherwise (e.g. 8 heads per device at
-      TP 8: unmeasured, and 56 of every 64 tile rows would be padding). The rule is fixed;
-      nothing depends on the environment.
+      supported C, at least half of every 64-row head tile real heads (`mosaic_fills`: 64 per
+      device at TP 1, 32 at TP 2 padded with zero rows; the tile's cost is mostly the latents'
+      gather and conversion, shared by its rows), not interpret mode, no explicit Triton tile
+      or dtype argument), triton otherwise (e.g. 8 heads per device at TP 8: unmeasured, and
+      56 of every 64 tile rows would be padding). The rule is fixed; nothing depends on the
+      environment.
     col_blocks: Triton only: the output columns split over this many programs, each of which
       recomputes the logits over all of C but accumulates only its C / col_blocks columns
       (smaller accumulator, more programs per multiprocessor).
@@ -255,6 +257,13 @@ def _num_splits(programs_per_split: int, per_sm: int, tiles: int, max_splits: in
     return max(1, min(max_splits, tiles, fit))
 
 
+def mosaic_fills(heads: int) -> bool:
+    """Whether at least half of the Mosaic kernel's 64-row head tiles are real heads once
+    `heads` is padded to a multiple of 64 (the rest are zero rows whose outputs are dropped)."""
+    padded = -(-heads // mgpu_op.HEADS_PER_CTA) * mgpu_op.HEADS_PER_CTA
+    return 2 * heads >= padded
+
+
 def pick_backend(tuning: AttendTuning, cache_dtype, heads: int, c: int, interpret: bool,
                  triton_args: bool) -> str:
     """"triton" or "mosaic" for these inputs (AttendTuning's rule); raises where "mosaic" was
@@ -267,7 +276,7 @@ def pick_backend(tuning: AttendTuning, cache_dtype, heads: int, c: int, interpre
             raise ValueError(f"backend='mosaic' does not run {why}; use backend='triton'")
         return "mosaic"
     if (tuning.backend == "triton" or interpret or triton_args or why is not None
-            or heads % mgpu_op.HEADS_PER_CTA):
+            or not mosaic_fills(heads)):
         return "triton"
     return "mosaic"
 

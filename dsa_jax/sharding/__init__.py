@@ -11,7 +11,8 @@ shard-local ids). A dp shard needs no communication at all.
 
 What each axis divides: tp divides the weights' bytes and the attention's heads, not the
 cache (every rank of a dp shard holds its whole state: the latent is shared by all heads) and
-not the selection (every rank runs it, from the same inputs); dp divides the sequences, their
+the selection only where it is split (`split_selection`: each rank scores and top-k's its
+share of the sequences, then one all-gather of the pool ids); dp divides the sequences, their
 caches and all per-sequence work, with no communication. Under dp a device runs a smaller
 batch than one device would: `sel` stays equal to one device's as long as the kernels' bits
 do not depend on the batch size (the Pallas kernels work per row; XLA:CPU's vectorized exp
@@ -55,6 +56,8 @@ from dsa_jax.sharding.steps import (
     reduce_heads,
     rewind,
     sharded_step,
+    split_rule,
+    split_select,
     tp_decode_k,
     tp_prefill,
 )
@@ -64,6 +67,7 @@ __all__ = [
     "degrees", "dp_tp_decode", "dp_tp_decode_k", "dp_tp_prefill", "gather_state", "init_state",
     "local_step", "mesh", "put", "rank_weights", "reduce_heads", "replicate", "rewind",
     "row_sharding",
-    "shard_state", "shard_weights", "sharded_step", "state_shardings", "tp_decode_k",
+    "shard_state", "shard_weights", "sharded_step", "split_rule", "split_select",
+    "state_shardings", "tp_decode_k",
     "tp_mesh", "tp_prefill",
 ]

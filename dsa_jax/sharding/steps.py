@@ -1,10 +1,16 @@
 """The block's step over a `(dp, tp)` mesh: traceable pieces and the host-side entry points.
 
 Per device the step is `layer.step` on its dp shard's sequences with its tp rank's heads; the
-one collective is the `psum` of `y` over `tp` (each rank's o_proj partial sum). Selection runs
-on every rank of a dp shard from the same inputs through GEMMs and kernels whose shapes do not
-depend on the tp degree (weights.py), so it is bitwise the same on every rank and at every
-degree; the state's writes are the same on every rank as well.
+`psum` of `y` over `tp` (each rank's o_proj partial sum) is its main collective. The indexer's
+projections run on every rank of a dp shard from the same inputs through GEMMs whose shapes do
+not depend on the tp degree (weights.py); the state's writes are the same on every rank.
+
+The selection (pool scores and top-k, per row) is either replicated (every rank selects for
+all the shard's sequences) or split (`split_selection`): rank i scores and top-k's only its
+1/tp of the shard's sequences (the others' rows get no candidate pool, so the score kernel
+reads no key for them), then one all-gather over tp of the chosen pool ids `[b, R, k]` gives
+every rank the whole selection. Each row's scores and top-k depend on that row's inputs only,
+so `sel` is bitwise the same either way and at every degree.
 
 Three levels:
 - `local_step`: the body of a `shard_map` (for a caller that maps its own function, e.g. a
@@ -27,7 +33,9 @@ from jax.sharding import Mesh
 
 from dsa_jax import layer
 from dsa_jax.config import DsaConfig
-from dsa_jax.layer import RowLayout, StepError, prepare_step
+from dsa_jax.indexer import pool_scores
+from dsa_jax.layer import RowLayout, StepError, candidate_pools, prepare_step
+from dsa_jax.select import top_pools
 from dsa_jax.sharding.layout import (
     ROW_SPEC,
     STATE_SPECS,
@@ -55,9 +63,44 @@ def reduce_heads(cfg: DsaConfig, y: jax.Array) -> jax.Array:
     return lax.psum(y, TP) if cfg.tp_degree > 1 else y
 
 
+# Fewest sequences per tp rank for which the "auto" rule splits the selection: below it the
+# score and top-k kernels run one program per row anyway and the all-gather would only add
+# its latency (benchmarks/h200_parallel.py measures both sides).
+SPLIT_MIN_SEQS_PER_RANK = 4
+
+
+def split_rule(cfg: DsaConfig, local_seqs: int, split_selection: bool | None = None) -> bool:
+    """Whether a dp shard of `local_seqs` sequences splits its selection over the tp ranks:
+    `split_selection` if given (True needs `local_seqs` to be a multiple of tp), else split
+    where the sequences divide evenly and each rank gets at least `SPLIT_MIN_SEQS_PER_RANK`."""
+    tp = cfg.tp_degree
+    if split_selection is None:
+        return tp > 1 and local_seqs % tp == 0 and local_seqs // tp >= SPLIT_MIN_SEQS_PER_RANK
+    if split_selection and tp > 1 and local_seqs % tp:
+        raise ShardingError(f"split_selection=True: a dp shard's {local_seqs} sequences do not "
+                            f"split over tp={tp} ranks (they must be a multiple of tp)")
+    return bool(split_selection) and tp > 1
+
+
+def split_select(cfg: DsaConfig, qi: jax.Array, w: jax.Array, pool_keys: jax.Array,
+                 pos: jax.Array, valid: jax.Array) -> jax.Array:
+    """Inside `shard_map`: `layer.select_pools` with the rows split over tp by sequence
+    (same arguments; `B` a multiple of tp). Returns every row's pool ids `[B, R, k]`, bitwise
+    those of `select_pools` (each row's scores and top-k depend on that row only)."""
+    b, tp = qi.shape[0], cfg.tp_degree
+    n = b // tp
+    rank = lax.axis_index(TP)
+    mine = (jnp.arange(b) // n == rank)[:, None]  # [B, 1]
+    # Other ranks' rows have no candidate: the score kernel reads no key for them.
+    scores = pool_scores(cfg, qi, w, pool_keys, candidate_pools(cfg, pos, valid & mine))
+    pools = top_pools(cfg, lax.dynamic_slice_in_dim(scores, rank * n, n, 0))  # [n, R, k]
+    return lax.all_gather(pools, TP, axis=0, tiled=True)  # [B, R, k]
+
+
 def local_step(cfg: DsaConfig, weights_block: DsaWeights, state: DsaState, x: jax.Array,
                n_new: jax.Array | int | None = None, shared_sel: jax.Array | None = None, *,
-               out_rows: int | None = None) -> tuple[jax.Array, DsaState, jax.Array]:
+               out_rows: int | None = None, split_selection: bool | None = None
+               ) -> tuple[jax.Array, DsaState, jax.Array]:
     """One device's step, inside `shard_map` over a `mesh(dp, tp)` with the specs of
     `layout.py` (weights `WEIGHT_SPEC`, state `STATE_SPECS`, rows `ROW_SPEC`).
 
@@ -66,11 +109,16 @@ def local_step(cfg: DsaConfig, weights_block: DsaWeights, state: DsaState, x: ja
     out_rows: keep only the first rows of `y` and `sel` (a decode's 1 of max_verify): the psum
     then moves only those. The step before it is the same program whatever out_rows is (a
     barrier keeps XLA from narrowing it), so a decode and a K-row verify keep their bits.
+    split_selection: split the rows' selection over the tp ranks (`split_rule`; None: its
+    default rule); `sel` is the same either way.
     Returns `y [b, out_rows, D]` (summed over tp), the new state and `sel [b, out_rows, W]`.
     """
     if n_new is None or isinstance(n_new, int):
         n_new = jnp.full((x.shape[0],), x.shape[1] if n_new is None else n_new, jnp.int32)
-    y, state, sel = layer.step(cfg, rank_weights(weights_block), state, x, n_new, shared_sel)
+    select = (split_select if split_rule(cfg, x.shape[0], split_selection)
+              else layer.select_pools)
+    y, state, sel = layer.step(cfg, rank_weights(weights_block), state, x, n_new, shared_sel,
+                               select=select)
     if out_rows is not None and out_rows < x.shape[1]:
         y, sel = lax.optimization_barrier((y, sel))
         y, sel = y[:, :out_rows], sel[:, :out_rows]
@@ -79,10 +127,10 @@ def local_step(cfg: DsaConfig, weights_block: DsaWeights, state: DsaState, x: ja
 
 @functools.cache
 def _mapped(cfg: DsaConfig, m: Mesh, count, has_n_new: bool, has_shared: bool,
-            out_rows: int | None):
+            out_rows: int | None, split_selection: bool | None):
     def body(weights, state, x, n_new, shared_sel):
         return local_step(cfg, weights, state, x, n_new if has_n_new else count, shared_sel,
-                          out_rows=out_rows)
+                          out_rows=out_rows, split_selection=split_selection)
 
     return jax.shard_map(
         body, mesh=m,
@@ -111,28 +159,31 @@ def _check_shapes(cfg: DsaConfig, m: Mesh, weights: DsaWeights, state: DsaState,
 
 def sharded_step(cfg: DsaConfig, m: Mesh, weights: DsaWeights, state: DsaState, x: jax.Array,
                  n_new: jax.Array | int | None = None, shared_sel: jax.Array | None = None, *,
-                 out_rows: int | None = None) -> tuple[jax.Array, DsaState, jax.Array]:
+                 out_rows: int | None = None, split_selection: bool | None = None
+                 ) -> tuple[jax.Array, DsaState, jax.Array]:
     """`layer.step` over the mesh, for arrays already placed (`shard_weights`, `init_state` /
     `shard_state`, rows with `row_sharding`); pure and traceable: call it inside your own
     `jax.jit` (donate the state) or `lax.scan`, with no host transfer per step.
 
     x: [B, R, D] padded rows (B = all sequences of the mesh); n_new: [B] int32 (split like the
-    rows), or an int for every sequence (no array at all), default R. Returns `y [B, out_rows,
-    D]` f32 (default R rows), the new state and `sel [B, out_rows, W]`.
+    rows), or an int for every sequence (no array at all), default R. split_selection: see
+    `split_rule` (None: its default). Returns `y [B, out_rows, D]` f32 (default R rows), the
+    new state and `sel [B, out_rows, W]`.
     """
     _check_shapes(cfg, m, weights, state, x)
+    split_rule(cfg, x.shape[0] // degrees(m)[0], split_selection)  # raises before tracing
     has_n_new = n_new is not None and not isinstance(n_new, int)
     count = None if has_n_new else n_new
-    f = _mapped(cfg, m, count, has_n_new, shared_sel is not None, out_rows)
+    f = _mapped(cfg, m, count, has_n_new, shared_sel is not None, out_rows, split_selection)
     return f(weights, state, x, n_new if has_n_new else None, shared_sel)
 
 
-def _step_impl(cfg, m, weights, state, x, n_new, shared_sel, count, out_rows):
+def _step_impl(cfg, m, weights, state, x, n_new, shared_sel, count, out_rows, split):
     return sharded_step(cfg, m, weights, state, x, count if n_new is None else n_new,
-                        shared_sel, out_rows=out_rows)
+                        shared_sel, out_rows=out_rows, split_selection=split)
 
 
-_step_jit = jax.jit(_step_impl, static_argnames=("cfg", "m", "count", "out_rows"),
+_step_jit = jax.jit(_step_impl, static_argnames=("cfg", "m", "count", "out_rows", "split"),
                     donate_argnames=("state",))
 
 
@@ -179,11 +230,12 @@ def _check_shards(cfg, m, weights, state, x, kind, counts, shared_sel) -> None:
                             f"shard's own, < {nbl}): {e}") from None
 
 
-def _host_step(cfg, m, weights, state, x, kind, counts, shared_sel, check):
+def _host_step(cfg, m, weights, state, x, kind, counts, shared_sel, check, split):
     if x.ndim >= 1 and x.shape[0] != state.num_seqs:
         raise StepError(f"x has shape {tuple(x.shape)}; expected leading dim "
                         f"{state.num_seqs} (sequences in the state)")
-    check_config(cfg, m)
+    dp, _ = check_config(cfg, m)
+    split_rule(cfg, state.num_seqs // dp, split)
     layout, n_new = prepare_step(cfg, weights, state, x, kind=kind, counts=counts,
                                  shared_sel=shared_sel, check=False)
     if check:
@@ -197,34 +249,41 @@ def _host_step(cfg, m, weights, state, x, kind, counts, shared_sel, check):
     n_new = None if counts is None else put(np.asarray(n_new, np.int32), rows)
     out_rows = None if layout.k == layout.rows else layout.k
     y, state, sel = _step_jit(cfg, m, weights, state, x, n_new, shared_sel, count=layout.k,
-                              out_rows=out_rows)
+                              out_rows=out_rows, split=split)
     if layout.squeeze:
         y, sel = y[:, 0], sel[:, 0]
     return y, state, sel
 
 
 def dp_tp_prefill(cfg: DsaConfig, m: Mesh, weights: DsaWeights, state: DsaState, x, *,
-                  num_tokens=None, shared_sel=None, check: bool = True
+                  num_tokens=None, shared_sel=None, check: bool = True,
+                  split_selection: bool | None = None
                   ) -> tuple[jax.Array, DsaState, jax.Array]:
     """`dsa_jax.prefill` over the mesh: x [B, S, D] (host or device; the same value in every
-    process), num_tokens [B]; `y`, `sel` come back split along dp, the state donated."""
-    return _host_step(cfg, m, weights, state, x, "prefill", num_tokens, shared_sel, check)
+    process), num_tokens [B]; `y`, `sel` come back split along dp, the state donated.
+    split_selection: see `split_rule` (None: its default; `sel` is the same either way)."""
+    return _host_step(cfg, m, weights, state, x, "prefill", num_tokens, shared_sel, check,
+                      split_selection)
 
 
 def dp_tp_decode(cfg: DsaConfig, m: Mesh, weights: DsaWeights, state: DsaState, x, *,
-                 active=None, shared_sel=None, check: bool = True
+                 active=None, shared_sel=None, check: bool = True,
+                 split_selection: bool | None = None
                  ) -> tuple[jax.Array, DsaState, jax.Array]:
     """`dsa_jax.decode` over the mesh: x [B, D]; active [B] bool."""
-    return _host_step(cfg, m, weights, state, x, "decode", active, shared_sel, check)
+    return _host_step(cfg, m, weights, state, x, "decode", active, shared_sel, check,
+                      split_selection)
 
 
 def dp_tp_decode_k(cfg: DsaConfig, m: Mesh, weights: DsaWeights, state: DsaState, x, *,
-                   active=None, shared_sel=None, check: bool = True
+                   active=None, shared_sel=None, check: bool = True,
+                   split_selection: bool | None = None
                    ) -> tuple[jax.Array, DsaState, jax.Array]:
     """`dsa_jax.decode_k` over the mesh: x [B, K, D] (or [B, D]: a decode). Bit-identical to
     K successive `dp_tp_decode` calls (the same padded step program)."""
     kind = "decode" if x.ndim == 2 else "verify"
-    return _host_step(cfg, m, weights, state, x, kind, active, shared_sel, check)
+    return _host_step(cfg, m, weights, state, x, kind, active, shared_sel, check,
+                      split_selection)
 
 
 # The tensor-parallel names of the first release: the same functions (a dp=1 mesh).

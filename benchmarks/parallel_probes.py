@@ -1,0 +1,149 @@
+"""Probes that benchmarks/h200_parallel.py runs beside its checks and times (issue 16).
+
+- `collective_names` / `is_collective`: which profiled kernels are the step's collectives. XLA
+  names a kernel after its HLO instruction ('.' and '-' as '_'), and on one host it may run a
+  small all-reduce as a kernel of its own named after the instruction (`psum_7_0_fusion_1`),
+  not as NCCL's `ncclDevKernel_*`; so a kernel counts as a collective if its name carries the
+  name of one of the compiled program's collective instructions, or an NCCL-like word.
+- `attend_rule(before=True)`: the gather-attend backend rule as it was before 32 heads per
+  device took the Mosaic kernel (Triton unless the heads fill 64-row tiles), for an A/B of
+  the whole step; it must span the program's compilation.
+- `attend32`: the Mosaic kernel at 32 heads (zero-padded to its 64-row tile) against the jnp
+  twin, with the elementwise f16 bound of tests/test_attend_kernel.py (via h200_attend.py).
+- `prefill_bits`: where a prefill's selection picks up bits that depend on the batch or the
+  program: the projections at B and B/2 rows, and the step's `sel` at B against B/2 (what a
+  dp=2 device runs) and against a tp=2 rank's program run alone, under XLA's default
+  compile options and with GEMM autotuning off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import numpy as np
+
+COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute",
+                  "all-to-all")
+KERNEL_WORDS = ("nccl", "allreduce", "all_reduce", "allgather", "all_gather", "reducescatter",
+                "reduce_scatter")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*[^\n]*?\b(?:"
+                    + "|".join(COLLECTIVE_OPS) + r")(?:-start)?\(", re.MULTILINE)
+
+
+def collective_names(hlo_text: str) -> list[str]:
+    """The compiled program's collective instructions, spelled as kernel names spell them."""
+    return sorted({re.sub(r"[.\-]", "_", m.group(1)) for m in _INSTR.finditer(hlo_text)})
+
+
+def is_collective(kernel: str, names: list[str]) -> bool:
+    low = kernel.lower()
+    return (any(w in low for w in KERNEL_WORDS)
+            or any(low == n.lower() or low.startswith(n.lower() + "_") for n in names))
+
+
+@contextlib.contextmanager
+def attend_rule(before: bool):
+    """`before=True`: `sparse_attend.pick_backend` as it was (Mosaic only for heads that are a
+    multiple of 64) while the block is open; compile inside it."""
+    from dsa_jax.pallas import sparse_attend as sa
+    from dsa_jax.pallas import sparse_attend_mgpu as mg
+
+    if not before:
+        yield
+        return
+    rule = sa.pick_backend
+
+    def pick(tuning, cache_dtype, heads, c, interpret, triton_args):
+        if tuning.backend == "auto" and heads % mg.HEADS_PER_CTA:
+            return "triton"
+        return rule(tuning, cache_dtype, heads, c, interpret, triton_args)
+
+    sa.pick_backend = pick
+    try:
+        yield
+    finally:
+        sa.pick_backend = rule
+
+
+ATTEND32_CASES = [  # (B, R, H, C, W, bs, blocks per seq, input kwargs, call kwargs)
+    (3, 1, 32, 512, 2051, 64, 40, {}, {}),
+    (2, 2, 32, 512, 2048, 64, 40, dict(prefix=True, empty_rows=1), {}),
+    (4, 4, 32, 512, 2051, 64, 40, dict(empty_rows=3), dict(live_rows=4)),
+]
+
+
+def attend32(res: dict) -> bool:
+    """The auto rule's kernel at 32 heads (Mosaic, padded) against the twin; True if every
+    case is within its bound."""
+    import jax.numpy as jnp
+
+    from benchmarks.h200_attend import check_case
+    from dsa_jax.pallas import sparse_attend as sa
+
+    out = {"backend_at_32_heads": sa.pick_backend(sa.AttendTuning(), jnp.float8_e4m3fn, 32,
+                                                  512, False, False), "checks": []}
+    ok = out["backend_at_32_heads"] == "mosaic"
+    for i, case in enumerate(ATTEND32_CASES):
+        row = check_case("auto-32-heads", {}, "float16", case, seed=7000 + i)
+        out["checks"].append(row)
+        ok &= bool(row["ok"])
+    res["attend32"] = out
+    return ok
+
+
+def _rows_differing(a, b) -> float:
+    a, b = np.asarray(a), np.asarray(b)
+    return float(1 - (a == b).reshape(a.shape[0] * a.shape[1], -1).all(axis=-1).mean())
+
+
+def _head(state, h: int):
+    """The first h sequences of a state whose block tables index one shared pool."""
+    keep = ("latent", "kv_scale")
+    return state._replace(**{f: getattr(state, f)[:h] for f in state._fields
+                             if f not in keep and getattr(state, f) is not None})
+
+
+def prefill_bits(cfg, hf, b: int, ctx: int, rows: int, res: dict) -> None:
+    """See the module docstring; results under res["prefill_bits"]."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.workloads import random_state
+    from dsa_jax import layer
+    from dsa_jax.projection import project
+    from dsa_jax.weights import fold_weights
+
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((b, rows, cfg.hidden_size)).astype("float32")).astype(
+        jnp.bfloat16)
+    h = b // 2
+    w1 = fold_weights(cfg, hf)
+    cfg2 = cfg.replace(tp_degree=2)
+    w2 = fold_weights(cfg2, hf, tp_rank=0)
+    host = jax.device_get(random_state(cfg, b, ctx, seed=1))
+    n_new = jnp.full((b,), rows, jnp.int32)
+    out = {}
+    proj = jax.jit(project, static_argnums=0)
+    full, half = proj(cfg, w1, x), proj(cfg, w1, x[:h])
+    out["projections_b_vs_half_rows_differing"] = {
+        f: _rows_differing(getattr(full, f)[:h], getattr(half, f))
+        for f in full._fields if getattr(full, f) is not None}
+    for label, opts in (("default", None), ("autotune_off", {"xla_gpu_autotune_level": 0})):
+        try:
+            f = jax.jit(layer.step, static_argnames="cfg", compiler_options=opts)
+            dev = jax.devices()[0]
+            _, _, sel = f(cfg, w1, jax.device_put(host, dev), x, n_new)
+            _, _, sel_h = f(cfg, w1, jax.device_put(_head(host, h), dev), x[:h], n_new[:h])
+            _, _, sel_2 = f(cfg2, w2, jax.device_put(host, dev), x, n_new)
+            row = {"sel_half_batch_rows_differing": _rows_differing(sel[:h], sel_h),
+                   "sel_tp2_rank0_rows_differing": _rows_differing(sel, sel_2)}
+            if opts is not None:
+                row["sel_vs_default_rows_differing"] = _rows_differing(sel, out["_sel"])
+            else:
+                out["_sel"] = np.asarray(sel)
+            out[label] = row
+        except Exception as e:  # an option this XLA does not know
+            out[label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    out.pop("_sel", None)
+    res["prefill_bits"] = out
