@@ -11,9 +11,11 @@
 - `attend32`: the Mosaic kernel at 32 heads (zero-padded to its 64-row tile) against the jnp
   twin, with the elementwise f16 bound of tests/test_attend_kernel.py (via h200_attend.py).
 - `prefill_bits`: where a prefill's selection picks up bits that depend on the batch or the
-  program: the projections at B and B/2 rows, and the step's `sel` at B against B/2 (what a
-  dp=2 device runs) and against a tp=2 rank's program run alone, under XLA's default
-  compile options and with GEMM autotuning off.
+  program: each piece of the selection's input chain alone (x_proj GEMM, q_a RMSNorm, the
+  indexer's query GEMM, pool scores, top-k) at B and at B/2 sequences on the same inputs;
+  then the whole step, with what its selection saw (qi, head weights, pool keys), at B
+  against B/2 (what a dp=2 device runs) and against a tp=2 rank's program run alone, under
+  XLA's default compile options and with GEMM autotuning off.
 """
 
 from __future__ import annotations
@@ -104,14 +106,34 @@ def _head(state, h: int):
                              if f not in keep and getattr(state, f) is not None})
 
 
+def _step_capture(cfg, weights, state, x, n_new):
+    """`layer.step`, also returning what its selection saw: (sel, qi, w, pool keys after the
+    writes). The selection hook hands its inputs out of the same trace."""
+    from dsa_jax import layer
+
+
+    seen = {}
+
+    def select(cfg, qi, w, pool_keys, pos, valid):
+        seen.update(qi=qi, w=w, keys=pool_keys)
+        return layer.select_pools(cfg, qi, w, pool_keys, pos, valid)
+
+    _, _, sel = layer.step(cfg, weights, state, x, n_new, select=select)
+    return sel, seen["qi"], seen["w"], seen["keys"]
+
+
 def prefill_bits(cfg, hf, b: int, ctx: int, rows: int, res: dict) -> None:
-    """See the module docstring; results under res["prefill_bits"]."""
+    """See the module docstring; results under res["prefill_bits"]: for each piece the share
+    of rows (of the first B/2 sequences) whose bits differ between the runs compared."""
+    import functools
+
     import jax
     import jax.numpy as jnp
 
     from benchmarks.workloads import random_state
-    from dsa_jax import layer
-    from dsa_jax.projection import project
+    from dsa_jax.indexer import pool_scores
+    from dsa_jax.projection import matmul, rms_norm
+    from dsa_jax.select import top_pools
     from dsa_jax.weights import fold_weights
 
     rng = np.random.default_rng(5)
@@ -122,26 +144,46 @@ def prefill_bits(cfg, hf, b: int, ctx: int, rows: int, res: dict) -> None:
     cfg2 = cfg.replace(tp_degree=2)
     w2 = fold_weights(cfg2, hf, tp_rank=0)
     host = jax.device_get(random_state(cfg, b, ctx, seed=1))
+    dev = jax.devices()[0]
     n_new = jnp.full((b,), rows, jnp.int32)
     out = {}
-    proj = jax.jit(project, static_argnums=0)
-    full, half = proj(cfg, w1, x), proj(cfg, w1, x[:h])
-    out["projections_b_vs_half_rows_differing"] = {
-        f: _rows_differing(getattr(full, f)[:h], getattr(half, f))
-        for f in full._fields if getattr(full, f) is not None}
+
+    # Each piece alone, on the same inputs at B and at B/2 sequences (a dp=2 device's batch).
+    r_q = cfg.q_lora_rank
+    xw = jax.jit(matmul)(x, w1.x_proj)  # [B, S, Nx]
+    q_resid = jax.jit(lambda v: rms_norm(v[..., :r_q], w1.q_a_norm, cfg.rms_norm_eps))(xw)
+    qi = jax.jit(matmul)(q_resid, w1.qi_proj).reshape(b, rows, cfg.index_n_heads, -1)
+    hw = xw[..., -cfg.index_n_heads:]  # [B, S, Hi] the head weights' columns
+    keys = jnp.asarray(host.pool_keys)
+    ncand = jnp.full((b, rows), cfg.num_pools // 2, jnp.int32)
+    scores = jax.jit(functools.partial(pool_scores, cfg))
+    sc = scores(qi, hw, keys, ncand)
+    top = jax.jit(functools.partial(top_pools, cfg))
+    out["pieces_b_vs_half"] = {
+        "x_proj_gemm": _rows_differing(xw[:h], jax.jit(matmul)(x[:h], w1.x_proj)),
+        "q_a_rms_norm": _rows_differing(q_resid[:h], jax.jit(
+            lambda v: rms_norm(v[..., :r_q], w1.q_a_norm, cfg.rms_norm_eps))(xw[:h])),
+        "qi_gemm": _rows_differing(qi[:h], jax.jit(matmul)(q_resid[:h], w1.qi_proj).reshape(
+            h, rows, cfg.index_n_heads, -1)),
+        "pool_scores": _rows_differing(sc[:h], scores(qi[:h], hw[:h], keys[:h], ncand[:h])),
+        "top_pools": _rows_differing(top(sc)[:h], top(sc[:h])),
+    }
+    # The whole step, and what its selection saw, at B, at B/2 and as a tp=2 rank's program.
     for label, opts in (("default", None), ("autotune_off", {"xla_gpu_autotune_level": 0})):
         try:
-            f = jax.jit(layer.step, static_argnames="cfg", compiler_options=opts)
-            dev = jax.devices()[0]
-            _, _, sel = f(cfg, w1, jax.device_put(host, dev), x, n_new)
-            _, _, sel_h = f(cfg, w1, jax.device_put(_head(host, h), dev), x[:h], n_new[:h])
-            _, _, sel_2 = f(cfg2, w2, jax.device_put(host, dev), x, n_new)
-            row = {"sel_half_batch_rows_differing": _rows_differing(sel[:h], sel_h),
-                   "sel_tp2_rank0_rows_differing": _rows_differing(sel, sel_2)}
+            f = jax.jit(_step_capture, static_argnums=0, compiler_options=opts)
+            full = f(cfg, w1, jax.device_put(host, dev), x, n_new)
+            half = f(cfg, w1, jax.device_put(_head(host, h), dev), x[:h], n_new[:h])
+            rank0 = f(cfg2, w2, jax.device_put(host, dev), x, n_new)
+            names = ("sel", "qi", "head_w", "pool_keys")
+            row = {f"half_batch_{k}": _rows_differing(a[:h], c)
+                   for k, a, c in zip(names, full, half, strict=True)}
+            row.update({f"tp2_rank0_{k}": _rows_differing(a, c)
+                        for k, a, c in zip(names, full, rank0, strict=True)})
             if opts is not None:
-                row["sel_vs_default_rows_differing"] = _rows_differing(sel, out["_sel"])
+                row["sel_vs_default"] = _rows_differing(full[0], out["_sel"])
             else:
-                out["_sel"] = np.asarray(sel)
+                out["_sel"] = np.asarray(full[0])
             out[label] = row
         except Exception as e:  # an option this XLA does not know
             out[label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}

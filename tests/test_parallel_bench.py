@@ -41,7 +41,7 @@ def test_device_script_smoke(tmp_path):
     assert res["parity"]["tp2"]["decode_k_equals_decodes"]
     assert res["parity"]["tp2_split"]["decode_k_equals_decodes"]
     bits = res["prefill_bits"]
-    assert bits["default"]["sel_half_batch_rows_differing"] == 0.0  # bitwise on the CPU
+    assert bits["default"]["half_batch_sel"] == 0.0 and bits["default"]["tp2_rank0_sel"] == 0.0
     assert "| b64_tp2 (dp 1 x tp 2, 4 seqs) |" in out.stdout
 
 
