@@ -1,5 +1,6 @@
 """Two processes under `jax.distributed` (a coordinator on 127.0.0.1, 4 CPU devices each): the
-sharded steps against one device, dp x tp = 2 x 4 and 1 x 8 (tests/multihost_check.py)."""
+sharded steps against one device, dp x tp = 2 x 4 and 1 x 8, the latter with the selection split
+over the ranks (tests/multihost_check.py)."""
 
 import os
 import signal
@@ -47,5 +48,5 @@ def test_two_processes_match_one_device():
                        for i in range(2))
     assert codes == [0, 0], report
     for i in range(2):
-        for case in ("dp 2 x tp 4", "dp 1 x tp 8"):
+        for case in ("dp 2 x tp 4 (split selection False)", "dp 1 x tp 8 (split selection True)"):
             assert f"process {i}: {case}: ok" in outputs[i], report
