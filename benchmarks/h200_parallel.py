@@ -18,7 +18,8 @@ multicast can put them out of service; the device notes, KINDS.md).
    runs), TP=2 as the library runs it now (selection split over the ranks, the Mosaic attend
    at 32 heads padded to its 64-row tile), TP=2 with the selection replicated, TP=2 as
    before (replicated, Triton attend at 32 heads), DP=2; B=8 at TP=2 split and replicated
-   (the split rule's threshold); B=1 at TP=1, TP=2 and TP=2 as before (--gpus n: TP=n,
+   (the split rule's threshold); B=1 at TP=1, TP=2 and TP=2 as before; B=64 and B=1 at
+   TP=1 with the projections isolated (`parallel_probes.project_isolated`) (--gpus n: TP=n,
    DP=n; from n=4 also 256 sequences at TP=1 and DP=n). Each is T=16 decode steps in one
    jitted `lax.scan` (state carried and donated, lengths reset to 16K - T at each call):
    no host work between steps. Per step: the wall time, and from a profile the kernel time
@@ -58,21 +59,24 @@ def parity_meshes(n: int) -> list[tuple[int, int]]:
 
 
 def time_points(n: int, big: int) -> list[tuple[str, int, int, int, bool | None, bool]]:
-    """(key, dp, tp, sequences, split_selection, attend rule as before): "b64" is the big
+    """(key, dp, tp, sequences, split_selection, variant): variant "" (the library now),
+    "before" (the attend rule as before) or "isolated" (isolated projections). "b64" is the big
     batch (64; 4 in --smoke), "b32" half of it, "b8" 8 (2 in --smoke)."""
     small = 8 if big >= 64 else 2
     # The targets' points first: a run cut short by --budget-s keeps them.
-    pts = [("b64_tp1", 1, 1, big, None, False), (f"b64_tp{n}", 1, n, big, None, False),
-           (f"b64_dp{n}", n, 1, big, None, False), ("b1_tp1", 1, 1, 1, None, False),
-           (f"b1_tp{n}", 1, n, 1, None, False), ("b32_tp1", 1, 1, big // 2, None, False),
-           (f"b64_tp{n}_replicated", 1, n, big, False, False),
-           (f"b64_tp{n}_before", 1, n, big, False, True),
-           (f"b1_tp{n}_before", 1, n, 1, False, True),
-           (f"b8_tp{n}_split", 1, n, small, True, False),
-           (f"b8_tp{n}_replicated", 1, n, small, False, False)]
+    pts = [("b64_tp1", 1, 1, big, None, ""), (f"b64_tp{n}", 1, n, big, None, ""),
+           (f"b64_dp{n}", n, 1, big, None, ""), ("b1_tp1", 1, 1, 1, None, ""),
+           (f"b1_tp{n}", 1, n, 1, None, ""), ("b32_tp1", 1, 1, big // 2, None, ""),
+           (f"b64_tp{n}_replicated", 1, n, big, False, ""),
+           (f"b64_tp{n}_before", 1, n, big, False, "before"),
+           (f"b1_tp{n}_before", 1, n, 1, False, "before"),
+           (f"b8_tp{n}_split", 1, n, small, True, ""),
+           (f"b8_tp{n}_replicated", 1, n, small, False, ""),
+           ("b64_tp1_isolated", 1, 1, big, None, "isolated"),
+           ("b1_tp1_isolated", 1, 1, 1, None, "isolated")]
     if n >= 4:
-        pts += [("b256_tp1", 1, 1, 4 * big, None, False),
-                (f"b256_dp{n}", n, 1, 4 * big, None, False)]
+        pts += [("b256_tp1", 1, 1, 4 * big, None, ""),
+                (f"b256_dp{n}", n, 1, 4 * big, None, "")]
     return pts
 
 
@@ -241,13 +245,21 @@ class Loop:
         pass
 
 
-def time_point(cfg, hf, dp, tp, b, steps, smoke, split=None, before=False, hlo_path=None):
-    """One timed point; `split`: split_selection; `before`: the attend rule as before
-    (`parallel_probes.attend_rule`); `hlo_path`: write the compiled loop's HLO there."""
+def time_point(cfg, hf, dp, tp, b, steps, smoke, split=None, variant="", hlo_path=None):
+    """One timed point; `split`: split_selection; `variant`: "before" (the attend rule as
+    before: `parallel_probes.attend_rule`), "isolated" (`isolated_projections`) or "";
+    `hlo_path`: write the compiled loop's HLO there."""
+    import contextlib
+
     import jax
 
     from benchmarks.harness import measure, profile_step
-    from benchmarks.parallel_probes import attend_rule, collective_names, is_collective
+    from benchmarks.parallel_probes import (
+        attend_rule,
+        collective_names,
+        is_collective,
+        isolated_projections,
+    )
     from benchmarks.workloads import random_state
     from dsa_jax import sharding
     from dsa_jax.weights import fold_weights
@@ -262,12 +274,13 @@ def time_point(cfg, hf, dp, tp, b, steps, smoke, split=None, before=False, hlo_p
         w = sharding.shard_weights(c, hf, m)
         state = sharding.shard_state(c, m, state)
     t0 = time.perf_counter()
-    with attend_rule(before):
+    iso = isolated_projections() if variant == "isolated" else contextlib.nullcontext()
+    with attend_rule(variant == "before"), iso:
         loop = Loop(c, m, w, state, b, steps, l0, seed=3, split=split)
     jax.block_until_ready(loop())
     row = {"dp": dp, "tp": tp, "num_seqs": b, "context": l0, "steps_per_call": steps,
            "split_selection": None if m is None else sharding.split_rule(c, b // dp, split),
-           "attend_rule": "before" if before else "now",
+           "variant": variant or "now",
            "compile_and_first_call_s": time.perf_counter() - t0}
     names = collective_names(loop.hlo)
     row["collective_instructions"] = names
@@ -381,13 +394,13 @@ def main(argv=None) -> int:
     tasks = []
     if "times" in parts:
         folder = os.path.dirname(os.path.abspath(args.out))
-        for key, dp, tp, b, split, before in time_points(n, sizes["big_b"]):
+        for key, dp, tp, b, split, variant in time_points(n, sizes["big_b"]):
             hlo = (os.path.join(folder, f"hlo-{key}.txt.gz")
                    if key in ("b64_tp1", f"b64_tp{n}", f"b64_dp{n}", f"b1_tp{n}") else None)
 
-            def run_time(key=key, dp=dp, tp=tp, b=b, split=split, before=before, hlo=hlo):
+            def run_time(key=key, dp=dp, tp=tp, b=b, split=split, variant=variant, hlo=hlo):
                 res["times"][key] = time_point(cfg, hf, dp, tp, b, args.steps, args.smoke,
-                                               split=split, before=before, hlo_path=hlo)
+                                               split=split, variant=variant, hlo_path=hlo)
             tasks.append((f"times {key}", run_time))
     if "prefill_bits" in parts:
         def run_bits():
