@@ -78,3 +78,18 @@ def test_one_device_mesh_is_the_plain_step():
         sharding.dp_tp_prefill(cfg, m, w, s, jax.numpy.ones((3, 90, cfg.hidden_size)))
     y, s, _ = sharding.dp_tp_decode(cfg, m, w, s, x[:, 0])
     assert np.asarray(s.lengths).tolist() == [10, 5, 8]
+
+
+def test_split_rule():
+    """The selection splits over tp where asked and possible, and by default where every rank
+    gets at least SPLIT_MIN_SEQS_PER_RANK sequences; an impossible split is refused."""
+    cfg = ODD.replace(num_heads=6, tp_degree=2)
+    least = sharding.steps.SPLIT_MIN_SEQS_PER_RANK
+    assert sharding.split_rule(cfg, 2 * least)
+    assert not sharding.split_rule(cfg, 2 * least - 2)
+    assert not sharding.split_rule(cfg, 2 * least + 1)  # does not divide
+    assert sharding.split_rule(cfg, 2, True) and not sharding.split_rule(cfg, 64, False)
+    assert not sharding.split_rule(ODD, 64) and not sharding.split_rule(ODD, 64, True)  # tp 1
+    with pytest.raises(sharding.ShardingError, match=r"split_selection=True: a dp shard's 3 "
+                                                     r"sequences do not split over tp=2"):
+        sharding.split_rule(cfg, 3, True)
