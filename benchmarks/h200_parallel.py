@@ -90,6 +90,10 @@ def parse(argv):
     p.add_argument("--steps", type=int, default=16, help="decode steps per timed loop")
     p.add_argument("--only", default="parity,times,attend32,prefill_bits",
                    help="parts to run")
+    p.add_argument("--points", default="",
+                   help="comma-separated time point keys (and 'prefill_bits') to run, in this "
+                        "order, instead of all of them (a second call for what a first one "
+                        "skipped)")
     p.add_argument("--budget-s", type=float, default=540.0,
                    help="start no part or timing point after this many seconds (the device "
                         "tool stops a command at 600 s; what ran is in the JSON)")
@@ -409,6 +413,12 @@ def main(argv=None) -> int:
                          res)
         # After the points the targets and the levers need, before the threshold's points.
         tasks.insert(min(len(tasks), 8), ("prefill_bits", run_bits))
+    if args.points:  # these tasks only, in this order
+        by_name = {name.removeprefix("times "): (name, fn) for name, fn in tasks}
+        unknown = [k for k in args.points.split(",") if k not in by_name]
+        if unknown:
+            raise SystemExit(f"--points {unknown} are not among {sorted(by_name)}")
+        tasks = [by_name[k] for k in args.points.split(",")]
     for name, fn in tasks:
         guarded(name, fn)
     res["parity_ok"] = ok and not any(e.startswith("parity") for e in res["errors"])

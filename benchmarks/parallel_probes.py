@@ -15,9 +15,9 @@
   indexer's query GEMM, pool scores, top-k) at B and at B/2 sequences on the same inputs;
   then the whole step, with what its selection saw (qi, head weights, pool keys), at B
   against B/2 (what a dp=2 device runs) and against a tp=2 rank's program run alone, under
-  XLA's default compile options, with GEMM autotuning off, and with the projections'
-  pieces isolated by optimization barriers (`project_isolated`); and the sharded tp=2 and
-  dp=2 prefills with the isolated projections against one device.
+  XLA's default compile options and with the projections' pieces isolated by optimization
+  barriers (`project_isolated`); and the sharded tp=2 and dp=2 prefills with the isolated
+  projections against one device.
 """
 
 from __future__ import annotations
@@ -209,7 +209,6 @@ def prefill_bits(cfg, hf, b: int, ctx: int, rows: int, res: dict) -> None:
     }
     # The whole step, and what its selection saw, at B, at B/2 and as a tp=2 rank's program.
     for label, opts, iso in (("default", None, False),
-                             ("autotune_off", {"xla_gpu_autotune_level": 0}, False),
                              ("isolated_projections", None, True)):
         try:
             f = jax.jit(_step_capture, static_argnums=0, compiler_options=opts)
