@@ -349,6 +349,10 @@ CASES = [
     ("sharding.split", "sequences that do not split over the dp shards", ShardingError,
      r"num_seqs must be a positive multiple of dp=1, got 0",
      lambda c: sharding.init_state(ODD, sharding.mesh(1, 1), 0)),
+    ("sharding.split-selection", "a selection split over tp ranks that the sequences do not "
+     "divide", ShardingError,
+     r"split_selection=True: a dp shard's 3 sequences do not split over tp=2 ranks",
+     lambda c: sharding.split_rule(ODD.replace(num_heads=6, tp_degree=2), 3, True)),
     ("nnx.no-weights", "DsaAttention without rngs or weights", ValueError,
      r"DsaAttention needs rngs \(random weights\) or weights",
      lambda c: __import__("dsa_jax.nnx").nnx.DsaAttention(ODD, num_seqs=1)),
