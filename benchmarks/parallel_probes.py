@@ -35,9 +35,27 @@ _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*[^\n]*?\b(?:"
                     + "|".join(COLLECTIVE_OPS) + r")(?:-start)?\(", re.MULTILINE)
 
 
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(", re.MULTILINE)
+
+
+def _kernel_spelling(name: str) -> str:
+    """An HLO name as kernel names spell it: no "fused_" prefix or ".clone" suffix, '.' and
+    '-' as '_' (`fused_psum.7.0.clone` -> `psum_7_0`, whose kernel is `psum_7_0_fusion_1`)."""
+    name = name.removeprefix("fused_").removesuffix(".clone")
+    return re.sub(r"[.\-]", "_", name)
+
+
 def collective_names(hlo_text: str) -> list[str]:
-    """The compiled program's collective instructions, spelled as kernel names spell them."""
-    return sorted({re.sub(r"[.\-]", "_", m.group(1)) for m in _INSTR.finditer(hlo_text)})
+    """The compiled program's collective instructions and the fused computations that hold
+    one (XLA runs a small all-reduce as a Triton collective fusion), spelled as kernel names
+    spell them."""
+    names = {_kernel_spelling(m.group(1)) for m in _INSTR.finditer(hlo_text)}
+    heads = list(_COMPUTATION.finditer(hlo_text))
+    for i, head in enumerate(heads):
+        body = hlo_text[head.end():heads[i + 1].start() if i + 1 < len(heads) else None]
+        if head.group(1).startswith("fused_") and _INSTR.search(body):  # a fusion's own
+            names.add(_kernel_spelling(head.group(1)))
+    return sorted(names)
 
 
 def is_collective(kernel: str, names: list[str]) -> bool:

@@ -51,13 +51,21 @@ def test_collective_kernels_are_found_by_instruction_name():
     after NCCL; other kernels (a psum-like prefix of another name included) are not."""
     from benchmarks.parallel_probes import collective_names, is_collective
 
-    hlo = ("  %psum.7 = f32[64,1,4096]{2,1,0} all-reduce(%p), channel_id=1, to_apply=%add\n"
-           "  ROOT %all-gather.3 = s32[64,4,512]{2,1,0} all-gather(%q), dimensions={0}\n"
-           "  %fusion.2 = f32[8]{0} fusion(%a), kind=kLoop, calls=%fused_all_reduce_like\n")
+    hlo = ("%fused_psum.7.0.clone (param_0.538: f32[262144]) -> f32[262144] {\n"
+           "  %param_0.538 = f32[262144]{0} parameter(0)\n"
+           "  ROOT %psum.7.2 = f32[262144]{0} all-reduce(%param_0.538), channel_id=1\n"
+           "}\n\n"
+           "%fused_convert (p: f32[8]) -> bf16[8] {\n"
+           "  ROOT %c = bf16[8]{0} convert(%p)\n"
+           "}\n\n"
+           "ENTRY %main.1 (a: f32[8]) -> f32[8] {\n"
+           "  %all-gather-start = s32[64,4,512]{2,1,0} all-gather-start(%q), dimensions={0}\n"
+           "  %fusion.2 = f32[8]{0} fusion(%a), kind=kLoop, calls=%fused_all_reduce_like\n"
+           "}\n")
     names = collective_names(hlo)
-    assert names == ["all_gather_3", "psum_7"]
-    assert is_collective("psum_7_0_fusion_1", names)
-    assert is_collective("all_gather_3", names)
+    assert names == ["all_gather_start", "psum_7_0", "psum_7_2"], names
+    assert is_collective("psum_7_0_fusion_1", names)  # the Triton collective fusion's kernel
+    assert is_collective("all_gather_start", names)
     assert is_collective("ncclDevKernel_AllReduce_Sum_f32_RING_LL", [])
     assert not is_collective("psum_70_fusion", names)
     assert not is_collective("pool_scores", names)
