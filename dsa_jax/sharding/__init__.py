@@ -16,7 +16,9 @@ share of the sequences, then one all-gather of the pool ids); dp divides the seq
 caches and all per-sequence work, with no communication. Under dp a device runs a smaller
 batch than one device would: `sel` stays equal to one device's as long as the kernels' bits
 do not depend on the batch size (the Pallas kernels work per row; XLA:CPU's vectorized exp
-differs from its scalar remainder loop, so there pool keys may differ in their last bits).
+differs from its scalar remainder loop, and its pool-score dots differ with the batch's shape,
+so there pool keys and scores may differ in their last bits; the GEMMs feeding the indexer
+are XLA's on every backend: benchmarks/notes.md has what the H200 shows).
 
 Placement (`layout.py`): `mesh`, `shard_weights`, `init_state` (made in place),
 `shard_state` / `gather_state` (a whole state <-> split), `put`, `row_sharding`, the specs

@@ -9,8 +9,9 @@ The selection (pool scores and top-k, per row) is either replicated (every rank 
 all the shard's sequences) or split (`split_selection`): rank i scores and top-k's only its
 1/tp of the shard's sequences (the others' rows get no candidate pool, so the score kernel
 reads no key for them), then one all-gather over tp of the chosen pool ids `[b, R, k]` gives
-every rank the whole selection. Each row's scores and top-k depend on that row's inputs only,
-so `sel` is bitwise the same either way and at every degree.
+every rank the whole selection. The scores are computed at the shard's full shape (so even
+XLA's twin, whose dots' last bits depend on the batch shape, gives the replicated scores) and
+a row's top-k depends on that row's scores only, so `sel` is bitwise the same either way.
 
 Three levels:
 - `local_step`: the body of a `shard_map` (for a caller that maps its own function, e.g. a
@@ -86,7 +87,8 @@ def split_select(cfg: DsaConfig, qi: jax.Array, w: jax.Array, pool_keys: jax.Arr
                  pos: jax.Array, valid: jax.Array) -> jax.Array:
     """Inside `shard_map`: `layer.select_pools` with the rows split over tp by sequence
     (same arguments; `B` a multiple of tp). Returns every row's pool ids `[B, R, k]`, bitwise
-    those of `select_pools` (each row's scores and top-k depend on that row only)."""
+    those of `select_pools` (the same score program with other rows masked; a row's top-k
+    depends on its scores only)."""
     b, tp = qi.shape[0], cfg.tp_degree
     n = b // tp
     rank = lax.axis_index(TP)
