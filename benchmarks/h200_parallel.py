@@ -18,8 +18,7 @@ multicast can put them out of service; the device notes, KINDS.md).
    runs), TP=2 as the library runs it now (selection split over the ranks, the Mosaic attend
    at 32 heads padded to its 64-row tile), TP=2 with the selection replicated, TP=2 as
    before (replicated, Triton attend at 32 heads), DP=2; B=8 at TP=2 split and replicated
-   (the split rule's threshold); B=1 at TP=1, TP=2 and TP=2 as before; B=64 and B=1 at
-   TP=1 with the projections isolated (`parallel_probes.project_isolated`) (--gpus n: TP=n,
+   (the split rule's threshold); B=1 at TP=1, TP=2 and TP=2 as before (--gpus n: TP=n,
    DP=n; from n=4 also 256 sequences at TP=1 and DP=n). Each is T=16 decode steps in one
    jitted `lax.scan` (state carried and donated, lengths reset to 16K - T at each call):
    no host work between steps. Per step: the wall time, and from a profile the kernel time
@@ -59,8 +58,8 @@ def parity_meshes(n: int) -> list[tuple[int, int]]:
 
 
 def time_points(n: int, big: int) -> list[tuple[str, int, int, int, bool | None, bool]]:
-    """(key, dp, tp, sequences, split_selection, variant): variant "" (the library now),
-    "before" (the attend rule as before) or "isolated" (isolated projections). "b64" is the big
+    """(key, dp, tp, sequences, split_selection, variant): variant "" (the library now) or
+    "before" (the attend rule as before). "b64" is the big
     batch (64; 4 in --smoke), "b32" half of it, "b8" 8 (2 in --smoke)."""
     small = 8 if big >= 64 else 2
     # The targets' points first: a run cut short by --budget-s keeps them.
@@ -71,9 +70,7 @@ def time_points(n: int, big: int) -> list[tuple[str, int, int, int, bool | None,
            (f"b64_tp{n}_before", 1, n, big, False, "before"),
            (f"b1_tp{n}_before", 1, n, 1, False, "before"),
            (f"b8_tp{n}_split", 1, n, small, True, ""),
-           (f"b8_tp{n}_replicated", 1, n, small, False, ""),
-           ("b64_tp1_isolated", 1, 1, big, None, "isolated"),
-           ("b1_tp1_isolated", 1, 1, 1, None, "isolated")]
+           (f"b8_tp{n}_replicated", 1, n, small, False, "")]
     if n >= 4:
         pts += [("b256_tp1", 1, 1, 4 * big, None, ""),
                 (f"b256_dp{n}", n, 1, 4 * big, None, "")]
@@ -251,19 +248,12 @@ class Loop:
 
 def time_point(cfg, hf, dp, tp, b, steps, smoke, split=None, variant="", hlo_path=None):
     """One timed point; `split`: split_selection; `variant`: "before" (the attend rule as
-    before: `parallel_probes.attend_rule`), "isolated" (`isolated_projections`) or "";
-    `hlo_path`: write the compiled loop's HLO there."""
-    import contextlib
-
+    before: `parallel_probes.attend_rule`) or ""; `hlo_path`: write the compiled loop's HLO
+    there."""
     import jax
 
     from benchmarks.harness import measure, profile_step
-    from benchmarks.parallel_probes import (
-        attend_rule,
-        collective_names,
-        is_collective,
-        isolated_projections,
-    )
+    from benchmarks.parallel_probes import attend_rule, collective_names, is_collective
     from benchmarks.workloads import random_state
     from dsa_jax import sharding
     from dsa_jax.weights import fold_weights
@@ -278,8 +268,7 @@ def time_point(cfg, hf, dp, tp, b, steps, smoke, split=None, variant="", hlo_pat
         w = sharding.shard_weights(c, hf, m)
         state = sharding.shard_state(c, m, state)
     t0 = time.perf_counter()
-    iso = isolated_projections() if variant == "isolated" else contextlib.nullcontext()
-    with attend_rule(variant == "before"), iso:
+    with attend_rule(variant == "before"):
         loop = Loop(c, m, w, state, b, steps, l0, seed=3, split=split)
     jax.block_until_ready(loop())
     row = {"dp": dp, "tp": tp, "num_seqs": b, "context": l0, "steps_per_call": steps,

@@ -15,9 +15,9 @@
   indexer's query GEMM, pool scores, top-k) at B and at B/2 sequences on the same inputs;
   then the whole step, with what its selection saw (qi, head weights, pool keys), at B
   against B/2 (what a dp=2 device runs) and against a tp=2 rank's program run alone, under
-  XLA's default compile options and with the projections' pieces isolated by optimization
-  barriers (`project_isolated`); and the sharded tp=2 and dp=2 prefills with the isolated
-  projections against one device.
+  XLA's default compile options and with XLA's split-K forced off (`force_split_k_1`); the
+  indexer's GEMMs alone at M and m rows under several XLA options (`gemm_rows`); and the
+  sharded tp=2 and dp=2 prefills against one device with split-K forced off.
 """
 
 from __future__ import annotations
@@ -126,43 +126,6 @@ def _head(state, h: int):
                              if f not in keep and getattr(state, f) is not None})
 
 
-def project_isolated(cfg, weights, x):
-    """`projection.project` with optimization barriers around the x_proj GEMM's output, the q_a
-    RMSNorm's output and the indexer's query GEMM's output: each is then one fusion of its
-    own, whatever else the program holds (the tp degree's q_b GEMM, a dp shard's batch), so
-    XLA cannot slice, merge or fuse them differently per program."""
-    from jax import lax
-
-    from dsa_jax.projection import Projections, matmul, per_head, rms_norm
-
-    r_q, c, hl, dn = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.local_heads, cfg.qk_nope_head_dim
-    hi, di = cfg.index_n_heads, cfg.index_head_dim
-    xw = lax.optimization_barrier(matmul(x, weights.x_proj))  # [..., Nx]
-    q_resid = lax.optimization_barrier(rms_norm(xw[..., :r_q], weights.q_a_norm,
-                                                cfg.rms_norm_eps))  # [..., R_q]
-    q = matmul(q_resid, weights.q_proj).reshape(*xw.shape[:-1], hl, dn)  # [..., Hl, Dn]
-    q_abs = per_head(q, weights.u_k, 1)  # [..., Hl, C]
-    if not weights.has_indexer:
-        return Projections(q_abs, xw[..., r_q:r_q + c], None, None, None, None)
-    qi = lax.optimization_barrier(matmul(lax.optimization_barrier(q_resid), weights.qi_proj))
-    idx = xw[..., r_q + c:]
-    return Projections(q_abs, xw[..., r_q:r_q + c], qi.reshape(*xw.shape[:-1], hi, di),
-                       idx[..., :di], idx[..., di:2 * di], idx[..., 2 * di:2 * di + hi])
-
-
-@contextlib.contextmanager
-def isolated_projections():
-    """`layer.step` traces `project_isolated` while the block is open (trace inside it)."""
-    from dsa_jax import layer
-
-    orig = layer.project
-    layer.project = project_isolated
-    try:
-        yield
-    finally:
-        layer.project = orig
-
-
 def _step_capture(cfg, weights, state, x, n_new):
     """`layer.step`, also returning what its selection saw: (sel, qi, w, pool keys after the
     writes). The selection hook hands its inputs out of the same trace."""
@@ -177,6 +140,39 @@ def _step_capture(cfg, weights, state, x, n_new):
 
     _, _, sel = layer.step(cfg, weights, state, x, n_new, select=select)
     return sel, seen["qi"], seen["w"], seen["keys"]
+
+
+# XLA options that might fix a GEMM's algorithm whatever its row count (None: the defaults).
+GEMM_OPTIONS = {"default": None,
+                "force_split_k_1": {"xla_gpu_experimental_force_split_k": 1},
+                "autotune_off": {"xla_gpu_autotune_level": 0}}
+GEMM_ROWS = ((128, 64), (256, 128))  # (M, m): a prefill chunk at dp 1 / 2, a B=64 decode
+
+
+def gemm_rows(w1, d: int, r_q: int) -> dict:
+    """The indexer's two GEMMs (x_proj over x, qi_proj over q_resid) at M rows against their
+    first m rows computed alone, under each of `GEMM_OPTIONS`: the share of the m rows whose
+    bits differ (0: this GEMM's rows do not depend on the row count there)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsa_jax.projection import matmul
+
+    rng = np.random.default_rng(11)
+    out = {}
+    for label, opts in GEMM_OPTIONS.items():
+        try:
+            f = jax.jit(matmul, compiler_options=opts)
+            row = {}
+            for name, w, k in (("x_proj", w1.x_proj, d), ("qi_proj", w1.qi_proj, r_q)):
+                for big, small in GEMM_ROWS:
+                    v = jnp.asarray(rng.standard_normal((big, k)).astype("float32"))
+                    row[f"{name}_{big}_vs_{small}"] = _rows_differing(
+                        f(v, w)[:small, None], f(v[:small], w)[:, None])
+            out[label] = row
+        except Exception as e:  # an option this XLA does not know
+            out[label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    return out
 
 
 def prefill_bits(cfg, hf, b: int, ctx: int, rows: int, res: dict) -> None:
@@ -225,15 +221,14 @@ def prefill_bits(cfg, hf, b: int, ctx: int, rows: int, res: dict) -> None:
         "pool_scores": _rows_differing(sc[:h], scores(qi[:h], hw[:h], keys[:h], ncand[:h])),
         "top_pools": _rows_differing(top(sc)[:h], top(sc[:h])),
     }
+    out["gemm_rows_vs_options"] = gemm_rows(w1, cfg.hidden_size, cfg.q_lora_rank)
     # The whole step, and what its selection saw, at B, at B/2 and as a tp=2 rank's program.
-    for label, opts, iso in (("default", None, False),
-                             ("isolated_projections", None, True)):
+    for label, opts in (("default", None), ("force_split_k_1", GEMM_OPTIONS["force_split_k_1"])):
         try:
             f = jax.jit(_step_capture, static_argnums=0, compiler_options=opts)
-            with isolated_projections() if iso else contextlib.nullcontext():
-                full = f(cfg, w1, jax.device_put(host, dev), x, n_new)
-                half = f(cfg, w1, jax.device_put(_head(host, h), dev), x[:h], n_new[:h])
-                rank0 = f(cfg2, w2, jax.device_put(host, dev), x, n_new)
+            full = f(cfg, w1, jax.device_put(host, dev), x, n_new)
+            half = f(cfg, w1, jax.device_put(_head(host, h), dev), x[:h], n_new[:h])
+            rank0 = f(cfg2, w2, jax.device_put(host, dev), x, n_new)
             names = ("sel", "qi", "head_w", "pool_keys")
             row = {f"half_batch_{k}": _rows_differing(a[:h], c)
                    for k, a, c in zip(names, full, half, strict=True)}
@@ -248,29 +243,33 @@ def prefill_bits(cfg, hf, b: int, ctx: int, rows: int, res: dict) -> None:
             out[label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     out.pop("_sel", None)
     res["prefill_bits"] = out
-    out["mesh_isolated_projections"] = _mesh_prefill(cfg, hf, x, host)
+    try:
+        out["mesh_force_split_k_1"] = _mesh_prefill(cfg, hf, x, host,
+                                                     GEMM_OPTIONS["force_split_k_1"])
+    except Exception as e:
+        out["mesh_force_split_k_1"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
 
 
-def _mesh_prefill(cfg, hf, x, host) -> dict:
-    """The sharded prefills (tp=2 on a 1x2 mesh, dp=2 on a 2x1 mesh) against one device, all
-    traced with `project_isolated`: the share of rows whose `sel` differs."""
+def _mesh_prefill(cfg, hf, x, host, opts) -> dict:
+    """The sharded prefill steps (tp=2 on a 1x2 mesh, dp=2 on a 2x1 mesh) against one device,
+    every program compiled with XLA options `opts`: the share of rows whose `sel` differs."""
     import jax
 
     import dsa_jax
-    from dsa_jax import sharding
+    from dsa_jax import layer, sharding
 
     out = {}
-    jax.clear_caches()  # the steps compiled earlier traced the plain projections
-    try:
-        with isolated_projections():
-            w1 = dsa_jax.fold_weights(cfg, hf)
-            _, _, sel1 = dsa_jax.prefill(cfg, w1, jax.device_put(host, jax.devices()[0]), x)
-            for name, dp, tp in (("tp2", 1, 2), ("dp2", 2, 1)):
-                c = cfg.replace(tp_degree=tp)
-                m = sharding.mesh(dp, tp)
-                _, _, sel = sharding.dp_tp_prefill(c, m, sharding.shard_weights(c, hf, m),
-                                                   sharding.shard_state(c, m, host), x)
-                out[f"{name}_sel_rows_differing"] = _rows_differing(sel, sel1)
-    finally:
-        jax.clear_caches()
+    b, rows = x.shape[:2]
+    w1 = dsa_jax.fold_weights(cfg, hf)
+    one = jax.jit(layer.step, static_argnames="cfg", compiler_options=opts)
+    _, _, sel1 = one(cfg, w1, jax.device_put(host, jax.devices()[0]), x,
+                     jax.numpy.full((b,), rows, jax.numpy.int32))
+    for name, dp, tp in (("tp2", 1, 2), ("dp2", 2, 1)):
+        c = cfg.replace(tp_degree=tp)
+        m = sharding.mesh(dp, tp)
+        step = jax.jit(lambda w, s, v, c=c, m=m: sharding.sharded_step(c, m, w, s, v, rows),
+                       compiler_options=opts)
+        _, _, sel = step(sharding.shard_weights(c, hf, m), sharding.shard_state(c, m, host),
+                         sharding.put(x, sharding.row_sharding(m)))
+        out[f"{name}_sel_rows_differing"] = _rows_differing(sel, sel1)
     return out

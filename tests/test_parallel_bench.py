@@ -26,8 +26,7 @@ def test_device_script_smoke(tmp_path):
     assert res["env"]["NCCL_NVLS_ENABLE"] == "0"
     assert set(res["times"]) == {"b64_tp1", "b64_tp2", "b64_dp2", "b1_tp1", "b1_tp2", "b32_tp1",
                                  "b64_tp2_replicated", "b64_tp2_before", "b1_tp2_before",
-                                 "b8_tp2_split", "b8_tp2_replicated", "b64_tp1_isolated",
-                                 "b1_tp1_isolated"}
+                                 "b8_tp2_split", "b8_tp2_replicated"}
     assert all(r["wall_us_per_step"] > 0 for r in res["times"].values())
     times = res["times"]
     assert times["b8_tp2_split"]["split_selection"] and not times["b8_tp2_replicated"][
