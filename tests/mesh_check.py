@@ -34,8 +34,8 @@ from dsa_jax.state import StateError
 from dsa_jax.testing import assert_trees_bitwise_equal
 
 CASES = ((1, 2), (1, 4), (1, 8), (2, 4), (4, 2), (8, 1))
-# split_selection per case: forced on where the default rule (at least 4 sequences per tp rank)
-# would replicate it; (1, 2) splits by that rule and (4, 2) replicates by it.
+# split_selection per case: forced on for three cases; (1, 2) and (4, 2) take the default rule,
+# which replicates it at these few sequences per rank (tests/test_sharding.py tests the rule).
 SPLIT = {(1, 4): True, (1, 8): True, (2, 4): True}
 B, T = 8, 3  # sequences; decodes in the scan
 CFG1 = ODD.replace(num_heads=8, cache_dtype="float8_e4m3fn", param_dtype="bfloat16",

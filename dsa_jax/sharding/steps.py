@@ -64,10 +64,12 @@ def reduce_heads(cfg: DsaConfig, y: jax.Array) -> jax.Array:
     return lax.psum(y, TP) if cfg.tp_degree > 1 else y
 
 
-# Fewest sequences per tp rank for which the "auto" rule splits the selection: below it the
-# score and top-k kernels run one program per row anyway and the all-gather would only add
-# its latency (benchmarks/h200_parallel.py measures both sides).
-SPLIT_MIN_SEQS_PER_RANK = 4
+# Fewest sequences per tp rank for which the default rule splits the selection. On the H200
+# the pool scores grow with the batch (they halve under the split, less a fixed cost for the
+# other ranks' rows), the top-k barely does below 32 sequences (one program per row), and the
+# all-gather costs ~11 us: a clear gain at 32 per rank, about even near 8 (benchmarks/notes.md,
+# issue 16).
+SPLIT_MIN_SEQS_PER_RANK = 16
 
 
 def split_rule(cfg: DsaConfig, local_seqs: int, split_selection: bool | None = None) -> bool:
