@@ -70,22 +70,31 @@ def pool_scores_xla(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: j
 @dataclasses.dataclass(frozen=True)
 class PoolScoresTuning:
     """Launch parameters of `pool_scores_pallas` (H200 sweeps: benchmarks/results/
-    h200-kernel-parity.json, h200-pool-rows.json; benchmarks/notes.md).
+    h200-kernel-parity.json, h200-pool-rows.json, h200-selection.json; benchmarks/notes.md).
 
     block_p: pools per tile. num_chunks: programs per row group, each looping over its share
-    of the tiles (None: one tile per program, the fastest measured). rows_per_program: rows of
-    one sequence scored per program, a power of two (None: `default_rows_per_program`).
-    num_warps, num_stages: Triton's."""
+    of the tiles (None: one tile per program, unless `target_programs` is set).
+    target_programs: where num_chunks is None, split each row group's tiles into enough
+    chunks for about this many programs in all (None: one tile per program).
+    rows_per_program: rows of one sequence scored per program, a power of two (None:
+    `default_rows_per_program`). pools_as_m: the dot as keys [BP, Di] x qi^T (the pool tile is
+    the MMA's M, heads its N) instead of qi x keys^T. bounded_loop: a program loops over just
+    its tiles that hold a candidate (then stores -inf for the rest) instead of testing every
+    tile with a branch, so the loop body is a plain load -> dot that Triton can pipeline
+    (`num_stages`). num_warps, num_stages: Triton's."""
     block_p: int = 64
     num_chunks: int | None = None
+    target_programs: int | None = None
     rows_per_program: int | None = None
+    pools_as_m: bool = False
+    bounded_loop: bool = False
     num_warps: int = 4
     num_stages: int = 3
 
 
 def _scores_kernel(ncand_ref, qi_ref, w_ref, keys_ref, out_ref, *, group_rows: int,
                    groups_per_seq: int, num_pools: int, width: int, block_p: int, tiles: int,
-                   precision):
+                   precision, pools_as_m: bool, bounded_loop: bool):
     """One (row group, pool chunk) program: `tiles` tiles of BP pools for RB rows.
 
     ncand_ref: [Np] int32 (whole); qi_ref: [RB*Hp, Dp] f32; w_ref: [RB*Hp] f32 (padded heads
@@ -101,12 +110,26 @@ def _scores_kernel(ncand_ref, qi_ref, w_ref, keys_ref, out_ref, *, group_rows: i
     dp = qi.shape[1]
     hp = qi.shape[0] // group_rows
     dims = jnp.arange(dp, dtype=jnp.int32)  # [Dp]
+    dims_ok = (dims < width)[None, :]  # [1, Dp]
 
-    def score_tile(pools, in_range):
-        mask = in_range[:, None] if width == dp else in_range[:, None] & (dims < width)[None, :]
+    def load_keys(pools, in_range):
+        mask = in_range[:, None] if width == dp else in_range[:, None] & dims_ok
         mask = jnp.broadcast_to(mask, (block_p, dp))  # Triton wants the pointer's shape
-        keys = plt.load(keys_ref.at[seq, pools[:, None], dims[None, :]], mask=mask,
+        return plt.load(keys_ref.at[seq, pools[:, None], dims[None, :]], mask=mask,
                         other=0.0)  # [BP, Dp]
+
+    def score_tile(pools, in_range):  # -> [RB, BP] (heads as M) or [BP, RB] (pools as M)
+        keys = load_keys(pools, in_range)
+        if pools_as_m:
+            dots = lax.dot_general(keys, qi, (((1,), (1,)), ((), ())), precision=precision,
+                                   preferred_element_type=jnp.float32)  # [BP, RB*Hp]
+            heads = w[None, :] * jnp.maximum(dots, 0.0)
+            if group_rows == 1:
+                scores = jnp.sum(heads, axis=1)[:, None]  # [BP, 1]
+            else:
+                scores = jnp.sum(heads.reshape(block_p, group_rows, hp), axis=2)  # [BP, RB]
+            scores = jnp.where(scores == 0, 0.0, scores)  # -0.0 -> 0.0
+            return jnp.where(pools[:, None] < n_cand[None, :], scores, -jnp.inf)
         dots = lax.dot_general(qi, keys, (((1,), (1,)), ((), ())), precision=precision,
                                preferred_element_type=jnp.float32)  # [RB*Hp, BP]
         heads = (w[:, None] * jnp.maximum(dots, 0.0)).reshape(group_rows, hp, block_p)
@@ -114,16 +137,47 @@ def _scores_kernel(ncand_ref, qi_ref, w_ref, keys_ref, out_ref, *, group_rows: i
         scores = jnp.where(scores == 0, 0.0, scores)  # -0.0 -> 0.0
         return jnp.where(pools[None, :] < n_cand[:, None], scores, -jnp.inf)
 
-    def tile(t, carry):
+    def store(pools, in_range, scores):
+        if pools_as_m:
+            mask = jnp.broadcast_to(in_range[:, None], (block_p, group_rows))
+            plt.store(out_ref.at[rows[None, :], pools[:, None]], scores, mask=mask)
+        else:
+            mask = jnp.broadcast_to(in_range[None, :], (group_rows, block_p))
+            plt.store(out_ref.at[rows[:, None], pools[None, :]], scores, mask=mask)
+
+    def pools_of(t):
         first = (chunk * tiles + t) * block_p
         pools = first + jnp.arange(block_p, dtype=jnp.int32)  # [BP]
-        in_range = pools < num_pools  # [BP]
+        return pools, pools < num_pools
+
+    dead_shape = (block_p, group_rows) if pools_as_m else (group_rows, block_p)
+
+    def dead(t, carry):
+        pools, in_range = pools_of(t)
+        store(pools, in_range, jnp.full(dead_shape, -jnp.inf, jnp.float32))
+        return carry
+
+    if bounded_loop:
+        # Tiles of this chunk that hold a candidate of some row: a prefix of the chunk.
+        live = jnp.clip((most + block_p - 1) // block_p - chunk * tiles, 0, tiles)
+
+        def live_tile(t, carry):
+            pools, in_range = pools_of(t)
+            store(pools, in_range, score_tile(pools, in_range))
+            return carry
+
+        lax.fori_loop(0, live, live_tile, 0)
+        lax.fori_loop(live, tiles, dead, 0)
+        return
+
+    def tile(t, carry):
+        first = (chunk * tiles + t) * block_p
+        pools, in_range = pools_of(t)
         # A tile with no candidate for any row (past the live length, or padded rows) reads
         # no key.
         scores = lax.cond(first < most, lambda: score_tile(pools, in_range),
-                          lambda: jnp.full((group_rows, block_p), -jnp.inf, jnp.float32))
-        mask = jnp.broadcast_to(in_range[None, :], (group_rows, block_p))
-        plt.store(out_ref.at[rows[:, None], pools[None, :]], scores, mask=mask)
+                          lambda: jnp.full(dead_shape, -jnp.inf, jnp.float32))
+        store(pools, in_range, scores)
         return carry
 
     lax.fori_loop(0, tiles, tile, 0)
@@ -158,17 +212,25 @@ def pool_scores_pallas(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand
     hp, dp = max(16, next_pow2(hi)), max(16, next_pow2(di))
     block_p = min(tuning.block_p, max(16, next_pow2(p)))
     tiles_all = pl.cdiv(p, block_p)
-    chunks = min(tuning.num_chunks or tiles_all, tiles_all)
+    groups = b * rp // rb
+    if tuning.num_chunks is not None:
+        chunks = tuning.num_chunks
+    elif tuning.target_programs is not None:
+        chunks = pl.cdiv(tuning.target_programs, groups)
+    else:
+        chunks = tiles_all
+    chunks = max(1, min(chunks, tiles_all))
     tiles = pl.cdiv(tiles_all, chunks)  # tiles per program
+    chunks = pl.cdiv(tiles_all, tiles)  # no program without a tile
     qi_p = jnp.pad(qi.astype(jnp.float32), ((0, 0), (0, rp - r), (0, hp - hi), (0, dp - di)))
     w_p = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, rp - r), (0, hp - hi)))
     ncand_p = jnp.pad(n_cand.astype(jnp.int32), ((0, 0), (0, rp - r)))  # pad rows: none
-    groups = b * rp // rb
     precision = (lax.Precision.HIGHEST if interpret
                  else lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
     kernel = functools.partial(_scores_kernel, group_rows=rb, groups_per_seq=rp // rb,
                                num_pools=p, width=di, block_p=block_p, tiles=tiles,
-                               precision=precision)
+                               precision=precision, pools_as_m=tuning.pools_as_m,
+                               bounded_loop=tuning.bounded_loop)
     out = pl.pallas_call(
         kernel,
         grid=(groups, chunks),
