@@ -21,6 +21,8 @@ from jax.experimental.pallas import triton as plt
 from dsa_jax.pallas.common import next_pow2, with_overrides
 
 _INT_MIN = -(2 ** 31)
+# sortable_key(-inf): 0xFF800000 ^ 0x7FFFFFFF as int32.
+_NEG_INF_KEY = -2139095041
 
 # The layer's pallas path runs this kernel for rows of at most this many pools (one chunk, held
 # in registers) and lax.top_k for longer ones: on the H200 the kernel beat lax.top_k at
@@ -36,10 +38,17 @@ class PoolTopkTuning:
     chunk: scores held in registers at once (a power of two; a longer row is walked in
     chunks). rank_block: winners ranked per step. radix_bits: score bits settled per counting
     pass (1, 2 or 4: 32, 16 or 8 passes over the row, each counting 2, 4 or 16 candidate
-    thresholds; 2 measured fastest). num_warps: Triton's."""
+    thresholds; 2 measured fastest). rank_splits: programs per row: each runs the select and
+    the compaction (the same work, repeated) and ranks its share of the k winners, so one
+    row's ranking runs on several multiprocessors (None: `default_rank_splits`).
+    short_rows: first count the finite scores; a row with fewer than k of them has the -inf
+    key as its k-th key and skips the radix passes, and a row with none (a padded row) writes
+    pools 0..k-1 and skips the rest. num_warps: Triton's."""
     chunk: int = 4096
     rank_block: int = 32
     radix_bits: int = 2
+    rank_splits: int | None = 1
+    short_rows: bool = False
     num_warps: int = 4
 
 
@@ -70,9 +79,13 @@ def sortable_key(x: jax.Array) -> jax.Array:
 
 
 def _topk_kernel(s_ref, o_ref, ck_ref, ci_ref, *, k: int, chunk: int, chunks: int,
-                 rank_block: int, radix_bits: int, barrier: bool):
-    """s_ref [Pp] f32 (one row); o_ref [Kp] int32 out; ck_ref, ci_ref [Kp] int32 scratch."""
+                 rank_block: int, radix_bits: int, splits: int, short_rows: bool,
+                 barrier: bool):
+    """s_ref [Pp] f32 (one row); o_ref [Kp] int32 out (the row's, shared by its `splits`
+    programs: each writes the slots of its winners); ck_ref, ci_ref [Kp] int32 scratch (this
+    program's own)."""
     lane = jnp.arange(chunk, dtype=jnp.int32)  # [chunk]
+    split = pl.program_id(1)
 
     if chunks == 1:
         row_keys = sortable_key(s_ref[...])  # [chunk], loaded once
@@ -102,40 +115,73 @@ def _topk_kernel(s_ref, o_ref, ck_ref, ci_ref, *, k: int, chunk: int, chunks: in
         counts = count(lambda key: key[None, :] >= thr[:, None], digits.shape)  # [D]
         return jnp.max(jnp.where(counts >= k, thr, jnp.int32(_INT_MIN))) ^ jnp.int32(_INT_MIN)
 
-    kth = lax.fori_loop(0, 32 // radix_bits, radix_pass, jnp.int32(0)) ^ jnp.int32(_INT_MIN)
-    need_eq = k - count(lambda key: key > kth)  # ties at the k-th key still to take, >= 1
+    def radix_select():
+        return lax.fori_loop(0, 32 // radix_bits, radix_pass, jnp.int32(0)) ^ jnp.int32(_INT_MIN)
 
-    def compact(j, carry):
-        n_sel, n_eq = carry
-        key = keys_of(j)
-        eq = (key == kth).astype(jnp.int32)
-        eq_before = n_eq + jnp.cumsum(eq) - eq
-        sel = ((key > kth) | ((eq == 1) & (eq_before < need_eq))).astype(jnp.int32)
-        pos = n_sel + jnp.cumsum(sel) - sel
-        plt.store(ci_ref.at[pos], j * chunk + lane, mask=sel == 1)
-        plt.store(ck_ref.at[pos], key, mask=sel == 1)
-        return n_sel + jnp.sum(sel), n_eq + jnp.sum(eq)
-
-    lax.fori_loop(0, chunks, compact, (jnp.int32(0), jnp.int32(0)))
-    if barrier:  # interpret mode runs one thread and has no barrier primitive
-        plt.debug_barrier()
-
-    kp = o_ref.shape[0]
-    at = jnp.arange(kp, dtype=jnp.int32)  # [Kp] compacted position (= index order)
-    all_keys = jnp.where(at < k, ck_ref[...], jnp.int32(_INT_MIN))  # [Kp]
+    blocks = pl.cdiv(k, rank_block)
+    per_split = pl.cdiv(blocks, splits)
+    lo = split * per_split
+    hi = jnp.minimum(lo + per_split, blocks)  # this program ranks winner blocks [lo, hi)
     sub = jnp.arange(rank_block, dtype=jnp.int32)  # [RB]
 
-    def rank(b, _):
-        mine = b * rank_block + sub  # [RB]
-        key = ck_ref[pl.ds(b * rank_block, rank_block)]  # [RB]
-        beats = ((all_keys[None, :] > key[:, None])
-                 | ((all_keys[None, :] == key[:, None]) & (at[None, :] < mine[:, None])))
-        beats = beats & (at < k)[None, :]  # [RB, Kp]
-        r = jnp.sum(beats.astype(jnp.int32), axis=1)  # [RB]
-        plt.store(o_ref.at[r], ci_ref[pl.ds(b * rank_block, rank_block)], mask=mine < k)
-        return 0
+    def select_and_rank(kth):
+        need_eq = k - count(lambda key: key > kth)  # ties at the k-th key to take, >= 1
 
-    lax.fori_loop(0, pl.cdiv(k, rank_block), rank, 0)
+        def compact(j, carry):
+            n_sel, n_eq = carry
+            key = keys_of(j)
+            eq = (key == kth).astype(jnp.int32)
+            eq_before = n_eq + jnp.cumsum(eq) - eq
+            sel = ((key > kth) | ((eq == 1) & (eq_before < need_eq))).astype(jnp.int32)
+            pos = n_sel + jnp.cumsum(sel) - sel
+            plt.store(ci_ref.at[pos], j * chunk + lane, mask=sel == 1)
+            plt.store(ck_ref.at[pos], key, mask=sel == 1)
+            return n_sel + jnp.sum(sel), n_eq + jnp.sum(eq)
+
+        lax.fori_loop(0, chunks, compact, (jnp.int32(0), jnp.int32(0)))
+        if barrier:  # interpret mode runs one thread and has no barrier primitive
+            plt.debug_barrier()
+
+        kp = o_ref.shape[0]
+        at = jnp.arange(kp, dtype=jnp.int32)  # [Kp] compacted position (= index order)
+        all_keys = jnp.where(at < k, ck_ref[...], jnp.int32(_INT_MIN))  # [Kp]
+
+        def rank(b, _):
+            mine = b * rank_block + sub  # [RB]
+            key = ck_ref[pl.ds(b * rank_block, rank_block)]  # [RB]
+            beats = ((all_keys[None, :] > key[:, None])
+                     | ((all_keys[None, :] == key[:, None]) & (at[None, :] < mine[:, None])))
+            beats = beats & (at < k)[None, :]  # [RB, Kp]
+            r = jnp.sum(beats.astype(jnp.int32), axis=1)  # [RB]
+            plt.store(o_ref.at[r], ci_ref[pl.ds(b * rank_block, rank_block)], mask=mine < k)
+            return 0
+
+        lax.fori_loop(lo, hi, rank, 0)
+
+    if not short_rows:
+        select_and_rank(radix_select())
+        return
+
+    n_finite = count(lambda key: key > jnp.int32(_NEG_INF_KEY))
+
+    @pl.when(n_finite == 0)
+    def _():  # every score -inf: the order is the index order
+        def fill(b, _):
+            mine = b * rank_block + sub  # [RB]
+            plt.store(o_ref.at[mine], mine, mask=mine < k)
+            return 0
+
+        lax.fori_loop(lo, hi, fill, 0)
+
+    @pl.when(n_finite > 0)
+    def _():
+        # Fewer finite scores than k: the k-th largest key is -inf's.
+        select_and_rank(lax.cond(n_finite < k, lambda: jnp.int32(_NEG_INF_KEY), radix_select))
+
+
+def default_rank_splits(rows: int) -> int:
+    """Programs per row of `pool_topk_pallas` where the tuning names none."""
+    return 1
 
 
 def pool_topk_pallas(scores: jax.Array, k: int, *, interpret: bool = False,
@@ -162,16 +208,20 @@ def pool_topk_pallas(scores: jax.Array, k: int, *, interpret: bool = False,
         x = jnp.pad(x, ((0, 0), (0, pp - p)), constant_values=-jnp.inf)
     rank_block = min(next_pow2(tuning.rank_block), next_pow2(k))
     kp = max(next_pow2(k), rank_block)
+    splits = tuning.rank_splits or default_rank_splits(n)
+    splits = max(1, min(splits, pl.cdiv(k, rank_block)))
     kernel = functools.partial(_topk_kernel, k=k, chunk=chunk, chunks=pp // chunk,
-                               rank_block=rank_block, radix_bits=radix_bits,
-                               barrier=not interpret)
-    row = pl.BlockSpec((None, kp), lambda i: (i, 0))
+                               rank_block=rank_block, radix_bits=radix_bits, splits=splits,
+                               short_rows=tuning.short_rows, barrier=not interpret)
+    scratch = pl.BlockSpec((None, None, kp), lambda i, s: (i, s, 0))
     out, _, _ = pl.pallas_call(
         kernel,
-        grid=(n,),
-        in_specs=[pl.BlockSpec((None, pp), lambda i: (i, 0))],
-        out_specs=[row, row, row],
-        out_shape=[jax.ShapeDtypeStruct((n, kp), jnp.int32)] * 3,
+        grid=(n, splits),
+        in_specs=[pl.BlockSpec((None, pp), lambda i, s: (i, 0))],
+        out_specs=[pl.BlockSpec((None, kp), lambda i, s: (i, 0)), scratch, scratch],
+        out_shape=[jax.ShapeDtypeStruct((n, kp), jnp.int32),
+                   jax.ShapeDtypeStruct((n, splits, kp), jnp.int32),
+                   jax.ShapeDtypeStruct((n, splits, kp), jnp.int32)],
         compiler_params=plt.CompilerParams(num_warps=tuning.num_warps, num_stages=1),
         interpret=interpret,
         name="pool_topk",

@@ -1,0 +1,230 @@
+"""H200: variants of the selection's kernels (pool scores, top-k) at the bench's selection
+shapes and the batch-1 step's, checked and timed side by side (issue #14).
+
+    PYTHONPATH=. python3 benchmarks/h200_selection.py --out $OUT/select
+    PYTHONPATH=. python3 benchmarks/h200_selection.py --smoke --out /tmp/sel   # CPU, seconds
+
+Cases (GLM-5.3-Flash indexer: Hi 32, Di 128, P 4096 at max_context 16K, k 512), inputs as
+`benchmarks.workloads.selection_inputs` builds them for the `selection-b64` (64 sequences, one
+row) and `selection-b64-r4` (rows padded to max_verify 4, only the first real) points, and the
+batch-1 step's selection (one real row of 4). Per case:
+  1. pool-score variants (`PoolScoresTuning`): every output checked against the float64
+     definition within the derived bound of the tests (`testing.pool_scores_bound`, 3-pass
+     tf32), -inf exactly where the definition has it, and `==` against the default kernel
+     (expected where the dot and sum run in the same order);
+  2. top-k variants (`PoolTopkTuning`) on the default kernel's scores and on a copy with ties:
+     `==` against `lax.top_k`;
+  3. the selection as the bench point times it (scores, top-k, expansion in one jit), with the
+     defaults and with the fastest checked variants of (1) and (2).
+Times: `wall_us` (median of back-to-back calls) and `kernel_us` (device kernel time per call
+from a profiler trace), as `benchmarks.harness.sweep_times`. JSON: <out>/h200-selection.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.harness import profile, sweep_row, sweep_times
+from benchmarks.workloads import Cycle, selection_inputs
+from dsa_jax import layer, select, shapes
+from dsa_jax import testing as T
+from dsa_jax.pallas import pool_scores as ps
+from dsa_jax.pallas import pool_topk as pt
+
+S, K = ps.PoolScoresTuning, pt.PoolTopkTuning
+
+SCORE_VARIANTS = {
+    "default": S(),
+    "warps8": S(num_warps=8),
+    "bp128": S(block_p=128),
+    "bounded-t264": S(bounded_loop=True, target_programs=264),
+    "bounded-t528": S(bounded_loop=True, target_programs=528),
+    "bounded-t1056": S(bounded_loop=True, target_programs=1056),
+    "pm-bp64": S(pools_as_m=True),
+    "pm-bp128": S(pools_as_m=True, block_p=128),
+    "pm-bp128-w8": S(pools_as_m=True, block_p=128, num_warps=8),
+    "pm-bounded-bp64-t528": S(pools_as_m=True, bounded_loop=True, target_programs=528),
+    "pm-bounded-bp128-t264": S(pools_as_m=True, bounded_loop=True, block_p=128,
+                               target_programs=264),
+    "pm-bounded-bp128-t528": S(pools_as_m=True, bounded_loop=True, block_p=128,
+                               target_programs=528),
+    "pm-bounded-bp128-t528-w8": S(pools_as_m=True, bounded_loop=True, block_p=128,
+                                  target_programs=528, num_warps=8),
+    "pm-bounded-bp128-t1056-s4": S(pools_as_m=True, bounded_loop=True, block_p=128,
+                                   target_programs=1056, num_stages=4),
+    "pm-bounded-bp256-t528-w8": S(pools_as_m=True, bounded_loop=True, block_p=256,
+                                  target_programs=528, num_warps=8),
+    "rows1-pm-bounded-bp128-t528": S(rows_per_program=1, pools_as_m=True, bounded_loop=True,
+                                     block_p=128, target_programs=528),
+}
+
+TOPK_VARIANTS = {
+    "default": K(),
+    "warps8": K(num_warps=8),
+    "warps16": K(num_warps=16),
+    "short": K(short_rows=True),
+    "short-w8": K(short_rows=True, num_warps=8),
+    "short-w16": K(short_rows=True, num_warps=16),
+    "short-w8-split2": K(short_rows=True, num_warps=8, rank_splits=2),
+    "short-w8-split4": K(short_rows=True, num_warps=8, rank_splits=4),
+    "short-w8-split8": K(short_rows=True, num_warps=8, rank_splits=8),
+    "short-w16-split4": K(short_rows=True, num_warps=16, rank_splits=4),
+    "short-w16-split8": K(short_rows=True, num_warps=16, rank_splits=8),
+    "short-w8-split4-rb64": K(short_rows=True, num_warps=8, rank_splits=4, rank_block=64),
+    "short-w16-radix4": K(short_rows=True, num_warps=16, radix_bits=4),
+}
+
+# (name, B, R): the bench's selection points, then the batch-1 step's selection.
+CASES = [("selection-b64", 64, 1), ("selection-b64-r4", 64, 4), ("decode-b1-r4", 1, 4)]
+SMOKE_CASES = [("smoke-b3-r1", 3, 1), ("smoke-b2-r4", 2, 4)]
+
+
+def _selection(cfg, qi, w, keys, pos, valid, *, s_tuning, t_tuning, interpret):
+    """The bench's `selection` point (benchmarks/measures.py) with explicit kernel tunings."""
+    n_cand = layer.candidate_pools(cfg, pos, valid)  # [B, R]
+    scores = ps.pool_scores_pallas(qi, w, keys, n_cand, interpret=interpret,
+                                   tuning=s_tuning)  # [B, R, P]
+    k = min(cfg.select_k, scores.shape[-1])
+    pools = pt.pool_topk_pallas(scores, k, interpret=interpret, tuning=t_tuning)  # [B, R, k]
+    return select.expand_selection(cfg, pools, pos, valid)  # [B, R, W]
+
+
+def _definition(qi, w, keys, n_cand):
+    """float64 definition and derived bound (3-pass tf32), for the rows with a candidate only
+    (the padded rows' scores must be all -inf)."""
+    live = np.asarray(n_cand)[0] > 0  # [R]: the same rows are real in every sequence
+    qi_l, w_l, nc_l = (np.asarray(a)[:, live] for a in (qi, w, n_cand))
+    ref = T.pool_scores_definition(qi_l, w_l, keys, nc_l)
+    bound = T.pool_scores_bound(qi_l, w_l, keys, T.TF32X3_ROUNDOFF)
+    return live, ref, bound
+
+
+def _check_scores(out, live, ref, bound) -> dict:
+    out = np.asarray(out)
+    got = out[:, live]
+    fin = ~np.isneginf(ref)
+    return {"dead_rows_neginf": bool(np.isneginf(out[:, ~live]).all()),
+            "neginf_pattern_ok": bool(np.array_equal(np.isneginf(got), ~fin)),
+            "no_neg_zero": bool(not (np.signbit(out) & (out == 0)).any()),
+            "within_bound": bool((np.abs(got[fin] - ref[fin]) <= bound[fin]).all()),
+            "max_err_over_bound": float(np.max(np.abs(got[fin] - ref[fin]) / bound[fin]))}
+
+
+def _best(res, case, kind, ok_key):
+    rows = [r for r in res["results"] if r.get("case") == case and r.get("kind") == kind
+            and r.get(ok_key) and r.get("kernel_us") is not None]
+    return min(rows, key=lambda r: r["kernel_us"])["variant"] if rows else "default"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "h200-selection.json")
+    smoke = args.smoke
+    cfg = (shapes.glm53_flash() if not smoke else
+           shapes.glm53_flash(max_context=448, index_n_heads=3, index_head_dim=12,
+                              index_topk=80))
+    res = {"command": "PYTHONPATH=. python3 benchmarks/h200_selection.py " + " ".join(sys.argv[1:]),
+           "date": datetime.datetime.now(datetime.UTC).isoformat(),
+           "jax_version": jax.__version__, "device": jax.devices()[0].device_kind,
+           "shape": {"Hi": cfg.index_n_heads, "Di": cfg.index_head_dim, "P": cfg.num_pools,
+                     "k": cfg.select_k}, "results": [], "errors": []}
+    score_variants = SCORE_VARIANTS if not smoke else {
+        n: v for n, v in SCORE_VARIANTS.items()
+        if n in ("default", "bounded-t264", "pm-bp64", "pm-bounded-bp128-t528")}
+    topk_variants = TOPK_VARIANTS if not smoke else {
+        n: v for n, v in TOPK_VARIANTS.items() if n in ("default", "short", "short-w8-split4")}
+    k = cfg.select_k
+    for case, b, r in (SMOKE_CASES if smoke else CASES):
+        keys, pos, valid, sets = selection_inputs(cfg, b, r, cfg.max_context, 300 + r)
+        qi, w = sets[0]
+        n_cand = layer.candidate_pools(cfg, pos, valid)  # [B, R]
+        live, ref, bound = _definition(qi, w, keys, n_cand)
+        base = {}
+        heavy = False
+
+        # 1. pool scores
+        for name, tun in score_variants.items():
+            row = {"case": case, "kind": "scores", "B": b, "R": r, "variant": name,
+                   "tuning": str(tun)}
+
+            def work(row, tun=tun, name=name):
+                fn = jax.jit(functools.partial(ps.pool_scores_pallas, interpret=smoke,
+                                               tuning=tun))
+                out = np.asarray(fn(qi, w, keys, n_cand))
+                if name == "default":
+                    base["scores"] = out
+                row.update(_check_scores(out, live, ref, bound))
+                row["equal_to_default"] = bool(np.array_equal(out, base["scores"]))
+                row["ok"] = all(row[c] for c in ("dead_rows_neginf", "neginf_pattern_ok",
+                                                 "no_neg_zero", "within_bound"))
+                row.update(sweep_times(functools.partial(fn, qi, w, keys, n_cand), heavy))
+
+            sweep_row(res, row, work, path)
+
+        # 2. top-k, on the default kernel's scores and on a copy with ties
+        scores = jnp.asarray(base["scores"])
+        ties = jnp.asarray(np.where(np.isneginf(base["scores"]), -np.inf,
+                                    np.round(base["scores"] * 64) / 64).astype(np.float32))
+        xla = jax.jit(pt.pool_topk_xla, static_argnums=1)
+        ref_k, ref_k_ties = np.asarray(xla(scores, k)), np.asarray(xla(ties, k))
+        for name, tun in [("lax.top_k", None)] + list(topk_variants.items()):
+            row = {"case": case, "kind": "topk", "B": b, "R": r, "variant": name,
+                   "tuning": str(tun)}
+
+            def work(row, tun=tun):
+                if tun is None:
+                    fn = xla
+                else:
+                    fn = jax.jit(functools.partial(pt.pool_topk_pallas, interpret=smoke,
+                                                   tuning=tun), static_argnums=1)
+                row["equal"] = bool(np.array_equal(np.asarray(fn(scores, k)), ref_k))
+                row["equal_ties"] = bool(np.array_equal(np.asarray(fn(ties, k)), ref_k_ties))
+                row["ok"] = row["equal"] and row["equal_ties"]
+                row.update(sweep_times(functools.partial(fn, scores, k), heavy))
+
+            sweep_row(res, row, work, path)
+
+        # 3. the selection as the bench point times it
+        best_s = _best(res, case, "scores", "ok")
+        best_t = _best(res, case, "topk", "ok")
+        best_t = best_t if best_t in topk_variants else "default"
+        combos = {("default", "default"), (best_s, "default"), ("default", best_t),
+                  (best_s, best_t)}
+        sel_base = {}
+        for s_name, t_name in sorted(combos, key=lambda c: (c != ("default", "default"), c)):
+            row = {"case": case, "kind": "selection", "B": b, "R": r,
+                   "variant": f"{s_name} + {t_name}"}
+
+            def work(row, s_name=s_name, t_name=t_name):
+                fn = jax.jit(functools.partial(
+                    _selection, cfg, s_tuning=score_variants[s_name],
+                    t_tuning=topk_variants[t_name], interpret=smoke))
+                out = np.asarray(fn(qi, w, keys, pos, valid))
+                sel_base.setdefault("sel", out)
+                row["equal_to_default"] = bool(np.array_equal(out, sel_base["sel"]))
+                row["rows_differing"] = int((out != sel_base["sel"]).any(-1).sum())
+                call = Cycle(lambda q, ww: fn(q, ww, keys, pos, valid), sets)
+                row.update(sweep_times(call, heavy))
+                prof = profile(call, 20, top=6)
+                row["top_kernels"] = prof.get("top_kernels")
+                row["launches"] = prof.get("launches_per_step")
+
+            sweep_row(res, row, work, path)
+    print(f"errors: {len(res['errors'])}; wrote {path}", flush=True)
+    return 0 if not res["errors"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
