@@ -27,6 +27,7 @@ import datetime
 import functools
 import os
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -64,27 +65,50 @@ SCORE_VARIANTS = {
                                   target_programs=528, num_warps=8),
     "rows1-pm-bounded-bp128-t528": S(rows_per_program=1, pools_as_m=True, bounded_loop=True,
                                      block_p=128, target_programs=528),
+    "rows1-pm-bp128": S(rows_per_program=1, pools_as_m=True, block_p=128),
 }
 
 TOPK_VARIANTS = {
     "default": K(),
-    "warps8": K(num_warps=8),
     "warps16": K(num_warps=16),
     "short": K(short_rows=True),
     "short-w8": K(short_rows=True, num_warps=8),
     "short-w16": K(short_rows=True, num_warps=16),
-    "short-w8-split2": K(short_rows=True, num_warps=8, rank_splits=2),
+    "short-w16-fused": K(short_rows=True, num_warps=16, fused_compare=True),
+    "short-w8-split2-fused": K(short_rows=True, num_warps=8, rank_splits=2,
+                               fused_compare=True),
     "short-w8-split4": K(short_rows=True, num_warps=8, rank_splits=4),
-    "short-w8-split8": K(short_rows=True, num_warps=8, rank_splits=8),
-    "short-w16-split4": K(short_rows=True, num_warps=16, rank_splits=4),
-    "short-w16-split8": K(short_rows=True, num_warps=16, rank_splits=8),
-    "short-w8-split4-rb64": K(short_rows=True, num_warps=8, rank_splits=4, rank_block=64),
-    "short-w16-radix4": K(short_rows=True, num_warps=16, radix_bits=4),
+    "short-w8-split4-fused": K(short_rows=True, num_warps=8, rank_splits=4,
+                               fused_compare=True),
+    "short-w8-split8-fused": K(short_rows=True, num_warps=8, rank_splits=8,
+                               fused_compare=True),
+    "short-w16-split4-fused": K(short_rows=True, num_warps=16, rank_splits=4,
+                                fused_compare=True),
+    "short-w16-split8-fused": K(short_rows=True, num_warps=16, rank_splits=8,
+                                fused_compare=True),
+    "short-w16-split16-fused": K(short_rows=True, num_warps=16, rank_splits=16,
+                                 fused_compare=True),
+    "short-w8-split4-rb64-fused": K(short_rows=True, num_warps=8, rank_splits=4,
+                                    rank_block=64, fused_compare=True),
+    "short-w16-radix4-split8-fused": K(short_rows=True, num_warps=16, radix_bits=4,
+                                       rank_splits=8, fused_compare=True),
 }
 
 # (name, B, R): the bench's selection points, then the batch-1 step's selection.
 CASES = [("selection-b64", 64, 1), ("selection-b64-r4", 64, 4), ("decode-b1-r4", 1, 4)]
 SMOKE_CASES = [("smoke-b3-r1", 3, 1), ("smoke-b2-r4", 2, 4)]
+# Pool-score variants run per case (None: all); the batch-1 scores take ~6 us of the step.
+SCORE_SUBSETS = {
+    "selection-b64-r4": ["default", "bp128", "bounded-t528", "pm-bp64", "pm-bp128",
+                         "pm-bounded-bp128-t528", "pm-bounded-bp128-t528-w8",
+                         "rows1-pm-bounded-bp128-t528", "rows1-pm-bp128"],
+    "decode-b1-r4": ["default", "pm-bp64", "pm-bp128", "rows1-pm-bp128"],
+}
+TOPK_SUBSETS = {
+    "selection-b64-r4": ["default", "short", "short-w8", "short-w16-fused",
+                         "short-w8-split2-fused", "short-w8-split4-fused",
+                         "short-w16-split4-fused"],
+}
 
 
 def _selection(cfg, qi, w, keys, pos, valid, *, s_tuning, t_tuning, interpret):
@@ -119,15 +143,112 @@ def _check_scores(out, live, ref, bound) -> dict:
 
 
 def _best(res, case, kind, ok_key):
+    """The checked variant with the least kernel time (wall time off a GPU)."""
     rows = [r for r in res["results"] if r.get("case") == case and r.get("kind") == kind
-            and r.get(ok_key) and r.get("kernel_us") is not None]
-    return min(rows, key=lambda r: r["kernel_us"])["variant"] if rows else "default"
+            and r.get(ok_key) and r.get("variant") != "lax.top_k"]
+
+    def time_of(r):
+        return r["kernel_us"] if r.get("kernel_us") is not None else r.get("wall_us", 1e30)
+    return min(rows, key=time_of)["variant"] if rows else "default"
+
+
+def _late(res, name) -> bool:
+    """Past the time budget: only the defaults (and lax.top_k) still run."""
+    return time.monotonic() > res["deadline"] and name not in ("default", "lax.top_k")
+
+
+def _run_case(res, path, cfg, case, b, r, smoke, score_variants, topk_variants):
+    """Scores variants, top-k variants, then the selection with the fastest checked ones."""
+    k = cfg.select_k
+    keys, pos, valid, sets = selection_inputs(cfg, b, r, cfg.max_context, 300 + r)
+    qi, w = sets[0]
+    n_cand = layer.candidate_pools(cfg, pos, valid)  # [B, R]
+    live, ref, bound = _definition(qi, w, keys, n_cand)
+    base = {}
+    heavy = False
+
+    # 1. pool scores
+    subset = SCORE_SUBSETS.get(case)
+    for name, tun in score_variants.items():
+        if (subset is not None and name not in subset) or _late(res, name):
+            continue
+        row = {"case": case, "kind": "scores", "B": b, "R": r, "variant": name,
+               "tuning": str(tun)}
+
+        def work(row, tun=tun, name=name):
+            fn = jax.jit(functools.partial(ps.pool_scores_pallas, interpret=smoke,
+                                           tuning=tun))
+            out = np.asarray(fn(qi, w, keys, n_cand))
+            if name == "default":
+                base["scores"] = out
+            row.update(_check_scores(out, live, ref, bound))
+            row["equal_to_default"] = bool(np.array_equal(out, base["scores"]))
+            row["ok"] = all(row[c] for c in ("dead_rows_neginf", "neginf_pattern_ok",
+                                             "no_neg_zero", "within_bound"))
+            row.update(sweep_times(functools.partial(fn, qi, w, keys, n_cand), heavy))
+
+        sweep_row(res, row, work, path)
+
+    # 2. top-k, on the default kernel's scores and on a copy with ties
+    scores = jnp.asarray(base["scores"])
+    ties = jnp.asarray(np.where(np.isneginf(base["scores"]), -np.inf,
+                                np.round(base["scores"] * 64) / 64).astype(np.float32))
+    xla = jax.jit(pt.pool_topk_xla, static_argnums=1)
+    ref_k, ref_k_ties = np.asarray(xla(scores, k)), np.asarray(xla(ties, k))
+    subset = TOPK_SUBSETS.get(case)
+    for name, tun in [("lax.top_k", None)] + list(topk_variants.items()):
+        if (subset is not None and name not in subset and tun is not None) or _late(res, name):
+            continue
+        row = {"case": case, "kind": "topk", "B": b, "R": r, "variant": name,
+               "tuning": str(tun)}
+
+        def work(row, tun=tun):
+            if tun is None:
+                fn = xla
+            else:
+                fn = jax.jit(functools.partial(pt.pool_topk_pallas, interpret=smoke,
+                                               tuning=tun), static_argnums=1)
+            row["equal"] = bool(np.array_equal(np.asarray(fn(scores, k)), ref_k))
+            row["equal_ties"] = bool(np.array_equal(np.asarray(fn(ties, k)), ref_k_ties))
+            row["ok"] = row["equal"] and row["equal_ties"]
+            row.update(sweep_times(functools.partial(fn, scores, k), heavy))
+
+        sweep_row(res, row, work, path)
+
+    # 3. the selection as the bench point times it
+    best_s = _best(res, case, "scores", "ok")
+    best_t = _best(res, case, "topk", "ok")
+    best_t = best_t if best_t in topk_variants else "default"
+    combos = {("default", "default"), (best_s, "default"), ("default", best_t),
+              (best_s, best_t)}
+    sel_base = {}
+    for s_name, t_name in sorted(combos, key=lambda c: (c != ("default", "default"), c)):
+        row = {"case": case, "kind": "selection", "B": b, "R": r,
+               "variant": f"{s_name} + {t_name}"}
+
+        def work(row, s_name=s_name, t_name=t_name):
+            fn = jax.jit(functools.partial(
+                _selection, cfg, s_tuning=score_variants[s_name],
+                t_tuning=topk_variants[t_name], interpret=smoke))
+            out = np.asarray(fn(qi, w, keys, pos, valid))
+            sel_base.setdefault("sel", out)
+            row["equal_to_default"] = bool(np.array_equal(out, sel_base["sel"]))
+            row["rows_differing"] = int((out != sel_base["sel"]).any(-1).sum())
+            call = Cycle(lambda q, ww: fn(q, ww, keys, pos, valid), sets)
+            row.update(sweep_times(call, heavy))
+            prof = profile(call, 20, top=6)
+            row["top_kernels"] = prof.get("top_kernels")
+            row["launches"] = prof.get("launches_per_step")
+
+        sweep_row(res, row, work, path)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
+    ap.add_argument("--budget-s", type=float, default=130.0,
+                    help="after this many seconds only the default variants run")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "h200-selection.json")
@@ -137,91 +258,18 @@ def main() -> int:
                               index_topk=80))
     res = {"command": "PYTHONPATH=. python3 benchmarks/h200_selection.py " + " ".join(sys.argv[1:]),
            "date": datetime.datetime.now(datetime.UTC).isoformat(),
-           "jax_version": jax.__version__, "device": jax.devices()[0].device_kind,
+           "deadline": time.monotonic() + args.budget_s, "jax_version": jax.__version__,
+           "device": jax.devices()[0].device_kind,
            "shape": {"Hi": cfg.index_n_heads, "Di": cfg.index_head_dim, "P": cfg.num_pools,
                      "k": cfg.select_k}, "results": [], "errors": []}
     score_variants = SCORE_VARIANTS if not smoke else {
         n: v for n, v in SCORE_VARIANTS.items()
         if n in ("default", "bounded-t264", "pm-bp64", "pm-bounded-bp128-t528")}
     topk_variants = TOPK_VARIANTS if not smoke else {
-        n: v for n, v in TOPK_VARIANTS.items() if n in ("default", "short", "short-w8-split4")}
-    k = cfg.select_k
+        n: v for n, v in TOPK_VARIANTS.items()
+        if n in ("default", "short", "short-w8-split4-fused")}
     for case, b, r in (SMOKE_CASES if smoke else CASES):
-        keys, pos, valid, sets = selection_inputs(cfg, b, r, cfg.max_context, 300 + r)
-        qi, w = sets[0]
-        n_cand = layer.candidate_pools(cfg, pos, valid)  # [B, R]
-        live, ref, bound = _definition(qi, w, keys, n_cand)
-        base = {}
-        heavy = False
-
-        # 1. pool scores
-        for name, tun in score_variants.items():
-            row = {"case": case, "kind": "scores", "B": b, "R": r, "variant": name,
-                   "tuning": str(tun)}
-
-            def work(row, tun=tun, name=name):
-                fn = jax.jit(functools.partial(ps.pool_scores_pallas, interpret=smoke,
-                                               tuning=tun))
-                out = np.asarray(fn(qi, w, keys, n_cand))
-                if name == "default":
-                    base["scores"] = out
-                row.update(_check_scores(out, live, ref, bound))
-                row["equal_to_default"] = bool(np.array_equal(out, base["scores"]))
-                row["ok"] = all(row[c] for c in ("dead_rows_neginf", "neginf_pattern_ok",
-                                                 "no_neg_zero", "within_bound"))
-                row.update(sweep_times(functools.partial(fn, qi, w, keys, n_cand), heavy))
-
-            sweep_row(res, row, work, path)
-
-        # 2. top-k, on the default kernel's scores and on a copy with ties
-        scores = jnp.asarray(base["scores"])
-        ties = jnp.asarray(np.where(np.isneginf(base["scores"]), -np.inf,
-                                    np.round(base["scores"] * 64) / 64).astype(np.float32))
-        xla = jax.jit(pt.pool_topk_xla, static_argnums=1)
-        ref_k, ref_k_ties = np.asarray(xla(scores, k)), np.asarray(xla(ties, k))
-        for name, tun in [("lax.top_k", None)] + list(topk_variants.items()):
-            row = {"case": case, "kind": "topk", "B": b, "R": r, "variant": name,
-                   "tuning": str(tun)}
-
-            def work(row, tun=tun):
-                if tun is None:
-                    fn = xla
-                else:
-                    fn = jax.jit(functools.partial(pt.pool_topk_pallas, interpret=smoke,
-                                                   tuning=tun), static_argnums=1)
-                row["equal"] = bool(np.array_equal(np.asarray(fn(scores, k)), ref_k))
-                row["equal_ties"] = bool(np.array_equal(np.asarray(fn(ties, k)), ref_k_ties))
-                row["ok"] = row["equal"] and row["equal_ties"]
-                row.update(sweep_times(functools.partial(fn, scores, k), heavy))
-
-            sweep_row(res, row, work, path)
-
-        # 3. the selection as the bench point times it
-        best_s = _best(res, case, "scores", "ok")
-        best_t = _best(res, case, "topk", "ok")
-        best_t = best_t if best_t in topk_variants else "default"
-        combos = {("default", "default"), (best_s, "default"), ("default", best_t),
-                  (best_s, best_t)}
-        sel_base = {}
-        for s_name, t_name in sorted(combos, key=lambda c: (c != ("default", "default"), c)):
-            row = {"case": case, "kind": "selection", "B": b, "R": r,
-                   "variant": f"{s_name} + {t_name}"}
-
-            def work(row, s_name=s_name, t_name=t_name):
-                fn = jax.jit(functools.partial(
-                    _selection, cfg, s_tuning=score_variants[s_name],
-                    t_tuning=topk_variants[t_name], interpret=smoke))
-                out = np.asarray(fn(qi, w, keys, pos, valid))
-                sel_base.setdefault("sel", out)
-                row["equal_to_default"] = bool(np.array_equal(out, sel_base["sel"]))
-                row["rows_differing"] = int((out != sel_base["sel"]).any(-1).sum())
-                call = Cycle(lambda q, ww: fn(q, ww, keys, pos, valid), sets)
-                row.update(sweep_times(call, heavy))
-                prof = profile(call, 20, top=6)
-                row["top_kernels"] = prof.get("top_kernels")
-                row["launches"] = prof.get("launches_per_step")
-
-            sweep_row(res, row, work, path)
+        _run_case(res, path, cfg, case, b, r, smoke, score_variants, topk_variants)
     print(f"errors: {len(res['errors'])}; wrote {path}", flush=True)
     return 0 if not res["errors"] else 1
 

@@ -43,12 +43,15 @@ class PoolTopkTuning:
     row's ranking runs on several multiprocessors (None: `default_rank_splits`).
     short_rows: first count the finite scores; a row with fewer than k of them has the -inf
     key as its k-th key and skips the radix passes, and a row with none (a padded row) writes
-    pools 0..k-1 and skips the rest. num_warps: Triton's."""
+    pools 0..k-1 and skips the rest. fused_compare: a winner's rank counts the winners with
+    key >= its key + [later in index order] (one compare per pair instead of the three of
+    "greater, or equal and earlier"). num_warps: Triton's."""
     chunk: int = 4096
     rank_block: int = 32
     radix_bits: int = 2
     rank_splits: int | None = 1
     short_rows: bool = False
+    fused_compare: bool = False
     num_warps: int = 4
 
 
@@ -80,7 +83,7 @@ def sortable_key(x: jax.Array) -> jax.Array:
 
 def _topk_kernel(s_ref, o_ref, ck_ref, ci_ref, *, k: int, chunk: int, chunks: int,
                  rank_block: int, radix_bits: int, splits: int, short_rows: bool,
-                 barrier: bool):
+                 fused_compare: bool, barrier: bool):
     """s_ref [Pp] f32 (one row); o_ref [Kp] int32 out (the row's, shared by its `splits`
     programs: each writes the slots of its winners); ck_ref, ci_ref [Kp] int32 scratch (this
     program's own)."""
@@ -149,9 +152,17 @@ def _topk_kernel(s_ref, o_ref, ck_ref, ci_ref, *, k: int, chunk: int, chunks: in
         def rank(b, _):
             mine = b * rank_block + sub  # [RB]
             key = ck_ref[pl.ds(b * rank_block, rank_block)]  # [RB]
-            beats = ((all_keys[None, :] > key[:, None])
-                     | ((all_keys[None, :] == key[:, None]) & (at[None, :] < mine[:, None])))
-            beats = beats & (at < k)[None, :]  # [RB, Kp]
+            if fused_compare:
+                # key_j > key_i for j at or after i, key_j >= key_i before it: one compare
+                # against key_i + [j >= i] (no overflow: keys <= +inf's 0x7F800000; the
+                # padding's INT_MIN key beats nothing).
+                later = (at[None, :] >= mine[:, None]).astype(jnp.int32)  # [RB, Kp]
+                beats = all_keys[None, :] >= key[:, None] + later  # [RB, Kp]
+            else:
+                beats = ((all_keys[None, :] > key[:, None])
+                         | ((all_keys[None, :] == key[:, None])
+                            & (at[None, :] < mine[:, None])))
+                beats = beats & (at < k)[None, :]  # [RB, Kp]
             r = jnp.sum(beats.astype(jnp.int32), axis=1)  # [RB]
             plt.store(o_ref.at[r], ci_ref[pl.ds(b * rank_block, rank_block)], mask=mine < k)
             return 0
@@ -212,7 +223,8 @@ def pool_topk_pallas(scores: jax.Array, k: int, *, interpret: bool = False,
     splits = max(1, min(splits, pl.cdiv(k, rank_block)))
     kernel = functools.partial(_topk_kernel, k=k, chunk=chunk, chunks=pp // chunk,
                                rank_block=rank_block, radix_bits=radix_bits, splits=splits,
-                               short_rows=tuning.short_rows, barrier=not interpret)
+                               short_rows=tuning.short_rows,
+                               fused_compare=tuning.fused_compare, barrier=not interpret)
     scratch = pl.BlockSpec((None, None, kp), lambda i, s: (i, s, 0))
     out, _, _ = pl.pallas_call(
         kernel,
