@@ -183,6 +183,21 @@ def _scores_kernel(ncand_ref, qi_ref, w_ref, keys_ref, out_ref, *, group_rows: i
     lax.fori_loop(0, tiles, tile, 0)
 
 
+def chunk_split(tuning: PoolScoresTuning, groups: int, tiles_all: int) -> tuple[int, int]:
+    """(programs per row group, tiles per program) for `groups` row groups of `tiles_all`
+    tiles each: `num_chunks` if set, else enough chunks for about `target_programs` programs,
+    else one tile per program; no program without a tile."""
+    if tuning.num_chunks is not None:
+        chunks = tuning.num_chunks
+    elif tuning.target_programs is not None:
+        chunks = -(-tuning.target_programs // groups)
+    else:
+        chunks = tiles_all
+    chunks = max(1, min(chunks, tiles_all))
+    tiles = -(-tiles_all // chunks)
+    return -(-tiles_all // tiles), tiles
+
+
 def default_rows_per_program(rows_per_seq: int) -> int:
     """Rows of one sequence per program: one for a single decode row, two otherwise (a verify,
     a padded decode, a prompt): on the H200 two rows per program beat one for padded decodes,
@@ -213,15 +228,7 @@ def pool_scores_pallas(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand
     block_p = min(tuning.block_p, max(16, next_pow2(p)))
     tiles_all = pl.cdiv(p, block_p)
     groups = b * rp // rb
-    if tuning.num_chunks is not None:
-        chunks = tuning.num_chunks
-    elif tuning.target_programs is not None:
-        chunks = pl.cdiv(tuning.target_programs, groups)
-    else:
-        chunks = tiles_all
-    chunks = max(1, min(chunks, tiles_all))
-    tiles = pl.cdiv(tiles_all, chunks)  # tiles per program
-    chunks = pl.cdiv(tiles_all, tiles)  # no program without a tile
+    chunks, tiles = chunk_split(tuning, groups, tiles_all)
     qi_p = jnp.pad(qi.astype(jnp.float32), ((0, 0), (0, rp - r), (0, hp - hi), (0, dp - di)))
     w_p = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, rp - r), (0, hp - hi)))
     ncand_p = jnp.pad(n_cand.astype(jnp.int32), ((0, 0), (0, rp - r)))  # pad rows: none

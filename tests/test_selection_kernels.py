@@ -1,0 +1,106 @@
+"""The selection kernels' variants (`PoolScoresTuning`, `PoolTopkTuning` fields added for issue
+#14) against the definitions: the same checks as tests/test_kernels.py, on odd shapes, under
+"pallas-interpret" (any backend) and "pallas" (compiled; `gpu` marker).
+
+Pool scores within the derived bound (`testing.pool_scores_bound`), -inf exactly past each
+row's candidates; a variant that runs the same dots and sums in the same order as the default
+(`bounded_loop`, chunk counts) equal to the default with `==`. Top-k: the indices of the total
+order with `==`, ties, -inf tails, rows with fewer candidates than k and rows with none.
+"""
+
+import chex
+import numpy as np
+import pytest
+
+from dsa_jax import testing as T
+from dsa_jax.pallas import pool_scores as ps
+from dsa_jax.pallas import pool_topk as pt
+
+
+def _scores(impl, args, **kw):
+    out = np.asarray(T.run_op("pool_scores", impl, *args, kernel_options=kw))
+    bound = T.pool_scores_bound(*args[:3], T.pool_scores_roundoff(impl))
+    T.assert_pool_scores_close(out, T.pool_scores_definition(*args), bound)
+    return out
+
+
+# B 2, R 5 (a partial row group at 2 and 4 rows per program), Hi 3, Di 12 (padded to 16),
+# P 100 (a partial last tile at block_p 16 and 32).
+ARGS = (11, 2, 5, 3, 12, 100)
+
+
+def _n_cand():
+    """Candidate counts on, before and after tile edges (16, 32), 0 (a padded row), all."""
+    return np.array([[0, 15, 16, 17, 100], [31, 32, 33, 99, 0]], np.int32)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(pools_as_m=True, block_p=16),  # keys x qi^T, one tile per program
+    dict(pools_as_m=True, block_p=32, rows_per_program=1, num_chunks=2),  # a partial chunk
+    dict(pools_as_m=True, block_p=16, rows_per_program=4, bounded_loop=True,
+         target_programs=9),  # rows padded to 8 per sequence: the second group has no row
+])
+def test_pool_scores_pools_as_m(kernel_impl, kw):
+    qi, w, keys, _ = T.pool_inputs(*ARGS)
+    out = _scores(kernel_impl, (qi, w, keys, _n_cand()), **kw)
+    assert np.isneginf(out[0, 0]).all() and np.isneginf(out[1, 4]).all()
+
+
+@pytest.mark.parametrize("kw", [
+    dict(block_p=16, num_chunks=3),  # 7 tiles in 3 chunks of 3: the last one past P
+    dict(block_p=32, target_programs=5, rows_per_program=2),  # 6 groups: one chunk each
+    dict(block_p=16, target_programs=40, rows_per_program=1),  # 10 groups x 4 chunks
+])
+def test_pool_scores_bounded_loop_equals_the_branching_loop(kernel_impl, kw):
+    """Looping over the live tiles only runs the same dots in the same order: `==`."""
+    qi, w, keys, _ = T.pool_inputs(*ARGS)
+    args = (qi, w, keys, _n_cand())
+    chex.assert_trees_all_equal(_scores(kernel_impl, args, bounded_loop=True, **kw),
+                                _scores(kernel_impl, args, **kw))
+
+
+def test_pool_scores_chunk_split():
+    """target_programs -> chunks per row group; an explicit num_chunks wins; none is empty."""
+    split = ps.chunk_split
+    assert split(ps.PoolScoresTuning(), 64, 64) == (64, 1)  # one tile per program
+    assert split(ps.PoolScoresTuning(target_programs=528), 64, 32) == (8, 4)
+    assert split(ps.PoolScoresTuning(target_programs=528), 2, 32) == (32, 1)
+    assert split(ps.PoolScoresTuning(target_programs=528, num_chunks=3), 64, 7) == (3, 3)
+    assert split(ps.PoolScoresTuning(num_chunks=5), 1, 7) == (4, 2)  # 2+2+2+1 tiles
+
+
+# ---------------------------------------------------------------------------------- top-k
+
+TOPK_CASES = [
+    (4, 300, 37, [300, 0, 150, 37]),  # P, k not powers of two; a padded row; live == k
+    (3, 1000, 200, [1000, 511, 3]),  # live < k: the -inf key is the k-th
+    (2, 64, 64, [64, 0]),  # k == P
+    (2, 70, 1, [70, 0]),  # k == 1
+]
+
+
+@pytest.mark.parametrize("kw", [
+    dict(short_rows=True),
+    dict(rank_splits=3),  # 37 winners in 2 blocks of 32: the third program ranks none
+    dict(fused_compare=True, rank_block=16),
+    dict(short_rows=True, rank_splits=4, fused_compare=True, rank_block=16),
+])
+@pytest.mark.parametrize("ties", [False, True])
+def test_pool_topk_variants_equal_the_total_order(kernel_impl, kw, ties):
+    for i, (n, p, k, live) in enumerate(TOPK_CASES):
+        s = T.topk_scores(7 * i + ties, n, p, live, ties)
+        out = np.asarray(T.run_op("pool_topk", kernel_impl, s, k, kernel_options=kw))
+        chex.assert_trees_all_equal(out, T.topk_definition(s, k), strict=True)
+
+
+def test_pool_topk_chunked_row_with_splits(kernel_impl):
+    """A row walked in chunks (chunk 256 of 1000), with the ranking split over programs."""
+    s = T.topk_scores(5, 3, 1000, [1000, 700, 0], ties=True)
+    out = T.run_op("pool_topk", kernel_impl, s, 200,
+                   kernel_options=dict(chunk=256, rank_splits=2, short_rows=True,
+                                       fused_compare=True))
+    chex.assert_trees_all_equal(np.asarray(out), T.topk_definition(s, 200), strict=True)
+
+
+def test_pool_topk_default_rank_splits_is_at_least_one():
+    assert all(pt.default_rank_splits(n) >= 1 for n in (1, 4, 64, 256, 9000))
