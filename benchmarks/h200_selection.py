@@ -65,6 +65,13 @@ SCORE_VARIANTS = {
                                      block_p=128, target_programs=528),
     "rows1-pm-bp128": S(rows_per_program=1, pools_as_m=True, block_p=128),
     "pm-bp256-w8": S(pools_as_m=True, block_p=256, num_warps=8),
+    "bf16x6": S(precision="bf16x6"),
+    "pm-bp128-bf16x6": S(pools_as_m=True, block_p=128, precision="bf16x6"),
+    "pm-bounded-bp128-t528-bf16x6": S(pools_as_m=True, bounded_loop=True, block_p=128,
+                                      target_programs=528, precision="bf16x6"),
+    "pm-bounded-bp128-t528-w8-bf16x6": S(pools_as_m=True, bounded_loop=True, block_p=128,
+                                         target_programs=528, num_warps=8,
+                                         precision="bf16x6"),
     "pm-bounded-bp128-t264-w8": S(pools_as_m=True, bounded_loop=True, block_p=128,
                                   target_programs=264, num_warps=8),
 }

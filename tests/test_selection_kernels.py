@@ -36,6 +36,7 @@ def _n_cand():
 
 @pytest.mark.parametrize("kw", [
     dict(pools_as_m=True, block_p=16),  # keys x qi^T, one tile per program
+    dict(pools_as_m=True, block_p=16, precision="bf16x6"),  # compiled: 6 bf16 products
     dict(pools_as_m=True, block_p=32, rows_per_program=1, num_chunks=2),  # a partial chunk
     dict(pools_as_m=True, block_p=16, rows_per_program=4, bounded_loop=True,
          target_programs=9),  # rows padded to 8 per sequence: the second group has no row
@@ -57,6 +58,17 @@ def test_pool_scores_bounded_loop_equals_the_branching_loop(kernel_impl, kw):
     args = (qi, w, keys, _n_cand())
     chex.assert_trees_all_equal(_scores(kernel_impl, args, bounded_loop=True, **kw),
                                 _scores(kernel_impl, args, **kw))
+
+
+def test_pool_scores_bf16x6_heads_as_m(kernel_impl):
+    qi, w, keys, _ = T.pool_inputs(*ARGS)
+    _scores(kernel_impl, (qi, w, keys, _n_cand()), block_p=32, precision="bf16x6")
+
+
+def test_pool_scores_unknown_precision_raises():
+    qi, w, keys, n_cand = T.pool_inputs(*ARGS)
+    with pytest.raises(ValueError, match="precision='tf32'"):
+        ps.pool_scores_pallas(qi, w, keys, n_cand, interpret=True, precision="tf32")
 
 
 def test_pool_scores_chunk_split():

@@ -81,15 +81,23 @@ class PoolScoresTuning:
     the MMA's M, heads its N) instead of qi x keys^T. bounded_loop: a program loops over just
     its tiles that hold a candidate (then stores -inf for the rest) instead of testing every
     tile with a branch, so the loop body is a plain load -> dot that Triton can pipeline
-    (`num_stages`). num_warps, num_stages: Triton's."""
+    (`num_stages`). precision: how the GPU runs the fp32 dots, "tf32x3" (3 tf32 products of
+    split operands) or "bf16x6" (6 bf16 products of operands split in three; its dropped terms
+    are O(2^-22) relative, inside the tf32x3 bound the tests assert); interpret mode runs
+    IEEE fp32 either way. num_warps, num_stages: Triton's."""
     block_p: int = 64
     num_chunks: int | None = None
     target_programs: int | None = None
     rows_per_program: int | None = None
     pools_as_m: bool = False
     bounded_loop: bool = False
+    precision: str = "tf32x3"
     num_warps: int = 4
     num_stages: int = 3
+
+
+_PRECISIONS = {"tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+               "bf16x6": lax.DotAlgorithmPreset.BF16_BF16_F32_X6}
 
 
 def _scores_kernel(ncand_ref, qi_ref, w_ref, keys_ref, out_ref, *, group_rows: int,
@@ -232,8 +240,10 @@ def pool_scores_pallas(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand
     qi_p = jnp.pad(qi.astype(jnp.float32), ((0, 0), (0, rp - r), (0, hp - hi), (0, dp - di)))
     w_p = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, rp - r), (0, hp - hi)))
     ncand_p = jnp.pad(n_cand.astype(jnp.int32), ((0, 0), (0, rp - r)))  # pad rows: none
-    precision = (lax.Precision.HIGHEST if interpret
-                 else lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
+    if tuning.precision not in _PRECISIONS:
+        raise ValueError(f"pool_scores: precision={tuning.precision!r} must be one of "
+                         f"{sorted(_PRECISIONS)}")
+    precision = lax.Precision.HIGHEST if interpret else _PRECISIONS[tuning.precision]
     kernel = functools.partial(_scores_kernel, group_rows=rb, groups_per_seq=rp // rb,
                                num_pools=p, width=di, block_p=block_p, tiles=tiles,
                                precision=precision, pools_as_m=tuning.pools_as_m,
