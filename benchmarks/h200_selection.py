@@ -108,7 +108,8 @@ SMOKE_CASES = [("smoke-b3-r1", 3, 1), ("smoke-b2-r4", 2, 4)]
 SCORE_SUBSETS = {
     "selection-b64-r4": ["default", "bounded-t528", "pm-bp64", "pm-bp128",
                          "pm-bounded-bp128-t528", "pm-bounded-bp128-t528-w8",
-                         "rows1-pm-bounded-bp128-t528", "rows1-pm-bp128"],
+                         "rows1-pm-bounded-bp128-t528", "rows1-pm-bp128", "pm-bp128-bf16x6",
+                         "pm-bounded-bp128-t528-w8-bf16x6"],
     "decode-b1-r4": ["default", "pm-bp64", "pm-bp128", "rows1-pm-bp128"],
 }
 TOPK_SUBSETS = {
@@ -177,7 +178,8 @@ def _run_case(res, path, cfg, case, b, r, smoke, score_variants, topk_variants):
     # 1. pool scores
     subset = SCORE_SUBSETS.get(case)
     for name, tun in score_variants.items():
-        if (subset is not None and name not in subset) or _late(res, name):
+        if ((subset is not None and name not in subset) or _late(res, name)
+                or (r == 1 and name.startswith("rows1-"))):  # one row: already 1 per program
             continue
         row = {"case": case, "kind": "scores", "B": b, "R": r, "variant": name,
                "tuning": str(tun)}
@@ -251,7 +253,8 @@ def _run_case(res, path, cfg, case, b, r, smoke, score_variants, topk_variants):
 
 
 PREFILL_SCORES = ["default", "bounded-t528", "pm-bp128", "pm-bounded-bp128-t528",
-                  "pm-bounded-bp128-t528-w8", "pm-bp256-w8"]
+                  "pm-bounded-bp128-t528-w8", "pm-bp256-w8", "pm-bp128-bf16x6",
+                  "pm-bounded-bp128-t528-w8-bf16x6"]
 
 
 def _run_prefill_scores(res, path, cfg, smoke, score_variants):
