@@ -37,8 +37,8 @@ class PoolTopkTuning:
 
     chunk: scores held in registers at once (a power of two; a longer row is walked in
     chunks). rank_block: winners ranked per step. radix_bits: score bits settled per counting
-    pass (1, 2 or 4: 32, 16 or 8 passes over the row, each counting 2, 4 or 16 candidate
-    thresholds; 2 measured fastest). rank_splits: programs per row: each runs the select and
+    pass (1, 2, 3 or 4: 32, 16, 11 or 8 passes over the row, each counting 2, 4, 8 or 16
+    candidate thresholds; 3 runs a first pass of 2 bits; 2 measured fastest at 4 warps). rank_splits: programs per row: each runs the select and
     the compaction (the same work, repeated) and ranks its share of the k winners, so one
     row's ranking runs on several multiprocessors (None: `default_rank_splits`).
     short_rows: first count the finite scores; a row with fewer than k of them has the -inf
@@ -107,19 +107,26 @@ def _topk_kernel(s_ref, o_ref, ck_ref, ci_ref, *, k: int, chunk: int, chunks: in
 
     # Radix select, `radix_bits` bits per pass: the candidates prefix | (d << shift) for every
     # digit d are counted at once; the largest d still leaving >= k keys extends the prefix.
-    digits = jnp.arange(1 << radix_bits, dtype=jnp.int32)  # [D]
-
-    def radix_pass(i, prefix):
+    # Where radix_bits does not divide 32 (3), a first pass settles the remaining top bits.
+    def settle(prefix, shift, bits):
         # prefix/cand are bits in the unsigned order u = key ^ INT_MIN; thresholds and the max
         # are taken in signed keys, where that order holds. Digit 0 (cand = prefix) always
         # leaves >= k keys.
-        cand = prefix | jnp.left_shift(digits, 32 - radix_bits - i * radix_bits)  # [D]
+        digits = jnp.arange(1 << bits, dtype=jnp.int32)  # [D]
+        cand = prefix | jnp.left_shift(digits, shift)  # [D]
         thr = cand ^ jnp.int32(_INT_MIN)  # [D]
         counts = count(lambda key: key[None, :] >= thr[:, None], digits.shape)  # [D]
         return jnp.max(jnp.where(counts >= k, thr, jnp.int32(_INT_MIN))) ^ jnp.int32(_INT_MIN)
 
+    top = 32 % radix_bits  # bits of the first pass where radix_bits does not divide 32
+
+    def radix_pass(i, prefix):
+        return settle(prefix, 32 - top - radix_bits - i * radix_bits, radix_bits)
+
     def radix_select():
-        return lax.fori_loop(0, 32 // radix_bits, radix_pass, jnp.int32(0)) ^ jnp.int32(_INT_MIN)
+        prefix = settle(jnp.int32(0), 32 - top, top) if top else jnp.int32(0)
+        prefix = lax.fori_loop(0, 32 // radix_bits, radix_pass, prefix)
+        return prefix ^ jnp.int32(_INT_MIN)
 
     blocks = pl.cdiv(k, rank_block)
     per_split = pl.cdiv(blocks, splits)
@@ -207,8 +214,8 @@ def pool_topk_pallas(scores: jax.Array, k: int, *, interpret: bool = False,
     *lead, p = scores.shape
     if not 1 <= k <= p:
         raise ValueError(f"pool_topk: k={k} must be in [1, P={p}]")
-    if radix_bits not in (1, 2, 4):
-        raise ValueError(f"pool_topk: radix_bits={radix_bits} must be 1, 2 or 4")
+    if radix_bits not in (1, 2, 3, 4):
+        raise ValueError(f"pool_topk: radix_bits={radix_bits} must be 1, 2, 3 or 4")
     n = 1
     for d in lead:
         n *= d
