@@ -38,9 +38,10 @@ class PoolTopkTuning:
     chunk: scores held in registers at once (a power of two; a longer row is walked in
     chunks). rank_block: winners ranked per step. radix_bits: score bits settled per counting
     pass (1, 2, 3 or 4: 32, 16, 11 or 8 passes over the row, each counting 2, 4, 8 or 16
-    candidate thresholds; 3 runs a first pass of 2 bits; 2 measured fastest at 4 warps). rank_splits: programs per row: each runs the select and
-    the compaction (the same work, repeated) and ranks its share of the k winners, so one
-    row's ranking runs on several multiprocessors (None: `default_rank_splits`).
+    candidate thresholds; 3 runs a first pass of 2 bits; 2 measured fastest at 4 warps).
+    rank_splits: programs per row: each runs the select and the compaction (the same work,
+    repeated) and ranks its share of the k winners, so one row's ranking runs on several
+    multiprocessors (None: `default_rank_splits`).
     short_rows: first count the finite scores; a row with fewer than k of them has the -inf
     key as its k-th key and skips the radix passes, and a row with none (a padded row) writes
     pools 0..k-1 and skips the rest. fused_compare: a winner's rank counts the winners with
