@@ -97,6 +97,8 @@ TOPK_VARIANTS = {
                                  fused_compare=True),
     "short-w8-split4-rb64-fused": K(short_rows=True, num_warps=8, rank_splits=4,
                                     rank_block=64, fused_compare=True),
+    "short-w16-radix3-split8-fused": K(short_rows=True, num_warps=16, radix_bits=3,
+                                       rank_splits=8, fused_compare=True),
     "short-w16-radix4-split8-fused": K(short_rows=True, num_warps=16, radix_bits=4,
                                        rank_splits=8, fused_compare=True),
 }
