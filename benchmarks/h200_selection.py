@@ -51,20 +51,23 @@ SCORE_VARIANTS = {
     "pm-bp64": S(pools_as_m=True),
     "pm-bp128": S(pools_as_m=True, block_p=128),
     "pm-bp128-w8": S(pools_as_m=True, block_p=128, num_warps=8),
+    "pm-bp256-w8": S(pools_as_m=True, block_p=256, num_warps=8),
+    "pm-bounded-bp64-t528": S(pools_as_m=True, bounded_loop=True, target_programs=528),
+    "pm-bounded-bp64-t528-w8": S(pools_as_m=True, bounded_loop=True, target_programs=528,
+                                 num_warps=8),
     "pm-bounded-bp128-t264": S(pools_as_m=True, bounded_loop=True, block_p=128,
                                target_programs=264),
     "pm-bounded-bp128-t528": S(pools_as_m=True, bounded_loop=True, block_p=128,
                                target_programs=528),
+    "pm-bounded-bp128-t528-s2": S(pools_as_m=True, bounded_loop=True, block_p=128,
+                                  target_programs=528, num_stages=2),
     "pm-bounded-bp128-t528-w8": S(pools_as_m=True, bounded_loop=True, block_p=128,
                                   target_programs=528, num_warps=8),
-    "pm-bounded-bp128-t1056-s4": S(pools_as_m=True, bounded_loop=True, block_p=128,
-                                   target_programs=1056, num_stages=4),
-    "pm-bounded-bp256-t528-w8": S(pools_as_m=True, bounded_loop=True, block_p=256,
-                                  target_programs=528, num_warps=8),
+    "pm-bounded-bp128-t264-w8": S(pools_as_m=True, bounded_loop=True, block_p=128,
+                                  target_programs=264, num_warps=8),
     "rows1-pm-bounded-bp128-t528": S(rows_per_program=1, pools_as_m=True, bounded_loop=True,
                                      block_p=128, target_programs=528),
     "rows1-pm-bp128": S(rows_per_program=1, pools_as_m=True, block_p=128),
-    "pm-bp256-w8": S(pools_as_m=True, block_p=256, num_warps=8),
     "bf16x6": S(precision="bf16x6"),
     "pm-bp128-bf16x6": S(pools_as_m=True, block_p=128, precision="bf16x6"),
     "pm-bounded-bp128-t528-bf16x6": S(pools_as_m=True, bounded_loop=True, block_p=128,
@@ -72,8 +75,6 @@ SCORE_VARIANTS = {
     "pm-bounded-bp128-t528-w8-bf16x6": S(pools_as_m=True, bounded_loop=True, block_p=128,
                                          target_programs=528, num_warps=8,
                                          precision="bf16x6"),
-    "pm-bounded-bp128-t264-w8": S(pools_as_m=True, bounded_loop=True, block_p=128,
-                                  target_programs=264, num_warps=8),
 }
 
 TOPK_VARIANTS = {
@@ -254,7 +255,8 @@ def _run_case(res, path, cfg, case, b, r, smoke, score_variants, topk_variants):
         sweep_row(res, row, work, path)
 
 
-PREFILL_SCORES = ["default", "bounded-t528", "pm-bp128", "pm-bounded-bp128-t528",
+PREFILL_SCORES = ["default", "bounded-t528", "pm-bp128", "pm-bounded-bp64-t528",
+                  "pm-bounded-bp128-t528",
                   "pm-bounded-bp128-t528-w8", "pm-bp256-w8", "pm-bp128-bf16x6",
                   "pm-bounded-bp128-t528-w8-bf16x6"]
 
