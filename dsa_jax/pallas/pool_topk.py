@@ -157,7 +157,7 @@ def _topk_kernel(s_ref, o_ref, ck_ref, ci_ref, *, k: int, chunk: int, chunks: in
         at = jnp.arange(kp, dtype=jnp.int32)  # [Kp] compacted position (= index order)
         all_keys = jnp.where(at < k, ck_ref[...], jnp.int32(_INT_MIN))  # [Kp]
 
-        def rank(b, _):
+        def rank(b, carry):  # returns its carry: a dynamic-bound loop cannot yield a literal
             mine = b * rank_block + sub  # [RB]
             key = ck_ref[pl.ds(b * rank_block, rank_block)]  # [RB]
             if fused_compare:
@@ -173,7 +173,7 @@ def _topk_kernel(s_ref, o_ref, ck_ref, ci_ref, *, k: int, chunk: int, chunks: in
                 beats = beats & (at < k)[None, :]  # [RB, Kp]
             r = jnp.sum(beats.astype(jnp.int32), axis=1)  # [RB]
             plt.store(o_ref.at[r], ci_ref[pl.ds(b * rank_block, rank_block)], mask=mine < k)
-            return 0
+            return carry
 
         lax.fori_loop(lo, hi, rank, 0)
 
@@ -185,17 +185,19 @@ def _topk_kernel(s_ref, o_ref, ck_ref, ci_ref, *, k: int, chunk: int, chunks: in
 
     @pl.when(n_finite == 0)
     def _():  # every score -inf: the order is the index order
-        def fill(b, _):
+        def fill(b, carry):
             mine = b * rank_block + sub  # [RB]
             plt.store(o_ref.at[mine], mine, mask=mine < k)
-            return 0
+            return carry
 
         lax.fori_loop(lo, hi, fill, 0)
 
     @pl.when(n_finite > 0)
     def _():
-        # Fewer finite scores than k: the k-th largest key is -inf's.
-        select_and_rank(lax.cond(n_finite < k, lambda: jnp.int32(_NEG_INF_KEY), radix_select))
+        # Fewer finite scores than k: the k-th largest key is -inf's. (Computed from a value:
+        # the Triton lowering cannot yield a literal from a branch.)
+        neg_inf_key = n_finite - n_finite + jnp.int32(_NEG_INF_KEY)
+        select_and_rank(lax.cond(n_finite < k, lambda: neg_inf_key, radix_select))
 
 
 def default_rank_splits(rows: int) -> int:
