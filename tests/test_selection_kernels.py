@@ -122,3 +122,31 @@ def test_pool_topk_bad_radix_bits(kernel_impl):
 
 def test_pool_topk_default_rank_splits_is_at_least_one():
     assert all(pt.default_rank_splits(n) >= 1 for n in (1, 4, 64, 256, 9000))
+
+
+@pytest.mark.parametrize("op,tuning", [
+    ("scores", ps.PoolScoresTuning()),
+    ("scores", ps.PoolScoresTuning(pools_as_m=True, bounded_loop=True, block_p=128,
+                                   target_programs=528, precision="bf16x6")),
+    ("topk", pt.PoolTopkTuning()),
+    ("topk", pt.PoolTopkTuning(short_rows=True, rank_splits=8, fused_compare=True,
+                               radix_bits=3, num_warps=16)),
+])
+def test_kernels_lower_for_cuda(op, tuning):
+    """The Triton lowering runs on any host (`lower(lowering_platforms=("cuda",))`), and
+    refuses what interpret mode accepts (a loop or branch yielding a literal): lower the
+    variants at GLM-5.3-Flash shapes here, so such a kernel fails before the device."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    f32, i32 = jnp.float32, jnp.int32
+    if op == "scores":
+        fn = functools.partial(ps.pool_scores_pallas, tuning=tuning)
+        args = (jax.ShapeDtypeStruct((2, 4, 32, 128), f32), jax.ShapeDtypeStruct((2, 4, 32), f32),
+                jax.ShapeDtypeStruct((2, 4096, 128), f32), jax.ShapeDtypeStruct((2, 4), i32))
+    else:
+        fn = functools.partial(pt.pool_topk_pallas, k=512, tuning=tuning)
+        args = (jax.ShapeDtypeStruct((4, 4096), f32),)
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "custom_call @__gpu$xla.gpu.triton" in text  # the kernel, as Triton IR
