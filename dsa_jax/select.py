@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 
 from dsa_jax.config import DsaConfig
-from dsa_jax.implementation import pool_topk_op
+from dsa_jax.implementation import pool_topk_op, resolve
+from dsa_jax.pallas import pool_topk
 
 
 def top_pools(cfg: DsaConfig, scores: jax.Array) -> jax.Array:
@@ -41,3 +42,20 @@ def expand_selection(cfg: DsaConfig, pools: jax.Array, pos: jax.Array, valid: ja
     sel = jnp.where(slot < n_sel * kp, from_pool,
                     jnp.where((tail_j >= 0) & (tail_j < tail_count), from_tail, -1))
     return jnp.where(valid[..., None], sel, -1).astype(jnp.int32)
+
+
+def select_slots(cfg: DsaConfig, scores: jax.Array, pos: jax.Array, valid: jax.Array, *,
+                 tuning: pool_topk.PoolTopkTuning | None = None) -> jax.Array:
+    """`expand_selection(cfg, top_pools(cfg, scores), pos, valid)`, the same slots bit for bit:
+    scores [..., P], pos and valid [...] -> [..., W]. Where the pallas path runs the top-k
+    kernel (rows of at most `pool_topk.KERNEL_MAX_P` pools) the kernel writes the slots
+    itself (`pool_topk.pool_topk_expand_pallas`: no separate expansion pass); `tuning`: the
+    kernel's (None: its defaults)."""
+    impl = resolve(cfg.implementation)
+    k = min(cfg.select_k, scores.shape[-1])
+    if impl == "xla" or scores.shape[-1] > pool_topk.KERNEL_MAX_P:
+        return expand_selection(cfg, top_pools(cfg, scores), pos, valid)
+    expand = pool_topk.Expansion(cfg.index_kpool, cfg.sel_width, cfg.always_select_tail)
+    return pool_topk.pool_topk_expand_pallas(scores, k, pos, valid, expand,
+                                             interpret=impl == "pallas-interpret",
+                                             tuning=tuning or pool_topk.PoolTopkTuning())

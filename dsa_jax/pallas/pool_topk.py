@@ -82,14 +82,29 @@ def sortable_key(x: jax.Array) -> jax.Array:
 # ---------------------------------------------------------------------------------------------
 
 
-def _topk_kernel(s_ref, o_ref, ck_ref, ci_ref, *, k: int, chunk: int, chunks: int,
-                 rank_block: int, radix_bits: int, splits: int, short_rows: bool,
-                 fused_compare: bool, barrier: bool):
+@dataclasses.dataclass(frozen=True)
+class Expansion:
+    """The selection's token slots written by the top-k kernel (`select.expand_selection`):
+    kpool tokens per pool, width slots per row, the visible tail after the pools or not."""
+    kpool: int
+    width: int
+    tail: bool
+
+
+def _topk_kernel(*refs, k: int, chunk: int, chunks: int, rank_block: int, radix_bits: int,
+                 splits: int, short_rows: bool, fused_compare: bool, barrier: bool,
+                 expand: Expansion | None):
     """s_ref [Pp] f32 (one row); o_ref [Kp] int32 out (the row's, shared by its `splits`
     programs: each writes the slots of its winners); ck_ref, ci_ref [Kp] int32 scratch (this
-    program's own)."""
+    program's own). With `expand`: pv_ref [N] int32 (whole: each row's position, -1 for a
+    padded row) and sel_ref [N, W] int32 out (whole, masked stores)."""
+    if expand is None:
+        s_ref, o_ref, ck_ref, ci_ref = refs
+    else:
+        s_ref, pv_ref, o_ref, ck_ref, ci_ref, sel_ref = refs
     lane = jnp.arange(chunk, dtype=jnp.int32)  # [chunk]
     split = pl.program_id(1)
+    store_winners = _winner_store(pv_ref, sel_ref, k, expand) if expand else None
 
     if chunks == 1:
         row_keys = sortable_key(s_ref[...])  # [chunk], loaded once
@@ -172,11 +187,16 @@ def _topk_kernel(s_ref, o_ref, ck_ref, ci_ref, *, k: int, chunk: int, chunks: in
                             & (at[None, :] < mine[:, None])))
                 beats = beats & (at < k)[None, :]  # [RB, Kp]
             r = jnp.sum(beats.astype(jnp.int32), axis=1)  # [RB]
-            plt.store(o_ref.at[r], ci_ref[pl.ds(b * rank_block, rank_block)], mask=mine < k)
+            pools = ci_ref[pl.ds(b * rank_block, rank_block)]  # [RB]
+            plt.store(o_ref.at[r], pools, mask=mine < k)
+            if store_winners is not None:
+                store_winners(r, pools, mine < k)
             return carry
 
         lax.fori_loop(lo, hi, rank, 0)
 
+    if expand is not None:
+        _store_tail(pv_ref, sel_ref, k, expand, split, splits)
     if not short_rows:
         select_and_rank(radix_select())
         return
@@ -188,6 +208,8 @@ def _topk_kernel(s_ref, o_ref, ck_ref, ci_ref, *, k: int, chunk: int, chunks: in
         def fill(b, carry):
             mine = b * rank_block + sub  # [RB]
             plt.store(o_ref.at[mine], mine, mask=mine < k)
+            if store_winners is not None:
+                store_winners(mine, mine, mine < k)
             return carry
 
         lax.fori_loop(lo, hi, fill, 0)
@@ -198,6 +220,54 @@ def _topk_kernel(s_ref, o_ref, ck_ref, ci_ref, *, k: int, chunk: int, chunks: in
         # the Triton lowering cannot yield a literal from a branch.)
         neg_inf_key = n_finite - n_finite + jnp.int32(_NEG_INF_KEY)
         select_and_rank(lax.cond(n_finite < k, lambda: neg_inf_key, radix_select))
+
+
+def _row_plan(pv_ref, k: int, expand: Expansion):
+    """This row's (n_sel, first tail token, tail tokens): `select.expand_selection`'s terms;
+    a padded row (position -1) selects nothing and has no tail."""
+    pv = pv_ref[pl.program_id(0)]  # [] position, -1: padded
+    seen = pv + 1  # tokens visible to the row
+    live = pv >= 0
+    n_sel = jnp.where(live, jnp.minimum(k, seen // expand.kpool), 0)
+    tail_count = jnp.where(live, seen % expand.kpool, 0) if expand.tail else n_sel * 0
+    return n_sel, seen // expand.kpool * expand.kpool, tail_count
+
+
+def _winner_store(pv_ref, sel_ref, k: int, expand: Expansion):
+    """-> store(rank [RB], pool [RB], ok [RB]): pool's KP tokens into slots rank*KP.. for
+    the winners ranked below n_sel."""
+    kpool = expand.kpool
+    j = jnp.arange(next_pow2(kpool), dtype=jnp.int32)  # [KPp] token within the pool
+    n_sel, _, _ = _row_plan(pv_ref, k, expand)
+    row = pl.program_id(0)
+
+    def store(rank, pool, ok):
+        slots = rank[:, None] * kpool + j[None, :]  # [RB, KPp]
+        mask = (ok & (rank < n_sel))[:, None] & (j < kpool)[None, :]
+        plt.store(sel_ref.at[row, slots], pool[:, None] * kpool + j[None, :], mask=mask)
+
+    return store
+
+
+def _store_tail(pv_ref, sel_ref, k: int, expand: Expansion, split, splits: int,
+                block: int = 256):
+    """Slots from n_sel*KP on: the tail's tokens, then -1; the row's programs share them."""
+    n_sel, tail_base, tail_count = _row_plan(pv_ref, k, expand)
+    row = pl.program_id(0)
+    start = n_sel * expand.kpool
+    first, blocks = start // block, pl.cdiv(expand.width, block)
+    per = (blocks - first + splits - 1) // splits
+    lo = first + split * per
+    lane = jnp.arange(block, dtype=jnp.int32)  # [TB]
+
+    def fill(b, carry):
+        slot = b * block + lane  # [TB]
+        tj = slot - start
+        val = jnp.where(tj < tail_count, tail_base + tj, -1)
+        plt.store(sel_ref.at[row, slot], val, mask=(tj >= 0) & (slot < expand.width))
+        return carry
+
+    lax.fori_loop(lo, jnp.minimum(lo + per, blocks), fill, 0)
 
 
 def default_rank_splits(rows: int) -> int:
@@ -212,7 +282,24 @@ def pool_topk_pallas(scores: jax.Array, k: int, *, interpret: bool = False,
     scores [..., P] f32 (no NaN) -> [..., k] int32, best first. `overrides`: fields of
     `tuning` by name (`radix_bits=4`).
     """
-    tuning = with_overrides(tuning, overrides)
+    return _topk_call(scores, k, None, None, interpret, with_overrides(tuning, overrides))[0]
+
+
+def pool_topk_expand_pallas(scores: jax.Array, k: int, pos: jax.Array, valid: jax.Array,
+                            expand: Expansion, *, interpret: bool = False,
+                            tuning: PoolTopkTuning = PoolTopkTuning(), **overrides
+                            ) -> jax.Array:
+    """`select.expand_selection` of `pool_topk_pallas` in one kernel: the token slots, bit
+    for bit. scores [..., P] f32, pos and valid [...] -> [..., W] int32."""
+    if scores.shape[:-1] != pos.shape or pos.shape != valid.shape:
+        raise ValueError(f"pool_topk_expand: scores {scores.shape} need pos and valid of "
+                         f"shape {scores.shape[:-1]}; got {pos.shape} and {valid.shape}")
+    pv = jnp.where(valid, pos, -1).astype(jnp.int32).reshape(-1)  # [N]
+    return _topk_call(scores, k, expand, pv, interpret, with_overrides(tuning, overrides))[1]
+
+
+def _topk_call(scores, k, expand, pv, interpret, tuning):
+    """-> (pools [..., k], slots [..., W] or None)."""
     radix_bits = tuning.radix_bits
     *lead, p = scores.shape
     if not 1 <= k <= p:
@@ -234,18 +321,29 @@ def pool_topk_pallas(scores: jax.Array, k: int, *, interpret: bool = False,
     kernel = functools.partial(_topk_kernel, k=k, chunk=chunk, chunks=pp // chunk,
                                rank_block=rank_block, radix_bits=radix_bits, splits=splits,
                                short_rows=tuning.short_rows,
-                               fused_compare=tuning.fused_compare, barrier=not interpret)
+                               fused_compare=tuning.fused_compare, barrier=not interpret,
+                               expand=expand)
     scratch = pl.BlockSpec((None, None, kp), lambda i, s: (i, s, 0))
-    out, _, _ = pl.pallas_call(
+    in_specs = [pl.BlockSpec((None, pp), lambda i, s: (i, 0))]
+    out_specs = [pl.BlockSpec((None, kp), lambda i, s: (i, 0)), scratch, scratch]
+    out_shape = [jax.ShapeDtypeStruct((n, kp), jnp.int32),
+                 jax.ShapeDtypeStruct((n, splits, kp), jnp.int32),
+                 jax.ShapeDtypeStruct((n, splits, kp), jnp.int32)]
+    args = [x]
+    if expand is not None:
+        in_specs.append(pl.BlockSpec())  # pv [N]
+        out_specs.append(pl.BlockSpec())  # slots [N, W], masked stores
+        out_shape.append(jax.ShapeDtypeStruct((n, expand.width), jnp.int32))
+        args.append(pv)
+    outs = pl.pallas_call(
         kernel,
         grid=(n, splits),
-        in_specs=[pl.BlockSpec((None, pp), lambda i, s: (i, 0))],
-        out_specs=[pl.BlockSpec((None, kp), lambda i, s: (i, 0)), scratch, scratch],
-        out_shape=[jax.ShapeDtypeStruct((n, kp), jnp.int32),
-                   jax.ShapeDtypeStruct((n, splits, kp), jnp.int32),
-                   jax.ShapeDtypeStruct((n, splits, kp), jnp.int32)],
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=tuning.num_warps, num_stages=1),
         interpret=interpret,
         name="pool_topk",
-    )(x)
-    return out[:, :k].reshape(*lead, k)
+    )(*args)
+    pools = outs[0][:, :k].reshape(*lead, k)
+    return pools, (outs[3].reshape(*lead, expand.width) if expand is not None else None)
