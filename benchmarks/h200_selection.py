@@ -15,7 +15,8 @@ batch-1 step's selection (one real row of 4). Per case:
   2. top-k variants (`PoolTopkTuning`) on the default kernel's scores and on a copy with ties:
      `==` against `lax.top_k`;
   3. the selection as the bench point times it (scores, top-k, expansion in one jit), with the
-     defaults and with the fastest checked variants of (1) and (2).
+     defaults and with the fastest checked variants of (1) and (2), and with the expansion
+     written by the top-k kernel (`select.select_slots`, `==` against the unfused pair).
 Last, top-k and pool-score variants on a 9000-token prompt's rows (top-k `==` against the
 sorted definition; scores on every 97th row within the bound).
 Times: `wall_us` (median of back-to-back calls) and `kernel_us` (device kernel time per call
@@ -122,11 +123,16 @@ TOPK_SUBSETS = {
 }
 
 
-def _selection(cfg, qi, w, keys, pos, valid, *, s_tuning, t_tuning, interpret):
-    """The bench's `selection` point (benchmarks/measures.py) with explicit kernel tunings."""
+def _selection(cfg, qi, w, keys, pos, valid, *, s_tuning, t_tuning, interpret, fused=False):
+    """The bench's `selection` point (benchmarks/measures.py) with explicit kernel tunings;
+    `fused`: the top-k kernel writes the token slots (`select.select_slots`)."""
     n_cand = layer.candidate_pools(cfg, pos, valid)  # [B, R]
     scores = ps.pool_scores_pallas(qi, w, keys, n_cand, interpret=interpret,
                                    tuning=s_tuning)  # [B, R, P]
+    if fused:
+        impl = "pallas-interpret" if interpret else "pallas"
+        return select.select_slots(cfg.replace(implementation=impl), scores, pos, valid,
+                                   tuning=t_tuning)  # [B, R, W]
     k = min(cfg.select_k, scores.shape[-1])
     pools = pt.pool_topk_pallas(scores, k, interpret=interpret, tuning=t_tuning)  # [B, R, k]
     return select.expand_selection(cfg, pools, pos, valid)  # [B, R, W]
@@ -231,19 +237,25 @@ def _run_case(res, path, cfg, case, b, r, smoke, score_variants, topk_variants):
     best_s = _best(res, case, "scores", "ok")
     best_t = _best(res, case, "topk", "ok")
     best_t = best_t if best_t in topk_variants else "default"
-    combos = {("default", "default"), (best_s, "default"), ("default", best_t),
-              (best_s, best_t)}
+    combos = sorted({("default", "default"), (best_s, "default"), ("default", best_t),
+                     (best_s, best_t)}, key=lambda c: (c != ("default", "default"), c))
+    combos = [(s_, t_, False) for s_, t_ in combos] + [("default", "default", True),
+                                                       (best_s, best_t, True)]
     sel_base = {}
-    for s_name, t_name in sorted(combos, key=lambda c: (c != ("default", "default"), c)):
+    for s_name, t_name, fused in combos:
         row = {"case": case, "kind": "selection", "B": b, "R": r,
-               "variant": f"{s_name} + {t_name}"}
+               "variant": f"{s_name} + {t_name}" + (" + fused expansion" if fused else "")}
 
-        def work(row, s_name=s_name, t_name=t_name):
+        def work(row, s_name=s_name, t_name=t_name, fused=fused):
             fn = jax.jit(functools.partial(
                 _selection, cfg, s_tuning=score_variants[s_name],
-                t_tuning=topk_variants[t_name], interpret=smoke))
+                t_tuning=topk_variants[t_name], interpret=smoke, fused=fused))
             out = np.asarray(fn(qi, w, keys, pos, valid))
             sel_base.setdefault("sel", out)
+            if fused:  # the same kernels with the expansion apart: `==`
+                row["equal_to_unfused"] = bool(np.array_equal(out, sel_base[s_name, t_name]))
+            else:
+                sel_base[s_name, t_name] = out
             row["equal_to_default"] = bool(np.array_equal(out, sel_base["sel"]))
             row["rows_differing"] = int((out != sel_base["sel"]).any(-1).sum())
             call = Cycle(lambda q, ww: fn(q, ww, keys, pos, valid), sets)

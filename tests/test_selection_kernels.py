@@ -131,6 +131,7 @@ def test_pool_topk_default_rank_splits_is_at_least_one():
     ("topk", pt.PoolTopkTuning()),
     ("topk", pt.PoolTopkTuning(short_rows=True, rank_splits=8, fused_compare=True,
                                radix_bits=3, num_warps=16)),
+    ("expand", pt.PoolTopkTuning(short_rows=True, rank_splits=4)),
 ])
 def test_kernels_lower_for_cuda(op, tuning):
     """The Triton lowering runs on any host (`lower(lowering_platforms=("cuda",))`), and
@@ -145,8 +146,39 @@ def test_kernels_lower_for_cuda(op, tuning):
         fn = functools.partial(ps.pool_scores_pallas, tuning=tuning)
         args = (jax.ShapeDtypeStruct((2, 4, 32, 128), f32), jax.ShapeDtypeStruct((2, 4, 32), f32),
                 jax.ShapeDtypeStruct((2, 4096, 128), f32), jax.ShapeDtypeStruct((2, 4), i32))
-    else:
+    elif op == "topk":
         fn = functools.partial(pt.pool_topk_pallas, k=512, tuning=tuning)
         args = (jax.ShapeDtypeStruct((4, 4096), f32),)
+    else:
+        def fn(scores, pos, valid):
+            return pt.pool_topk_expand_pallas(scores, 512, pos, valid, pt.Expansion(4, 2051, True),
+                                              tuning=tuning)
+
+        args = (jax.ShapeDtypeStruct((1, 4, 4096), f32), jax.ShapeDtypeStruct((1, 4), i32),
+                jax.ShapeDtypeStruct((1, 4), jnp.bool_))
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "custom_call @__gpu$xla.gpu.triton" in text  # the kernel, as Triton IR
+
+
+@pytest.mark.parametrize("tail", [True, False])
+@pytest.mark.parametrize("kw", [{}, dict(short_rows=True, rank_splits=3, fused_compare=True,
+                                         rank_block=8)])
+def test_select_slots_equal_the_expanded_top_k(impl, tail, kw):
+    """The top-k kernel writing the token slots (`select.select_slots`) against
+    `expand_selection(top_pools(...))` under xla, with `==`: a padded row, positions on and
+    off pool edges, rows with fewer complete pools than k, the full context; ties."""
+    import jax.numpy as jnp
+
+    from dsa_jax import select, shapes
+    cfg = shapes.glm53_flash(max_context=448, index_topk=80, always_select_tail=tail)
+    pos = np.array([[447, 0, 2], [40, 301, 447]], np.int32)  # [B, R]
+    valid = np.array([[True, True, True], [False, True, True]])
+    live = np.where(valid, (pos + 1) // cfg.index_kpool, 0).reshape(-1)
+    scores = T.topk_scores(4, 6, cfg.num_pools, live, ties=True).reshape(2, 3, -1)
+    want = select.expand_selection(cfg.replace(implementation="xla"),
+                                   pt.pool_topk_xla(scores, cfg.select_k), jnp.asarray(pos),
+                                   jnp.asarray(valid))
+    got = select.select_slots(cfg.replace(implementation=impl), scores, jnp.asarray(pos),
+                              jnp.asarray(valid), tuning=pt.PoolTopkTuning(**kw))
+    chex.assert_trees_all_equal(np.asarray(got), np.asarray(want), strict=True)
+    assert (np.asarray(got)[1, 0] == -1).all()
