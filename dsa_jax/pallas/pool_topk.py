@@ -71,14 +71,20 @@ def sortable_key(x: jax.Array) -> jax.Array:
 # ---------------------------------------------------------------------------------------------
 # Pallas (Triton) kernel.
 #
-# One program per row. (1) Radix select: the k-th largest key T, built digit by digit from the
-# top (32 / radix_bits counting passes over the row; a row of up to `chunk` scores stays in
-# registers).
+# `rank_splits` programs per row (grid (row, split)); each runs (0)-(2) on the whole row and
+# ranks its share of the winners in (3). (0) With `short_rows`: count the finite scores; none
+# (a padded row): the answer is pools 0..k-1 (the index order), written directly; fewer than k:
+# T is -inf's key, no radix passes. (1) Radix select: the k-th largest key T, built digit by
+# digit from the top (32 / radix_bits counting passes over the row; a row of up to `chunk`
+# scores stays in registers).
 # (2) Compaction, in index order: every key > T, then the first k - count(> T) keys == T
 # (lowest indices: the tie rule), written to scratch at their exclusive prefix-sum position.
 # (3) After a barrier (the scratch is global memory written by other threads of the program),
 # each selected pool's rank = how many of the k beat it (greater key, or equal key at a lower
 # index); it is stored at out[rank]. Ranks are a permutation of [0, k): every slot is written.
+# With an `Expansion`, each winner also writes its pool's KP token ids at slots rank*KP.. (when
+# rank < the row's n_sel) and the programs share the slots after them (the tail, then -1):
+# `select.expand_selection` without a pass of its own.
 # ---------------------------------------------------------------------------------------------
 
 
