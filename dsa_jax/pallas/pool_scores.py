@@ -60,10 +60,13 @@ def pool_scores_xla(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: j
 # qi as one [RB*Hi, Di] block and their head weights, then walks its chunk of pools (by default
 # a single tile) in tiles [BP, Di], masked: the last tile may be partial, Di may not be a power
 # of two, and the key array is never copied. One dot serves the RB rows, so each key tile is
-# read once per group. A tile past every row's candidates reads no key. fp32-accurate
-# throughout, since the scores feed an exact top-k: the dot runs as 3-pass tf32 on the GPU
-# (Triton's IEEE fp32 dot measured an order of magnitude slower than XLA's on the H200) and as
-# IEEE fp32 in interpret mode.
+# read once per group. A tile past every row's candidates reads no key (`bounded_loop`: the
+# loop runs over the chunk's live tiles only, then stores -inf for the rest, so its body has no
+# branch). The dot is qi [RB*Hp, Dp] x keys^T (heads as the MMA's M: 32 rows for one GLM row)
+# or, with `pools_as_m`, keys [BP, Dp] x qi^T (the pool tile as M, 64 or more rows: the shape
+# Hopper's wgmma takes). fp32-accurate throughout, since the scores feed an exact top-k: the
+# dot runs as 3-pass tf32 (or 6-pass bf16) on the GPU (Triton's IEEE fp32 dot measured an order
+# of magnitude slower than XLA's on the H200) and as IEEE fp32 in interpret mode.
 # ---------------------------------------------------------------------------------------------
 
 
