@@ -45,17 +45,16 @@ from dsa_jax.pallas import pool_topk as pt
 
 S, K = ps.PoolScoresTuning, pt.PoolTopkTuning
 
+# Earlier sweeps (h200-pool-rows.json): 8 warps were slower than 4 at heads-as-M (148 vs 95 us
+# at 64 sequences), so 8 warps appear only with 128-pool tiles as M (two warpgroups).
 SCORE_VARIANTS = {
     "default": S(),
-    "warps8": S(num_warps=8),
     "bounded-t528": S(bounded_loop=True, target_programs=528),
     "pm-bp64": S(pools_as_m=True),
     "pm-bp128": S(pools_as_m=True, block_p=128),
     "pm-bp128-w8": S(pools_as_m=True, block_p=128, num_warps=8),
     "pm-bp256-w8": S(pools_as_m=True, block_p=256, num_warps=8),
     "pm-bounded-bp64-t528": S(pools_as_m=True, bounded_loop=True, target_programs=528),
-    "pm-bounded-bp64-t528-w8": S(pools_as_m=True, bounded_loop=True, target_programs=528,
-                                 num_warps=8),
     "pm-bounded-bp128-t264": S(pools_as_m=True, bounded_loop=True, block_p=128,
                                target_programs=264),
     "pm-bounded-bp128-t528": S(pools_as_m=True, bounded_loop=True, block_p=128,
@@ -78,31 +77,30 @@ SCORE_VARIANTS = {
                                          precision="bf16x6"),
 }
 
+# Earlier sweeps (h200-topk.json): 8 warps were slower than 4 for one row (35.9 vs 29.4 us),
+# so the split variants run at 4 warps, with two at 8 and 16 for comparison.
 TOPK_VARIANTS = {
     "default": K(),
     "short": K(short_rows=True),
     "short-w8": K(short_rows=True, num_warps=8),
-    "short-w16": K(short_rows=True, num_warps=16),
-    "short-w16-fused": K(short_rows=True, num_warps=16, fused_compare=True),
-    "short-w8-split2-fused": K(short_rows=True, num_warps=8, rank_splits=2,
-                               fused_compare=True),
-    "short-w8-split4": K(short_rows=True, num_warps=8, rank_splits=4),
-    "short-w8-split4-fused": K(short_rows=True, num_warps=8, rank_splits=4,
-                               fused_compare=True),
+    "short-fused": K(short_rows=True, fused_compare=True),
+    "short-split2-fused": K(short_rows=True, rank_splits=2, fused_compare=True),
+    "short-split4": K(short_rows=True, rank_splits=4),
+    "short-split4-fused": K(short_rows=True, rank_splits=4, fused_compare=True),
+    "short-split8-fused": K(short_rows=True, rank_splits=8, fused_compare=True),
+    "short-split16-fused": K(short_rows=True, rank_splits=16, fused_compare=True),
+    "short-split8-fused-rb16": K(short_rows=True, rank_splits=8, fused_compare=True,
+                                 rank_block=16),
+    "short-split8-fused-rb64": K(short_rows=True, rank_splits=8, fused_compare=True,
+                                 rank_block=64),
     "short-w8-split8-fused": K(short_rows=True, num_warps=8, rank_splits=8,
                                fused_compare=True),
-    "short-w16-split4-fused": K(short_rows=True, num_warps=16, rank_splits=4,
-                                fused_compare=True),
     "short-w16-split8-fused": K(short_rows=True, num_warps=16, rank_splits=8,
                                 fused_compare=True),
-    "short-w16-split16-fused": K(short_rows=True, num_warps=16, rank_splits=16,
-                                 fused_compare=True),
-    "short-w8-split4-rb64-fused": K(short_rows=True, num_warps=8, rank_splits=4,
-                                    rank_block=64, fused_compare=True),
-    "short-w16-radix3-split8-fused": K(short_rows=True, num_warps=16, radix_bits=3,
-                                       rank_splits=8, fused_compare=True),
-    "short-w16-radix4-split8-fused": K(short_rows=True, num_warps=16, radix_bits=4,
-                                       rank_splits=8, fused_compare=True),
+    "short-radix3-split8-fused": K(short_rows=True, radix_bits=3, rank_splits=8,
+                                   fused_compare=True),
+    "short-radix4-split8-fused": K(short_rows=True, radix_bits=4, rank_splits=8,
+                                   fused_compare=True),
 }
 
 # (name, B, R): the bench's selection points, then the batch-1 step's selection.
@@ -117,9 +115,8 @@ SCORE_SUBSETS = {
     "decode-b1-r4": ["default", "pm-bp64", "pm-bp128", "rows1-pm-bp128"],
 }
 TOPK_SUBSETS = {
-    "selection-b64-r4": ["default", "short", "short-w8", "short-w16-fused",
-                         "short-w8-split2-fused", "short-w8-split4-fused",
-                         "short-w16-split4-fused"],
+    "selection-b64-r4": ["default", "short", "short-fused", "short-split2-fused",
+                         "short-split4-fused", "short-split8-fused", "short-w8-split8-fused"],
 }
 
 
@@ -308,8 +305,8 @@ def _run_prefill_scores(res, path, cfg, smoke, score_variants):
         sweep_row(res, row, work, path)
 
 
-PREFILL_TOPK = ["lax.top_k", "default", "short", "short-w8", "short-w16-fused",
-                "short-w8-split2-fused"]
+PREFILL_TOPK = ["lax.top_k", "default", "short", "short-fused", "short-split2-fused",
+                "short-split8-fused"]
 
 
 def _run_prefill_topk(res, path, cfg, smoke, topk_variants):
@@ -361,7 +358,7 @@ def main() -> int:
         if n in ("default", "bounded-t528", "pm-bp64", "pm-bounded-bp128-t528")}
     topk_variants = TOPK_VARIANTS if not smoke else {
         n: v for n, v in TOPK_VARIANTS.items()
-        if n in ("default", "short", "short-w8-split4-fused")}
+        if n in ("default", "short", "short-split4-fused")}
     cases = SMOKE_CASES if smoke else CASES
     for case, b, r in cases[:2]:
         _run_case(res, path, cfg, case, b, r, smoke, score_variants, topk_variants)
