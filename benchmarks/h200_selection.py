@@ -50,8 +50,10 @@ S, K = ps.PoolScoresTuning, pt.PoolTopkTuning
 # us), and the branch-free loop over live tiles fastest for a prompt (1.7 vs 3.9 ms); wider
 # tiles, 8 warps, 6-pass bf16 and pipelined loops at decode shapes were slower. This run
 # measures the neighbours of those two.
+# "default": the defaults before issue #14's selection work, pinned (the baseline of every case).
 SCORE_VARIANTS = {
-    "default": S(),
+    "default": S(block_p=64, num_chunks=None, target_programs=None, rows_per_program=None,
+                 pools_as_m=False, bounded_loop=False, precision="tf32x3", num_warps=4),
     "pm-bp64": S(pools_as_m=True),
     "pm-bp64-c32": S(pools_as_m=True, num_chunks=32),  # 2 tiles per program: qi split once
     "pm-bounded-bp64-t1056": S(pools_as_m=True, bounded_loop=True, target_programs=1056),
@@ -65,7 +67,8 @@ SCORE_VARIANTS = {
 # so the split variants run at 4 warps, with one at 8 for comparison. (The first run of this
 # script lost its top-k rows to a lowering error, fixed since.)
 TOPK_VARIANTS = {
-    "default": K(),
+    "default": K(chunk=4096, rank_block=32, radix_bits=2, rank_splits=1, short_rows=False,
+                 fused_compare=False, num_warps=4),
     "short": K(short_rows=True),
     "short-fused": K(short_rows=True, fused_compare=True),
     "short-split2-fused": K(short_rows=True, rank_splits=2, fused_compare=True),
