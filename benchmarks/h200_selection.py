@@ -50,16 +50,22 @@ S, K = ps.PoolScoresTuning, pt.PoolTopkTuning
 # us), and the branch-free loop over live tiles fastest for a prompt (1.7 vs 3.9 ms); wider
 # tiles, 8 warps, 6-pass bf16 and pipelined loops at decode shapes were slower. This run
 # measures the neighbours of those two.
-# "default": the defaults before issue #14's selection work, pinned (the baseline of every case).
+# "default": the defaults before issue #14's selection work, pinned (the baseline of every case);
+# every variant pins the fields whose defaults changed after round 2.
 SCORE_VARIANTS = {
-    "default": S(block_p=64, num_chunks=None, target_programs=None, rows_per_program=None,
-                 pools_as_m=False, bounded_loop=False, precision="tf32x3", num_warps=4),
-    "pm-bp64": S(pools_as_m=True),
-    "pm-bp64-c32": S(pools_as_m=True, num_chunks=32),  # 2 tiles per program: qi split once
+    "default": S(block_p=64, num_chunks=None, target_programs=None, tiles_per_program=1,
+                 rows_per_program=None, pools_as_m=False, bounded_loop=False,
+                 precision="tf32x3", num_warps=4),
+    "now": S(),  # the defaults chosen from round 2 (not in the runs so far)
+    "pm-bp64": S(pools_as_m=True, bounded_loop=False, tiles_per_program=1),
+    # 2 tiles per program: qi loaded and split once for both
+    "pm-bp64-c32": S(pools_as_m=True, bounded_loop=False, num_chunks=32),
     "pm-bounded-bp64-t1056": S(pools_as_m=True, bounded_loop=True, target_programs=1056),
-    "rows1-pm-bp64": S(rows_per_program=1, pools_as_m=True),
-    "rows1-pm-bp64-c32": S(rows_per_program=1, pools_as_m=True, num_chunks=32),
-    "bounded-t528": S(bounded_loop=True, target_programs=528),
+    "rows1-pm-bp64": S(rows_per_program=1, pools_as_m=True, bounded_loop=False,
+                       tiles_per_program=1),
+    "rows1-pm-bp64-c32": S(rows_per_program=1, pools_as_m=True, bounded_loop=False,
+                           num_chunks=32),
+    "bounded-t528": S(pools_as_m=False, bounded_loop=True, target_programs=528),
     "pm-bounded-bp64-t528": S(pools_as_m=True, bounded_loop=True, target_programs=528),
 }
 
@@ -69,8 +75,9 @@ SCORE_VARIANTS = {
 TOPK_VARIANTS = {
     "default": K(chunk=4096, rank_block=32, radix_bits=2, rank_splits=1, short_rows=False,
                  fused_compare=False, num_warps=4),
-    "short": K(short_rows=True),
-    "short-fused": K(short_rows=True, fused_compare=True),
+    "now": K(),  # the defaults chosen from round 2 (not in the runs so far)
+    "short": K(short_rows=True, rank_splits=1),
+    "short-fused": K(short_rows=True, rank_splits=1, fused_compare=True),
     "short-split2-fused": K(short_rows=True, rank_splits=2, fused_compare=True),
     "short-split4-fused": K(short_rows=True, rank_splits=4, fused_compare=True),
     "short-split8-fused": K(short_rows=True, rank_splits=8, fused_compare=True),
@@ -86,17 +93,17 @@ CASES = [("selection-b64", 64, 1), ("decode-b1-r4", 1, 4), ("selection-b64-r4", 
 SMOKE_CASES = [("smoke-b3-r1", 3, 1), ("smoke-b2-r4", 2, 4)]
 # Pool-score variants run per case (None: all); the batch-1 scores take ~6 us of the step.
 SCORE_SUBSETS = {
-    "selection-b64": ["default", "pm-bp64", "pm-bp64-c32", "pm-bounded-bp64-t1056"],
-    "decode-b1-r4": ["default", "pm-bp64"],
-    "selection-b64-r4": ["default", "pm-bp64", "rows1-pm-bp64", "rows1-pm-bp64-c32"],
+    "selection-b64": ["default", "now", "pm-bp64", "pm-bp64-c32", "pm-bounded-bp64-t1056"],
+    "decode-b1-r4": ["default", "now", "pm-bp64"],
+    "selection-b64-r4": ["default", "now", "pm-bp64", "rows1-pm-bp64", "rows1-pm-bp64-c32"],
 }
 TOPK_SUBSETS = {
-    "selection-b64": ["default", "short-fused", "short-split2-fused", "short-split4-fused",
+    "selection-b64": ["default", "now", "short-fused", "short-split2-fused", "short-split4-fused",
                       "short-split8-fused", "short-radix4-split8-fused"],
-    "decode-b1-r4": ["default", "short-fused", "short-split4-fused", "short-split8-fused",
+    "decode-b1-r4": ["default", "now", "short-fused", "short-split4-fused", "short-split8-fused",
                      "short-split16-fused", "short-w8-split8-fused",
                      "short-radix4-split8-fused"],
-    "selection-b64-r4": ["default", "short", "short-split2-fused", "short-split4-fused"],
+    "selection-b64-r4": ["default", "now", "short", "short-split2-fused", "short-split4-fused"],
 }
 
 
@@ -241,7 +248,7 @@ def _run_case(res, path, cfg, case, b, r, smoke, score_variants, topk_variants):
         sweep_row(res, row, work, path)
 
 
-PREFILL_SCORES = ["bounded-t528", "pm-bounded-bp64-t528"]  # default: 3887 us in run 1
+PREFILL_SCORES = ["bounded-t528", "pm-bounded-bp64-t528", "now"]  # default: 3887 us in run 1
 
 
 def _run_prefill_scores(res, path, cfg, smoke, score_variants):
@@ -279,7 +286,7 @@ def _run_prefill_scores(res, path, cfg, smoke, score_variants):
         sweep_row(res, row, work, path)
 
 
-PREFILL_TOPK = ["default", "short", "short-fused"]  # lax.top_k: 2006 us in run 1
+PREFILL_TOPK = ["default", "short", "short-fused", "now"]  # lax.top_k: 2006 us in run 1
 
 
 def _run_prefill_topk(res, path, cfg, smoke, topk_variants):
@@ -328,10 +335,10 @@ def main() -> int:
                      "k": cfg.select_k}, "results": [], "errors": []}
     score_variants = SCORE_VARIANTS if not smoke else {
         n: v for n, v in SCORE_VARIANTS.items()
-        if n in ("default", "bounded-t528", "pm-bp64", "pm-bounded-bp64-t528")}
+        if n in ("default", "now", "bounded-t528", "pm-bp64", "pm-bounded-bp64-t528")}
     topk_variants = TOPK_VARIANTS if not smoke else {
         n: v for n, v in TOPK_VARIANTS.items()
-        if n in ("default", "short", "short-split4-fused", "short-fused")}
+        if n in ("default", "now", "short", "short-split4-fused", "short-fused")}
     cases = SMOKE_CASES if smoke else CASES
     for case, b, r in cases[:2]:
         _run_case(res, path, cfg, case, b, r, smoke, score_variants, topk_variants)

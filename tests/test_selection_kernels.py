@@ -71,10 +71,37 @@ def test_pool_scores_unknown_precision_raises():
         ps.pool_scores_pallas(qi, w, keys, n_cand, interpret=True, precision="tf32")
 
 
+def test_pool_scores_prompt_rows_take_the_bounded_loop(kernel_impl):
+    """A prompt chunk (10 rows of one sequence, causal candidate counts): the default loops over
+    live tiles only; the same dots as one tile per program, so `==`."""
+    qi, w, keys, _ = T.pool_inputs(12, 1, 10, 3, 12, 100)
+    n_cand = np.array([[0, 1, 15, 16, 17, 40, 63, 64, 65, 100]], np.int32)
+    args = (qi, w, keys, n_cand)
+    chex.assert_trees_all_equal(_scores(kernel_impl, args, block_p=16),
+                                _scores(kernel_impl, args, block_p=16, bounded_loop=False))
+
+
+def test_pool_scores_resolve_tuning():
+    """bounded_loop None: a prompt's rows (more than PROMPT_ROWS per sequence) loop over their
+    live tiles, PROMPT_PROGRAMS_PER_SM programs per multiprocessor; decode and verify rows run
+    one tile per program; explicit fields are kept."""
+    from dsa_jax.pallas.common import sm_count
+    auto = ps.PoolScoresTuning()
+    assert ps.resolve_tuning(auto, 4) == ps.PoolScoresTuning(bounded_loop=False)
+    assert auto.pools_as_m and auto.block_p == 64
+    prompt = ps.resolve_tuning(auto, ps.PROMPT_ROWS + 1)
+    assert prompt.bounded_loop and prompt.target_programs == ps.PROMPT_PROGRAMS_PER_SM * sm_count()
+    assert ps.resolve_tuning(ps.PoolScoresTuning(num_chunks=3), 100).target_programs is None
+    fixed = ps.PoolScoresTuning(bounded_loop=False)
+    assert ps.resolve_tuning(fixed, 9000) == fixed
+
+
 def test_pool_scores_chunk_split():
     """target_programs -> chunks per row group; an explicit num_chunks wins; none is empty."""
     split = ps.chunk_split
-    assert split(ps.PoolScoresTuning(), 64, 64) == (64, 1)  # one tile per program
+    assert split(ps.PoolScoresTuning(), 64, 64) == (32, 2)  # 2048 programs: two tiles each
+    assert split(ps.PoolScoresTuning(), 2, 64) == (64, 1)  # 64 programs: one tile each
+    assert split(ps.PoolScoresTuning(tiles_per_program=3), 2, 64) == (22, 3)
     assert split(ps.PoolScoresTuning(target_programs=528), 64, 32) == (8, 4)
     assert split(ps.PoolScoresTuning(target_programs=528), 2, 32) == (32, 1)
     assert split(ps.PoolScoresTuning(target_programs=528, num_chunks=3), 64, 7) == (3, 3)
@@ -120,8 +147,10 @@ def test_pool_topk_bad_radix_bits(kernel_impl):
         T.run_op("pool_topk", kernel_impl, s, 20, kernel_options=dict(radix_bits=5))
 
 
-def test_pool_topk_default_rank_splits_is_at_least_one():
-    assert all(pt.default_rank_splits(n) >= 1 for n in (1, 4, 64, 256, 9000))
+def test_pool_topk_default_rank_splits():
+    """~128 programs, 2..16 splits up to SPLIT_MAX_ROWS rows, one program per row beyond."""
+    got = {n: pt.default_rank_splits(n) for n in (1, 4, 32, 64, 256, 1024, 1025, 9000)}
+    assert got == {1: 16, 4: 16, 32: 4, 64: 2, 256: 2, 1024: 2, 1025: 1, 9000: 1}
 
 
 @pytest.mark.parametrize("op,tuning", [

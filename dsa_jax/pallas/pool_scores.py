@@ -17,7 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from dsa_jax.pallas.common import next_pow2, with_overrides
+from dsa_jax.pallas.common import next_pow2, sm_count, with_overrides
 
 # Query rows per lax.map step of the XLA twin: bounds the [rows, Hi, P] fp32 block.
 XLA_ROW_CHUNK = 256
@@ -76,24 +76,27 @@ class PoolScoresTuning:
     h200-kernel-parity.json, h200-pool-rows.json, h200-selection.json; benchmarks/notes.md).
 
     block_p: pools per tile. num_chunks: programs per row group, each looping over its share
-    of the tiles (None: one tile per program, unless `target_programs` is set).
+    of the tiles (None: set by `target_programs` or `tiles_per_program`).
     target_programs: where num_chunks is None, split each row group's tiles into enough
-    chunks for about this many programs in all (None: one tile per program).
+    chunks for about this many programs in all (None: `PROMPT_PROGRAMS_PER_SM` per
+    multiprocessor where the rule chooses `bounded_loop`, else by tiles_per_program).
+    tiles_per_program: where neither is set (None: `default_tiles_per_program`).
     rows_per_program: rows of one sequence scored per program, a power of two (None:
     `default_rows_per_program`). pools_as_m: the dot as keys [BP, Di] x qi^T (the pool tile is
     the MMA's M, heads its N) instead of qi x keys^T. bounded_loop: a program loops over just
     its tiles that hold a candidate (then stores -inf for the rest) instead of testing every
     tile with a branch, so the loop body is a plain load -> dot that Triton can pipeline
-    (`num_stages`). precision: how the GPU runs the fp32 dots, "tf32x3" (3 tf32 products of
-    split operands) or "bf16x6" (6 bf16 products of operands split in three; its dropped terms
-    are O(2^-22) relative, inside the tf32x3 bound the tests assert); interpret mode runs
-    IEEE fp32 either way. num_warps, num_stages: Triton's."""
+    (`num_stages`); None: `prompt_shaped(rows per sequence)`. precision: how the GPU runs the
+    fp32 dots, "tf32x3" (3 tf32 products of split operands) or "bf16x6" (6 bf16 products of
+    operands split in three; its dropped terms are O(2^-22) relative, inside the tf32x3 bound
+    the tests assert); interpret mode runs IEEE fp32 either way. num_warps, num_stages: Triton's."""
     block_p: int = 64
     num_chunks: int | None = None
     target_programs: int | None = None
+    tiles_per_program: int | None = None
     rows_per_program: int | None = None
-    pools_as_m: bool = False
-    bounded_loop: bool = False
+    pools_as_m: bool = True
+    bounded_loop: bool | None = None
     precision: str = "tf32x3"
     num_warps: int = 4
     num_stages: int = 3
@@ -197,16 +200,55 @@ def _scores_kernel(ncand_ref, qi_ref, w_ref, keys_ref, out_ref, *, group_rows: i
 def chunk_split(tuning: PoolScoresTuning, groups: int, tiles_all: int) -> tuple[int, int]:
     """(programs per row group, tiles per program) for `groups` row groups of `tiles_all`
     tiles each: `num_chunks` if set, else enough chunks for about `target_programs` programs,
-    else one tile per program; no program without a tile."""
+    else `tiles_per_program` tiles each (None: `default_tiles_per_program`); no program
+    without a tile."""
     if tuning.num_chunks is not None:
         chunks = tuning.num_chunks
     elif tuning.target_programs is not None:
         chunks = -(-tuning.target_programs // groups)
     else:
-        chunks = tiles_all
+        per = tuning.tiles_per_program or default_tiles_per_program(groups, tiles_all)
+        chunks = -(-tiles_all // per)
     chunks = max(1, min(chunks, tiles_all))
     tiles = -(-tiles_all // chunks)
     return -(-tiles_all // tiles), tiles
+
+
+# A prompt's rows (more than a verify's per sequence) loop over their live tiles; see
+# `resolve_tuning`.
+PROMPT_ROWS = 8
+PROMPT_PROGRAMS_PER_SM = 4
+# Decode and verify rows: two tiles per program (qi loaded and split once for both) where at
+# least this many programs per multiprocessor remain, else one.
+MIN_PROGRAMS_PER_SM = 4
+
+
+def default_tiles_per_program(groups: int, tiles_all: int) -> int:
+    """2 where `groups * tiles_all / 2` programs still give `MIN_PROGRAMS_PER_SM` per
+    multiprocessor, else 1: on the H200 two tiles per program beat one by 5% at 64 sequences
+    (70.1 vs 74.1 us) and by 8% for 64 padded decodes of one row per program (86.8 vs 94.2
+    us), benchmarks/results/h200-selection.json."""
+    return 2 if groups * tiles_all // 2 >= MIN_PROGRAMS_PER_SM * sm_count() else 1
+
+
+def prompt_shaped(rows_per_seq: int) -> bool:
+    """Whether rows of this many per sequence are a prompt chunk: causal rows whose live pool
+    counts differ, where a program looping over just its live tiles (qi loaded once) beat one
+    program per tile 2.25x at 9000 rows on the H200, while one tile per program stayed faster
+    for decode and verify rows (benchmarks/results/h200-selection-run1.json)."""
+    return rows_per_seq > PROMPT_ROWS
+
+
+def resolve_tuning(tuning: PoolScoresTuning, rows_per_seq: int) -> PoolScoresTuning:
+    """`tuning` with its None fields chosen: bounded_loop by `prompt_shaped`, and then (no
+    num_chunks, no target_programs) `PROMPT_PROGRAMS_PER_SM` programs per multiprocessor."""
+    if tuning.bounded_loop is not None:
+        return tuning
+    bounded = prompt_shaped(rows_per_seq)
+    target = tuning.target_programs
+    if bounded and target is None and tuning.num_chunks is None:
+        target = PROMPT_PROGRAMS_PER_SM * sm_count()
+    return dataclasses.replace(tuning, bounded_loop=bounded, target_programs=target)
 
 
 def default_rows_per_program(rows_per_seq: int) -> int:
@@ -228,8 +270,8 @@ def pool_scores_pallas(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand
     multiple of `rows_per_program` with rows that have no candidate. `overrides`: fields of
     `tuning` by name (`block_p=32`).
     """
-    tuning = with_overrides(tuning, overrides)
     b, r, hi, di = qi.shape
+    tuning = resolve_tuning(with_overrides(tuning, overrides), r)
     p = pool_keys.shape[1]
     rb = tuning.rows_per_program or default_rows_per_program(r)
     if rb & (rb - 1):

@@ -33,7 +33,7 @@ KERNEL_MAX_P = 4096
 
 @dataclasses.dataclass(frozen=True)
 class PoolTopkTuning:
-    """Launch parameters of `pool_topk_pallas` (H200 sweep: benchmarks/results/h200-topk.json).
+    """Launch parameters of `pool_topk_pallas` (and `pool_topk_expand_pallas`).
 
     chunk: scores held in registers at once (a power of two; a longer row is walked in
     chunks). rank_block: winners ranked per step. radix_bits: score bits settled per counting
@@ -41,17 +41,20 @@ class PoolTopkTuning:
     candidate thresholds; 3 runs a first pass of 2 bits; 2 measured fastest at 4 warps).
     rank_splits: programs per row: each runs the select and the compaction (the same work,
     repeated) and ranks its share of the k winners, so one row's ranking runs on several
-    multiprocessors (None: `default_rank_splits`).
-    short_rows: first count the finite scores; a row with fewer than k of them has the -inf
-    key as its k-th key and skips the radix passes, and a row with none (a padded row) writes
-    pools 0..k-1 and skips the rest. fused_compare: a winner's rank counts the winners with
-    key >= its key + [later in index order] (one compare per pair instead of the three of
-    "greater, or equal and earlier"). num_warps: Triton's."""
+    multiprocessors (None: `default_rank_splits`). short_rows: first count the finite scores;
+    a row with fewer than k of them has the -inf key as its k-th key and skips the radix
+    passes, and a row with none (a padded row) writes pools 0..k-1 and skips the rest (9000
+    prompt rows: 1082 vs 1124 us; 256 rows, 192 of them padded: 43.2 vs 43.0).
+    fused_compare: a winner's rank counts the winners with key >= its key + [later in index
+    order] (one compare per pair instead of the three of "greater, or equal and earlier");
+    measured slower: 9000 prompt rows 1209 vs 1082 us (short_rows both).
+    num_warps: Triton's (8 measured slower than 4 for one row).
+    H200 sweeps: benchmarks/results/h200-topk.json, h200-selection.json."""
     chunk: int = 4096
     rank_block: int = 32
     radix_bits: int = 2
-    rank_splits: int | None = 1
-    short_rows: bool = False
+    rank_splits: int | None = None
+    short_rows: bool = True
     fused_compare: bool = False
     num_warps: int = 4
 
@@ -276,9 +279,20 @@ def _store_tail(pv_ref, sel_ref, k: int, expand: Expansion, split, splits: int,
     lax.fori_loop(lo, jnp.minimum(lo + per, blocks), fill, 0)
 
 
+# Rows above this run one program each (a prompt: the select's work is not repeated).
+SPLIT_MAX_ROWS = 1024
+MAX_RANK_SPLITS = 16
+
+
 def default_rank_splits(rows: int) -> int:
-    """Programs per row of `pool_topk_pallas` where the tuning names none."""
-    return 1
+    """Programs per row where the tuning names none: enough for ~128 programs, at least 2 and
+    at most `MAX_RANK_SPLITS` up to `SPLIT_MAX_ROWS` rows, 1 beyond. On the H200 (k 512 of
+    4096, benchmarks/results/h200-selection.json): 4 rows 30.0 us at 1 split, 17.2 at 4, 15.1
+    at 8, 14.1 at 16; 64 rows 31.0 at 1, 23.1 at 2, 25.2 at 4, 41.7 at 8; 256 rows (a
+    padded decode of 64) 43.0 at 1, 33.3 at 2, 33.6 at 4."""
+    if rows > SPLIT_MAX_ROWS:
+        return 1
+    return max(2, min(MAX_RANK_SPLITS, next_pow2(-(-128 // rows))))
 
 
 def pool_topk_pallas(scores: jax.Array, k: int, *, interpret: bool = False,
