@@ -45,7 +45,7 @@ import numpy as np
 from dsa_jax import checkpoint_io
 from dsa_jax.checkpoint_io import CheckpointError
 from dsa_jax.config import DsaConfig
-from dsa_jax.state import DsaState, init_state
+from dsa_jax.state import DsaState, init_state, ring_from_rows
 from dsa_jax.weights import (
     DEFAULT_FP8_BLOCK,
     DsaWeights,
@@ -57,12 +57,17 @@ from dsa_jax.weights import (
 
 FORMAT = "dsa_jax.checkpoint"
 # 2: weights in the current layout (version 1 fused the indexer's query rows into q_proj);
-# 3: per-array checksums in the metadata, verified on restore.
-FORMAT_VERSION = 3
-# Weights of an older format have another layout; state checkpoints have not changed since
-# version 1. Checksums exist from version 3 on (older checkpoints restore without them).
+# 3: per-array checksums in the metadata, verified on restore;
+# 4: states hold the indexer ring (`dsa_jax.state`: `index_k`, `index_g` [B, Rr, Di]) instead of
+# max_context raw rows. Weights are unchanged since version 2.
+FORMAT_VERSION = 4
+# Weights of an older format have another layout. A state checkpoint before version 4 holds
+# every raw indexer row: restore converts it to the ring (the rows the ring's mark says it
+# holds, exactly as a ring state at that mark holds them). Checksums exist from version 3 on
+# (older checkpoints restore without them).
 MIN_VERSION = {"weights": 2, "state": 1}
 CHECKSUM_VERSION = 3
+RING_VERSION = 4
 ARRAYS_ITEM = "arrays"
 META_ITEM = "dsa_jax"
 # Fields a restore does not compare, per kind (see the module docstring).
@@ -362,6 +367,13 @@ def expected_state(cfg: DsaConfig, num_seqs: int, num_blocks: int, has_indexer: 
                                              has_indexer=has_indexer))
 
 
+def _with_all_rows(cfg: DsaConfig, e: DsaState) -> DsaState:
+    """`e` with the indexer rows of a checkpoint before version 4: `[B, max_context, Di]`."""
+    shape = (e.index_k.shape[0], cfg.max_context, e.index_k.shape[2])
+    return e._replace(index_k=jax.ShapeDtypeStruct(shape, e.index_k.dtype),
+                      index_g=jax.ShapeDtypeStruct(shape, e.index_g.dtype))
+
+
 def _split_extra(extra: Mapping[str, Any] | None) -> tuple[dict, dict, dict]:
     """Host metadata -> (arrays, their manifest, JSON values)."""
     if extra is None:
@@ -435,9 +447,13 @@ def restore_state(path: str | os.PathLike, cfg: DsaConfig, *, device=None
     sharding = _sharding(device)
     expected = [expected_state(cfg, meta["num_seqs"], meta["num_blocks"], hi)
                 for hi in meta["has_indexer"]]
+    # Before version 4 an indexer layer stored max_context raw rows: read those, then convert.
+    all_rows = meta.get("version", 1) < RING_VERSION
+    stored = [_with_all_rows(cfg, e) if all_rows and hi else e
+              for e, hi in zip(expected, meta["has_indexer"], strict=True)]
     layer_target = {str(i): {name: _abstract(getattr(e, name), sharding)
                              for name in DsaState._fields if _is_stored(getattr(e, name))}
-                    for i, e in enumerate(expected)}
+                    for i, e in enumerate(stored)}
     extra_meta = meta.get("extra")
     manifest = extra_meta["arrays"] if extra_meta else {}
     extra_target = {key: np.zeros(m["shape"], np.dtype(m["dtype"]))
@@ -445,7 +461,11 @@ def restore_state(path: str | os.PathLike, cfg: DsaConfig, *, device=None
     restored = _restore_arrays(path, meta, {"layers": layer_target, "extra": extra_target})
     states = []
     for i, e in enumerate(expected):
-        got = restored["layers"].get(str(i), {})
+        got = dict(restored["layers"].get(str(i), {}))
+        if all_rows and meta["has_indexer"][i]:
+            marks = np.asarray(got["index_lengths"])
+            for name in ("index_k", "index_g"):
+                got[name] = jax.device_put(ring_from_rows(cfg, got[name], marks), sharding)
         states.append(DsaState(**{
             name: got[name] if name in got else
             jax.device_put(jnp.zeros(getattr(e, name).shape, getattr(e, name).dtype), sharding)

@@ -2,7 +2,8 @@
 
 Pool keys are kept in the state (`pool_keys [B, P, Di]`), computed once from the stored `k`
 and gate when the pool's last token is written, so a step reads `P` keys instead of
-recomputing `P * KP` softmaxes.
+recomputing `P * KP` softmaxes. The raw rows live in a small ring per sequence (`dsa_jax.state`,
+"The indexer ring"): after its key is written a pool's rows are never read again.
 """
 
 from __future__ import annotations
@@ -11,17 +12,21 @@ import jax
 
 from dsa_jax.config import DsaConfig
 from dsa_jax.implementation import index_write_op, pool_scores_op
-from dsa_jax.state import DsaState
+from dsa_jax.state import DsaState, ring_rows
 from dsa_jax.weights import DsaWeights
 
 
 def write_index_rows(cfg: DsaConfig, weights: DsaWeights, state: DsaState, k_raw: jax.Array,
-                     g: jax.Array, pos: jax.Array, valid: jax.Array) -> DsaState:
-    """Store `k_norm(k_raw)`, `g [B, R, Di]` at positions `pos [B, R]` where `valid`, and the
-    key of every pool those rows complete (from the stored, cache-dtype members)."""
+                     g: jax.Array, pos: jax.Array, valid: jax.Array,
+                     layer: jax.Array | int = 0) -> DsaState:
+    """Store `k_norm(k_raw)`, `g [B, R, Di]` at positions `pos [B, R]` (consecutive: `pos[b, 0]
+    + r`) where `valid`, and the key of every pool those rows complete (from the stored,
+    cache-dtype members). `layer`: which of the layers stacked along the state's ring and key
+    rows (`[B, L * Rr, Di]`, `[B, L * P, Di]`: the model's scan) these rows belong to."""
+    layers = state.index_k.shape[1] // ring_rows(cfg)
     index_k, index_g, keys = index_write_op(cfg, k_raw, g, weights.k_norm_w, weights.k_norm_b,
                                             weights.ape, state.index_k, state.index_g,
-                                            state.pool_keys, pos, valid)
+                                            state.pool_keys, pos, valid, layer, layers=layers)
     return state._replace(index_k=index_k, index_g=index_g, pool_keys=keys)
 
 

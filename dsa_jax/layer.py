@@ -38,9 +38,10 @@ from dsa_jax.indexer import pool_scores, write_index_rows
 from dsa_jax.mirror import host_numbers, known, remember
 from dsa_jax.projection import output_projection, project, project_kv
 from dsa_jax.select import expand_selection, top_pools
-from dsa_jax.state import DsaState
+from dsa_jax.state import DsaState, ring_mark_after
 from dsa_jax.step_checks import (
     StepError,
+    check_rewind,
     check_step,
     is_concrete,
     rows_per_seq,
@@ -53,7 +54,8 @@ def _write_rows(cfg: DsaConfig, weights: DsaWeights, state: DsaState, proj, n_ne
     """Store the rows' latents and indexer entries at positions `lengths + r`, r < n_new.
 
     Returns the state, `pos [B, R]` and `valid [B, R]`. An indexer ahead of the sequence (a
-    rejected speculation) heals here: its rows are rewritten from `lengths` on.
+    rejected speculation) heals here: its rows are rewritten from `lengths` on (the ring's
+    mark moves on in `_advance`).
     """
     r = proj.kv_raw.shape[1]
     pos = state.lengths[:, None] + jnp.arange(r, dtype=jnp.int32)  # [B, R]
@@ -70,9 +72,12 @@ def candidate_pools(cfg: DsaConfig, pos: jax.Array, valid: jax.Array) -> jax.Arr
     return jnp.where(valid, (pos + 1) // cfg.index_kpool, 0)
 
 
-def _advance(state: DsaState, n_new: jax.Array) -> DsaState:
+def _advance(cfg: DsaConfig, state: DsaState, n_new: jax.Array) -> DsaState:
+    """Lengths after the step; an indexer state's ring mark as `ring_mark_after` says."""
     lengths = state.lengths + n_new
-    return state._replace(lengths=lengths, index_lengths=lengths)
+    marks = (ring_mark_after(cfg, state.lengths, state.index_lengths, n_new)
+             if state.index_k.shape[1] else lengths)
+    return state._replace(lengths=lengths, index_lengths=marks)
 
 
 def select_pools(cfg: DsaConfig, qi: jax.Array, w: jax.Array, pool_keys: jax.Array,
@@ -111,7 +116,7 @@ def step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, n_n
         sel = jnp.where(valid[..., None], shared_sel, -1)
     o_latent = attend(cfg, state, proj.q_abs, sel, live_rows(cfg, x))  # [B, R, Hl, C]
     y = output_projection(weights, o_latent)  # [B, R, D]
-    return y, _advance(state, n_new), sel
+    return y, _advance(cfg, state, n_new), sel
 
 
 def live_rows(cfg: DsaConfig, x: jax.Array) -> int:
@@ -236,11 +241,13 @@ def _device_counts(n_new):
     return _COUNTS[key]
 
 
-def _remember_step(before, state: DsaState, n_new) -> None:
+def _remember_step(cfg: DsaConfig, before, state: DsaState, n_new) -> None:
     """Record the new state's lengths on the host when the old ones were known there."""
     if before is not None and isinstance(n_new, np.ndarray):
         lengths = before.lengths + n_new
-        remember(state, lengths, lengths, before.block_tables)
+        marks = (ring_mark_after(cfg, before.lengths, before.index_lengths, n_new)
+                 if state.index_k.shape[1] else lengths)
+        remember(state, lengths, marks, before.block_tables)
 
 
 def _public_step(cfg, weights, state, x, kind, counts, shared_sel, check):
@@ -251,7 +258,7 @@ def _public_step(cfg, weights, state, x, kind, counts, shared_sel, check):
     before = known(state)
     y, state, sel = _layout_step(cfg, layout, weights, state, x, _device_counts(n_new),
                                  shared_sel)
-    _remember_step(before, state, n_new)
+    _remember_step(cfg, before, state, n_new)
     if before is not None and weights.has_indexer:
         vouch(sel, before.lengths)  # a shared layer may take it without a device read
     return y, state, sel
@@ -303,7 +310,11 @@ def rewind(cfg: DsaConfig, state: DsaState, lengths) -> DsaState:
 
     The latent slots and indexer rows past the new lengths become unreachable: selections only
     reach tokens below a row's position, and a pool key is rewritten when its pool completes
-    again. Lengths may only shrink.
+    again. Lengths may only shrink, and only as far as the indexer ring still holds the raw
+    rows of the pool the new length falls in (`dsa_jax.state.ring_holds`: any rewind of at most
+    `ring_reach(cfg)` rows below the ring's mark, or to a pool boundary); otherwise
+    `StepError` names the limit, before anything changes. Traced lengths (under the caller's
+    jit) are not checked: keeping within the reach is then the caller's contract.
     """
     if not hasattr(lengths, "dtype"):
         lengths = np.asarray(lengths)
@@ -315,17 +326,17 @@ def rewind(cfg: DsaConfig, state: DsaState, lengths) -> DsaState:
     if new.shape != state.lengths.shape:
         raise StepError(f"rewind lengths have shape {tuple(new.shape)}, expected "
                         f"{tuple(state.lengths.shape)} (one per sequence)")
+    ring = state.index_k is not None and state.index_k.shape[1] > 0
+    # A ring keeps its mark (it says how far the ring still reaches); no ring: lockstep.
+    marks = state.index_lengths if ring else jnp.minimum(state.index_lengths, new)
     if not (is_concrete(lengths) and is_concrete(state.lengths)):
-        return state._replace(lengths=new, index_lengths=jnp.minimum(state.index_lengths, new))
+        return state._replace(lengths=new, index_lengths=marks)
     numbers = host_numbers(state)
-    cur, want = numbers.lengths, np.asarray(lengths, np.int32).reshape(-1)
-    bad = (want < 0) | (want > cur)
-    if bad.any():
-        s = int(np.argmax(bad))
-        raise StepError(f"sequence {s}: cannot rewind to length {want[s]}; it must be in "
-                        f"[0, {cur[s]}] (the current length)")
-    out = state._replace(lengths=new, index_lengths=jnp.minimum(state.index_lengths, new))
-    remember(out, want, np.minimum(numbers.index_lengths, want), numbers.block_tables)
+    want = np.asarray(lengths, np.int32).reshape(-1)
+    check_rewind(cfg, numbers.lengths, numbers.index_lengths, want, ring)
+    out = state._replace(lengths=new, index_lengths=marks)
+    remember(out, want, numbers.index_lengths if ring else
+             np.minimum(numbers.index_lengths, want), numbers.block_tables)
     return out
 
 
@@ -334,7 +345,7 @@ def write_kv_rows(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.A
     """A drafter's context rows `x [B, S, D]`: latent and indexer entries only (no query,
     selection or attend); pure and traceable like `step`."""
     state, _, _ = _write_rows(cfg, weights, state, project_kv(cfg, weights, x), n_new)
-    return _advance(state, n_new)
+    return _advance(cfg, state, n_new)
 
 
 _write_kv_rows_jit = jax.jit(write_kv_rows, static_argnames=("cfg",),
@@ -352,5 +363,5 @@ def write_kv_row(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Ar
     _, n_new = prepare_step(cfg, weights, state, x, kind="kv", counts=active)
     before = known(state)
     state = _write_kv_rows_jit(cfg, weights, state, x, _device_counts(n_new))
-    _remember_step(before, state, n_new)
+    _remember_step(cfg, before, state, n_new)
     return state

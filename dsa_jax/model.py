@@ -47,7 +47,7 @@ from dsa_jax.indexer import pool_scores, write_index_rows
 from dsa_jax.layer import candidate_pools, live_rows, step
 from dsa_jax.projection import output_projection, project, rms_norm
 from dsa_jax.select import expand_selection, top_pools
-from dsa_jax.state import DsaState, init_state
+from dsa_jax.state import DsaState, init_state, ring_guard
 from dsa_jax.weights import DsaWeights, init_random_weights
 
 
@@ -173,8 +173,8 @@ class ModelState(NamedTuple):
     kv_scale: jax.Array  # [L] f32: per-layer latent scale
     block_tables: jax.Array  # [B, MB] int32: logical -> physical block, the same in every layer
     lengths: jax.Array  # [B] int32: tokens cached (every layer, latent and indexer alike)
-    index_k: jax.Array  # [B, Lf, T, Di] index dtype: the full layers' indexer k rows
-    index_g: jax.Array  # [B, Lf, T, Di] index dtype: their gate rows
+    index_k: jax.Array  # [B, Lf, Rr, Di] index dtype: the full layers' indexer k rings
+    index_g: jax.Array  # [B, Lf, Rr, Di] index dtype: their gate rings (dsa_jax.state)
     pool_keys: jax.Array  # [B, Lf, P, Di] f32: their pool keys
 
     @property
@@ -231,8 +231,10 @@ def unfold_state(mcfg: ModelConfig, ms: ModelState) -> list[DsaState]:
 def fold_states(mcfg: ModelConfig, states) -> ModelState:
     """Per-layer states (one sequence length and block table for all) -> the stacked state.
 
-    An indexer ahead of its sequence (a rewound speculation) is fine: its rows are rewritten
-    before they are read. One behind, or layers that disagree, is a `ModelError`.
+    An indexer ahead of its sequence (a rewound speculation) by at most `max_verify - 1` rows
+    is fine: its rows are rewritten before they are read. One behind, further ahead (the
+    model state keeps no ring mark: `dsa_jax.state`), or layers that disagree, is a
+    `ModelError`.
     """
     cfg = mcfg.dsa
     states = list(states)
@@ -251,6 +253,12 @@ def fold_states(mcfg: ModelConfig, states) -> ModelState:
         if kind == "full" and (np.asarray(st.index_lengths) < lengths).any():
             raise ModelError(f"layer {l}: indexer lengths {np.asarray(st.index_lengths)} "
                              f"are behind the sequence lengths {lengths}")
+        if kind == "full" and (np.asarray(st.index_lengths) > lengths + ring_guard(cfg)).any():
+            # A model state keeps no ring mark (unfold_state gives mark = lengths, within the
+            # guard): a mark further ahead would be lost, and with it the ring's reach.
+            raise ModelError(f"layer {l}: indexer ring marks {np.asarray(st.index_lengths)} "
+                             f"are more than {ring_guard(cfg)} rows (max_verify - 1) ahead of "
+                             f"the sequence lengths {lengths}: decode past the mark first")
     full = [st for st, kind in zip(states, cfg.indexer_types, strict=True) if kind == "full"]
     return ModelState(
         latent=jnp.stack([st.latent for st in states]),
@@ -267,8 +275,8 @@ def fold_states(mcfg: ModelConfig, states) -> ModelState:
 class _Caches(NamedTuple):
     """The scan's carry of caches, flattened so a layer addresses its part by offsets."""
     latent: jax.Array  # [L*NB, bs, C]
-    index_k: jax.Array  # [B, Lf*T, Di]
-    index_g: jax.Array  # [B, Lf*T, Di]
+    index_k: jax.Array  # [B, Lf*Rr, Di]
+    index_g: jax.Array  # [B, Lf*Rr, Di]
     pool_keys: jax.Array  # [B, Lf*P, Di]
 
 
@@ -298,8 +306,8 @@ def _block(cfg: DsaConfig, w: DsaWeights, caches: _Caches, rows: _Rows, layer, f
     if w.has_indexer:
         # A row past max_context is dropped here, as in a one-layer cache: it must not land
         # in the next full layer's rows.
-        view = write_index_rows(cfg, w, view, proj.k_raw, proj.g, rows.pos + full * tmax,
-                                rows.valid & (rows.pos < tmax))
+        view = write_index_rows(cfg, w, view, proj.k_raw, proj.g, rows.pos,
+                                rows.valid & (rows.pos < tmax), full)
         keys = lax.dynamic_slice_in_dim(view.pool_keys, full * npool, npool, axis=1)
         scores = pool_scores(cfg, proj.qi, proj.w, keys,
                              candidate_pools(cfg, rows.pos, rows.valid))  # [B, R, P]

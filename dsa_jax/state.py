@@ -2,7 +2,16 @@
 
 `B` is the number of sequence slots the state was built for, `NB` physical latent blocks of
 `bs = cfg.block_size` tokens, `MB = cfg.blocks_per_seq` block-table entries per sequence,
-`Tmax = cfg.max_context`, `P = cfg.num_pools`.
+`Tmax = cfg.max_context`, `P = cfg.num_pools`, `Rr = ring_rows(cfg)`.
+
+The indexer ring (docs/decisions.md, "The indexer ring"): once a pool is complete only its key
+is read, so the raw indexer rows (`k`, gate) are kept for the last `Rr` positions only, position
+`t` at ring slot `t % Rr`. A step reads raw rows only for the pool it completes, and only the
+members written before the step (the incomplete pool's, fewer than `KP`); the rest come from the
+step's own rows. `index_lengths` is the ring's mark `M`: rows at positions `[M - Rr, lengths)`
+are held; positions `[lengths, M)` may hold a rejected speculation's rows (the indexer "ahead").
+A rewind keeps the mark, so a later rewind knows how far the ring still reaches; a rewind
+whose target pool lost members is refused (`ring_holds`).
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsa_jax.config import DsaConfig
-from dsa_jax.pallas.common import quantize
+from dsa_jax.pallas.common import next_pow2, quantize
 
 
 class StateError(ValueError):
@@ -27,11 +36,14 @@ class DsaState(NamedTuple):
     latent: jax.Array  # [NB, bs, C] cache dtype: the paged latent cache
     kv_scale: jax.Array  # [] f32: per-tensor scale, stored = clip(c / s), read = stored * s
     block_tables: jax.Array  # [B, MB] int32: logical block -> physical block, per sequence
-    index_k: jax.Array  # [B, Tmax, Di] index dtype: k_norm(W_k x) per token
-    index_g: jax.Array  # [B, Tmax, Di] index dtype: gate W_gate x per token
+    index_k: jax.Array  # [B, Rr, Di] index dtype: ring of k_norm(W_k x), position t at t % Rr
+    index_g: jax.Array  # [B, Rr, Di] index dtype: ring of the gate W_gate x, likewise
     pool_keys: jax.Array  # [B, P, Di] f32: K_p, written when pool p completes
     lengths: jax.Array  # [B] int32: tokens in the latent cache
-    index_lengths: jax.Array  # [B] int32: tokens in the indexer cache (lockstep with lengths)
+    # [B] int32: the ring's mark M >= lengths (= lengths while a sequence only grows): rows
+    # [M - Rr, lengths) are held, [lengths, M) may be a rejected speculation's. A layer without
+    # an indexer keeps M = lengths.
+    index_lengths: jax.Array
 
     @property
     def num_seqs(self) -> int:
@@ -84,7 +96,7 @@ def init_state(cfg: DsaConfig, num_seqs: int, *, num_blocks: int | None = None,
     block_tables = jnp.asarray(block_tables, jnp.int32)
     idt = jnp.dtype(cfg.index_cache_dtype)
     Di = cfg.index_head_dim
-    rows, pools = (cfg.max_context, cfg.num_pools) if has_indexer else (0, 0)
+    rows, pools = (ring_rows(cfg), cfg.num_pools) if has_indexer else (0, 0)
     return DsaState(
         latent=jnp.zeros((num_blocks, cfg.block_size, cfg.kv_lora_rank), cfg.cache_dtype),
         kv_scale=jnp.asarray(kv_scale, jnp.float32),
@@ -151,7 +163,7 @@ def expected_state_fields(cfg: DsaConfig, num_seqs: int, num_blocks: int, has_in
                           ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Field -> (shape, dtype) of a state built for `cfg` (what `init_state` makes).
     Cached: read it, do not change it."""
-    rows, pools = (cfg.max_context, cfg.num_pools) if has_indexer else (0, 0)
+    rows, pools = (ring_rows(cfg), cfg.num_pools) if has_indexer else (0, 0)
     di, idt = cfg.index_head_dim, jnp.dtype(cfg.index_cache_dtype)
     f32, i32 = np.dtype(np.float32), np.dtype(np.int32)
     return {
@@ -180,8 +192,71 @@ def dequantize_latent(cfg: DsaConfig, stored: jax.Array, kv_scale: jax.Array) ->
 
 
 def state_bytes_per_seq(cfg: DsaConfig) -> int:
-    """Bytes one sequence holds at `max_context` (latent + indexer caches + pool keys)."""
-    latent = cfg.max_context * cfg.kv_lora_rank * jnp.dtype(cfg.cache_dtype).itemsize
-    index = 2 * cfg.max_context * cfg.index_head_dim * jnp.dtype(cfg.index_cache_dtype).itemsize
-    pools = cfg.num_pools * cfg.index_head_dim * 4
-    return int(latent + index + pools + cfg.blocks_per_seq * 4 + 8)
+    """Bytes one sequence holds at `max_context`: latent, the indexer ring (k and gate), pool
+    keys, its block-table row and its two lengths."""
+    return int(sum(state_bytes_breakdown(cfg).values()))
+
+
+def state_bytes_breakdown(cfg: DsaConfig) -> dict[str, int]:
+    """`state_bytes_per_seq` by part (bytes)."""
+    return {
+        "latent": cfg.max_context * cfg.kv_lora_rank * jnp.dtype(cfg.cache_dtype).itemsize,
+        "index_ring_k_and_g": 2 * ring_rows(cfg) * cfg.index_head_dim
+        * jnp.dtype(cfg.index_cache_dtype).itemsize,
+        "pool_keys": cfg.num_pools * cfg.index_head_dim * 4,
+        "block_table": cfg.blocks_per_seq * 4,
+        "lengths": 8,
+    }
+
+
+# ------------------------------------------------------------------------- the indexer ring
+
+def ring_guard(cfg: DsaConfig) -> int:
+    """G: rows by which a mark may understate the ring's true extent. A `ModelState` keeps no
+    mark: its per-layer states (`model.unfold_state`) get mark = lengths, while the serving
+    loop may have left up to `max_verify - 1` rejected rows past it."""
+    return cfg.max_verify - 1
+
+
+def ring_rows(cfg: DsaConfig) -> int:
+    """Rr, the ring's rows per sequence: a power of two >= KP - 1 + max_verify + G, so that a
+    verify of max_verify rows can be rewound to any row of it (its pool's earlier members,
+    up to KP - 1 rows before the verify, are still held, with the guard G to spare)."""
+    return next_pow2(cfg.index_kpool - 1 + cfg.max_verify + ring_guard(cfg))
+
+
+def ring_reach(cfg: DsaConfig) -> int:
+    """Rows below the mark any rewind may drop (a rewind to a pool boundary may go further):
+    Rr - G - (KP - 1)."""
+    return ring_rows(cfg) - ring_guard(cfg) - (cfg.index_kpool - 1)
+
+
+def ring_holds(cfg: DsaConfig, lengths, marks):
+    """Whether a sequence at `lengths` with ring mark `marks` (both [B], numpy or jnp) still
+    has the rows its next step reads: the incomplete pool's members `q .. lengths - 1`
+    (q = lengths // KP * KP; none at a pool boundary), all at or past `marks + G - Rr`."""
+    kp = cfg.index_kpool
+    first = lengths // kp * kp
+    return (first == lengths) | (first >= marks + ring_guard(cfg) - ring_rows(cfg))
+
+
+def ring_from_rows(cfg: DsaConfig, rows, marks) -> jax.Array:
+    """Every raw row `[B, T, Di]` (positions 0..T-1, the layout before the ring) -> the ring
+    `[B, Rr, Di]` a ring state with marks `marks [B]` holds: positions `[M - Rr, M)` at their
+    slots (slots of negative positions stay zero). For converting old checkpoints."""
+    rows_np, marks = np.asarray(rows), np.asarray(marks, np.int64)
+    r = ring_rows(cfg)
+    pos = marks[:, None] - r + np.arange(r)  # [B, Rr]: distinct slots
+    ring = np.zeros((rows_np.shape[0], r, rows_np.shape[2]), rows_np.dtype)
+    seq, j = np.nonzero((pos >= 0) & (pos < rows_np.shape[1]))
+    ring[seq, pos[seq, j] % r] = rows_np[seq, pos[seq, j]]
+    return jnp.asarray(ring)
+
+
+def ring_mark_after(cfg: DsaConfig, lengths, marks, n_new):
+    """The mark after a step writes `n_new` rows at `lengths` (numpy or jnp, [B]): rows
+    `[M' - Rr, lengths + n_new)` are then held. A mark more than Rr ahead (left by a rewind to
+    a pool boundary) says nothing about the rows the step writes, hence the min."""
+    xp = np if isinstance(lengths, np.ndarray) else jnp
+    rows = ring_rows(cfg)
+    return xp.maximum(xp.minimum(marks, lengths + rows), lengths + n_new)

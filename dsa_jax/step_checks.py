@@ -14,7 +14,15 @@ import numpy as np
 
 from dsa_jax.config import DsaConfig
 from dsa_jax.mirror import host_numbers
-from dsa_jax.state import DsaState, expected_state_fields, mapped_twice
+from dsa_jax.state import (
+    DsaState,
+    expected_state_fields,
+    mapped_twice,
+    ring_guard,
+    ring_holds,
+    ring_reach,
+    ring_rows,
+)
 from dsa_jax.weights import DsaWeights, expected_weight_fields
 
 
@@ -102,6 +110,8 @@ def check_step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Arra
         raise StepError(f"sequence {s}: indexer length {index_lengths[s]} is behind the "
                         f"sequence length {lengths[s]}: rows {index_lengths[s]}..{lengths[s] - 1}"
                         f" were never written to the indexer cache")
+    if weights.has_indexer:
+        check_ring(cfg, lengths, index_lengths)
     over = np.flatnonzero(lengths + n_new > cfg.max_context)
     if len(over):
         s = int(over[0])
@@ -111,6 +121,44 @@ def check_step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Arra
     check_tables(cfg, tables, lengths, n_new, nb)
     if sel is not None:
         check_shared_sel(sel, lengths, n_new, cfg.max_context)
+
+
+def ring_message(cfg: DsaConfig, s: int, length: int, mark: int) -> str:
+    """Why sequence `s` at `length` with ring mark `mark` lacks rows its next step reads."""
+    kp, rows, guard = cfg.index_kpool, ring_rows(cfg), ring_guard(cfg)
+    first = length // kp * kp
+    return (f"sequence {s}: at length {length} the pool being filled needs the indexer rows "
+            f"{first}..{length - 1}, but the indexer ring ({rows} rows, mark {mark}, guard "
+            f"{guard}) holds raw rows only from position {mark + guard - rows} on: a rewind "
+            f"may drop at most {ring_reach(cfg)} rows below the mark, or go to a pool "
+            f"boundary (a multiple of index_kpool {kp})")
+
+
+def check_ring(cfg: DsaConfig, lengths: np.ndarray, marks: np.ndarray) -> None:
+    """Every sequence's ring holds the rows its next step reads (`state.ring_holds`)."""
+    lost = np.flatnonzero(~ring_holds(cfg, lengths, marks))
+    if len(lost):
+        s = int(lost[0])
+        raise StepError(ring_message(cfg, s, int(lengths[s]), int(marks[s])))
+
+
+def check_rewind(cfg: DsaConfig, lengths: np.ndarray, marks: np.ndarray, want: np.ndarray,
+                 ring: bool, first_seq: int = 0) -> None:
+    """A rewind from `lengths` to `want` (host [B] arrays; ring marks `marks`) keeps every
+    length in [0, current] and, for an indexer state (`ring`), within the ring's reach.
+    `first_seq`: the first sequence's number, for the message."""
+    bad = (want < 0) | (want > lengths)
+    if bad.any():
+        s = int(np.argmax(bad))
+        raise StepError(f"sequence {first_seq + s}: cannot rewind to length {want[s]}; it "
+                        f"must be in [0, {lengths[s]}] (the current length)")
+    if not ring:
+        return
+    lost = np.flatnonzero((want < lengths) & ~ring_holds(cfg, want, marks))
+    if len(lost):
+        s = int(lost[0])
+        raise StepError(f"cannot rewind to length {want[s]}: "
+                        + ring_message(cfg, first_seq + s, int(want[s]), int(marks[s])))
 
 
 # Selections returned by this module's steps, with the lengths before the step that made

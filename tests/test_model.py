@@ -9,6 +9,7 @@ import pytest
 from dsa_jax import model as M
 from dsa_jax.checkpoint import expected_weights
 from dsa_jax.shapes import ODD
+from dsa_jax.state import ring_rows
 from dsa_jax.testing import assert_trees_bitwise_equal as assert_bitwise
 
 CFG = ODD.replace(cache_dtype="float8_e4m3fn", index_cache_dtype="bfloat16")
@@ -65,7 +66,8 @@ def test_fold_unfold_round_trip_and_refusals():
                      pool_keys=jax.random.normal(k[2], ms.pool_keys.shape),
                      lengths=jnp.asarray([7, 11], jnp.int32))
     states = M.unfold_state(mcfg, ms)
-    assert [st.index_k.shape[1] for st in states] == [96, 0, 0, 96]
+    rows = ring_rows(CFG)  # the indexer ring (dsa_jax.state): 16 rows, not max_context 96
+    assert [st.index_k.shape[1] for st in states] == [rows, 0, 0, rows]
     assert_bitwise(M.fold_states(mcfg, states), ms)
     with pytest.raises(M.ModelError, match="3 layer states for a 4-layer model"):
         M.fold_states(mcfg, states[:3])
@@ -77,6 +79,15 @@ def test_fold_unfold_round_trip_and_refusals():
     behind[3] = behind[3]._replace(index_lengths=jnp.asarray([7, 10], jnp.int32))
     with pytest.raises(M.ModelError, match=r"layer 3: indexer lengths \[ 7 10\] are behind"):
         M.fold_states(mcfg, behind)
+    # A ring mark further ahead than max_verify - 1 rows cannot be folded (the model state
+    # keeps no mark); within that it can.
+    ahead = list(states)
+    ahead[3] = ahead[3]._replace(index_lengths=jnp.asarray([10, 11], jnp.int32))
+    assert_bitwise(M.fold_states(mcfg, ahead), ms)
+    ahead[3] = ahead[3]._replace(index_lengths=jnp.asarray([11, 11], jnp.int32))
+    with pytest.raises(M.ModelError, match=r"layer 3: indexer ring marks \[11 11\] are more "
+                                           r"than 3 rows \(max_verify - 1\) ahead"):
+        M.fold_states(mcfg, ahead)
 
 
 def _program_lines(depth: int) -> int:

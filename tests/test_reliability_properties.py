@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 import dsa_jax
 from dsa_jax import reference
 from dsa_jax.config import DsaConfig
+from dsa_jax.state import ring_mark_after
 from dsa_jax.testing import copy_tree, random_hf_numpy
 
 # fp32 everywhere; the reductions here are a few tens of terms (tests/test_paged_vs_reference.py
@@ -109,6 +110,7 @@ def execute(cfg, weights, plan, b: int, poison: bool, tables: np.ndarray):
     Returns per operation (y [B, R, D] or None, sel [B, R, W] or None, rows' x, counts)."""
     state = dsa_jax.init_state(cfg, b, num_blocks=int(tables.max()) + 1, block_tables=tables)
     lengths = np.zeros(b, np.int64)
+    marks = np.zeros(b, np.int64)  # the indexer ring's mark (dsa_jax.state)
     out = []
     for op in plan:
         x = op["x"].copy()
@@ -133,9 +135,11 @@ def execute(cfg, weights, plan, b: int, poison: bool, tables: np.ndarray):
                 assert _bits(ys) == _bits(y[:, r]) and _bits(ss) == _bits(sel[:, r]), r
             if op["kind"] == "reject":
                 state = dsa_jax.rewind(cfg, state, lengths + op["keep"])
+        # Every operation writes `counts` rows; a rewind keeps the ring's mark where they end.
+        marks = ring_mark_after(cfg, lengths, marks, counts)
         lengths = lengths + op["keep"]
         assert np.asarray(state.lengths).tolist() == lengths.tolist()
-        assert np.asarray(state.index_lengths).tolist() == lengths.tolist()
+        assert np.asarray(state.index_lengths).tolist() == marks.tolist()
         if y is not None:
             y, sel = np.asarray(y), np.asarray(sel)
             for s in range(b):  # padding rows: never written, never selected, output 0

@@ -140,7 +140,10 @@ def test_indexer_ahead_heals_and_write_kv_row_matches_decode_caches():
     # Only the sequence length rewound (as a scheduler that owns lengths would): heals.
     ahead = state._replace(lengths=state.lengths - 3)
     y, healed, _ = dsa_jax.decode(cfg, weights, ahead, x[:, 17])
-    assert np.asarray(healed.index_lengths).tolist() == [18]
+    # The indexer ring keeps its mark at 20: rows 18 and 19 still hold the rejected values,
+    # which a later rewind must not take for the sequence's own (dsa_jax.state, the ring).
+    assert np.asarray(healed.lengths).tolist() == [18]
+    assert np.asarray(healed.index_lengths).tolist() == [20]
     _, ref, _ = dsa_jax.prefill(cfg, weights, dsa_jax.init_state(cfg, 1), x[:, :17])
     y_ref, ref, _ = dsa_jax.decode(cfg, weights, ref, x[:, 17])
     chex.assert_trees_all_close(y, y_ref, rtol=1e-5, atol=1e-6)

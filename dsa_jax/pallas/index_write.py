@@ -1,10 +1,17 @@
-"""The indexer write: k_norm (LayerNorm with bias), the k and gate rows, and the pool key of
-every pool the rows complete.
+"""The indexer write: k_norm (LayerNorm with bias), the k and gate rows into the ring, and the
+pool key of every pool the rows complete.
 
-Row (b, r) at position t stores `k = LN(k_raw)` and `g` at row t of sequence b; when
-`(t + 1) % KP == 0` it completes pool `p = t // KP`, whose key is
+Row (b, r) at position t stores `k = LN(k_raw)` and `g` (cache dtype) at ring slot `t % Rr` of
+sequence b; when `(t + 1) % KP == 0` it completes pool `p = t // KP`, whose key is
 `K_p[c] = sum_m softmax_m(g[m, c] + ape[m, c]) * k[m, c]` over the pool's KP stored (cache-
-dtype) members, in fp32. Rows that are not valid write nothing.
+dtype) members, in fp32. Members at or past the step's first position come from the step's own
+rows, earlier ones (fewer than KP) from the ring, read before the step writes it: a prompt chunk
+longer than the ring completes pools whose slots its later rows reuse. Of the rows that share a
+slot within one step only the last is stored. Rows that are not valid write nothing.
+
+Several layers may share the arrays (the model's scan): ring `[B, L * Rr, Di]` and keys
+`[B, L * P, Di]`, layer `layer` at rows `layer * Rr` and `layer * P` (`layers` = L, static).
+The rows of one call are consecutive positions: `pos[b, r] = pos[b, 0] + r`.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ LN_EPS = 1e-6  # the indexer's k_norm epsilon (HF nn.LayerNorm(eps=1e-6))
 
 @dataclasses.dataclass(frozen=True)
 class IndexWriteTuning:
-    """Launch parameters of `index_write_pallas` (one program per row, in each of its two
+    """Launch parameters of `index_write_pallas` (one program per row, in each of its
     launches).
 
     num_warps: warps per program; a program handles one Di-wide row (Di = 128 for GLM-5.3)."""
@@ -44,34 +51,72 @@ def pool_key(k_members: jax.Array, g_members: jax.Array, ape: jax.Array) -> jax.
     return jnp.sum(jax.nn.softmax(logits, axis=-2) * k_members.astype(jnp.float32), axis=-2)
 
 
+def ring_geometry(ape: jax.Array, ring: jax.Array, pool_keys: jax.Array, layers: int
+                  ) -> tuple[int, int, int, int]:
+    """(KP, Rr, P, Tmax) of the arrays (static), checked: the ring must hold a pool's KP - 1
+    earlier members plus one row."""
+    kp = ape.shape[0]
+    if layers < 1 or ring.shape[1] % layers or pool_keys.shape[1] % layers:
+        raise ValueError(f"ring rows {ring.shape[1]} and pool keys {pool_keys.shape[1]} must "
+                         f"split evenly over layers={layers}")
+    rows, pools = ring.shape[1] // layers, pool_keys.shape[1] // layers
+    if rows < kp:
+        raise ValueError(f"a ring of {rows} rows cannot hold a pool of index_kpool {kp} "
+                         f"(it needs at least {kp})")
+    return kp, rows, pools, pools * kp
+
+
+def _stored_rows(pos: jax.Array, valid: jax.Array, rows: int) -> jax.Array:
+    """`[B, R]` bool: valid rows no later row of the step overwrites (the last `rows`)."""
+    last = jnp.max(jnp.where(valid, pos, -1), axis=1, keepdims=True)  # [B, 1]
+    return valid & (pos > last - rows)
+
+
 def index_write_xla(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b: jax.Array,
                     ape: jax.Array, index_k: jax.Array, index_g: jax.Array,
-                    pool_keys: jax.Array, pos: jax.Array, valid: jax.Array
+                    pool_keys: jax.Array, pos: jax.Array, valid: jax.Array,
+                    layer: jax.Array | int = 0, *, layers: int = 1
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The definition.
 
     k_raw, g: [B, R, Di] f32 (k before its norm); norm_w, norm_b: [Di] f32; ape: [KP, Di] f32;
-    index_k, index_g: [B, T, Di] cache dtype; pool_keys: [B, P, Di] f32; pos, valid: [B, R].
-    Returns the new (index_k, index_g, pool_keys).
+    index_k, index_g: [B, L * Rr, Di] cache dtype (the rings); pool_keys: [B, L * P, Di] f32;
+    pos, valid: [B, R]; layer: [] int32. Returns the new (index_k, index_g, pool_keys).
     """
-    kp, tmax, num_pools = ape.shape[0], index_k.shape[1], pool_keys.shape[1]
-    b = jnp.arange(k_raw.shape[0])[:, None]  # [B, 1]
+    kp, rows, num_pools, tmax = ring_geometry(ape, index_k, pool_keys, layers)
+    nb, r, di = k_raw.shape
+    b = jnp.arange(nb)[:, None]  # [B, 1]
     valid = valid & (pos >= 0) & (pos < tmax)  # past the cache: dropped, never redirected
-    row = jnp.where(valid, pos, tmax)  # [B, R]; out of range rows are dropped
-    k = layer_norm(k_raw.astype(jnp.float32), norm_w, norm_b)
-    index_k = index_k.at[b, row].set(k.astype(index_k.dtype), mode="drop")
-    index_g = index_g.at[b, row].set(g.astype(index_g.dtype), mode="drop")
+    k = layer_norm(k_raw.astype(jnp.float32), norm_w, norm_b)  # [B, R, Di]
+    # A window per sequence: the KP - 1 positions before the step (from the ring; only a
+    # completed pool's members are used, so negative positions are never read back), then
+    # the step's rows, stored as the ring stores them. Built like the full-row cache was
+    # (scatter, then gather the members), which keeps XLA's keys bit for bit the same.
+    base = pos[:, :1]  # [B, 1]
+    held = layer * rows + (base - (kp - 1) + jnp.arange(kp - 1)) % rows  # [B, KP-1]
+    wlen = kp - 1 + r
+    at = jnp.where(valid, pos - base + (kp - 1), wlen)  # [B, R]; invalid rows dropped
+    win_k = jnp.concatenate([index_k[b, held], jnp.zeros((nb, r, di), index_k.dtype)], axis=1)
+    win_g = jnp.concatenate([index_g[b, held], jnp.zeros((nb, r, di), index_g.dtype)], axis=1)
+    win_k = win_k.at[b, at].set(k.astype(index_k.dtype), mode="drop")  # [B, KP-1+R, Di]
+    win_g = win_g.at[b, at].set(g.astype(index_g.dtype), mode="drop")
     pool = pos // kp  # [B, R]
-    members = jnp.clip(pool[..., None] * kp + jnp.arange(kp), 0, tmax - 1)  # [B, R, KP]
-    keys = pool_key(index_k[b[..., None], members], index_g[b[..., None], members], ape)
+    members = jnp.clip(pool[..., None] * kp + jnp.arange(kp) - base[..., None] + (kp - 1),
+                       0, wlen - 1)  # [B, R, KP]
+    keys = pool_key(win_k[b[..., None], members], win_g[b[..., None], members], ape)
     completes = valid & ((pos + 1) % kp == 0)
-    pool_keys = pool_keys.at[b, jnp.where(completes, pool, num_pools)].set(keys, mode="drop")
+    pool_keys = pool_keys.at[b, jnp.where(completes, layer * num_pools + pool,
+                                          layers * num_pools)].set(keys, mode="drop")
+    slot = jnp.where(_stored_rows(pos, valid, rows), layer * rows + pos % rows, layers * rows)
+    index_k = index_k.at[b, slot].set(k.astype(index_k.dtype), mode="drop")
+    index_g = index_g.at[b, slot].set(g.astype(index_g.dtype), mode="drop")
     return index_k, index_g, pool_keys
 
 
-def _rows_kernel(w_ref, b_ref, k_ref, g_ref, rows_ref, _k_in, _g_in, k_out, g_out, *,
+def _rows_kernel(w_ref, b_ref, k_ref, g_ref, rows_ref, _k_in, _g_in, k_out, g_out, kc_out, *,
                  width: int):
-    """One row: LayerNorm of k, then k and g stored at flat cache row rows_ref[i] (-1: none)."""
+    """One row: LayerNorm of k; the stored k to the step buffer row i, and k and g to flat
+    ring row rows_ref[i] (-1: not here)."""
     i = pl.program_id(0)
     cols = jnp.arange(next_pow2(width), dtype=jnp.int32)  # [Dp]
     in_width = cols < width
@@ -82,74 +127,128 @@ def _rows_kernel(w_ref, b_ref, k_ref, g_ref, rows_ref, _k_in, _g_in, k_out, g_ou
     mean = jnp.sum(k) / width
     centered = jnp.where(in_width, k - mean, 0.0)
     k = centered * lax.rsqrt(jnp.sum(centered * centered) / width + LN_EPS) * w + bias
+    kc = k.astype(k_out.dtype)
+    plt.store(kc_out.at[i, cols], kc, mask=in_width)
     row = rows_ref[i]
     mask = in_width & (row >= 0)
-    plt.store(k_out.at[jnp.maximum(row, 0), cols], k.astype(k_out.dtype), mask=mask)
+    plt.store(k_out.at[jnp.maximum(row, 0), cols], kc, mask=mask)
     plt.store(g_out.at[jnp.maximum(row, 0), cols], g.astype(g_out.dtype), mask=mask)
 
 
-def _pool_kernel(ape_ref, k_ref, g_ref, first_ref, dest_ref, _keys_in, keys_out, *,
-                 width: int, kpool: int):
-    """One row that may complete a pool: members at flat rows first_ref[i] + m, the key stored
-    at flat pool row dest_ref[i] (-1: the row completes no pool)."""
+def _copy_kernel(kc_ref, g_ref, rows_ref, _k_in, _g_in, k_out, g_out, *, width: int):
+    """One row: the stored k (step buffer) and g to flat ring row rows_ref[i] (-1: none)."""
+    i = pl.program_id(0)
+    cols = jnp.arange(next_pow2(width), dtype=jnp.int32)  # [Dp]
+    row = rows_ref[i]
+    mask = (cols < width) & (row >= 0)
+    kc = plt.load(kc_ref.at[i, cols], mask=mask, other=jnp.zeros((), kc_ref.dtype))
+    g = plt.load(g_ref.at[i, cols], mask=mask, other=0.0)
+    plt.store(k_out.at[jnp.maximum(row, 0), cols], kc, mask=mask)
+    plt.store(g_out.at[jnp.maximum(row, 0), cols], g.astype(g_out.dtype), mask=mask)
+
+
+def _pool_kernel(ape_ref, rk_ref, rg_ref, kc_ref, g_ref, dest_ref, split_ref, step_ref,
+                 ring_ref, first_ref, _keys_in, keys_out, *, width: int, kpool: int, rows: int):
+    """One row that may complete a pool (flat key row dest_ref[i]; -1: none). Members
+    m < split_ref[i] come from the ring (flat row ring_ref[i] + (first_ref[i] + m) % rows, the
+    pool's first position first_ref[i]), the others from the step: flat row step_ref[i] + m
+    of the stored k buffer and of the raw g (cast to the cache dtype as the ring stores it)."""
     i = pl.program_id(0)
     cols = jnp.arange(next_pow2(width), dtype=jnp.int32)  # [Dp]
     members = jnp.arange(next_pow2(kpool), dtype=jnp.int32)  # [KPp]
     dest = dest_ref[i]
-    mask = jnp.broadcast_to((members < kpool)[:, None] & (cols < width)[None, :],
+    mask = jnp.broadcast_to((members < kpool)[:, None] & (cols < width)[None, :] & (dest >= 0),
                             (members.shape[0], cols.shape[0]))  # [KPp, Dp]
-    first = first_ref[i]
-    k = plt.load(k_ref.at[first + members[:, None], cols[None, :]], mask=mask,
-                 other=jnp.zeros((), k_ref.dtype)).astype(jnp.float32)
-    g = plt.load(g_ref.at[first + members[:, None], cols[None, :]], mask=mask,
-                 other=jnp.zeros((), g_ref.dtype)).astype(jnp.float32)
+    old = (members < split_ref[i])[:, None]  # [KPp, 1]
+    held = ring_ref[i] + (first_ref[i] + members) % rows  # [KPp]
+    new = jnp.clip(step_ref[i] + members, 0, kc_ref.shape[0] - 1)  # [KPp]
+    dt = rk_ref.dtype
+    k = jnp.where(old,
+                  plt.load(rk_ref.at[held[:, None], cols[None, :]], mask=mask & old,
+                           other=jnp.zeros((), dt)).astype(jnp.float32),
+                  plt.load(kc_ref.at[new[:, None], cols[None, :]], mask=mask & ~old,
+                           other=jnp.zeros((), dt)).astype(jnp.float32))
+    g = jnp.where(old,
+                  plt.load(rg_ref.at[held[:, None], cols[None, :]], mask=mask & old,
+                           other=jnp.zeros((), rg_ref.dtype)).astype(jnp.float32),
+                  plt.load(g_ref.at[new[:, None], cols[None, :]], mask=mask & ~old,
+                           other=0.0).astype(rg_ref.dtype).astype(jnp.float32))
     ape = plt.load(ape_ref.at[members[:, None], cols[None, :]], mask=mask, other=0.0)
     logits = jnp.where(mask, g + ape, -jnp.inf)
-    e = jnp.exp(logits - jnp.max(logits, axis=0, keepdims=True))  # 0 at padded members
+    m = jnp.max(logits, axis=0, keepdims=True)
+    e = jnp.exp(logits - jnp.where(m > -jnp.inf, m, 0.0))  # 0 at padded members
     key = jnp.sum(e * k, axis=0) / jnp.sum(e, axis=0)  # [Dp]
     plt.store(keys_out.at[jnp.maximum(dest, 0), cols], key, mask=(cols < width) & (dest >= 0))
 
 
 def index_write_pallas(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b: jax.Array,
                        ape: jax.Array, index_k: jax.Array, index_g: jax.Array,
-                       pool_keys: jax.Array, pos: jax.Array, valid: jax.Array, *,
-                       interpret: bool = False, tuning: IndexWriteTuning = IndexWriteTuning(),
-                       **overrides) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`index_write_xla` as two Pallas launches, a program per row, writing the caches in
-    place (aliased): the rows first, then the pool keys, which read rows of the same step.
+                       pool_keys: jax.Array, pos: jax.Array, valid: jax.Array,
+                       layer: jax.Array | int = 0, *, layers: int = 1, interpret: bool = False,
+                       tuning: IndexWriteTuning = IndexWriteTuning(), **overrides
+                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`index_write_xla` as Pallas launches, a program per row, writing the ring and the keys
+    in place (aliased): (1) the rows: LayerNorm, the stored k into a step buffer, and every
+    row whose slot is not one of the earlier members' (the first Rr - KP + 1 rows of the step:
+    all of a decode or verify) into the ring; (2) the pool keys; (3) only for a step of more
+    rows than that (a prompt chunk), the remaining rows into the ring.
     `overrides`: fields of `tuning` by name (`num_warps=2`)."""
     tuning = with_overrides(tuning, overrides)
-    b, r, di = k_raw.shape
-    kp, tmax, num_pools = ape.shape[0], index_k.shape[1], pool_keys.shape[1]
-    n = b * r
+    kp, rows, num_pools, tmax = ring_geometry(ape, index_k, pool_keys, layers)
+    nb, r, di = k_raw.shape
+    n, ring_len = nb * r, index_k.shape[1]
     valid = valid & (pos >= 0) & (pos < tmax)  # past the cache: dropped, never redirected
-    seq = jnp.arange(b, dtype=jnp.int32)[:, None]  # [B, 1]
-    rows = jnp.where(valid, seq * tmax + pos, -1).reshape(n).astype(jnp.int32)
+    seq = jnp.arange(nb, dtype=jnp.int32)[:, None]  # [B, 1]
+    base = pos[:, :1]  # [B, 1]
+    flat = lambda a: a.reshape(n).astype(jnp.int32)  # noqa: E731
+    ring_row = seq * ring_len + layer * rows + pos % rows  # [B, R]
+    stored = _stored_rows(pos, valid, rows)
+    early = rows - (kp - 1)  # rows whose slot no earlier member of this step's pools uses
+    first_rows = flat(jnp.where(stored & (pos - base < early), ring_row, -1))
     completes = valid & ((pos + 1) % kp == 0)
-    dest = jnp.where(completes, seq * num_pools + pos // kp, -1).reshape(n).astype(jnp.int32)
-    first = jnp.where(completes, seq * tmax + pos // kp * kp, 0).reshape(n).astype(jnp.int32)
+    pool_first = pos // kp * kp  # [B, R]
+    dest = flat(jnp.where(completes, seq * pool_keys.shape[1] + layer * num_pools + pos // kp,
+                          -1))
+    split = flat(jnp.where(completes, jnp.clip(base - pool_first, 0, kp), 0))
+    step_first = flat(jnp.where(completes, seq * r + pool_first - base, 0))
+    ring_first = flat(jnp.where(completes, seq * ring_len + layer * rows, 0))
+    pool_first = flat(jnp.where(completes, pool_first, 0))
     params = plt.CompilerParams(num_warps=tuning.num_warps, num_stages=1)
-    k_flat, g_flat = pl.pallas_call(
+    k_rows = k_raw.reshape(n, di).astype(jnp.float32)
+    g_rows = g.reshape(n, di).astype(jnp.float32)
+    k_flat, g_flat, kc = pl.pallas_call(
         functools.partial(_rows_kernel, width=di),
         grid=(n,),
-        in_specs=[pl.BlockSpec()] * 7,  # w, b [Di]; k, g [N, Di]; rows [N]; the two caches
-        out_specs=[pl.BlockSpec(), pl.BlockSpec()],
-        out_shape=[jax.ShapeDtypeStruct((b * tmax, di), index_k.dtype),
-                   jax.ShapeDtypeStruct((b * tmax, di), index_g.dtype)],
+        in_specs=[pl.BlockSpec()] * 7,  # w, b [Di]; k, g [N, Di]; rows [N]; the two rings
+        out_specs=[pl.BlockSpec()] * 3,
+        out_shape=[jax.ShapeDtypeStruct((nb * ring_len, di), index_k.dtype),
+                   jax.ShapeDtypeStruct((nb * ring_len, di), index_g.dtype),
+                   jax.ShapeDtypeStruct((n, di), index_k.dtype)],
         input_output_aliases={5: 0, 6: 1},
         compiler_params=params, interpret=interpret, name="index_write_rows",
-    )(norm_w.astype(jnp.float32), norm_b.astype(jnp.float32),
-      k_raw.reshape(n, di).astype(jnp.float32), g.reshape(n, di).astype(jnp.float32), rows,
-      index_k.reshape(b * tmax, di), index_g.reshape(b * tmax, di))
+    )(norm_w.astype(jnp.float32), norm_b.astype(jnp.float32), k_rows, g_rows, first_rows,
+      index_k.reshape(nb * ring_len, di), index_g.reshape(nb * ring_len, di))
     keys_flat = pl.pallas_call(
-        functools.partial(_pool_kernel, width=di, kpool=kp),
+        functools.partial(_pool_kernel, width=di, kpool=kp, rows=rows),
         grid=(n,),
-        in_specs=[pl.BlockSpec()] * 6,  # ape [KP, Di]; k, g caches; first, dest [N]; keys
+        in_specs=[pl.BlockSpec()] * 11,  # ape; rings; k buffer, g; 5 x [N] ints; keys
         out_specs=pl.BlockSpec(),
-        out_shape=jax.ShapeDtypeStruct((b * num_pools, di), jnp.float32),
-        input_output_aliases={5: 0},
+        out_shape=jax.ShapeDtypeStruct((nb * pool_keys.shape[1], di), jnp.float32),
+        input_output_aliases={10: 0},
         compiler_params=params, interpret=interpret, name="index_write_pool_keys",
-    )(ape.astype(jnp.float32), k_flat, g_flat, first, dest,
-      pool_keys.reshape(b * num_pools, di))
-    return (k_flat.reshape(b, tmax, di), g_flat.reshape(b, tmax, di),
-            keys_flat.reshape(b, num_pools, di))
+    )(ape.astype(jnp.float32), k_flat, g_flat, kc, g_rows, dest, split, step_first, ring_first,
+      pool_first, pool_keys.reshape(nb * pool_keys.shape[1], di))
+    if r > early:  # static: a step longer than the ring's free rows (a prompt chunk)
+        late_rows = flat(jnp.where(stored & (pos - base >= early), ring_row, -1))
+        k_flat, g_flat = pl.pallas_call(
+            functools.partial(_copy_kernel, width=di),
+            grid=(n,),
+            in_specs=[pl.BlockSpec()] * 5,  # k buffer, g [N, Di]; rows [N]; the two rings
+            out_specs=[pl.BlockSpec()] * 2,
+            out_shape=[jax.ShapeDtypeStruct((nb * ring_len, di), index_k.dtype),
+                       jax.ShapeDtypeStruct((nb * ring_len, di), index_g.dtype)],
+            input_output_aliases={3: 0, 4: 1},
+            compiler_params=params, interpret=interpret, name="index_write_late_rows",
+        )(kc, g_rows, late_rows, k_flat, g_flat)
+    return (k_flat.reshape(nb, ring_len, di), g_flat.reshape(nb, ring_len, di),
+            keys_flat.reshape(nb, *pool_keys.shape[1:]))
