@@ -236,9 +236,15 @@ def pool_keys(suite) -> dict:
                                * np.float32((hi * di) ** -0.5))
             pos = jax.device_put(np.full((b, 1), p.ctx - 1, np.int32))
             n_cand = layer.candidate_pools(cfg, pos, pos >= 0)
+            # The state keeps only a ring of raw rows (dsa_jax.state): the recomputed form
+            # reads random rows of every position.
+            idt = jnp.dtype(cfg.index_cache_dtype)
+            rows = [jax.device_put(rng.standard_normal((b, cfg.max_context, di),
+                                                       np.float32).astype(idt))
+                    for _ in range(2)]
             calls = {"cached": functools.partial(cached, cfg, qi, w, st.pool_keys, n_cand),
                      "recomputed": functools.partial(_recomputed_scores, cfg, qi, w,
-                                                     st.index_k, st.index_g, ape, n_cand)}
+                                                     *rows, ape, n_cand)}
             out["results"][f"{impl}-b{b}"] = compare_forms(calls, p, "cached", "recomputed")
     out["note"] = ("cached: the step's pool_scores on the state's keys; recomputed: every "
                    "pool's key from the cache rows, then the same pool_scores; " + FORM_TIMES)

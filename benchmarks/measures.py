@@ -17,7 +17,7 @@ import numpy as np
 import dsa_jax
 from dsa_jax import indexer, layer, select
 from dsa_jax.attend import attend as attend_rows
-from dsa_jax.state import init_state, state_bytes_per_seq
+from dsa_jax.state import init_state, ring_rows, state_bytes_breakdown, state_bytes_per_seq
 
 from .harness import host_time_us, jit_cache_size, measure, profile_step
 from .roofline import (
@@ -224,11 +224,9 @@ def memory(suite, point) -> dict:
         "value_bytes": value, "value_MiB": value / 2 ** 20, "state_array_bytes_one_seq": actual,
         # The state's arrays for one sequence add the one per-tensor kv_scale (4 bytes).
         "accounting_gap_bytes": abs(actual - value),
-        "breakdown": {
-            "latent": m * cfg.kv_lora_rank * itemsize(cfg.cache_dtype),
-            "index_k_and_g": 2 * m * cfg.index_head_dim * itemsize(cfg.index_cache_dtype),
-            "pool_keys": cfg.num_pools * cfg.index_head_dim * 4,
-            "block_table": cfg.blocks_per_seq * 4, "lengths": 8}}
+        # The raw indexer rows live in a ring of ring_rows(cfg) positions (dsa_jax.state).
+        "index_ring_rows": ring_rows(cfg),
+        "breakdown": state_bytes_breakdown(cfg)}
     return {"timings": {}, "cost": None, "fields": fields}
 
 

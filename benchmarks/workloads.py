@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsa_jax import layer
-from dsa_jax.state import DsaState, quantize_latent
+from dsa_jax.state import DsaState, quantize_latent, ring_rows
 from dsa_jax.weights import fold_weights, init_random_hf_tensors
 
 STEP = jax.jit(layer.step, static_argnames=("cfg",), donate_argnames=("state",))
@@ -38,14 +38,16 @@ def random_state(cfg, num_seqs: int, length: int, seed: int, kv_scale: float = 1
     """A state whose caches hold `length` random tokens per sequence (permuted block tables);
     `indexer=False`: no indexer cache (0 rows), for the gather-attend alone. One jitted
     program per shape."""
-    # Only the shapes matter: one compile per shape, whatever the implementation or TP.
+    # Only the shapes matter: one compile per shape, whatever the implementation or TP (the
+    # indexer ring's rows depend on max_verify: taken before it is set aside).
+    rows = ring_rows(cfg) if indexer else 0
     cfg = cfg.replace(implementation="xla", tp_degree=1, max_verify=1)
     return _random_state_jit(cfg, num_seqs, np.int32(length), np.uint32(seed), kv_scale,
-                             indexer)
+                             indexer, rows)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 4, 5))
-def _random_state_jit(cfg, num_seqs, length, seed, kv_scale, indexer) -> DsaState:
+@functools.partial(jax.jit, static_argnums=(0, 1, 4, 5, 6))
+def _random_state_jit(cfg, num_seqs, length, seed, kv_scale, indexer, rows) -> DsaState:
     nb = num_seqs * cfg.blocks_per_seq
     ks = jax.random.split(jax.random.key(seed), 6)
     c = jax.random.normal(ks[0], (nb, cfg.block_size, cfg.kv_lora_rank), jnp.bfloat16)
@@ -54,7 +56,7 @@ def _random_state_jit(cfg, num_seqs, length, seed, kv_scale, indexer) -> DsaStat
                              else c, scale)  # [NB, bs, C]
     tables = jax.random.permutation(ks[1], nb).reshape(num_seqs, -1).astype(jnp.int32)
     idt = jnp.dtype(cfg.index_cache_dtype)
-    shape = (num_seqs, cfg.max_context if indexer else 0, cfg.index_head_dim)  # [B, T, Di]
+    shape = (num_seqs, rows, cfg.index_head_dim)  # [B, Rr, Di]: the indexer ring
     index_k = jax.random.normal(ks[2], shape, idt)
     index_g = (0.5 * jax.random.normal(ks[3], shape, jnp.float32)).astype(idt)
     pool_keys = 0.3 * jax.random.normal(  # [B, P, Di]

@@ -336,6 +336,16 @@ CASES = [
     ("step.rewind-range", "a rewind that would grow a sequence", layer.StepError,
      r"sequence 1: cannot rewind to length 5; it must be in \[0, 4\]",
      lambda c: dsa_jax.rewind(ODD, c.state, [1, 5])),
+    ("step.rewind-reach", "a rewind past the indexer ring's reach", layer.StepError,
+     r"cannot rewind to length 27: sequence 1: at length 27 the pool being filled needs the "
+     r"indexer rows 24\.\.26, but the indexer ring \(16 rows, mark 40, guard 3\) holds raw "
+     r"rows only from position 27 on",
+     lambda c: dsa_jax.rewind(ODD, _state_with(c, lengths=[4, 40], index_lengths=[4, 40]),
+                              [4, 27])),
+    ("step.ring-reach", "a length lowered past the indexer ring's reach", layer.StepError,
+     r"sequence 1: at length 27 the pool being filled needs the indexer rows 24\.\.26",
+     lambda c: dsa_jax.decode(ODD, c.w, _state_with(c, lengths=[4, 27], index_lengths=[4, 40]),
+                              x_rows(2))),
     ("impl.pallas-off-gpu", "implementation 'pallas' off a GPU (CPU only)", ImplementationError,
      r"implementation='pallas' compiles the kernels for a GPU", lambda c: resolve("pallas")),
     ("sharding.degree", "a mesh degree that is not a positive integer", ShardingError,

@@ -49,6 +49,7 @@ from dsa_jax.sharding.layout import (
     row_sharding,
 )
 from dsa_jax.state import DsaState
+from dsa_jax.step_checks import check_rewind
 from dsa_jax.weights import DsaWeights
 
 
@@ -307,12 +308,10 @@ def rewind(cfg: DsaConfig, state: DsaState, lengths) -> DsaState:
     if new.shape != tuple(state.lengths.shape):
         raise StepError(f"rewind lengths have shape {new.shape}, expected "
                         f"{tuple(state.lengths.shape)} (one per sequence)")
+    ring = state.index_k.shape[1] > 0  # an indexer's ring keeps its mark (dsa_jax.state)
+    marks = _local_rows(state.index_lengths)
     for start, cur in _local_rows(state.lengths).items():
-        want = new[start:start + len(cur)]
-        bad = (want < 0) | (want > cur)
-        if bad.any():
-            s = int(np.argmax(bad))
-            raise StepError(f"sequence {start + s}: cannot rewind to length {want[s]}; it must "
-                            f"be in [0, {cur[s]}] (the current length)")
+        check_rewind(cfg, cur, marks[start], new[start:start + len(cur)], ring, start)
     placed = put(new, state.lengths.sharding)
-    return state._replace(lengths=placed, index_lengths=_minimum(state.index_lengths, placed))
+    return state._replace(lengths=placed, index_lengths=state.index_lengths if ring else
+                          _minimum(state.index_lengths, placed))
