@@ -63,7 +63,6 @@ def _inputs(cfg, b, r, real, layers, rows, length, seed):
 
 def run(out_dir: str, smoke: bool) -> int:
     cfg = glm53_flash() if not smoke else glm53_flash(max_context=128, index_head_dim=16)
-    impl = "pallas-interpret" if smoke else "pallas"
     path = os.path.join(out_dir, "h200-ring.json")
     res = {"command": "PYTHONPATH=. python3 benchmarks/h200_ring.py" + (" --smoke" * smoke),
            "date": datetime.datetime.now(datetime.UTC).isoformat(),
