@@ -223,7 +223,8 @@ def section_public(s: Setup, res: dict) -> None:
         index_g=jax.random.normal(k[2], st.index_g.shape, jnp.bfloat16).astype(
             st.index_g.dtype),
         pool_keys=0.1 * jax.random.normal(k[3], st.pool_keys.shape),
-        lengths=length, index_lengths=length)
+        # Two buffers: the step donates both, and reads the indexer's ring mark.
+        lengths=length, index_lengths=length + 0)
     x = jax.random.normal(jax.random.key(10), (1, cfg.hidden_size))
     box = {"st": st}
 

@@ -276,3 +276,45 @@ def test_ring_from_rows_holds_the_marked_positions():
         for p in range(max(mark - 16, 0), mark):
             T.assert_trees_bitwise_equal(ring[s, p % 16], rows[s, p])
     assert (np.asarray(ring[1, 9:].astype(jnp.float32)) == 0).all()
+
+
+def test_old_state_checkpoint_is_converted_to_the_ring(tmp_path, monkeypatch):
+    """A state checkpoint before format 4 holds every raw row: restore keeps the rows its
+    mark says a ring holds, at their slots; the rest of the state as it was."""
+    from dsa_jax import checkpoint
+
+    cfg, b, di = ODD, 2, ODD.index_head_dim
+    rng = np.random.default_rng(13)
+    rows = [jnp.asarray(rng.standard_normal((b, cfg.max_context, di)), jnp.float32)
+            for _ in range(2)]
+    base = dsa_jax.init_state(cfg, b)
+    old = base._replace(index_k=rows[0], index_g=rows[1],
+                        pool_keys=jnp.asarray(rng.standard_normal(base.pool_keys.shape),
+                                              jnp.float32),
+                        lengths=jnp.asarray([40, 9], jnp.int32),
+                        index_lengths=jnp.asarray([42, 9], jnp.int32))
+    new_expected = checkpoint.expected_state
+
+    def old_expected(cfg, num_seqs, num_blocks, has_indexer=True):
+        e = new_expected(cfg, num_seqs, num_blocks, has_indexer)
+        full = jax.ShapeDtypeStruct((num_seqs, cfg.max_context, di), e.index_k.dtype)
+        return e._replace(index_k=full, index_g=full) if has_indexer else e
+
+    path = str(tmp_path / "old")
+    with monkeypatch.context() as m:  # write as format 3 did: every raw row
+        m.setattr(checkpoint, "FORMAT_VERSION", 3)
+        m.setattr(checkpoint, "expected_state", old_expected)
+        checkpoint.save_state(path, cfg, [old])
+    assert checkpoint.read_info(path)["version"] == 3
+    (got,), extra = checkpoint.restore_state(path, cfg)
+    assert extra is None and got.index_k.shape == (b, ring_rows(cfg), di)
+    marks = np.asarray([42, 9])
+    T.assert_trees_bitwise_equal([got.index_k, got.index_g],
+                                 [ring_from_rows(cfg, r, marks) for r in rows])
+    for name in ("latent", "pool_keys", "lengths", "index_lengths", "block_tables"):
+        T.assert_trees_bitwise_equal(getattr(got, name), getattr(old, name))
+    path4 = str(tmp_path / "new")
+    checkpoint.save_state(path4, cfg, [got])
+    assert checkpoint.read_info(path4)["version"] == 4
+    (again,), _ = checkpoint.restore_state(path4, cfg)
+    T.assert_trees_bitwise_equal(again, got)
