@@ -1,6 +1,7 @@
 """The indexer ring (dsa_jax.state, "The indexer ring"; docs/decisions.md).
 
-Op level: the ring write against a copy of the write before the ring (every raw row kept),
+Op level: the ring write against a copy of the write before the ring (every raw row kept,
+tests/old_index_write.py: the jnp twin and the kernel),
 over step sequences the old layout allowed (prompt chunks longer than the ring, pools completed
 inside a chunk, K-row verifies, rewinds within the reach): pool keys bit for bit, and every row
 the ring claims to hold equal to the old cache's row; the Pallas kernel (interpret mode here,
@@ -9,16 +10,18 @@ past it (refused, before anything changes), to a pool boundary (allowed at any d
 mark that a rewind kept.
 """
 
+import functools
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from old_index_write import index_write_pallas as old_kernel
+from old_index_write import index_write_xla as old_twin
 
 import dsa_jax
 from dsa_jax import testing as T
-from dsa_jax.pallas.index_write import layer_norm, pool_key
 from dsa_jax.shapes import ODD, glm53_flash
 from dsa_jax.state import (
     ring_from_rows,
@@ -32,24 +35,6 @@ from dsa_jax.state import (
 KP, RING, POOLS, DI = 4, 8, 16, 12  # op-level geometry: a ring of 8 rows, 64 positions
 
 
-def old_index_write(k_raw, g, norm_w, norm_b, ape, index_k, index_g, pool_keys, pos, valid):
-    """The write before the ring, verbatim: caches of every position `[B, T, Di]`."""
-    kp, tmax, num_pools = ape.shape[0], index_k.shape[1], pool_keys.shape[1]
-    b = jnp.arange(k_raw.shape[0])[:, None]
-    valid = valid & (pos >= 0) & (pos < tmax)
-    row = jnp.where(valid, pos, tmax)
-    k = layer_norm(k_raw.astype(jnp.float32), norm_w, norm_b)
-    index_k = index_k.at[b, row].set(k.astype(index_k.dtype), mode="drop")
-    index_g = index_g.at[b, row].set(g.astype(index_g.dtype), mode="drop")
-    pool = pos // kp
-    members = jnp.clip(pool[..., None] * kp + jnp.arange(kp), 0, tmax - 1)
-    keys = pool_key(index_k[b[..., None], members], index_g[b[..., None], members], ape)
-    completes = valid & ((pos + 1) % kp == 0)
-    pool_keys = pool_keys.at[b, jnp.where(completes, pool, num_pools)].set(keys, mode="drop")
-    return index_k, index_g, pool_keys
-
-
-_old_jit = jax.jit(old_index_write)
 
 # (rows per sequence of the step, real rows per sequence, rewind after it to lengths - drop)
 STEPS = [(5, [5, 3, 0], [0, 0, 0]),
@@ -87,11 +72,23 @@ def _run(impl: str, dtype, seed: int, nan_seq: int | None = None, layers: int = 
         valid = jnp.asarray(np.arange(r)[None, :] < np.asarray(counts)[:, None])
         *ring, keys = T.run_op("index_write", impl, k_raw, g, norm_w, norm_b, ape, *ring, keys,
                                pos, valid, jnp.int32(layer), layers=layers)
-        *full, old_keys = _old_jit(k_raw, g, norm_w, norm_b, ape, *full, old_keys, pos, valid)
+        old = (jax.jit(old_twin) if impl == "xla" else
+               functools.partial(old_kernel, interpret=impl == "pallas-interpret"))
+        *full, old_keys = old(k_raw, g, norm_w, norm_b, ape, *full, old_keys, pos, valid)
         marks = np.maximum(np.minimum(marks, lengths + RING), lengths + np.asarray(counts))
         lengths = lengths + np.asarray(counts) - np.asarray(drop)
         out.append((ring, keys, lengths.copy(), marks.copy(), full, old_keys))
     return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_ring_kernel_equals_the_full_row_kernel_bit_for_bit(kernel_impl, dtype):
+    """The kernel against the kernel before the ring, on the same steps: the same keys."""
+    for ring, keys, lengths, marks, full, old_keys in _run(kernel_impl, dtype, 4):
+        T.assert_trees_bitwise_equal(keys, old_keys)
+        for s, p in _held(lengths, marks):
+            for a, c in zip(ring, full, strict=True):
+                T.assert_trees_bitwise_equal(a[s, p % RING], c[s, p])
 
 
 def _held(lengths, marks):
