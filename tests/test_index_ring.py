@@ -315,3 +315,35 @@ def test_old_state_checkpoint_is_converted_to_the_ring(tmp_path, monkeypatch):
     assert checkpoint.read_info(path4)["version"] == 4
     (again,), _ = checkpoint.restore_state(path4, cfg)
     T.assert_trees_bitwise_equal(again, got)
+
+
+def test_serving_loop_rewinds_stay_within_the_ring():
+    """The device loop rewinds rejected drafts with no check (one `lengths` for every layer):
+    its rounds must stay within the ring. A speculative run with rejections ends with the
+    plain run's pool keys and ring rows, bit for bit."""
+    from dsa_jax import model as M
+    from dsa_jax import serve
+    from dsa_jax.sampling import Sampling
+
+    mcfg = M.ModelConfig(ODD.replace(indexer_types=("full", "shared"),
+                                     index_cache_dtype="bfloat16"), vocab_size=37)
+    weights = M.stack_weights(mcfg, M.init_model(mcfg, jax.random.key(0)))
+    rng = np.random.default_rng(3)
+    prompts = [np.resize(rng.integers(0, 37, 5), n).tolist() for n in (13, 30, 6)]
+    limits, sampling = [40, 25, 45], Sampling("sample", temperature=0.5, top_p=0.9)
+    finals = []
+    for speculate in (0, 3):
+        prog = serve.Program(mcfg, sampling, speculate=speculate)
+        sv, _ = serve.start(prog, weights, None, prompts, limits)
+        sv, outs, _ = serve.run(prog, weights, None, sv, 64)
+        finals.append((sv.model, np.asarray(outs.drafted), np.asarray(outs.count)))
+    (plain, _, _), (spec, drafted, count) = finals
+    assert (count[drafted > 0] < drafted[drafted > 0] + 1).any()  # rejections happened
+    lengths = np.asarray(plain.lengths)
+    assert lengths.tolist() == np.asarray(spec.lengths).tolist() == [52, 54, 50]
+    rows, guard = ring_rows(mcfg.dsa), mcfg.dsa.max_verify - 1
+    for b, n in enumerate(lengths):
+        T.assert_trees_bitwise_equal(spec.pool_keys[b, :, :n // 4], plain.pool_keys[b, :, :n // 4])
+        slots = np.arange(n - (rows - guard), n) % rows  # what a ring surely holds
+        T.assert_trees_bitwise_equal([spec.index_k[b, :, slots], spec.index_g[b, :, slots]],
+                                     [plain.index_k[b, :, slots], plain.index_g[b, :, slots]])
