@@ -171,8 +171,9 @@ def latent_write_inputs(seed: int, dtype, c: int, b: int = 3, r: int = 4, nb: in
 def index_write_inputs(seed: int, kpool: int, dtype, b: int = 3, r: int = 4, di: int = 12,
                        tmax: int = 24):
     """`index_write_*` operands: raw k and gate `[B, R, Di]`, LayerNorm weight and bias, ape
-    `[KP, Di]`, caches `[B, T, Di]` holding earlier random rows (completed pools mix old and
-    new members), poisoned pool keys `[B, P, Di]`, `pos, valid [B, R]`."""
+    `[KP, Di]`, rings `[B, T, Di]` holding earlier random rows (a ring of T = tmax rows: every
+    position its own slot; completed pools mix old and new members), poisoned pool keys
+    `[B, P, Di]`, `pos, valid [B, R]`. Smaller rings: tests/test_index_ring.py."""
     rng = np.random.default_rng(seed)
     k_raw = _normal(rng, (b, r, di)) * 2 + 0.5
     g = _normal(rng, (b, r, di))
