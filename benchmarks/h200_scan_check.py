@@ -16,6 +16,15 @@ Each candidate pairs a scanned program with a reference program:
 - barrier+autotune0 / plain+autotune0: compiled with `xla_gpu_autotune_level=0` (no GEMM or
   fusion autotuning: the default algorithm, the same in any context);
 - barrier+no_triton_gemm: `xla_gpu_enable_triton_gemm=False` (GEMMs go to cuBLAS).
+Candidates that change the Pallas path's jnp glue (both programs traced under the same change,
+`layer_barrier=True`, reference unrolled), to find which glue's fusion depends on the program:
+- ops_barrier: an optimization barrier on every hot-path op's array inputs and outputs (each
+  kernel call and its own glue an island);
+- merge_barrier: barriers around the gather-attend's split merge (`merge_splits`: inputs and
+  output), so XLA fuses it alone, the same in any program;
+- merge_pallas: the split merge as a small Pallas Triton kernel (a fixed reduction order);
+- no_splits: the Mosaic attend with one split per row (no merge arithmetic at all);
+- q_in_kernel: the Mosaic kernel scales and converts q itself (no jnp conversion before it).
 For the first step where a pair differs: every differing leaf (logits, the first layer's `sel`,
 each layer's latent cache, each full layer's indexer rows and pool keys) with its count and max
 abs/rel difference; `first_layer` is the first layer whose cache differs, i.e. the first layer
@@ -26,6 +35,8 @@ refused records the error. The JSON is written after every candidate; the table 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -36,6 +47,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import dsa_jax.attend
+import dsa_jax.indexer
+import dsa_jax.select
 from dsa_jax.layer import step
 from dsa_jax.model import (
     ModelConfig,
@@ -48,22 +62,92 @@ from dsa_jax.model import (
     stack_weights,
     unfold_state,
 )
+from dsa_jax.pallas import sparse_attend as attend_mod
+from dsa_jax.pallas import sparse_attend_mgpu as mgpu_mod
+from dsa_jax.pallas.merge_splits import merge_splits_pallas
 from dsa_jax.projection import rms_norm
 from dsa_jax.shapes import glm53_flash, tiny
 
 AUTOTUNE0 = {"xla_gpu_autotune_level": 0}
 NO_TRITON_GEMM = {"xla_gpu_enable_triton_gemm": False}
-# name -> (scanned layer_barrier, reference: "unrolled" | "per_layer_jit" | "repeat", options)
+# name -> (scanned layer_barrier, reference: "unrolled" | "per_layer_jit" | "repeat", options,
+#          glue patch name or None)
 CANDIDATES = {
-    "repeat": (True, "repeat", None),
-    "plain": (False, "unrolled", None),
-    "barrier": (True, "unrolled", None),
-    "per_layer_jit": (True, "per_layer_jit", None),
-    "barrier+autotune0": (True, "unrolled", AUTOTUNE0),
-    "plain+autotune0": (False, "unrolled", AUTOTUNE0),
-    "barrier+no_triton_gemm": (True, "unrolled", NO_TRITON_GEMM),
+    "repeat": (True, "repeat", None, None),
+    "plain": (False, "unrolled", None, None),
+    "barrier": (True, "unrolled", None, None),
+    "per_layer_jit": (True, "per_layer_jit", None, None),
+    "barrier+autotune0": (True, "unrolled", AUTOTUNE0, None),
+    "plain+autotune0": (False, "unrolled", AUTOTUNE0, None),
+    "barrier+no_triton_gemm": (True, "unrolled", NO_TRITON_GEMM, None),
+    "ops_barrier": (True, "unrolled", None, "ops_barrier"),
+    "merge_barrier": (True, "unrolled", None, "merge_barrier"),
+    "merge_pallas": (True, "unrolled", None, "merge_pallas"),
+    "no_splits": (True, "unrolled", None, "no_splits"),
+    "q_in_kernel": (True, "unrolled", None, "q_in_kernel"),
 }
 STATE_LEAVES = ("latent", "index_k", "index_g", "pool_keys", "lengths")
+
+
+def _barrier_arrays(tree):
+    """An optimization barrier on the array leaves of `tree` (other leaves pass as they are)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    idx = [i for i, v in enumerate(leaves) if isinstance(v, jax.Array)]
+    fenced = jax.lax.optimization_barrier([leaves[i] for i in idx])
+    for i, v in zip(idx, fenced, strict=True):
+        leaves[i] = v
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _fenced_op(op):
+    """`op` whose reference and kernel see their array arguments and results behind
+    barriers."""
+    def wrap(fn):
+        def run(*args, **kwargs):
+            return _barrier_arrays(fn(*_barrier_arrays(args), **kwargs))
+        return run
+    return dataclasses.replace(op, reference=wrap(op.reference), kernel=wrap(op.kernel))
+
+
+@contextlib.contextmanager
+def _patched(targets):
+    """Set (module, name) -> value for the duration; restore after."""
+    saved = [(mod, name, getattr(mod, name)) for (mod, name) in targets]
+    try:
+        for (mod, name), value in targets.items():
+            setattr(mod, name, value)
+        yield
+    finally:
+        for mod, name, value in saved:
+            setattr(mod, name, value)
+
+
+def glue_patch(name: str | None):
+    """The context in which a candidate's programs are traced (module docstring)."""
+    if name is None:
+        return contextlib.nullcontext()
+    if name == "ops_barrier":
+        return _patched({(mod, op): _fenced_op(getattr(mod, op)) for mod, op in (
+            (dsa_jax.attend, "sparse_attend_op"), (dsa_jax.attend, "latent_write_op"),
+            (dsa_jax.indexer, "index_write_op"), (dsa_jax.indexer, "pool_scores_op"),
+            (dsa_jax.select, "pool_topk_op"))})
+    if name == "merge_barrier":
+        merge = attend_mod.merge_splits
+        return _patched({(attend_mod, "merge_splits"): lambda o, m, l: jax.lax.
+                         optimization_barrier(merge(*jax.lax.optimization_barrier((o, m, l))))})
+    if name == "merge_pallas":
+        return _patched({(attend_mod, "merge_splits"): merge_splits_pallas})
+    if name == "no_splits":
+        return _patched({(mgpu_mod, "num_splits"): lambda *a, **k: 1})
+    if name == "q_in_kernel":
+        op = dsa_jax.attend.sparse_attend_op
+        tuning = attend_mod.AttendTuning(mosaic=mgpu_mod.MgpuTuning(q_in_kernel=True))
+
+        def kernel(*args, **kwargs):
+            return attend_mod.sparse_attend_pallas(*args, tuning=tuning, **kwargs)
+        return _patched({(dsa_jax.attend, "sparse_attend_op"):
+                         dataclasses.replace(op, kernel=kernel)})
+    raise ValueError(f"unknown glue patch {name!r}")
 
 
 def compiled(fn, opts, *args):
@@ -166,7 +250,12 @@ def setup(cfg, vocab: int, b: int = 2, seed: int = 0):
 
 
 def run_candidate(cfg, vocab: int, name: str, steps: int) -> dict:
-    barrier, ref_kind, opts = CANDIDATES[name]
+    with glue_patch(CANDIDATES[name][3]):
+        return _run_candidate(cfg, vocab, name, steps)
+
+
+def _run_candidate(cfg, vocab: int, name: str, steps: int) -> dict:
+    barrier, ref_kind, opts, _ = CANDIDATES[name]
     mcfg, weights, stacked, ms = setup(cfg, vocab)
     r, b = cfg.max_verify, ms.num_seqs
     rng = np.random.default_rng(7)
@@ -247,6 +336,7 @@ def main(argv=None) -> int:
     ap.add_argument("--impls", nargs="*", default=["pallas", "xla"])
     ap.add_argument("--candidates", nargs="*", choices=list(CANDIDATES),
                     default=list(CANDIDATES))
+    ap.add_argument("--configs", nargs="*", choices=("tiny", "glm8"), default=["tiny", "glm8"])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=256)
     args = ap.parse_args(argv)
@@ -255,11 +345,14 @@ def main(argv=None) -> int:
            "date": datetime.datetime.now(datetime.UTC).isoformat(),
            "jax_version": jax.__version__, "backend": jax.default_backend(),
            "device": str(jax.devices()[0].device_kind),
-           "candidates": {k: {"layer_barrier": v[0], "reference": v[1], "options": v[2]}
+           "candidates": {k: {"layer_barrier": v[0], "reference": v[1], "options": v[2],
+                              "glue": v[3]}
                           for k, v in CANDIDATES.items()},
            "results": {}}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     for cfg_name, cfg in configs(args.smoke, args.impls).items():
+        if not args.smoke and cfg_name.split("-")[0] not in args.configs:
+            continue
         for name in args.candidates:
             try:
                 r = run_candidate(cfg, 64 if args.smoke else args.vocab, name, args.steps)

@@ -1,0 +1,61 @@
+"""The gather-attend's split merge as a small Pallas Triton kernel.
+
+`sparse_attend.merge_splits` (jnp, the twin) combines each row's per-split normalized partials.
+XLA fuses that jnp with whatever surrounds it, so its reduction order and FMA contraction can
+depend on the program it sits in (benchmarks/h200_scan_check.py's `merge_pallas` candidate
+tests whether that is what separates the scanned model from its unrolled reference). This
+kernel fixes the order: splits are combined one after another, in index order, in every
+program.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+HEADS_PER_PROGRAM = 16  # the accumulator [16, Cp] f32: 64 registers a thread at 4 warps
+
+
+def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, splits: int, hb: int):
+    """One (row, head block) program. o_ref [N, S, Hp, Cp], m_ref / l_ref [N, S, Hp] (whole
+    arrays); out_ref [hb, Cp]."""
+    n, heads = pl.program_id(0), pl.ds(pl.program_id(1) * hb, hb)
+    m_all = m_ref[n, 0, heads]  # [hb]
+    for s in range(1, splits):
+        m_all = jnp.maximum(m_all, m_ref[n, s, heads])
+    total = jnp.zeros_like(m_all)  # [hb]
+    acc = jnp.zeros(out_ref.shape, jnp.float32)  # [hb, Cp]
+    for s in range(splits):
+        wgt = jnp.exp(m_ref[n, s, heads] - m_all) * l_ref[n, s, heads]  # [hb]
+        total = total + wgt
+        acc = acc + wgt[:, None] * o_ref[n, s, heads, :]
+    out_ref[...] = acc / jnp.where(total > 0, total, 1.0)[:, None]
+
+
+def merge_splits_pallas(o: jax.Array, m: jax.Array, l: jax.Array, *,
+                        interpret: bool = False) -> jax.Array:
+    """`sparse_attend.merge_splits` as a kernel: o [N, S, Hp, Cp], m, l [N, S, Hp] f32 ->
+    [N, Hp, Cp] f32 (0 where no split saw a valid slot). Hp a multiple of 16 and Cp a power of
+    two (the attend kernels' padded shapes)."""
+    n, splits, hp, cp = o.shape
+    if splits == 1:
+        return o[:, 0]
+    hb = HEADS_PER_PROGRAM
+    if hp % hb or cp & (cp - 1):
+        raise ValueError(f"merge_splits_pallas: heads {hp} must be a multiple of {hb} and "
+                         f"columns {cp} a power of two")
+    kernel = functools.partial(_merge_kernel, splits=splits, hb=hb)
+    return pl.pallas_call(
+        kernel,
+        grid=(n, hp // hb),
+        in_specs=[pl.BlockSpec(), pl.BlockSpec(), pl.BlockSpec()],
+        out_specs=pl.BlockSpec((None, hb, cp), lambda i, h: (i, h, 0)),
+        out_shape=jax.ShapeDtypeStruct((n, hp, cp), jnp.float32),
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="merge_splits",
+    )(o, m, l)
