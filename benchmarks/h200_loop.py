@@ -79,17 +79,19 @@ class Setup:
     big_batch: int
     reps: int
     acceptance: float
+    loop_variants: tuple[str, ...] = ("default",)
 
 
 def make_setup(args) -> Setup:
     if args.smoke:  # one small 2-layer model everywhere, so the sections share programs
         small = tiny(implementation="xla", max_context=64, indexer_types=("full", "shared"))
-        return Setup(True, small, None, small, 64, 2, 3, 1, args.acceptance)
+        return Setup(True, small, None, small, 64, 2, 3, 1, args.acceptance,
+                     tuple(args.loop_variants))
     impl = "pallas"
     return Setup(False, tiny(implementation=impl, indexer_types=("full", "shared") * 2),
                  glm53_flash(implementation=impl, max_context=1024, indexer_types=ALTERNATING8),
                  glm53_flash(implementation=impl, indexer_types=ALTERNATING8), args.vocab,
-                 args.tokens, 64, args.reps, args.acceptance)
+                 args.tokens, 64, args.reps, args.acceptance, tuple(args.loop_variants))
 
 
 def section_checks(s: Setup, res: dict) -> None:
@@ -113,30 +115,73 @@ def _num_layers(cfg) -> int:
     return len(cfg.indexer_types)
 
 
+# Compiler options of the loop program, side by side (issue 15: the scan's per-layer weight
+# slices were copied, `memcpy128`, before the GEMMs): XLA's dynamic-slice fusion lets a GEMM
+# or custom call read a slice of the stacked weights in place (cuBLAS GEMMs only, so also with
+# XLA's Triton GEMMs off).
+LOOP_VARIANTS = {
+    "default": None,
+    "dsfusion": {"xla_gpu_enable_dynamic_slice_fusion": True},
+    "dsfusion+cublas": {"xla_gpu_enable_dynamic_slice_fusion": True,
+                        "xla_gpu_enable_triton_gemm": False},
+    "cublas": {"xla_gpu_enable_triton_gemm": False},
+}
+
+
+def _memcpy(top_kernels: list, tokens: int) -> dict:
+    copies = [k for k in top_kernels if "memcpy" in k["name"].lower()]
+    return {"memcpy_launches_per_token": sum(k["launches_per_step"] for k in copies) / tokens,
+            "memcpy_us_per_token": sum(k["us_per_step"] for k in copies) / tokens}
+
+
 def section_loop(s: Setup, res: dict) -> None:
+    """Per batch: every variant's program from the same state; its first dispatch's tokens
+    against the default program's (bitwise), then wall and kernel time per token per layer
+    (each call continues the sequences)."""
     cfg = s.bench_cfg
     mcfg, _, stacked = model(cfg, s.vocab)
     prog = serve.Program(mcfg)
     nl, ctx = _num_layers(cfg), cfg.max_context
+    variants = {k: LOOP_VARIANTS[k] for k in s.loop_variants}
     for b in (1, s.big_batch):
-        calls = s.reps + 6  # warm-up, timed, traced: every dispatch continues the sequences
-        holder = {"sv": random_serving(prog, b, ctx - calls * s.n, jax.random.key(b))}
+        calls = s.reps + 7  # first, warm-up, timed, traced: every dispatch continues
+        base = random_serving(prog, b, ctx - calls * s.n, jax.random.key(b))
+        first_tokens = {}
+        for vname, opts in variants.items():
+            row = {"name": f"loop-b{b}-l{nl}" + ("" if vname == "default" else f"[{vname}]"),
+                   "variant": vname, "compiler_options": opts, "batch": b, "layers": nl,
+                   "context": ctx, "tokens_per_dispatch": s.n}
+            res["points"].append(row)
+            try:
+                t0 = time.perf_counter()
+                lowered = serve.run.lower(prog, stacked, None, base, s.n)
+                fn = lowered.compile(compiler_options=opts) if opts else lowered.compile()
+                row["compile_s"] = time.perf_counter() - t0
+                holder = {"sv": copy_tree(base)}
+                holder["sv"], outs, _ = fn(stacked, None, holder["sv"])
+                first_tokens[vname] = np.asarray(outs.tokens)
+                if vname != "default" and "default" in first_tokens:
+                    row["tokens_equal_default"] = bool(np.array_equal(
+                        first_tokens[vname], first_tokens["default"]))
 
-        def call(holder=holder):
-            holder["sv"], outs, _ = serve.run(prog, stacked, None, holder["sv"], s.n)
-            return jax.device_get(outs.tokens)  # the serving loop's one host read
+                def call(holder=holder, fn=fn):
+                    holder["sv"], outs, _ = fn(stacked, None, holder["sv"])
+                    return jax.device_get(outs.tokens)  # the serving loop's one host read
 
-        wall = wall_us(call, s.reps)
-        kern = device_kernels(call, 2)
-        row = {"name": f"loop-b{b}-l{nl}", "batch": b, "layers": nl, "context": ctx,
-               "tokens_per_dispatch": s.n, "dispatch_us": wall,
-               "per_token_us": wall / s.n, "us_per_token_per_layer": wall / s.n / nl}
-        if kern:
-            row.update({"kernel_us_per_token_per_layer": kern["kernel_us"] / s.n / nl,
-                        "wall_over_kernel": wall / kern["kernel_us"],
-                        "launches_per_token": kern["launches"] / s.n,
-                        "top_kernels": kern["top_kernels"]})
-        res["points"].append(row)
+                wall = wall_us(call, s.reps)
+                kern = device_kernels(call, 2)
+                row.update({"dispatch_us": wall, "per_token_us": wall / s.n,
+                            "us_per_token_per_layer": wall / s.n / nl})
+                if kern:
+                    row.update({"kernel_us_per_token_per_layer":
+                                kern["kernel_us"] / s.n / nl,
+                                "wall_over_kernel": wall / kern["kernel_us"],
+                                "launches_per_token": kern["launches"] / s.n,
+                                **_memcpy(kern["top_kernels"], s.n),
+                                "top_kernels": kern["top_kernels"]})
+                del holder
+            except Exception as e:  # recorded in the row; the other variants still run
+                row["error"] = f"{type(e).__name__}: {e}"[:400]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,11 +404,15 @@ def table(res: dict) -> str:
     lines += [f"  {k:<48}{v}" for k, v in res["checks"].items()]
     lines.append("point                       per token/layer us  kernel us  wall/kernel")
     for p in res["points"]:
-        if p["name"].startswith(("loop", "engine")):
+        if "error" in p:
+            lines.append(f"  {p['name']:<26}ERROR {p['error'][:70]}")
+        elif p["name"].startswith(("loop", "engine")):
             wall = p.get("us_per_token_per_layer", p.get("per_step_per_layer_us"))
             kern = p.get("kernel_us_per_token_per_layer", p.get("kernel_per_step_per_layer_us"))
+            extra = "".join(f"  {k}={p[k]}" for k in ("tokens_equal_default",
+                                                       "memcpy_launches_per_token") if k in p)
             lines.append(f"  {p['name']:<26}{wall:>12.1f}{kern or float('nan'):>11.1f}"
-                         f"{p.get('wall_over_kernel', float('nan')):>11.2f}")
+                         f"{p.get('wall_over_kernel', float('nan')):>11.2f}{extra}")
         elif p["name"].startswith("spec"):
             lines.append(f"  {p['name']:<26}spec {p['tokens_per_s']:.0f} tok/s vs plain "
                          f"{p['plain_tokens_per_s']:.0f} at acceptance "
@@ -391,6 +440,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=32, help="tokens per dispatch")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--acceptance", type=float, default=0.7)
+    ap.add_argument("--loop-variants", nargs="*", choices=list(LOOP_VARIANTS),
+                    default=list(LOOP_VARIANTS), help="compiler options of the loop section")
     args = ap.parse_args(argv)
     s = make_setup(args)
     res = {"command": "PYTHONPATH=. python3 benchmarks/h200_loop.py " + " ".join(

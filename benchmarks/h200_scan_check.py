@@ -15,7 +15,9 @@ Each candidate pairs a scanned program with a reference program:
   `layer.step`, residual add) per layer kind;
 - barrier+autotune0 / plain+autotune0: compiled with `xla_gpu_autotune_level=0` (no GEMM or
   fusion autotuning: the default algorithm, the same in any context);
-- barrier+no_triton_gemm: `xla_gpu_enable_triton_gemm=False` (GEMMs go to cuBLAS).
+- barrier+no_triton_gemm: `xla_gpu_enable_triton_gemm=False` (GEMMs go to cuBLAS);
+- barrier+dsfusion(+cublas): XLA's dynamic-slice fusion (and cuBLAS GEMMs), the loop
+  program's candidate options (benchmarks/h200_loop.py): do they keep scanned == unrolled?
 Candidates that change the Pallas path's jnp glue (both programs traced under the same change,
 `layer_barrier=True`, reference unrolled), to find which glue's fusion depends on the program:
 - ops_barrier: an optimization barrier on every hot-path op's array inputs and outputs (each
@@ -70,6 +72,9 @@ from dsa_jax.shapes import glm53_flash, tiny
 
 AUTOTUNE0 = {"xla_gpu_autotune_level": 0}
 NO_TRITON_GEMM = {"xla_gpu_enable_triton_gemm": False}
+# The loop program's candidate options (benchmarks/h200_loop.py LOOP_VARIANTS): the stacked
+# weights' slices read in place by the GEMMs instead of copied.
+DSFUSION = {"xla_gpu_enable_dynamic_slice_fusion": True}
 # name -> (scanned layer_barrier, reference: "unrolled" | "per_layer_jit" | "repeat", options,
 #          glue patch name or None)
 CANDIDATES = {
@@ -80,6 +85,8 @@ CANDIDATES = {
     "barrier+autotune0": (True, "unrolled", AUTOTUNE0, None),
     "plain+autotune0": (False, "unrolled", AUTOTUNE0, None),
     "barrier+no_triton_gemm": (True, "unrolled", NO_TRITON_GEMM, None),
+    "barrier+dsfusion": (True, "unrolled", DSFUSION, None),
+    "barrier+dsfusion+cublas": (True, "unrolled", {**DSFUSION, **NO_TRITON_GEMM}, None),
     "ops_barrier": (True, "unrolled", None, "ops_barrier"),
     "merge_barrier": (True, "unrolled", None, "merge_barrier"),
     "merge_pallas": (True, "unrolled", None, "merge_pallas"),

@@ -14,10 +14,15 @@ def test_h200_loop_smoke_runs_every_section(tmp_path, capsys):
     assert code == 0
     assert len(res["checks"]) >= 4 and all(v is True for v in res["checks"].values())
     names = {p["name"] for p in res["points"]}
+    variants = [v for v in h200_loop.LOOP_VARIANTS if v != "default"]
     assert names == {"loop-b1-l2", "loop-b3-l2", "spec-b1-l2-k3", "public-decode-b1",
-                     "scan-vs-unrolled-b1-l2", "engine-b3-l2"}
+                     "scan-vs-unrolled-b1-l2", "engine-b3-l2"} | {
+                         f"loop-b{b}-l2[{v}]" for b in (1, 3) for v in variants}
     for p in res["points"]:
+        assert "error" not in p, p
         if p["name"].startswith("loop"):
             assert p["us_per_token_per_layer"] > 0
+            # The GPU compiler options change nothing on the CPU: the same tokens.
+            assert p.get("tokens_equal_default", True) is True
     assert res["compile"]["run_compiles_across_two_contexts"] == 1
     assert "public-decode-b1" in capsys.readouterr().out  # the table, printed last
