@@ -163,6 +163,9 @@ class RowLayout:
 
 
 STEP_KINDS = ("prefill", "decode", "verify", "kv")
+# One object per layout: the jitted step takes it as a static argument, and the same object
+# every call is the cheapest cache hit there is.
+_row_layout = functools.cache(RowLayout)
 
 
 def prepare_step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, *,
@@ -193,9 +196,9 @@ def prepare_step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Ar
         if not 1 <= k <= cfg.max_verify:
             raise StepError(f"a {k}-row verify does not fit max_verify {cfg.max_verify} "
                             f"(rows must be in [1, {cfg.max_verify}])")
-        layout = RowLayout(rows=cfg.max_verify, k=k, squeeze=kind == "decode")
+        layout = _row_layout(cfg.max_verify, k, kind == "decode")
     else:
-        layout = RowLayout(rows=k, k=k)
+        layout = _row_layout(k, k, False)
     if kind == "prefill":
         n_new = rows_per_seq(b, k, counts, "num_tokens")
     else:
@@ -214,9 +217,10 @@ _step_jit = jax.jit(step, static_argnames=("cfg",), donate_argnames=("state",))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "layout"), donate_argnames=("state",))
-def _layout_step(cfg: DsaConfig, layout: RowLayout, weights: DsaWeights, state: DsaState,
+def layout_step(cfg: DsaConfig, layout: RowLayout, weights: DsaWeights, state: DsaState,
                  x: jax.Array, n_new: jax.Array, shared_sel: jax.Array | None):
-    """Pad, step, unpad: one program per layout. The step sits between optimization barriers,
+    """Pad, step, unpad: one program per layout (what `decode`, `decode_k` and `prefill`
+    dispatch after `prepare_step`). The step sits between optimization barriers,
     so XLA neither sees that the padded rows are zero nor moves the unpad into the step: the
     step compiles to the same code in the decode program and in every K-row verify program
     (the bit-identity guarantee, tested with `==`)."""
@@ -242,12 +246,19 @@ def _device_counts(n_new):
 
 
 def _remember_step(cfg: DsaConfig, before, state: DsaState, n_new) -> None:
-    """Record the new state's lengths on the host when the old ones were known there."""
+    """Record the new state's lengths on the host when the old ones were known there, and
+    the checks' slack less the rows appended (dsa_jax.mirror) while the indexer ring keeps
+    pace (marks == lengths: then neither the ring check nor the indexer-behind check can fail
+    before the slack is used up; any other mark is checked in full next step)."""
     if before is not None and isinstance(n_new, np.ndarray):
         lengths = before.lengths + n_new
+        lengths.setflags(write=False)
         marks = (ring_mark_after(cfg, before.lengths, before.index_lengths, n_new)
                  if state.index_k.shape[1] else lengths)
-        remember(state, lengths, marks, before.block_tables)
+        slack = None
+        if before.slack is not None and np.array_equal(marks, lengths):
+            slack = before.slack - int(n_new.max(initial=0))
+        remember(state, lengths, marks, before.block_tables, slack)
 
 
 def _public_step(cfg, weights, state, x, kind, counts, shared_sel, check):
@@ -256,7 +267,7 @@ def _public_step(cfg, weights, state, x, kind, counts, shared_sel, check):
     layout, n_new = prepare_step(cfg, weights, state, x, kind=kind, counts=counts,
                                  shared_sel=shared_sel, check=check)
     before = known(state)
-    y, state, sel = _layout_step(cfg, layout, weights, state, x, _device_counts(n_new),
+    y, state, sel = layout_step(cfg, layout, weights, state, x, _device_counts(n_new),
                                  shared_sel)
     _remember_step(cfg, before, state, n_new)
     if before is not None and weights.has_indexer:

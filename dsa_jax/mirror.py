@@ -7,6 +7,13 @@ succeeds only if all three arrays of the state are the ones recorded, so an entr
 describe other values: a state built or edited by the caller (`init_state`, `_replace`, a
 restored checkpoint) is simply not found, and the checks read it from the device once.
 Entries go away with their arrays.
+
+An entry may also carry `slack`, set by `dsa_jax.step_checks` after a full check of these
+values: a lower bound on the tokens every sequence can still append while every check of the
+lengths and tables passes (past max_context, an unmapped or shared block, the indexer
+behind). A step of at most `slack` rows per sequence needs no check of them; a step that
+appends `n` rows passes `slack - n` on to the new state's entry (same tables, lockstep
+indexer).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ class HostNumbers(NamedTuple):
     lengths: np.ndarray  # [B] int32
     index_lengths: np.ndarray  # [B] int32
     block_tables: np.ndarray  # [B, MB] int32
+    slack: int | None = None  # tokens every sequence can append unchecked (module docstring)
 
 
 _ENTRIES: dict[int, tuple[weakref.ref, weakref.ref, weakref.ref, HostNumbers]] = {}
@@ -45,15 +53,24 @@ def known(state) -> HostNumbers | None:
     return entry[3]
 
 
-def remember(state, lengths, index_lengths, block_tables) -> None:
-    """Record host values (numpy) for `state`'s arrays; a traced state records nothing."""
+def _frozen(v) -> np.ndarray:
+    """`v` as a read-only int32 array: itself if it already is one (entries share them)."""
+    if isinstance(v, np.ndarray) and v.dtype == np.int32 and not v.flags.writeable:
+        return v
+    v = np.array(v, np.int32)
+    v.setflags(write=False)
+    return v
+
+
+def remember(state, lengths, index_lengths, block_tables, slack: int | None = None) -> None:
+    """Record host values (numpy) for `state`'s arrays; a traced state records nothing.
+    `slack`: only from a check of these very values, or an entry's slack less the rows its
+    step appended (module docstring)."""
     arrays = _tracked(state)
     if not _concrete(arrays):
         return
-    numbers = HostNumbers(*(np.array(v, np.int32) for v in (lengths, index_lengths,
-                                                            block_tables)))
-    for v in numbers:
-        v.setflags(write=False)
+    numbers = HostNumbers(_frozen(lengths), _frozen(index_lengths), _frozen(block_tables),
+                          slack)
     key = id(arrays[0])
     # The entry goes when the lengths array does (its id may then be reused).
     first = weakref.ref(arrays[0], lambda _, key=key: _ENTRIES.pop(key, None))

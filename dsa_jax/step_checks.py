@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsa_jax.config import DsaConfig
-from dsa_jax.mirror import host_numbers
+from dsa_jax.mirror import host_numbers, remember
 from dsa_jax.state import (
     DsaState,
     expected_state_fields,
@@ -50,12 +50,15 @@ def check_fields(what: str, got: tuple, want: dict) -> None:
                             f"{list(spec[0])}: were they made for another DsaConfig?")
 
 
+_FLOATS = frozenset(np.dtype(d) for d in (np.float32, jnp.bfloat16, np.float16))
+
+
 def check_x(cfg: DsaConfig, state: DsaState, x: jax.Array) -> None:
     b = state.num_seqs
     if x.shape[0] != b or x.shape[-1] != cfg.hidden_size:
         raise StepError(f"x has shape {tuple(x.shape)}; expected leading dim {b} (sequences in "
                         f"the state) and last dim {cfg.hidden_size} (hidden_size)")
-    if not jnp.issubdtype(x.dtype, jnp.floating):
+    if x.dtype not in _FLOATS and not jnp.issubdtype(x.dtype, jnp.floating):
         raise StepError(f"x has dtype {jnp.dtype(x.dtype).name}; expected a real floating "
                         f"dtype (float32, bfloat16 or float16)")
 
@@ -77,6 +80,38 @@ def check_layer(cfg: DsaConfig, weights: DsaWeights, state: DsaState) -> None:
                                                         state_indexer))
 
 
+# What passed `check_layer`: the weights by the ids of their leaves (a loop passes the same
+# arrays every step; an entry holds weak references whose callbacks drop it when any leaf
+# goes, so the ids can never name other arrays) and the state by its shapes and dtypes (its
+# arrays are new every step), per config.
+_LAYER_OK: dict[tuple, tuple] = {}
+
+
+def _signature(tree) -> tuple:
+    return tuple([None if a is None else (a.shape, a.dtype) for a in tree])
+
+
+def _remember_layer(key: tuple, weights) -> None:
+    def drop(_, key=key):
+        _LAYER_OK.pop(key, None)
+    try:
+        refs = tuple(weakref.ref(a, drop) for a in weights if a is not None)
+    except TypeError:  # a leaf that takes no weak reference (a numpy array): not cached
+        return
+    if len(_LAYER_OK) >= 256:
+        _LAYER_OK.clear()
+    _LAYER_OK[key] = refs
+
+
+def check_layer_once(cfg: DsaConfig, weights: DsaWeights, state: DsaState) -> None:
+    """`check_layer`, skipped for weights and a state signature that already passed."""
+    key = (cfg, tuple(map(id, weights)), _signature(state))
+    if key in _LAYER_OK:
+        return
+    check_layer(cfg, weights, state)
+    _remember_layer(key, weights)
+
+
 def check_step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array,
                 n_new: np.ndarray, shared_sel: jax.Array | None, sel_shape: tuple[int, ...]
                 ) -> None:
@@ -94,33 +129,48 @@ def check_step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Arra
                             f"expected integer token ids")
     elif shared_sel is not None:
         raise StepError("shared_sel was given but these weights run their own indexer")
-    check_layer(cfg, weights, state)
+    check_layer_once(cfg, weights, state)
     # Values to check: a concrete array (not traced, not a ShapeDtypeStruct).
     check_sel = isinstance(shared_sel, (np.ndarray, jax.Array)) and is_concrete(shared_sel)
     if not all(is_concrete(a) for a in (state.lengths, state.block_tables, n_new)):
         return
     n_new = np.asarray(n_new)
     # The host's copy when it has one (dsa_jax.mirror), else one device->host read.
-    lengths, index_lengths, tables = host_numbers(state)
+    numbers = host_numbers(state)
+    lengths = numbers.lengths
     sel = shared_sel_values(shared_sel, lengths) if check_sel else None
-    nb = state.latent.shape[0]
-    behind = np.flatnonzero(index_lengths < lengths) if weights.has_indexer else []
-    if len(behind):
-        s = int(behind[0])
+    # A step within the slack of an earlier full check needs no check of the lengths and
+    # tables (dsa_jax.mirror); else the full check, and the slack it leaves.
+    if numbers.slack is None or int(n_new.max(initial=0)) > numbers.slack:
+        slack = check_numbers(cfg, numbers, n_new, weights.has_indexer, state.latent.shape[0])
+        remember(state, lengths, numbers.index_lengths, numbers.block_tables, slack)
+    if sel is not None:
+        check_shared_sel(sel, lengths, n_new, cfg.max_context)
+
+
+def check_numbers(cfg: DsaConfig, numbers, n_new: np.ndarray, has_indexer: bool,
+                  nb: int) -> int:
+    """Lengths and tables (`numbers`: `dsa_jax.mirror.HostNumbers`) for a step of `n_new
+    [B]` rows: raises `StepError`, else returns the slack (tokens every sequence can append
+    before a check of these values could fail: the end of its checked blocks)."""
+    lengths, index_lengths, tables = numbers.lengths, numbers.index_lengths, numbers.block_tables
+    if has_indexer and (index_lengths < lengths).any():
+        s = int(np.flatnonzero(index_lengths < lengths)[0])
         raise StepError(f"sequence {s}: indexer length {index_lengths[s]} is behind the "
                         f"sequence length {lengths[s]}: rows {index_lengths[s]}..{lengths[s] - 1}"
                         f" were never written to the indexer cache")
-    if weights.has_indexer:
+    if has_indexer:
         check_ring(cfg, lengths, index_lengths)
-    over = np.flatnonzero(lengths + n_new > cfg.max_context)
-    if len(over):
-        s = int(over[0])
+    ends = lengths + n_new  # [B]
+    if (ends > cfg.max_context).any():
+        s = int(np.flatnonzero(ends > cfg.max_context)[0])
         raise StepError(f"sequence {s}: writing {n_new[s]} token(s) at position {lengths[s]} "
                         f"would reach {lengths[s] + n_new[s]}, past max_context "
                         f"{cfg.max_context}")
     check_tables(cfg, tables, lengths, n_new, nb)
-    if sel is not None:
-        check_shared_sel(sel, lengths, n_new, cfg.max_context)
+    # Blocks below ceil(ends / bs) are checked: a sequence may grow to their end.
+    checked_end = np.minimum(-(-ends // cfg.block_size) * cfg.block_size, cfg.max_context)
+    return int((checked_end - lengths).min(initial=cfg.max_context))
 
 
 def ring_message(cfg: DsaConfig, s: int, length: int, mark: int) -> str:
