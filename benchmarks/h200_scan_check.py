@@ -93,7 +93,22 @@ CANDIDATES = {
     "no_splits": (True, "unrolled", None, "no_splits"),
     "q_in_kernel": (True, "unrolled", None, "q_in_kernel"),
 }
+# Any candidate but per_layer_jit with "+hidden": both programs also return every layer's
+# input rows, compared per layer (f32: a difference shows there long before it reaches the
+# fp8 / bf16 caches); the extra output changes both programs.
+HIDDEN = "+hidden"
 STATE_LEAVES = ("latent", "index_k", "index_g", "pool_keys", "lengths")
+
+
+def candidate(name: str) -> tuple[tuple, bool]:
+    """name -> (its CANDIDATES entry, hidden)."""
+    hidden = name.endswith(HIDDEN)
+    return CANDIDATES[name[:-len(HIDDEN)] if hidden else name], hidden
+
+
+def candidate_names() -> list[str]:
+    return list(CANDIDATES) + [k + HIDDEN for k, v in CANDIDATES.items()
+                               if v[1] != "per_layer_jit"]
 
 
 def _barrier_arrays(tree):
@@ -227,6 +242,13 @@ def compare(mcfg, got, want) -> dict | None:
     if per_layer:
         out["layers"] = per_layer
         out["first_layer"] = min(int(k) for k in per_layer)
+    if len(got) > 3:  # every layer's input rows [L, B, R, D]
+        hs = {str(l): d for l in range(got[3].shape[0])
+              if (d := leaf_diff(got[3][l], want[3][l])) is not None}
+        if hs:
+            out["hidden"] = hs
+            # The first layer whose output differs (its successor's input rows).
+            out["first_hidden_layer"] = min(int(k) for k in hs) - 1
     if not out:
         return None
     out["sel0_equal"] = "sel0" not in out
@@ -257,12 +279,12 @@ def setup(cfg, vocab: int, b: int = 2, seed: int = 0):
 
 
 def run_candidate(cfg, vocab: int, name: str, steps: int) -> dict:
-    with glue_patch(CANDIDATES[name][3]):
+    with glue_patch(candidate(name)[0][3]):
         return _run_candidate(cfg, vocab, name, steps)
 
 
 def _run_candidate(cfg, vocab: int, name: str, steps: int) -> dict:
-    barrier, ref_kind, opts, _ = CANDIDATES[name]
+    (barrier, ref_kind, opts, _), hidden = candidate(name)
     mcfg, weights, stacked, ms = setup(cfg, vocab)
     r, b = cfg.max_verify, ms.num_seqs
     rng = np.random.default_rng(7)
@@ -270,12 +292,14 @@ def _run_candidate(cfg, vocab: int, name: str, steps: int) -> dict:
     tokens0 = jnp.zeros((b, r), jnp.int32)
     n0 = jnp.ones((b,), jnp.int32)
     t0 = time.perf_counter()
-    scan = compiled(lambda w, s, t, n: forward(mcfg, w, s, t, n, layer_barrier=barrier),
+    scan = compiled(lambda w, s, t, n: forward(mcfg, w, s, t, n, layer_barrier=barrier,
+                                               hidden=hidden),
                     opts, stacked, ms, tokens0, n0)
     states = tuple(unfold_state(mcfg, ms))
     if ref_kind == "unrolled":
         ref = compiled(lambda w, s, t, n: forward_unrolled(mcfg, w, s, t, n,
-                                                           layer_barrier=barrier),
+                                                           layer_barrier=barrier,
+                                                           hidden=hidden),
                        opts, weights, states, tokens0, n0)
     elif ref_kind == "per_layer_jit":
         ref = per_layer_reference(mcfg)
@@ -324,7 +348,9 @@ def short(r: dict) -> str:
     worst = max((v.get("max_abs") or 0.0 for v in [d.get("logits", {})]
                  + [x for lay in d.get("layers", {}).values() for x in lay.values()]),
                 default=0.0)
-    return (f"DIFF step {r['first_step']} layer {d.get('first_layer')} "
+    hid = (f" first hidden diff after layer {d['first_hidden_layer']}"
+           if "first_hidden_layer" in d else "")
+    return (f"DIFF step {r['first_step']} layer {d.get('first_layer')}{hid} "
             f"sel0={'eq' if d['sel0_equal'] else 'DIFF'} max_abs={worst:.3g}")
 
 
@@ -341,7 +367,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="JSON results path")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, xla")
     ap.add_argument("--impls", nargs="*", default=["pallas", "xla"])
-    ap.add_argument("--candidates", nargs="*", choices=list(CANDIDATES),
+    ap.add_argument("--candidates", nargs="*", choices=candidate_names(),
                     default=list(CANDIDATES))
     ap.add_argument("--configs", nargs="*", choices=("tiny", "glm8"), default=["tiny", "glm8"])
     ap.add_argument("--steps", type=int, default=4)

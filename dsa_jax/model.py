@@ -325,17 +325,21 @@ def _island(h: jax.Array, on: bool) -> jax.Array:
 
 
 def _segment(cfg: DsaConfig, seg: Segment, stack: Stack, h, caches: _Caches, rows: _Rows,
-             barrier: bool):
-    """Scan the segment's groups: each runs its full layer, then (scanned) its shared ones."""
+             barrier: bool, hidden: bool):
+    """Scan the segment's groups: each runs its full layer, then (scanned) its shared ones.
+    Returns h, the caches, `sels [G, B, R, W]` and (if `hidden`) every layer's input rows
+    `[G * g, B, R, D]`, else None."""
     g, eps = seg.group_size, cfg.rms_norm_eps
 
     def group(carry, xs):
         h, caches = carry
         wf, ws, norms, layer, full = xs
         h = _island(h, barrier)
+        h_in = h
         y, caches, sel = _block(cfg, wf, caches, rows, layer, full,
                                 rms_norm(h, norms[0], eps), None)
         h = h + y
+        hs = h_in[None] if hidden else None  # [1, B, R, D]
         if g > 1:
             def shared(carry, xs):
                 h, caches = carry
@@ -343,17 +347,21 @@ def _segment(cfg: DsaConfig, seg: Segment, stack: Stack, h, caches: _Caches, row
                 h = _island(h, barrier)
                 y, caches, _ = _block(cfg, w, caches, rows, l, None, rms_norm(h, norm, eps),
                                       sel)
-                return (h + y, caches), None
+                return (h + y, caches), h if hidden else None
 
-            (h, caches), _ = lax.scan(shared, (h, caches),
-                                      (ws, norms[1:], layer + 1 + jnp.arange(g - 1)))
-        return (h, caches), sel
+            (h, caches), shared_hs = lax.scan(shared, (h, caches),
+                                              (ws, norms[1:], layer + 1 + jnp.arange(g - 1)))
+            if hidden:
+                hs = jnp.concatenate([hs, shared_hs])  # [g, B, R, D]
+        return (h, caches), (sel, hs)
 
     layers = seg.first_layer + g * jnp.arange(seg.num_groups)
     fulls = seg.first_full + jnp.arange(seg.num_groups)
-    (h, caches), sels = lax.scan(group, (h, caches),
-                                 (stack.full, stack.shared, stack.norms, layers, fulls))
-    return h, caches, sels  # sels: [G, B, R, W]
+    (h, caches), (sels, hs) = lax.scan(group, (h, caches),
+                                       (stack.full, stack.shared, stack.norms, layers, fulls))
+    if hidden:
+        hs = hs.reshape(-1, *hs.shape[2:])
+    return h, caches, sels, hs
 
 
 def lm_head(mcfg: ModelConfig, final_norm: jax.Array, head: jax.Array, h: jax.Array
@@ -365,14 +373,15 @@ def lm_head(mcfg: ModelConfig, final_norm: jax.Array, head: jax.Array, h: jax.Ar
 
 
 def forward(mcfg: ModelConfig, weights: StackedWeights, ms: ModelState, tokens: jax.Array,
-            n_new: jax.Array, *, layer_barrier: bool = True
-            ) -> tuple[jax.Array, ModelState, jax.Array]:
+            n_new: jax.Array, *, layer_barrier: bool = True, hidden: bool = False):
     """tokens [B, R] (first n_new [B] real) -> (logits [B, R, V] f32, state, sel [B, R, W]).
 
     `sel` is the first layer's selection. Pure and traceable; no checks (the caller's host
     side validates: lengths + n_new <= max_context, block tables cover the rows).
     layer_barrier: a fusion boundary where each layer starts (module docstring); False only
-    to measure or diagnose without it (benchmarks/h200_scan_check.py)."""
+    to measure or diagnose without it (benchmarks/h200_scan_check.py). hidden: also return
+    every layer's input rows `[L, B, R, D]` (a fourth output, to find the first layer two
+    programs differ in; it changes the program)."""
     cfg = mcfg.dsa
     b, r = tokens.shape
     nl, nb = ms.latent.shape[:2]
@@ -386,34 +395,40 @@ def forward(mcfg: ModelConfig, weights: StackedWeights, ms: ModelState, tokens: 
                      ms.index_g.reshape(b, -1, ms.index_g.shape[-1]),
                      ms.pool_keys.reshape(b, -1, ms.pool_keys.shape[-1]))
     h = weights.embed[tokens]  # [B, R, D]
-    sel0 = None
+    sel0, hs = None, []
     for seg, stack in zip(layer_plan(cfg.indexer_types), weights.segments, strict=True):
-        h, caches, sels = _segment(cfg, seg, stack, h, caches, rows, layer_barrier)
+        h, caches, sels, seg_hs = _segment(cfg, seg, stack, h, caches, rows, layer_barrier,
+                                           hidden)
         sel0 = sels[0] if sel0 is None else sel0
+        hs.append(seg_hs)
     logits = lm_head(mcfg, weights.final_norm, weights.lm_head, _island(h, layer_barrier))
     ms = ms._replace(latent=caches.latent.reshape(ms.latent.shape),
                      index_k=caches.index_k.reshape(ms.index_k.shape),
                      index_g=caches.index_g.reshape(ms.index_g.shape),
                      pool_keys=caches.pool_keys.reshape(ms.pool_keys.shape),
                      lengths=ms.lengths + n_new)
+    if hidden:
+        return logits, ms, sel0, jnp.concatenate(hs)
     return logits, ms, sel0
 
 
 def forward_unrolled(mcfg: ModelConfig, weights: ModelWeights, states, tokens: jax.Array,
-                     n_new: jax.Array, *, layer_barrier: bool = True
-                     ) -> tuple[jax.Array, tuple[DsaState, ...], jax.Array]:
+                     n_new: jax.Array, *, layer_barrier: bool = True, hidden: bool = False):
     """The reference: `forward` with one `layer.step` per layer over per-layer states (the
-    same fusion boundaries as `forward` under the same `layer_barrier`)."""
+    same fusion boundaries as `forward` under the same `layer_barrier`; `hidden` likewise)."""
     cfg = mcfg.dsa
     h = weights.embed[tokens]  # [B, R, D]
-    new_states, sel, sel0 = [], None, None
+    new_states, sel, sel0, hs = [], None, None, []
     for i, (lw, st) in enumerate(zip(weights.layers, states, strict=True)):
         shared = None if lw.has_indexer else sel
         h = _island(h, layer_barrier)
+        hs.append(h)
         y, st, sel = step(cfg, lw, st, rms_norm(h, weights.norms[i], cfg.rms_norm_eps),
                           n_new, shared)
         sel0 = sel if sel0 is None else sel0
         h = h + y
         new_states.append(st)
     logits = lm_head(mcfg, weights.final_norm, weights.lm_head, _island(h, layer_barrier))
+    if hidden:
+        return logits, tuple(new_states), sel0, jnp.stack(hs)
     return logits, tuple(new_states), sel0

@@ -118,7 +118,7 @@ def test_scan_check_smoke_runs_every_candidate(tmp_path, capsys):
     from benchmarks import h200_scan_check as S
 
     out = tmp_path / "scan-check.json"
-    free = [n for n, (_, _, opts) in S.CANDIDATES.items() if opts is None]
+    free = [n for n, v in S.CANDIDATES.items() if v[2] is None] + ["barrier+hidden"]
     code = S.main(["--smoke", "--steps", "2", "--candidates", *free, "--out", str(out)])
     res = json.loads(out.read_text())["results"]["tiny-xla"]
     assert code == 0 and set(res) == set(free)
@@ -141,3 +141,28 @@ def test_scan_check_diff_finds_the_layer():
     d = S.compare(mcfg, (logits.at[0, 0, 0].add(1e-3), ms, sel), (logits, bumped, sel))
     assert d["first_layer"] == 2 and d["sel0_equal"] and d["logits"]["n_diff"] == 1
     assert set(d["layers"]) == {"2"} and d["layers"]["2"]["latent"]["n_diff"] == 1
+    hs = jnp.ones((4, 2, 4, cfg.hidden_size))
+    d = S.compare(mcfg, (logits, ms, sel, hs.at[3, 1].add(1e-6)), (logits, states, sel, hs))
+    assert d["first_hidden_layer"] == 2 and set(d["hidden"]) == {"3"}
+    assert "layers" not in d  # the caches equal: only the hidden rows tell
+
+
+def test_hidden_rows_equal_between_the_two_forms():
+    """`hidden=True`: every layer's input rows [L, B, R, D], equal bit for bit in both forms;
+    layer 0's are the embeddings."""
+    mcfg = M.ModelConfig(CFG.replace(indexer_types=IRREGULAR), vocab_size=37)
+    weights = M.init_model(mcfg, jax.random.key(5))
+    b, nb, r = 2, 30, CFG.max_verify
+    ms = M.init_model_state(mcfg, b, nb, _tables(b, nb, CFG.blocks_per_seq, 6))
+    states = tuple(M.unfold_state(mcfg, ms))
+    tokens = jnp.asarray(np.random.default_rng(7).integers(0, 37, (b, r)), jnp.int32)
+    n = jnp.asarray([r, 2], jnp.int32)
+    # Both jitted, as the checks run them (eager op-by-op execution fuses differently).
+    got = jax.jit(M.forward, static_argnums=0, static_argnames="hidden")(
+        mcfg, M.stack_weights(mcfg, weights), ms, tokens, n, hidden=True)
+    want = jax.jit(M.forward_unrolled, static_argnums=0, static_argnames="hidden")(
+        mcfg, weights, states, tokens, n, hidden=True)
+    assert got[3].shape == (4, b, r, CFG.hidden_size)
+    assert_bitwise(got[3], want[3])
+    assert_bitwise(got[3][0], weights.embed[tokens])
+    assert not (np.asarray(got[3][1]) == np.asarray(got[3][0])).all()
