@@ -80,18 +80,24 @@ class Setup:
     reps: int
     acceptance: float
     loop_variants: tuple[str, ...] = ("default",)
+    hlo_dir: str | None = None  # where the B=1 loop programs' optimized HLO is written
 
 
 def make_setup(args) -> Setup:
     if args.smoke:  # one small 2-layer model everywhere, so the sections share programs
         small = tiny(implementation="xla", max_context=64, indexer_types=("full", "shared"))
         return Setup(True, small, None, small, 64, 2, 3, 1, args.acceptance,
-                     tuple(args.loop_variants))
+                     tuple(args.loop_variants), _hlo_dir(args))
     impl = "pallas"
     return Setup(False, tiny(implementation=impl, indexer_types=("full", "shared") * 2),
                  glm53_flash(implementation=impl, max_context=1024, indexer_types=ALTERNATING8),
                  glm53_flash(implementation=impl, indexer_types=ALTERNATING8), args.vocab,
-                 args.tokens, 64, args.reps, args.acceptance, tuple(args.loop_variants))
+                 args.tokens, 64, args.reps, args.acceptance, tuple(args.loop_variants),
+                 _hlo_dir(args))
+
+
+def _hlo_dir(args) -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(args.out)), "loop-hlo")
 
 
 def section_checks(s: Setup, res: dict) -> None:
@@ -157,6 +163,10 @@ def section_loop(s: Setup, res: dict) -> None:
                 lowered = serve.run.lower(prog, stacked, None, base, s.n)
                 fn = lowered.compile(compiler_options=opts) if opts else lowered.compile()
                 row["compile_s"] = time.perf_counter() - t0
+                if b == 1 and s.hlo_dir:  # why the weights are copied: read it afterwards
+                    os.makedirs(s.hlo_dir, exist_ok=True)
+                    with open(os.path.join(s.hlo_dir, f"loop-b1-{vname}.hlo.txt"), "w") as f:
+                        f.write(fn.as_text())
                 holder = {"sv": copy_tree(base)}
                 holder["sv"], outs, _ = fn(stacked, None, holder["sv"])
                 first_tokens[vname] = np.asarray(outs.tokens)
