@@ -21,7 +21,7 @@ def _partials(n, s, hp, cp, seed):
     return o, m, l
 
 
-@pytest.mark.parametrize("n,s,hp,cp", [(3, 3, 16, 32), (2, 5, 32, 64), (4, 1, 16, 16)])
+@pytest.mark.parametrize("n,s,hp,cp", [(3, 3, 16, 32), (2, 5, 32, 384), (4, 1, 16, 16)])
 def test_merge_kernel_matches_twin(n, s, hp, cp):
     o, m, l = _partials(n, s, hp, cp, seed=n * 10 + s)
     got = np.asarray(merge_splits_pallas(o, m, l, interpret=True))
