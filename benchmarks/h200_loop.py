@@ -131,6 +131,10 @@ LOOP_VARIANTS = {
     "dsfusion+cublas": {"xla_gpu_enable_dynamic_slice_fusion": True,
                         "xla_gpu_enable_triton_gemm": False},
     "cublas": {"xla_gpu_enable_triton_gemm": False},
+    # cuBLAS algorithms picked by heuristic, not by timing (the same in every program)
+    "dsfusion+cublas+autotune0": {"xla_gpu_enable_dynamic_slice_fusion": True,
+                                  "xla_gpu_enable_triton_gemm": False,
+                                  "xla_gpu_autotune_level": 0},
 }
 
 

@@ -87,6 +87,8 @@ CANDIDATES = {
     "barrier+no_triton_gemm": (True, "unrolled", NO_TRITON_GEMM, None),
     "barrier+dsfusion": (True, "unrolled", DSFUSION, None),
     "barrier+dsfusion+cublas": (True, "unrolled", {**DSFUSION, **NO_TRITON_GEMM}, None),
+    "barrier+dsfusion+cublas+autotune0": (True, "unrolled",
+                                          {**DSFUSION, **NO_TRITON_GEMM, **AUTOTUNE0}, None),
     "ops_barrier": (True, "unrolled", None, "ops_barrier"),
     "merge_barrier": (True, "unrolled", None, "merge_barrier"),
     "merge_pallas": (True, "unrolled", None, "merge_pallas"),
