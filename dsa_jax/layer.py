@@ -245,11 +245,12 @@ def _device_counts(n_new):
     return _COUNTS[key]
 
 
-def _remember_step(cfg: DsaConfig, before, state: DsaState, n_new) -> None:
+def _remember_step(cfg: DsaConfig, before, state: DsaState, n_new, rows: int) -> None:
     """Record the new state's lengths on the host when the old ones were known there, and
-    the checks' slack less the rows appended (dsa_jax.mirror) while the indexer ring keeps
-    pace (marks == lengths: then neither the ring check nor the indexer-behind check can fail
-    before the slack is used up; any other mark is checked in full next step)."""
+    the checks' slack less the `rows` per sequence the step took at most (dsa_jax.mirror)
+    while the indexer ring keeps pace (marks == lengths: then neither the ring check nor the
+    indexer-behind check can fail before the slack is used up; any other mark is checked in
+    full next step)."""
     if before is not None and isinstance(n_new, np.ndarray):
         lengths = before.lengths + n_new
         lengths.setflags(write=False)
@@ -257,7 +258,7 @@ def _remember_step(cfg: DsaConfig, before, state: DsaState, n_new) -> None:
                  if state.index_k.shape[1] else lengths)
         slack = None
         if before.slack is not None and np.array_equal(marks, lengths):
-            slack = before.slack - int(n_new.max(initial=0))
+            slack = before.slack - rows
         remember(state, lengths, marks, before.block_tables, slack)
 
 
@@ -269,7 +270,7 @@ def _public_step(cfg, weights, state, x, kind, counts, shared_sel, check):
     before = known(state)
     y, state, sel = layout_step(cfg, layout, weights, state, x, _device_counts(n_new),
                                  shared_sel)
-    _remember_step(cfg, before, state, n_new)
+    _remember_step(cfg, before, state, n_new, layout.k)
     if before is not None and weights.has_indexer:
         vouch(sel, before.lengths)  # a shared layer may take it without a device read
     return y, state, sel
@@ -371,8 +372,8 @@ def write_kv_row(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Ar
     """
     if x.ndim == 2:
         x = x[:, None]
-    _, n_new = prepare_step(cfg, weights, state, x, kind="kv", counts=active)
+    layout, n_new = prepare_step(cfg, weights, state, x, kind="kv", counts=active)
     before = known(state)
     state = _write_kv_rows_jit(cfg, weights, state, x, _device_counts(n_new))
-    _remember_step(cfg, before, state, n_new)
+    _remember_step(cfg, before, state, n_new, layout.k)
     return state

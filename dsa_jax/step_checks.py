@@ -6,6 +6,7 @@ has one, else from one device read.
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import jax
@@ -141,7 +142,8 @@ def check_step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Arra
     sel = shared_sel_values(shared_sel, lengths) if check_sel else None
     # A step within the slack of an earlier full check needs no check of the lengths and
     # tables (dsa_jax.mirror); else the full check, and the slack it leaves.
-    if numbers.slack is None or int(n_new.max(initial=0)) > numbers.slack:
+    # x's rows per sequence bound n_new (rows_per_seq refuses more): no reduction needed.
+    if numbers.slack is None or (1 if x.ndim == 2 else x.shape[1]) > numbers.slack:
         slack = check_numbers(cfg, numbers, n_new, weights.has_indexer, state.latent.shape[0])
         remember(state, lengths, numbers.index_lengths, numbers.block_tables, slack)
     if sel is not None:
@@ -223,7 +225,9 @@ def vouch(sel, lengths_before: np.ndarray) -> None:
         return
     key = id(sel)
     ref = weakref.ref(sel, lambda _, key=key: _VOUCHED.pop(key, None))
-    _VOUCHED[key] = (ref, np.array(lengths_before))
+    if lengths_before.flags.writeable:
+        lengths_before = np.array(lengths_before)
+    _VOUCHED[key] = (ref, lengths_before)
 
 
 def shared_sel_values(shared_sel, lengths: np.ndarray) -> np.ndarray | None:
@@ -275,12 +279,21 @@ def check_shared_sel(sel: np.ndarray, lengths: np.ndarray, n_new: np.ndarray,
                         f"position, below max_context {max_context})")
 
 
+@functools.cache
+def _all_rows(b: int, count: int) -> np.ndarray:
+    """`count` rows for each of `b` sequences: one read-only array per value (a loop asks for
+    the same one every step)."""
+    n = np.full((b,), count, np.int32)
+    n.setflags(write=False)
+    return n
+
+
 def rows_per_seq(b: int, count: int, given, name: str):
     """Per-sequence row counts: `given` ([B] ints or bools) or `count` for every sequence.
     Concrete counts are checked on the host; traced ones (under a caller's jit) pass as they
     are. Non-integer counts are refused, never truncated."""
     if given is None:
-        return np.full((b,), count, np.int32)
+        return _all_rows(b, count)
     if not hasattr(given, "dtype"):
         given = np.asarray(given)
     dtype = jnp.dtype(given.dtype)
