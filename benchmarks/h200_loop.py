@@ -42,11 +42,14 @@ import dsa_jax
 from benchmarks.harness import CompileLog
 from benchmarks.loop_checks import (
     FORWARD_JITS,
+    LOOP_VARIANTS,
     check_decode_k,
     check_loops,
     check_scan_equals_unrolled,
+    check_written_rows,
     copy_tree,
     device_kernels,
+    memcpy_share,
     model,
     random_serving,
     wall_us,
@@ -64,7 +67,7 @@ from dsa_jax.model import (
 )
 from dsa_jax.shapes import glm53_flash, tiny
 
-SECTIONS = ("checks", "loop", "spec", "public", "scan", "engine", "compile")
+SECTIONS = ("checks", "loop", "spec", "public", "scan", "engine", "compile", "bigpool")
 ALTERNATING8 = ("full", "shared") * 4
 
 
@@ -121,29 +124,6 @@ def _num_layers(cfg) -> int:
     return len(cfg.indexer_types)
 
 
-# Compiler options of the loop program, side by side (issue 15: the scan's per-layer weight
-# slices were copied, `memcpy128`, before the GEMMs): XLA's dynamic-slice fusion lets a GEMM
-# or custom call read a slice of the stacked weights in place (cuBLAS GEMMs only, so also with
-# XLA's Triton GEMMs off).
-LOOP_VARIANTS = {
-    "default": None,
-    "dsfusion": {"xla_gpu_enable_dynamic_slice_fusion": True},
-    "dsfusion+cublas": {"xla_gpu_enable_dynamic_slice_fusion": True,
-                        "xla_gpu_enable_triton_gemm": False},
-    "cublas": {"xla_gpu_enable_triton_gemm": False},
-    # cuBLAS algorithms picked by heuristic, not by timing (the same in every program)
-    "dsfusion+cublas+autotune0": {"xla_gpu_enable_dynamic_slice_fusion": True,
-                                  "xla_gpu_enable_triton_gemm": False,
-                                  "xla_gpu_autotune_level": 0},
-}
-
-
-def _memcpy(top_kernels: list, tokens: int) -> dict:
-    copies = [k for k in top_kernels if "memcpy" in k["name"].lower()]
-    return {"memcpy_launches_per_token": sum(k["launches_per_step"] for k in copies) / tokens,
-            "memcpy_us_per_token": sum(k["us_per_step"] for k in copies) / tokens}
-
-
 def section_loop(s: Setup, res: dict) -> None:
     """Per batch: every variant's program from the same state; its first dispatch's tokens
     against the default program's (bitwise), then wall and kernel time per token per layer
@@ -191,7 +171,7 @@ def section_loop(s: Setup, res: dict) -> None:
                                 kern["kernel_us"] / s.n / nl,
                                 "wall_over_kernel": wall / kern["kernel_us"],
                                 "launches_per_token": kern["launches"] / s.n,
-                                **_memcpy(kern["top_kernels"], s.n),
+                                **memcpy_share(kern["top_kernels"], s.n),
                                 "top_kernels": kern["top_kernels"]})
                 del holder
             except Exception as e:  # recorded in the row; the other variants still run
@@ -436,6 +416,14 @@ def section_compile(s: Setup, res: dict) -> None:
     res["compile"]["run_compile_s_by_depth"] = seconds
 
 
+def section_bigpool(s: Setup, res: dict) -> None:
+    """The timed model at 64 sequences (its stacked latent pool 4 GiB): do the scanned and the
+    unrolled forward write the new tokens' latent rows alike in every layer?"""
+    r = check_written_rows(s.bench_cfg, s.vocab, s.big_batch)
+    res["checks"][f"written_rows_equal[b{s.big_batch},pool {r['pool_bytes']} B]"] = r["ok"]
+    res["bigpool"] = r
+
+
 # ------------------------------------------------------------------------------ main
 
 def table(res: dict) -> str:
@@ -499,7 +487,7 @@ def main(argv=None) -> int:
            "checks": {}, "points": [], "compile": {}, "errors": []}
     sections = {"checks": section_checks, "loop": section_loop, "spec": section_spec,
                 "public": section_public, "scan": section_scan, "engine": section_engine,
-                "compile": section_compile}
+                "compile": section_compile, "bigpool": section_bigpool}
     for name in SECTIONS:
         if name not in args.only:
             continue

@@ -24,6 +24,30 @@ from dsa_jax.model import (
 )
 from dsa_jax.sampling import Sampling
 
+# Compiler options of the loop program, side by side (issue 15: the scan's per-layer weight
+# slices were copied, `memcpy128`, before the GEMMs): XLA's dynamic-slice fusion lets a GEMM
+# or custom call read a slice of the stacked weights in place (cuBLAS GEMMs only, so also with
+# XLA's Triton GEMMs off).
+LOOP_VARIANTS = {
+    "default": None,
+    "dsfusion": {"xla_gpu_enable_dynamic_slice_fusion": True},
+    "dsfusion+cublas": {"xla_gpu_enable_dynamic_slice_fusion": True,
+                        "xla_gpu_enable_triton_gemm": False},
+    "cublas": {"xla_gpu_enable_triton_gemm": False},
+    # cuBLAS algorithms picked by heuristic, not by timing (the same in every program)
+    "dsfusion+cublas+autotune0": {"xla_gpu_enable_dynamic_slice_fusion": True,
+                                  "xla_gpu_enable_triton_gemm": False,
+                                  "xla_gpu_autotune_level": 0},
+}
+
+
+def memcpy_share(top_kernels: list, tokens: int) -> dict:
+    """Copy kernels (`memcpy*`) among a profile's top kernels, per token."""
+    copies = [k for k in top_kernels if "memcpy" in k["name"].lower()]
+    return {"memcpy_launches_per_token": sum(k["launches_per_step"] for k in copies) / tokens,
+            "memcpy_us_per_token": sum(k["us_per_step"] for k in copies) / tokens}
+
+
 # The scanned and the unrolled model, jitted once (their caches serve every section).
 FORWARD_JITS = (jax.jit(forward, static_argnums=0, donate_argnums=2),
                 jax.jit(forward_unrolled, static_argnums=0, donate_argnums=2))
@@ -176,3 +200,34 @@ def check_decode_k(cfg) -> bool:
     return bool(ok)
 
 
+
+
+def check_written_rows(cfg, vocab: int, b: int, seed: int = 21) -> dict:
+    """One decode-shaped forward of the scanned model and of the unrolled stack on the same
+    random caches (every sequence near the end of its context): per layer, how many of the
+    B new tokens' latent rows the two wrote differently in more than half their columns.
+    A few bits apart (the scan check's subject) never reach half a row; a row written to the
+    wrong place (an address past 2**31 bytes of the stacked pool computed in 32 bits) does.
+    Also the stacked pool's size in bytes."""
+    mcfg, weights, stacked = model(cfg, vocab, seed)
+    prog = serve.Program(mcfg)
+    ms = random_serving(prog, b, cfg.max_context - 8, jax.random.key(seed)).model
+    states = tuple(unfold_state(mcfg, ms))
+    pos = np.asarray(ms.lengths)  # [B] where the new token goes
+    tables = np.asarray(ms.block_tables)
+    slots = tables[np.arange(b), pos // cfg.block_size], pos % cfg.block_size  # [B] each
+    tokens = jnp.asarray(np.random.default_rng(seed).integers(0, vocab, (b, cfg.max_verify)),
+                         jnp.int32)
+    one = jnp.ones((b,), jnp.int32)
+    scanned, unrolled = FORWARD_JITS
+    pool_bytes = int(ms.latent.size * ms.latent.dtype.itemsize)
+    _, ms2, _ = scanned(mcfg, stacked, ms, tokens, one)
+    _, st2, _ = unrolled(mcfg, weights, states, tokens, one)
+    out = {"pool_bytes": pool_bytes, "rows_far_apart_per_layer": []}
+    for l in range(len(cfg.indexer_types)):
+        a = np.asarray(ms2.latent[l][slots]).astype(np.float32)  # [B, C]
+        u = np.asarray(st2[l].latent[slots]).astype(np.float32)
+        far = ((a != u).mean(axis=1) > 0.5).sum()
+        out["rows_far_apart_per_layer"].append(int(far))
+    out["ok"] = not any(out["rows_far_apart_per_layer"])
+    return out
