@@ -272,6 +272,15 @@ def _loop_points(cfg, plan: Plan) -> list[Point]:
         f"step, context {ctx}", Reported("tokens_per_s", "tokens/s reported with the "
                                          "acceptance rate it ran at"),
         {"batch": 1, "layers": n, "drafts": SPEC_DRAFTS, "ctx": ctx}, status=NOT_MEASURED))
+    b = plan.big_batch
+    out.append(Point(
+        f"engine-b{b}-l{n}", "loop", None,
+        f"the engine's own step as a user drives it (Engine.step): {n} layers, {b} sequences "
+        f"of 2K-token prompts, {TOKENS_PER_DISPATCH} tokens per dispatch; time per step per "
+        f"layer", times("kernel_per_step_per_layer_us", 1.5, "its kernel time",
+                        field="per_step_per_layer_us"),
+        {"batch": b, "layers": n, "tokens_per_dispatch": TOKENS_PER_DISPATCH},
+        status=NOT_MEASURED))
     return out
 
 

@@ -53,6 +53,9 @@ def loop_cell(p: dict) -> str:
     if p.get("us_per_token_per_layer") is not None:
         return (f"{fmt_us(p['us_per_token_per_layer'])} per token per layer "
                 f"({p['wall_over_kernel']:.2f}x kernels)")
+    if p.get("per_step_per_layer_us") is not None:  # the engine's step
+        return (f"{fmt_us(p['per_step_per_layer_us'])} per step per layer "
+                f"({p['wall_over_kernel']:.2f}x kernels)")
     if p.get("tokens_per_s") is not None:
         return (f"{p['tokens_per_s']:.0f} tok/s ({p['speedup']:.2f}x plain, acceptance "
                 f"{p['measured_acceptance']:.2f})")

@@ -52,7 +52,8 @@ def test_smoke_run_has_the_schema(smoke_result):
 
 
 LOOP_FIELDS = {"loop-b1-l8": "us_per_token_per_layer", "loop-b64-l8": "us_per_token_per_layer",
-               "spec-b1-l8-k3": "tokens_per_s", "public-decode-b1": "median_us"}
+               "spec-b1-l8-k3": "tokens_per_s", "public-decode-b1": "median_us",
+               "engine-b64-l8": "per_step_per_layer_us"}
 
 
 def test_every_committed_result_keeps_the_schema():
