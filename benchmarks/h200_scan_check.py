@@ -16,6 +16,8 @@ Each candidate pairs a scanned program with a reference program:
 - barrier+autotune0 / plain+autotune0: compiled with `xla_gpu_autotune_level=0` (no GEMM or
   fusion autotuning: the default algorithm, the same in any context);
 - barrier+no_triton_gemm: `xla_gpu_enable_triton_gemm=False` (GEMMs go to cuBLAS);
+- barrier+splitk1: every Triton GEMM without split-K (`xla_gpu_experimental_force_split_k`;
+  XLA otherwise picks the split per program, and with it the summation order);
 - barrier+dsfusion(+cublas): XLA's dynamic-slice fusion (and cuBLAS GEMMs), the loop
   program's candidate options (benchmarks/h200_loop.py): do they keep scanned == unrolled?
 Candidates that change the Pallas path's jnp glue (both programs traced under the same change,
@@ -75,6 +77,8 @@ NO_TRITON_GEMM = {"xla_gpu_enable_triton_gemm": False}
 # The loop program's candidate options (benchmarks/h200_loop.py LOOP_VARIANTS): the stacked
 # weights' slices read in place by the GEMMs instead of copied.
 DSFUSION = {"xla_gpu_enable_dynamic_slice_fusion": True}
+# XLA picks each Triton GEMM's split-K per program (benchmarks/notes.md, #16): force one.
+SPLITK1 = {"xla_gpu_experimental_force_split_k": 1}
 # name -> (scanned layer_barrier, reference: "unrolled" | "per_layer_jit" | "repeat", options,
 #          glue patch name or None)
 CANDIDATES = {
@@ -85,6 +89,7 @@ CANDIDATES = {
     "barrier+autotune0": (True, "unrolled", AUTOTUNE0, None),
     "plain+autotune0": (False, "unrolled", AUTOTUNE0, None),
     "barrier+no_triton_gemm": (True, "unrolled", NO_TRITON_GEMM, None),
+    "barrier+splitk1": (True, "unrolled", SPLITK1, None),
     "barrier+dsfusion": (True, "unrolled", DSFUSION, None),
     "barrier+dsfusion+cublas": (True, "unrolled", {**DSFUSION, **NO_TRITON_GEMM}, None),
     "barrier+dsfusion+cublas+autotune0": (True, "unrolled",

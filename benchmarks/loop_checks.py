@@ -34,6 +34,8 @@ LOOP_VARIANTS = {
     "dsfusion+cublas": {"xla_gpu_enable_dynamic_slice_fusion": True,
                         "xla_gpu_enable_triton_gemm": False},
     "cublas": {"xla_gpu_enable_triton_gemm": False},
+    # Triton GEMMs without split-K: the same summation order in every program
+    "splitk1": {"xla_gpu_experimental_force_split_k": 1},
     # cuBLAS algorithms picked by heuristic, not by timing (the same in every program)
     "dsfusion+cublas+autotune0": {"xla_gpu_enable_dynamic_slice_fusion": True,
                                   "xla_gpu_enable_triton_gemm": False,
