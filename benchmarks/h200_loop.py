@@ -145,7 +145,7 @@ def section_loop(s: Setup, res: dict) -> None:
             res["points" if vname == "default" else "variants"].append(row)
             try:
                 t0 = time.perf_counter()
-                lowered = serve.run.lower(prog, stacked, None, base, s.n)
+                lowered = serve.run_jit(prog).lower(prog, stacked, None, base, s.n)
                 fn = lowered.compile(compiler_options=opts) if opts else lowered.compile()
                 row["compile_s"] = time.perf_counter() - t0
                 if b == 1 and s.hlo_dir:  # why the weights are copied: read it afterwards
@@ -412,7 +412,8 @@ def section_compile(s: Setup, res: dict) -> None:
         sv = jax.eval_shape(lambda dm=dm: serve.Serving(
             init_model_state(dm, 1, dm.dsa.blocks_per_seq), serve.init_slots(dm, 1), None))
         t0 = time.perf_counter()
-        serve.run.lower(serve.Program(dm), w, None, sv, s.n + 2).compile()  # not cached
+        prog = serve.Program(dm)
+        serve.run_jit(prog).lower(prog, w, None, sv, s.n + 2).compile()  # not cached
         seconds[depth] = time.perf_counter() - t0
     res["compile"]["run_compile_s_by_depth"] = seconds
 

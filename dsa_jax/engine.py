@@ -162,19 +162,23 @@ class Engine:
     (greedy) by default; sampled tokens use `fold_in(key(seed), request id)` per request.
     stop_tokens: ids that end a sequence (emitted, then the sequence stops). drafter: the
     n-gram drafter by default, or `ModelDrafter(draft_mcfg)` with `draft_weights`.
+    weights_in_place: `serve.Program.weights_in_place` (faster on a GPU, other bits).
     """
 
     def __init__(self, mcfg: ModelConfig, weights: ModelWeights | StackedWeights, *,
                  max_seqs: int, num_blocks: int, speculate: int = 0, prefill_chunk: int = 32,
                  record_selections: bool = False, tokens_per_dispatch: int = 8,
                  sampling: Sampling | None = None, stop_tokens=(), seed: int = 0,
-                 drafter=None, draft_weights: ModelWeights | StackedWeights | None = None):
+                 drafter=None, draft_weights: ModelWeights | StackedWeights | None = None,
+                 weights_in_place: bool = False):
         cfg = mcfg.dsa
         for name, value in (("max_seqs", max_seqs), ("num_blocks", num_blocks),
                             ("prefill_chunk", prefill_chunk),
                             ("tokens_per_dispatch", tokens_per_dispatch)):
             if not _is_int(value) or value < 1:
                 raise EngineError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(weights_in_place, bool):
+            raise EngineError(f"weights_in_place must be a bool, got {weights_in_place!r}")
         if not _is_int(speculate):
             raise EngineError(f"speculate must be an integer, got {speculate!r}")
         if not 0 <= speculate <= cfg.max_verify - 1:
@@ -201,7 +205,7 @@ class Engine:
         self.prefill_chunk, self.tokens_per_dispatch = prefill_chunk, tokens_per_dispatch
         self.seed = seed
         self.program = serve.Program(mcfg, sampling, stop_tokens, speculate, drafter,
-                                     record_selections)
+                                     record_selections, weights_in_place)
         self.allocator = BlockAllocator(num_blocks)
         self.serving = serve.Serving(init_model_state(mcfg, max_seqs, num_blocks),
                                      serve.init_slots(mcfg, max_seqs),
@@ -375,6 +379,7 @@ class Engine:
                                            "slot": r.slot, "blocks": r.blocks, "id": r.id}
 
         extra = {"lengths": self.lengths.copy(), "speculate": self.speculate,
+                 "weights_in_place": self.program.weights_in_place,
                  "prefill_chunk": self.prefill_chunk,
                  "tokens_per_dispatch": self.tokens_per_dispatch,
                  "sampling": dataclasses.asdict(self.sampling),
@@ -401,7 +406,8 @@ class Engine:
                   prefill_chunk=extra["prefill_chunk"], record_selections=record_selections,
                   tokens_per_dispatch=extra.get("tokens_per_dispatch", 8),
                   sampling=Sampling(**extra.get("sampling", {})),
-                  stop_tokens=extra.get("stop_tokens", ()), seed=extra.get("seed", 0))
+                  stop_tokens=extra.get("stop_tokens", ()), seed=extra.get("seed", 0),
+                  weights_in_place=bool(extra.get("weights_in_place", False)))
         eng.lengths = np.asarray(extra["lengths"], np.int32).copy()
         eng.allocator._free = deque(extra["free"])
 

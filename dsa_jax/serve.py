@@ -55,15 +55,37 @@ class Emitted(NamedTuple):
     sel: jax.Array | None  # [B, R, W] int32: first layer's selection of each row (if recorded)
 
 
+# XLA options of the programs of a `Program(weights_in_place=True)`: each scanned layer's GEMMs
+# read that layer's slice of the stacked weights in place (dynamic-slice fusion, which serves
+# cuBLAS GEMMs, so XLA's Triton GEMMs are off) instead of a copy of it per layer and token.
+# On the H200 (benchmarks/notes.md, #15): 288 -> 178 us per token per layer at B=1, 574 -> 465
+# at B=64; the bits differ from the default programs (other GEMM kernels), and under these
+# options the scanned model did not equal its unrolled stack bit for bit at GLM-5.3 shapes.
+IN_PLACE_WEIGHTS = {"xla_gpu_enable_dynamic_slice_fusion": True,
+                    "xla_gpu_enable_triton_gemm": False}
+
+
 @dataclasses.dataclass(frozen=True)
 class Program:
-    """What one iteration does (static: part of the compiled program)."""
+    """What one iteration does (static: part of the compiled program).
+
+    weights_in_place: compile every program of this `Program` (the loop, the per-step
+    reference, prefill) with `IN_PLACE_WEIGHTS`: faster on a GPU, other bits than the default
+    (the guarantees between this Program's own programs are meant to hold as before, but are
+    verified on the CPU only, where the options change nothing). Off by default."""
     mcfg: ModelConfig
     sampling: Sampling = Sampling()
     stop_tokens: tuple[int, ...] = ()
     speculate: int = 0  # drafts per round; 0: plain decode
     drafter: Any = NgramDrafter()
     record: bool = False  # return the first layer's selections
+    weights_in_place: bool = False
+
+
+def _jits(fn, **kwargs) -> dict[bool, Any]:
+    """`fn` jitted twice: the default programs and the `weights_in_place` ones."""
+    return {False: jax.jit(fn, **kwargs),
+            True: jax.jit(fn, compiler_options=IN_PLACE_WEIGHTS, **kwargs)}
 
 
 def init_slots(mcfg: ModelConfig, num_seqs: int) -> Slots:
@@ -136,13 +158,23 @@ def _empty_outputs(prog: Program, b: int, n: int) -> Emitted:
                    if prog.record else None)
 
 
-@functools.partial(jax.jit, static_argnames=("prog", "n"), donate_argnames=("sv",))
 def run(prog: Program, weights: StackedWeights, dweights, sv: Serving, n: int
         ) -> tuple[Serving, Emitted, jax.Array]:
-    """Up to `n` iterations in one program (fewer once every sequence is done).
+    """Up to `n` iterations in one program (fewer once every sequence is done; one dispatch,
+    the state donated).
 
     Returns the state, the outputs stacked `[n, ...]` (iterations not run emit nothing) and
     the number of iterations run."""
+    return run_jit(prog)(prog, weights, dweights, sv, n)
+
+
+def run_jit(prog: Program):
+    """The jitted `run` that serves `prog` (its compiler options): `.lower(prog, weights,
+    dweights, sv, n)` to compile it ahead."""
+    return _RUN[bool(prog.weights_in_place)]
+
+
+def _run(prog: Program, weights: StackedWeights, dweights, sv: Serving, n: int):
     def cond(carry):
         i, sv, _ = carry
         return (i < n) & jnp.any(~sv.slots.done)
@@ -158,7 +190,8 @@ def run(prog: Program, weights: StackedWeights, dweights, sv: Serving, n: int
     return sv, outs, i
 
 
-_iteration_jit = jax.jit(iteration, static_argnames=("prog",), donate_argnames=("sv",))
+_RUN = _jits(_run, static_argnames=("prog", "n"), donate_argnames=("sv",))
+_ITERATION = _jits(iteration, static_argnames=("prog",), donate_argnames=("sv",))
 
 
 def run_python(prog: Program, weights: StackedWeights, dweights, sv: Serving, n: int
@@ -168,7 +201,7 @@ def run_python(prog: Program, weights: StackedWeights, dweights, sv: Serving, n:
     for _ in range(n):
         if bool(jnp.all(sv.slots.done)):
             break
-        sv, out = _iteration_jit(prog, weights, dweights, sv)
+        sv, out = _ITERATION[bool(prog.weights_in_place)](prog, weights, dweights, sv)
         outs.append(out)
     stacked = _empty_outputs(prog, sv.slots.last.shape[0], n)
     if outs:
@@ -205,7 +238,7 @@ def prefill(prog: Program, weights: StackedWeights, dweights, sv: Serving, token
     return Serving(ms, sl, ds), first
 
 
-_prefill_jit = jax.jit(prefill, static_argnames=("prog",), donate_argnames=("sv",))
+_PREFILL = _jits(prefill, static_argnames=("prog",), donate_argnames=("sv",))
 
 
 def _with_drafter_state(prog: Program) -> Program:
@@ -220,8 +253,8 @@ def prefill_jit(prog: Program, weights: StackedWeights, dweights, sv: Serving,
                 tokens: jax.Array, n_new: jax.Array, finishing: jax.Array
                 ) -> tuple[Serving, jax.Array]:
     """`prefill` in one dispatch (the state is donated)."""
-    return _prefill_jit(_with_drafter_state(prog), weights, dweights, sv, tokens, n_new,
-                        finishing)
+    return _PREFILL[bool(prog.weights_in_place)](_with_drafter_state(prog), weights, dweights,
+                                                 sv, tokens, n_new, finishing)
 
 
 def admit(prog: Program, sv: Serving, mask: jax.Array, block_tables: jax.Array,
@@ -229,7 +262,8 @@ def admit(prog: Program, sv: Serving, mask: jax.Array, block_tables: jax.Array,
     """Reset the slots in `mask [B]` for new sequences: empty caches (lengths 0), the given
     block-table rows `[B, MB]`, token limits `[B]` and keys `[B]`; done until their prefill
     ends. One dispatch (the state is donated)."""
-    key = dataclasses.replace(_with_drafter_state(prog), sampling=Sampling(), stop_tokens=())
+    key = dataclasses.replace(_with_drafter_state(prog), sampling=Sampling(), stop_tokens=(),
+                              weights_in_place=False)  # no weights in it
     return _admit(key, sv, mask, block_tables, limit, keys)
 
 
