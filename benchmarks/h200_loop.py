@@ -43,6 +43,7 @@ from benchmarks.harness import CompileLog
 from benchmarks.loop_checks import (
     FORWARD_JITS,
     LOOP_VARIANTS,
+    ScriptedDrafter,
     check_decode_k,
     check_loops,
     check_scan_equals_unrolled,
@@ -177,35 +178,6 @@ def section_loop(s: Setup, res: dict) -> None:
                 del holder
             except Exception as e:  # recorded in the row; the other variants still run
                 row["error"] = f"{type(e).__name__}: {e}"[:400]
-
-
-@dataclasses.dataclass(frozen=True)
-class ScriptedDrafter:
-    """Proposes the known right token with probability `acceptance` (a fixed pseudo-random
-    pattern over positions), a wrong one otherwise; its state is the right tokens [B, T]."""
-    vocab: int
-    acceptance: float
-
-    def init_state(self, num_seqs, num_blocks):
-        return None
-
-    def admit(self, ds, mask, block_tables):
-        return ds
-
-    def prefill(self, dweights, ds, tokens, n_new):
-        return ds
-
-    def propose(self, dweights, ds, history, lengths, k, max_draft):
-        t = ds.shape[1]
-        at = jnp.clip(lengths[:, None] + 1 + jnp.arange(k), 0, t - 1)  # [B, k]
-        right = jnp.take_along_axis(ds, at, axis=1)
-        lucky = (at * 40503 % 65536).astype(jnp.float32) / 65536 < self.acceptance
-        drafts = jnp.where(lucky, right, (right + 1) % self.vocab)
-        count = jnp.minimum(max_draft, k).astype(jnp.int32)
-        return jnp.where(jnp.arange(k) < count[:, None], drafts, 0), count, ds
-
-    def commit(self, ds, lengths, accepted, new_lengths):
-        return ds
 
 
 def section_spec(s: Setup, res: dict) -> None:

@@ -3,6 +3,7 @@ timing, a profiler-trace kernel time, random caches at a context, and the `==` c
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -233,3 +234,32 @@ def check_written_rows(cfg, vocab: int, b: int, seed: int = 21) -> dict:
         out["rows_far_apart_per_layer"].append(int(far))
     out["ok"] = not any(out["rows_far_apart_per_layer"])
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ScriptedDrafter:
+    """Proposes the known right token with probability `acceptance` (a fixed pseudo-random
+    pattern over positions), a wrong one otherwise; its state is the right tokens [B, T]."""
+    vocab: int
+    acceptance: float
+
+    def init_state(self, num_seqs, num_blocks):
+        return None
+
+    def admit(self, ds, mask, block_tables):
+        return ds
+
+    def prefill(self, dweights, ds, tokens, n_new):
+        return ds
+
+    def propose(self, dweights, ds, history, lengths, k, max_draft):
+        t = ds.shape[1]
+        at = jnp.clip(lengths[:, None] + 1 + jnp.arange(k), 0, t - 1)  # [B, k]
+        right = jnp.take_along_axis(ds, at, axis=1)
+        lucky = (at * 40503 % 65536).astype(jnp.float32) / 65536 < self.acceptance
+        drafts = jnp.where(lucky, right, (right + 1) % self.vocab)
+        count = jnp.minimum(max_draft, k).astype(jnp.int32)
+        return jnp.where(jnp.arange(k) < count[:, None], drafts, 0), count, ds
+
+    def commit(self, ds, lengths, accepted, new_lengths):
+        return ds
