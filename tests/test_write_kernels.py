@@ -10,11 +10,15 @@ boundary: allowed for under 1% of the elements, and never by more than one step 
 """
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from dsa_jax import testing as T
+from dsa_jax.pallas.common import KernelLimitError
+from dsa_jax.pallas.latent_write import latent_write_pallas
+from dsa_jax.pallas.sparse_attend import sparse_attend_pallas
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn"])
@@ -69,3 +73,35 @@ def test_positions_past_the_cache_write_nothing(impl):
     assert {tuple(map(int, x)) for x in rows} == {(0, 14), (0, 15), (1, 15)}
     pools = np.argwhere((np.asarray(got[2]) != T.POISON).any(-1))
     assert {tuple(map(int, x)) for x in pools} == {(0, 3), (1, 3)}
+
+
+@pytest.mark.parametrize("nb,dtype,refused", [
+    (65536, jnp.float8_e4m3fn, True),  # 2 GiB of fp8: offsets reach 2**31
+    (131072, jnp.float8_e4m3fn, True),  # 4 GiB: the 64-bit switch needs more than 2**32 bytes
+    (131073, jnp.float8_e4m3fn, False),  # past 2**32 bytes: 64-bit offsets
+    (65535, jnp.float8_e4m3fn, False),  # below 2**31 elements
+    (65536, jnp.bfloat16, True),  # exactly 2**31 elements, 2**32 bytes
+])
+def test_triton_kernels_refuse_a_cache_their_offsets_would_wrap(nb, dtype, refused):
+    """A latent cache of 2**31 or more elements and at most 2**32 bytes is refused by the
+    Triton write and gather-attend before anything runs (traced only: no memory is used);
+    one block fewer or more passes."""
+    cache = jax.ShapeDtypeStruct((nb, 64, 512), dtype)
+    kv = jax.random.normal(jax.random.key(0), (1, 1, 512))
+    table = jnp.zeros((1, 1), jnp.int32)
+    pos, valid = jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), bool)
+    q = jax.random.normal(jax.random.key(1), (1, 1, 8, 512))
+    sel = jnp.zeros((1, 1, 4), jnp.int32)
+    calls = [
+        lambda c: latent_write_pallas(kv, jnp.ones(512), c, jnp.float32(1.0), table, pos,
+                                      valid, eps=1e-6, interpret=True),
+        lambda c: sparse_attend_pallas(q, c, jnp.float32(1.0), table, sel, softmax_scale=0.1,
+                                       interpret=True),
+    ]
+    for call in calls:
+        if refused:
+            with pytest.raises(KernelLimitError, match=r"latent cache .* bytes: the Pallas Triton "
+                                                 r"kernels address .* 32-bit offsets"):
+                jax.eval_shape(call, cache)
+        else:
+            jax.eval_shape(call, cache)

@@ -31,6 +31,35 @@ def quantize(c: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     return c.astype(dtype)
 
 
+# jax's Pallas Triton lowering computes element offsets in 32-bit integers for any array of at
+# most 2**32 bytes (64-bit only above), so an array of 2**31 or more elements in that range
+# (fp8: 2..4 GiB; bf16: exactly 4 GiB) is addressed with offsets that wrap: an H200 run wrote
+# out of bounds (benchmarks/results/h200-offsets-20261130.json).
+class KernelLimitError(ValueError):
+    """An array a kernel cannot address correctly; raised while tracing, before anything
+    runs."""
+
+
+TRITON_OFFSET_ELEMENTS = 2 ** 31
+TRITON_64BIT_BYTES = 2 ** 32
+
+
+def check_triton_addressable(shape, dtype, what: str) -> None:
+    """Raise `KernelLimitError`, before anything runs, if a Pallas Triton kernel would address an
+    array of `shape` and `dtype` with 32-bit offsets that wrap (module constants)."""
+    elements = 1
+    for d in shape:
+        elements *= int(d)
+    nbytes = elements * jnp.dtype(dtype).itemsize
+    if elements >= TRITON_OFFSET_ELEMENTS and nbytes <= TRITON_64BIT_BYTES:
+        raise KernelLimitError(
+            f"{what} {tuple(shape)} {jnp.dtype(dtype).name} is {nbytes} bytes: the Pallas "
+            f"Triton kernels address arrays of at most {TRITON_64BIT_BYTES} bytes with 32-bit "
+            f"offsets, which wrap past {TRITON_OFFSET_ELEMENTS} elements; use fewer than "
+            f"{TRITON_OFFSET_ELEMENTS} elements, more than {TRITON_64BIT_BYTES} bytes, or the "
+            f"xla implementation")
+
+
 def sm_count(device: jax.Device | None = None) -> int:
     """Multiprocessors of `device` (default: the first device) as the GPU reports them
     (`core_count`), `DEFAULT_SM_COUNT` where the device reports none."""

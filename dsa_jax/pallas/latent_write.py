@@ -16,7 +16,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from dsa_jax.pallas.common import next_pow2, quantize, with_overrides
+from dsa_jax.pallas.common import check_triton_addressable, next_pow2, quantize, with_overrides
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +84,7 @@ def latent_write_pallas(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
     (the cache is aliased to the output; donate it to avoid a copy). `overrides`: fields of
     `tuning` by name (`num_warps=4`)."""
     tuning = with_overrides(tuning, overrides)
+    check_triton_addressable(latent.shape, latent.dtype, "latent cache")
     nb, bs, c = latent.shape
     b, r, _ = kv_raw.shape
     n = b * r

@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from dsa_jax.pallas import sparse_attend_mgpu as mgpu_op
-from dsa_jax.pallas.common import next_pow2, sm_count
+from dsa_jax.pallas.common import check_triton_addressable, next_pow2, sm_count
 
 # Rows per lax.map step of the XLA twin: bounds the gathered [rows, W, C] fp32 block.
 XLA_ROW_CHUNK = 64
@@ -315,6 +315,7 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
                              softmax_scale, tuning.mosaic, num_splits, live_rows or n)
         return out.reshape(b, r, h, c)
 
+    check_triton_addressable(latent.shape, latent.dtype, "latent cache")
     compute_dtype = jnp.dtype(compute_dtype or default_compute_dtype(latent.dtype))
     hp2 = next_pow2(max(h, 16))
     tiles_cfg = default_tiles(hp2, compute_dtype)
