@@ -55,6 +55,7 @@ from benchmarks.loop_checks import (
     random_serving,
     wall_us,
 )
+from benchmarks.workloads import random_caches
 from dsa_jax import layer, serve
 from dsa_jax.checkpoint import expected_weights
 from dsa_jax.engine import Engine
@@ -231,13 +232,7 @@ def section_public(s: Setup, res: dict) -> None:
     st = dsa_jax.init_state(cfg, 1)
     k = jax.random.split(jax.random.key(9), 4)
     length = jnp.full((1,), cfg.max_context - calls - 40, jnp.int32)
-    st = st._replace(
-        latent=jax.random.normal(k[0], st.latent.shape, jnp.bfloat16).astype(st.latent.dtype),
-        index_k=jax.random.normal(k[1], st.index_k.shape, jnp.bfloat16).astype(
-            st.index_k.dtype),
-        index_g=jax.random.normal(k[2], st.index_g.shape, jnp.bfloat16).astype(
-            st.index_g.dtype),
-        pool_keys=0.1 * jax.random.normal(k[3], st.pool_keys.shape),
+    st = random_caches(st, k)._replace(
         # Two buffers: the step donates both, and reads the indexer's ring mark.
         lengths=length, index_lengths=length + 0)
     x = jax.random.normal(jax.random.key(10), (1, cfg.hidden_size))

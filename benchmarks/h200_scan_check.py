@@ -54,6 +54,7 @@ import numpy as np
 import dsa_jax.attend
 import dsa_jax.indexer
 import dsa_jax.select
+from benchmarks.workloads import random_caches
 from dsa_jax.layer import step
 from dsa_jax.model import (
     ModelConfig,
@@ -274,13 +275,7 @@ def setup(cfg, vocab: int, b: int = 2, seed: int = 0):
     ms = init_model_state(mcfg, b, nb, tables)
     k = jax.random.split(jax.random.key(seed + 1), 4)
     ctx = cfg.max_context // 2
-    ms = ms._replace(
-        latent=jax.random.normal(k[0], ms.latent.shape, jnp.bfloat16).astype(ms.latent.dtype),
-        index_k=jax.random.normal(k[1], ms.index_k.shape, jnp.bfloat16).astype(
-            ms.index_k.dtype),
-        index_g=jax.random.normal(k[2], ms.index_g.shape, jnp.bfloat16).astype(
-            ms.index_g.dtype),
-        pool_keys=0.1 * jax.random.normal(k[3], ms.pool_keys.shape),
+    ms = random_caches(ms, k)._replace(
         lengths=jnp.asarray([ctx, ctx - 3][:b], jnp.int32))
     return mcfg, weights, stack_weights(mcfg, weights), ms
 

@@ -12,6 +12,7 @@ import numpy as np
 
 import dsa_jax
 from benchmarks.harness import profile
+from benchmarks.workloads import random_caches
 from dsa_jax import serve
 from dsa_jax.drafting import ModelDrafter
 from dsa_jax.model import (
@@ -113,13 +114,7 @@ def random_serving(prog: serve.Program, b: int, ctx: int, key) -> serve.Serving:
     mb = cfg.blocks_per_seq
     ms = init_model_state(mcfg, b, b * mb, np.arange(b * mb, dtype=np.int32).reshape(b, mb))
     k = jax.random.split(key, 5)
-    ms = ms._replace(
-        latent=jax.random.normal(k[0], ms.latent.shape, jnp.bfloat16).astype(ms.latent.dtype),
-        index_k=jax.random.normal(k[1], ms.index_k.shape, jnp.bfloat16).astype(
-            ms.index_k.dtype),
-        index_g=jax.random.normal(k[2], ms.index_g.shape, jnp.bfloat16).astype(
-            ms.index_g.dtype),
-        pool_keys=0.1 * jax.random.normal(k[3], ms.pool_keys.shape),
+    ms = random_caches(ms, k)._replace(
         lengths=jnp.full((b,), ctx - 1, jnp.int32))
     slots = serve.init_slots(mcfg, b)
     slots = slots._replace(last=jax.random.randint(k[4], (b,), 0, mcfg.vocab_size),

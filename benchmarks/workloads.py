@@ -67,6 +67,18 @@ def _random_state_jit(cfg, num_seqs, length, seed, kv_scale, indexer, rows) -> D
                     index_lengths=lengths + 0)
 
 
+def random_caches(st, keys):
+    """`st` (a `DsaState` or a model state) with its latent cache, indexer ring and pool keys
+    random (never zeros), drawn from `keys[0..3]`; lengths as they were."""
+    return st._replace(
+        latent=jax.random.normal(keys[0], st.latent.shape, jnp.bfloat16).astype(st.latent.dtype),
+        index_k=jax.random.normal(keys[1], st.index_k.shape, jnp.bfloat16).astype(
+            st.index_k.dtype),
+        index_g=jax.random.normal(keys[2], st.index_g.shape, jnp.bfloat16).astype(
+            st.index_g.dtype),
+        pool_keys=0.1 * jax.random.normal(keys[3], st.pool_keys.shape))
+
+
 def step_rows(cfg, num_seqs: int, k: int, rows: int, seed: int, n_inputs: int = 3) -> list:
     """`n_inputs` random input blocks `x [B, rows, D]` bf16, the first `k` rows
     of each sequence random and the rest zero (padding, as decode / decode_k pad them)."""
