@@ -2,7 +2,7 @@
 directly (random fp8 latents, random indexer k / gate, random pool keys, lengths = context)
 rather than by a prefill, random input rows, and the timed step.
 
-The timed step is this harness's own `jax.jit` of the public `dsa_jax.layer.step`, with the
+The timed step is `dsa_jax.bitwise_jit` of the public `dsa_jax.layer.step`, with the
 state donated, as a serving loop would jit it; rows are padded to `cfg.max_verify` as
 `dsa_jax.decode` / `decode_k` pad them.
 """
@@ -15,12 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsa_jax import layer
+from dsa_jax import bitwise_jit, layer
 from dsa_jax.state import DsaState, quantize_latent, ring_rows
 from dsa_jax.weights import fold_weights, init_random_hf_tensors
 
-STEP = jax.jit(layer.step, static_argnames=("cfg",), donate_argnames=("state",))
-STEP_WHAT = "jax.jit(dsa_jax.layer.step, state donated), rows padded to cfg.max_verify"
+STEP = bitwise_jit(layer.step, static_argnames=("cfg",), donate_argnames=("state",))
+STEP_WHAT = "dsa_jax.bitwise_jit(dsa_jax.layer.step, state donated), rows padded to cfg.max_verify"
 
 
 def random_hf_tensors(cfg, seed: int) -> dict:

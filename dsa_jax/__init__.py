@@ -1,6 +1,7 @@
 """dsa_jax: DeepSeek-style sparse attention (the GLM-5.3 DSA block) in JAX and Pallas."""
 
 from dsa_jax import reference
+from dsa_jax.bitwise import BITWISE_OPTIONS, bitwise_jit
 from dsa_jax.config import ConfigError, DsaConfig
 from dsa_jax.implementation import ImplementationError
 from dsa_jax.layer import StepError, decode, decode_k, prefill, rewind, write_kv_row
@@ -16,8 +17,8 @@ from dsa_jax.weights import (
 )
 
 __all__ = [
-    "ConfigError", "DsaConfig", "DsaState", "DsaWeights", "ImplementationError", "StepError",
-    "WeightError", "decode", "decode_k", "fold_weights", "init_random_hf_tensors",
-    "init_random_weights", "init_state", "load_hf_layer", "prefill", "read_hf_tensors",
-    "reference", "rewind", "write_kv_row",
+    "BITWISE_OPTIONS", "ConfigError", "DsaConfig", "DsaState", "DsaWeights",
+    "ImplementationError", "StepError", "WeightError", "bitwise_jit", "decode", "decode_k",
+    "fold_weights", "init_random_hf_tensors", "init_random_weights", "init_state",
+    "load_hf_layer", "prefill", "read_hf_tensors", "reference", "rewind", "write_kv_row",
 ]

@@ -33,6 +33,7 @@ import numpy as np
 from jax import lax
 
 from dsa_jax.attend import attend, write_latents
+from dsa_jax.bitwise import bitwise_jit
 from dsa_jax.config import DsaConfig
 from dsa_jax.indexer import pool_scores, write_index_rows
 from dsa_jax.mirror import host_numbers, known, remember
@@ -213,10 +214,7 @@ def prepare_step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Ar
     return layout, n_new
 
 
-_step_jit = jax.jit(step, static_argnames=("cfg",), donate_argnames=("state",))
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "layout"), donate_argnames=("state",))
+@functools.partial(bitwise_jit, static_argnames=("cfg", "layout"), donate_argnames=("state",))
 def layout_step(cfg: DsaConfig, layout: RowLayout, weights: DsaWeights, state: DsaState,
                  x: jax.Array, n_new: jax.Array, shared_sel: jax.Array | None):
     """Pad, step, unpad: one program per layout (what `decode`, `decode_k` and `prefill`
@@ -360,7 +358,7 @@ def write_kv_rows(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.A
     return _advance(cfg, state, n_new)
 
 
-_write_kv_rows_jit = jax.jit(write_kv_rows, static_argnames=("cfg",),
+_write_kv_rows_jit = bitwise_jit(write_kv_rows, static_argnames=("cfg",),
                              donate_argnames=("state",))
 
 

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsa_jax import layer
+from dsa_jax.bitwise import bitwise_jit
 from dsa_jax.config import DsaConfig
 from dsa_jax.state import DsaState, init_state
 from dsa_jax.weights import DsaWeights, init_random_weights
@@ -44,7 +45,7 @@ class DsaCache(nnx.Cache):
 # The un-donated step: the module's variables may be read elsewhere, and under an outer
 # `nnx.jit` this inlines into the caller's program. Padding runs outside it, as in
 # `dsa_jax.decode`, so both run the same step program.
-_step = jax.jit(layer.step, static_argnames=("cfg",))
+_step = bitwise_jit(layer.step, static_argnames=("cfg",))
 _pad = jax.jit(lambda layout, x, sel: layout.pad(x, sel), static_argnums=0)
 _unpad = jax.jit(lambda layout, y, sel: layout.unpad(y, sel), static_argnums=0)
 

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from dsa_jax.bitwise import bitwise_jit
 from dsa_jax.drafting import NgramDrafter
 from dsa_jax.model import ModelConfig, ModelState, StackedWeights, forward, init_model_state
 from dsa_jax.sampling import Sampling, sample_tokens
@@ -84,8 +85,8 @@ class Program:
 
 def _jits(fn, **kwargs) -> dict[bool, Any]:
     """`fn` jitted twice: the default programs and the `weights_in_place` ones."""
-    return {False: jax.jit(fn, **kwargs),
-            True: jax.jit(fn, compiler_options=IN_PLACE_WEIGHTS, **kwargs)}
+    return {False: bitwise_jit(fn, **kwargs),
+            True: bitwise_jit(fn, compiler_options=IN_PLACE_WEIGHTS, **kwargs)}
 
 
 def init_slots(mcfg: ModelConfig, num_seqs: int) -> Slots:
@@ -267,7 +268,7 @@ def admit(prog: Program, sv: Serving, mask: jax.Array, block_tables: jax.Array,
     return _admit(key, sv, mask, block_tables, limit, keys)
 
 
-@functools.partial(jax.jit, static_argnames=("prog",), donate_argnames=("sv",))
+@functools.partial(bitwise_jit, static_argnames=("prog",), donate_argnames=("sv",))
 def _admit(prog: Program, sv: Serving, mask: jax.Array, block_tables: jax.Array,
            limit: jax.Array, keys: jax.Array) -> Serving:
     ms, sl, ds = sv

@@ -206,6 +206,19 @@ def test_pool_scores_row_groups(kernel_impl, rows_per_program):
         T.run_op("pool_scores", kernel_impl, *args, kernel_options=dict(rows_per_program=3))
 
 
+@pytest.mark.gpu
+def test_pool_scores_rows_per_program_give_the_same_bits_at_glm53_flash_shapes():
+    """A row's scores must not depend on how many rows of its sequence share a program (a
+    decode row alone, a prompt chunk's rows two at a time): the SPEC's batched == per-row
+    selection rests on it. GLM-5.3-Flash indexer shapes, 16K context, 4 rows per sequence."""
+    cfg = glm53_flash()
+    args = T.pool_inputs(21, 3, 4, cfg.index_n_heads, cfg.index_head_dim, cfg.num_pools)
+    outs = [np.asarray(T.run_op("pool_scores", "pallas", *args,
+                                kernel_options=dict(rows_per_program=rb))) for rb in (1, 2, 4)]
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])
+
+
 def test_pool_scores_negative_zero_is_normalized(impl):
     """Keys opposite every query: all dots < 0, relu gives 0, w < 0 makes -0.0 naively."""
     qi, w, keys, n_cand = T.pool_inputs(7, 2, 3, 3, 12, 37)  # a shape above: no recompile

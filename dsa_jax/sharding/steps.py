@@ -33,6 +33,7 @@ from jax import lax
 from jax.sharding import Mesh
 
 from dsa_jax import layer
+from dsa_jax.bitwise import bitwise_jit
 from dsa_jax.config import DsaConfig
 from dsa_jax.indexer import pool_scores
 from dsa_jax.layer import RowLayout, StepError, candidate_pools, prepare_step
@@ -188,7 +189,7 @@ def _step_impl(cfg, m, weights, state, x, n_new, shared_sel, count, out_rows, sp
                         shared_sel, out_rows=out_rows, split_selection=split)
 
 
-_step_jit = jax.jit(_step_impl, static_argnames=("cfg", "m", "count", "out_rows", "split"),
+_step_jit = bitwise_jit(_step_impl, static_argnames=("cfg", "m", "count", "out_rows", "split"),
                     donate_argnames=("state",))
 
 
