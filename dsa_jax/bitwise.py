@@ -22,10 +22,8 @@ from typing import Any
 import jax
 
 BITWISE_OPTIONS: dict[str, Any] = {"xla_gpu_experimental_force_split_k": 1}
-
-
-def _traced(args, kwargs) -> bool:
-    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((args, kwargs)))
+# What jax says when a jit with compile options is called inside another trace.
+NESTED_REFUSAL = "can only be passed to top-level"
 
 
 class BitwiseJitted:
@@ -40,7 +38,12 @@ class BitwiseJitted:
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
-        return (self.nested if _traced(args, kwargs) else self.top)(*args, **kwargs)
+        try:  # the top-level call is the hot path: no look at the arguments first
+            return self.top(*args, **kwargs)
+        except ValueError as e:
+            if NESTED_REFUSAL not in str(e):
+                raise
+        return self.nested(*args, **kwargs)
 
     def lower(self, *args, **kwargs):
         return self.top.lower(*args, **kwargs)

@@ -252,11 +252,11 @@ def resolve_tuning(tuning: PoolScoresTuning, rows_per_seq: int) -> PoolScoresTun
 
 
 def default_rows_per_program(rows_per_seq: int) -> int:
-    """Rows of one sequence per program: one for a single decode row, two otherwise (a verify,
-    a padded decode, a prompt): on the H200 two rows per program beat one for padded decodes,
-    verifies and prompts, and four or eight were slower at 4 warps
-    (benchmarks/results/h200-pool-rows.json)."""
-    return 1 if rows_per_seq == 1 else 2
+    """Rows of one sequence per program: one for a decode or verify step (up to 4 rows, most of
+    them padding in a decode: with keys as the MMA's M, a program of padding rows skips its
+    tiles, h200-selection.json), two for a prompt chunk (its rows share the keys). A row's
+    scores are the same bits either way (tests/test_kernels.py, H200)."""
+    return 1 if rows_per_seq <= 4 else 2
 
 
 def pool_scores_pallas(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: jax.Array, *,
