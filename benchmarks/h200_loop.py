@@ -56,7 +56,7 @@ from benchmarks.loop_checks import (
     wall_us,
 )
 from benchmarks.workloads import random_caches
-from dsa_jax import layer, serve
+from dsa_jax import bitwise_jit, layer, serve
 from dsa_jax.checkpoint import expected_weights
 from dsa_jax.engine import Engine
 from dsa_jax.model import (
@@ -268,7 +268,7 @@ def section_public(s: Setup, res: dict) -> None:
     xs = jnp.zeros((steps, 1, cfg.max_verify, cfg.hidden_size)).at[:, :, 0].set(x)
     one = jnp.ones((1,), jnp.int32)
 
-    @jax.jit
+    @bitwise_jit
     def scan16(w, st, xs):
         def body(st, xr):
             y, st, _ = layer.step(cfg, w, st, xr, one)
@@ -309,7 +309,7 @@ def section_scan(s: Setup, res: dict) -> None:
     scanned, unrolled = FORWARD_JITS
     forms = {"scanned": (scanned, stacked), "unrolled": (unrolled, weights)}
     if jax.default_backend() == "gpu":
-        forms["scanned-dsfusion"] = (jax.jit(
+        forms["scanned-dsfusion"] = (bitwise_jit(
             forward, static_argnums=0, donate_argnums=2,
             compiler_options={"xla_gpu_enable_dynamic_slice_fusion": True}), stacked)
     row = {"name": f"scan-vs-unrolled-b1-l{nl}", "layers": nl}

@@ -13,7 +13,7 @@ import numpy as np
 import dsa_jax
 from benchmarks.harness import profile
 from benchmarks.workloads import random_caches
-from dsa_jax import serve
+from dsa_jax import bitwise_jit, serve
 from dsa_jax.drafting import ModelDrafter
 from dsa_jax.model import (
     ModelConfig,
@@ -36,8 +36,6 @@ LOOP_VARIANTS = {
     "dsfusion+cublas": {"xla_gpu_enable_dynamic_slice_fusion": True,
                         "xla_gpu_enable_triton_gemm": False},
     "cublas": {"xla_gpu_enable_triton_gemm": False},
-    # Triton GEMMs without split-K: the same summation order in every program
-    "splitk1": {"xla_gpu_experimental_force_split_k": 1},
     # cuBLAS algorithms picked by heuristic, not by timing (the same in every program)
     "dsfusion+cublas+autotune0": {"xla_gpu_enable_dynamic_slice_fusion": True,
                                   "xla_gpu_enable_triton_gemm": False,
@@ -52,9 +50,10 @@ def memcpy_share(top_kernels: list, tokens: int) -> dict:
             "memcpy_us_per_token": sum(k["us_per_step"] for k in copies) / tokens}
 
 
-# The scanned and the unrolled model, jitted once (their caches serve every section).
-FORWARD_JITS = (jax.jit(forward, static_argnums=0, donate_argnums=2),
-                jax.jit(forward_unrolled, static_argnums=0, donate_argnums=2))
+# The scanned and the unrolled model, jitted once (their caches serve every section), with the
+# compile options of every library program.
+FORWARD_JITS = (bitwise_jit(forward, static_argnums=0, donate_argnums=2),
+                bitwise_jit(forward_unrolled, static_argnums=0, donate_argnums=2))
 
 
 def bits_equal(a, b) -> bool:
