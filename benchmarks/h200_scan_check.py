@@ -101,6 +101,9 @@ CANDIDATES = {
     "no_splits": (True, "unrolled", None, "no_splits"),
     "q_in_kernel": (True, "unrolled", None, "q_in_kernel"),
 }
+# The glue candidates again under split-K 1 (the library's BITWISE_OPTIONS).
+CANDIDATES.update({f"{k}+splitk1": (v[0], v[1], SPLITK1, v[3]) for k, v in list(CANDIDATES.items())
+                   if v[3] is not None})
 # Any candidate but per_layer_jit with "+hidden": both programs also return every layer's
 # input rows, compared per layer (f32: a difference shows there long before it reaches the
 # fp8 / bf16 caches); the extra output changes both programs.
@@ -276,18 +279,18 @@ def setup(cfg, vocab: int, b: int = 2, seed: int = 0):
     k = jax.random.split(jax.random.key(seed + 1), 4)
     ctx = cfg.max_context // 2
     ms = random_caches(ms, k)._replace(
-        lengths=jnp.asarray([ctx, ctx - 3][:b], jnp.int32))
+        lengths=jnp.asarray(ctx - 3 * (np.arange(b) % 2), jnp.int32))
     return mcfg, weights, stack_weights(mcfg, weights), ms
 
 
-def run_candidate(cfg, vocab: int, name: str, steps: int) -> dict:
+def run_candidate(cfg, vocab: int, name: str, steps: int, b: int = 2) -> dict:
     with glue_patch(candidate(name)[0][3]):
-        return _run_candidate(cfg, vocab, name, steps)
+        return _run_candidate(cfg, vocab, name, steps, b)
 
 
-def _run_candidate(cfg, vocab: int, name: str, steps: int) -> dict:
+def _run_candidate(cfg, vocab: int, name: str, steps: int, b: int) -> dict:
     (barrier, ref_kind, opts, _), hidden = candidate(name)
-    mcfg, weights, stacked, ms = setup(cfg, vocab)
+    mcfg, weights, stacked, ms = setup(cfg, vocab, b)
     r, b = cfg.max_verify, ms.num_seqs
     rng = np.random.default_rng(7)
     n_news = [[r, r - 1], [1, r], [r - 1, 0], [1, 1], [r, 2]][:steps]
@@ -309,7 +312,7 @@ def _run_candidate(cfg, vocab: int, name: str, steps: int) -> dict:
     ref_state = ms if ref_kind == "repeat" else states
     for i, n_new in enumerate(n_news):
         tokens = jnp.asarray(rng.integers(0, vocab, (b, r)), jnp.int32)
-        n = jnp.asarray(n_new[:b], jnp.int32)
+        n = jnp.asarray(np.resize(n_new, b), jnp.int32)
         got = scan(stacked, ms, tokens, n)
         want = (scan(stacked, ref_state, tokens, n) if ref_kind == "repeat"
                 else ref(weights, ref_state, tokens, n))
@@ -338,6 +341,9 @@ def configs(smoke: bool, impls) -> dict:
         out[f"tiny-{impl}"] = tiny(implementation=impl, indexer_types=("full", "shared") * 2)
         out[f"glm8-ctx1024-{impl}"] = glm53_flash(implementation=impl, max_context=1024,
                                                   indexer_types=("full", "shared") * 4)
+        # 64 sequences at 16K (the loop-b64-l8 shape): run with --configs glm8b64
+        out[f"glm8b64-ctx16384-{impl}"] = glm53_flash(implementation=impl,
+                                                      indexer_types=("full", "shared") * 4)
     return out
 
 
@@ -371,7 +377,8 @@ def main(argv=None) -> int:
     ap.add_argument("--impls", nargs="*", default=["pallas", "xla"])
     ap.add_argument("--candidates", nargs="*", choices=candidate_names(),
                     default=list(CANDIDATES))
-    ap.add_argument("--configs", nargs="*", choices=("tiny", "glm8"), default=["tiny", "glm8"])
+    ap.add_argument("--configs", nargs="*", choices=("tiny", "glm8", "glm8b64"),
+                    default=["tiny", "glm8"])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=256)
     args = ap.parse_args(argv)
@@ -390,7 +397,8 @@ def main(argv=None) -> int:
             continue
         for name in args.candidates:
             try:
-                r = run_candidate(cfg, 64 if args.smoke else args.vocab, name, args.steps)
+                r = run_candidate(cfg, 64 if args.smoke else args.vocab, name, args.steps,
+                                  64 if cfg_name.startswith("glm8b64") else 2)
             except Exception as e:  # recorded (a refused compiler option); the rest still run
                 r = {"error": f"{type(e).__name__}: {e}"[:500]}
             res["results"].setdefault(cfg_name, {})[name] = r
