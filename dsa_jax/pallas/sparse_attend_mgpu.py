@@ -61,6 +61,10 @@ class MgpuTuning:
     consumer_regs / producer_regs: per-thread register budgets (setmaxnreg) of the two compute
       warpgroups and the producer; 128 * (2 * consumer + producer) <= 65536.
     max_splits: most programs one row's slots are split over (partials cost a merge).
+    prep: how the kernel's inputs (scaled f16 q, padded slots, live extents) are made: "jnp"
+      (~5 XLA passes, q read twice) or "triton" (`attend_prep.prep_pallas`: one launch, q read
+      once; bitwise the same inputs, so the same result). Not with q_in_kernel.
+    prep_heads / prep_warps: the "triton" prep's heads per load chunk and warps.
     """
 
     block_w: int = 64
@@ -72,8 +76,17 @@ class MgpuTuning:
     consumer_regs: int = 232
     producer_regs: int = 40
     max_splits: int = 16
+    prep: str = "jnp"
+    prep_heads: int = 32
+    prep_warps: int = 8
 
     def __post_init__(self):
+        if self.prep not in ("jnp", "triton"):
+            raise ValueError(f"prep={self.prep!r} must be 'jnp' or 'triton'")
+        if self.prep == "triton" and self.q_in_kernel:
+            raise ValueError("prep='triton' makes f16 q; q_in_kernel=True wants f32 q")
+        if self.prep_heads < 1 or self.prep_heads & (self.prep_heads - 1):
+            raise ValueError(f"prep_heads={self.prep_heads} must be a power of two")
         if self.block_w not in (64, 128):
             raise ValueError(f"block_w={self.block_w} must be 64 or 128 (the conversion works "
                              f"on 64-row tiles)")
