@@ -26,25 +26,26 @@ def _extreme_rows(q: np.ndarray) -> np.ndarray:
     return q
 
 
-# (B, R, H, C, W, block size, blocks per seq, Hp, Wp, heads per chunk): odd heads (padded
-# heads stored as zeros), C = 384 (3 column chunks), slot padding past W, the whole row kept
-# (chunk >= H) and read in chunks (the second read of each chunk), Hp not a power of two.
+# (B, R, H, C, W, block size, blocks per seq, Hp, Wp, heads per chunk, programs): odd heads
+# (padded heads stored as zeros), C = 384 (3 column chunks), slot padding past W, the whole
+# row kept (chunk >= H) and read in chunks (the second read of each chunk), Hp not a power of
+# two, programs looping over rows (9 rows on 4 programs: the last loop step is partial).
 CASES = [
-    (3, 3, 5, 384, 70, 16, 9, 64, 128, 32),
-    (2, 4, 96, 512, 300, 32, 12, 128, 320, 32),
-    (2, 4, 96, 512, 300, 32, 12, 128, 320, 128),
-    (7, 1, 160, 128, 37, 8, 6, 192, 64, 256),
+    (3, 3, 5, 384, 70, 16, 9, 64, 128, 32, None),
+    (2, 4, 96, 512, 300, 32, 12, 128, 320, 32, 3),
+    (2, 4, 96, 512, 300, 32, 12, 128, 320, 128, None),
+    (7, 1, 160, 128, 37, 8, 6, 192, 64, 256, 4),
 ]
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_prep_is_bitwise_the_jnp_twin(case):
-    b, r, h, c, w, bs, mb, hp, wp, chunk = CASES[case]
+    b, r, h, c, w, bs, mb, hp, wp, chunk, programs = CASES[case]
     q, _, _, tables, sel = T.attend_inputs(50 + case, b, r, h, c, w, bs, mb, "float8_e4m3fn",
                                            empty=[(1, 0)])
     q = jnp.asarray(_extreme_rows(np.asarray(q).reshape(b * r, h, c)))
     got = ap.prep_pallas(q, sel, tables, bs, hp=hp, wp=wp, heads_per_chunk=chunk,
-                         interpret=True)
+                         programs=programs, interpret=True)
     want = sa.mosaic_inputs_jnp(q, sel, tables, bs, hp=hp, wp=wp)
     T.assert_trees_bitwise_equal(got, want)
     q16, up, down, slots, live = (np.asarray(x) for x in got)
@@ -79,23 +80,27 @@ def test_prep_refuses_bad_arguments():
         ap.prep_pallas(q, sel, tables, 8, hp=4, wp=64)
     with pytest.raises(ValueError, match="wp=40"):
         ap.prep_pallas(q, sel, tables, 8, hp=64, wp=40)
+    with pytest.raises(ValueError, match="programs=0"):
+        ap.prep_pallas(q, sel, tables, 8, hp=64, wp=64, programs=0)
     with pytest.raises(ValueError, match="does not match"):
         ap.prep_pallas(q, sel[:1], tables, 8, hp=64, wp=64)
     for bad, match in ((dict(prep="xla"), "prep='xla'"), (dict(prep_heads=48), "48"),
+                       (dict(prep_per_sm=-1), "prep_per_sm=-1"),
                        (dict(prep="triton", q_in_kernel=True), "q_in_kernel")):
         with pytest.raises(ValueError, match=match):
             mg.MgpuTuning(**bad)
 
 
-@pytest.mark.parametrize("shape,chunk", [((64, 1, 64, 2051, 256, 64, 2176), 32),
-                                         ((128, 2, 128, 2048, 256, 128, 2048), 128)])
-def test_prep_lowers_for_cuda(shape, chunk):
+@pytest.mark.parametrize("shape,chunk,programs", [((64, 1, 64, 2051, 256, 64, 2176), 32, None),
+                                                  ((128, 2, 128, 2048, 256, 128, 2048), 32, 132)])
+def test_prep_lowers_for_cuda(shape, chunk, programs):
     """The Triton lowering refuses what interpret mode accepts: lower at the bench shapes."""
     b, r, h, w, mb, hp, wp = shape
     f32, i32 = jnp.float32, jnp.int32
 
     def fn(q, sel, tables):
-        return ap.prep_pallas(q, sel, tables, 64, hp=hp, wp=wp, heads_per_chunk=chunk)
+        return ap.prep_pallas(q, sel, tables, 64, hp=hp, wp=wp, heads_per_chunk=chunk,
+                              programs=programs)
 
     args = (jax.ShapeDtypeStruct((b * r, h, 512), f32), jax.ShapeDtypeStruct((b, r, w), i32),
             jax.ShapeDtypeStruct((b, mb), i32))

@@ -53,14 +53,34 @@ def _pow2_divisor(x: int, cap: int) -> int:
 
 
 def _prep_kernel(q_ref, sel_ref, bt_ref, q16_ref, up_ref, down_ref, slots_ref, live_ref, *,
-                 h: int, c: int, hp: int, w: int, wp: int, r: int, bs: int, mb: int, hb: int,
-                 cb: int, wb: int, keep: bool):
-    """One query row. q_ref [N*H, C] f32, sel_ref [N*W] int32 tokens, bt_ref [B*MB] int32
-    (whole arrays, flattened); outputs q16_ref [N*Hp, C] f16 and slots_ref [N*Wp] int32
-    (whole arrays), up_ref / down_ref [1] f32 and live_ref [1] int32 (this row's).
-    hb | Hp, cb | C and wb | Wp, so every store is whole (no masked store: a clamped index
-    would write one element twice)."""
-    row = pl.program_id(0)
+                 n: int, programs: int, **kw):
+    """Rows pid, pid + programs, ... (one row when programs == N). q_ref [N*H, C] f32,
+    sel_ref [N*W] int32 tokens, bt_ref [B*MB] int32; outputs q16_ref [N*Hp, C] f16,
+    up_ref / down_ref [N] f32, slots_ref [N*Wp] int32, live_ref [N] int32 (whole arrays,
+    flattened)."""
+    refs = (q_ref, sel_ref, bt_ref, q16_ref, up_ref, down_ref, slots_ref, live_ref)
+    pid = pl.program_id(0)
+    if programs == n:
+        _prep_row(pid, *refs, **kw)
+        return
+
+    def step(i, carry):
+        row = pid + i * programs
+
+        @pl.when(row < n)
+        def _():
+            _prep_row(row, *refs, **kw)
+
+        return carry
+
+    lax.fori_loop(0, -(-n // programs), step, None)
+
+
+def _prep_row(row, q_ref, sel_ref, bt_ref, q16_ref, up_ref, down_ref, slots_ref, live_ref, *,
+              h: int, c: int, hp: int, w: int, wp: int, r: int, bs: int, mb: int, hb: int,
+              cb: int, wb: int, keep: bool):
+    """One query row (see `_prep_kernel`). hb | Hp, cb | C and wb | Wp, so every store is
+    whole (no masked store: a clamped index would write one element twice)."""
     cols = jnp.arange(cb, dtype=jnp.int32)  # [CB]
     heads = jnp.arange(hb, dtype=jnp.int32)  # [HB]
 
@@ -81,8 +101,8 @@ def _prep_kernel(q_ref, sel_ref, bt_ref, q16_ref, up_ref, down_ref, slots_ref, l
         amax = a if amax is None else jnp.maximum(amax, a)
     k_exp = scale_exponent(amax)
     up = _pow2_bits(k_exp)
-    up_ref[...] = jnp.full((1,), up, jnp.float32)
-    down_ref[...] = jnp.full((1,), _pow2_bits(-k_exp), jnp.float32)
+    up_ref[pl.ds(row, 1)] = jnp.full((1,), up, jnp.float32)
+    down_ref[pl.ds(row, 1)] = jnp.full((1,), _pow2_bits(-k_exp), jnp.float32)
     for j in range(hp // hb):  # padded heads (H <= h < Hp) load as 0, stored as zeros
         for k in range(c // cb):
             x = kept[j, k] if (j, k) in kept else load(j, k)
@@ -102,19 +122,21 @@ def _prep_kernel(q_ref, sel_ref, bt_ref, q16_ref, up_ref, down_ref, slots_ref, l
         slot = jnp.where(valid, phys * bs + tok0 % bs, -1)  # [WB]
         plt.store(slots_ref.at[row * wp + ws], slot)
         live = jnp.maximum(live, jnp.max(jnp.where(valid, ws + 1, 0)))
-    live_ref[...] = jnp.full((1,), live, jnp.int32)
+    live_ref[pl.ds(row, 1)] = jnp.full((1,), live, jnp.int32)
 
 
 def prep_pallas(q: jax.Array, sel: jax.Array, block_tables: jax.Array, block_size: int, *,
                 hp: int, wp: int, heads_per_chunk: int = 32, num_warps: int = 8,
-                interpret: bool = False):
+                programs: int | None = None, interpret: bool = False):
     """q [N, H, C] f32 (N = B * R), sel [B, R, W] int32 tokens (-1 empty), block_tables
     [B, MB] int32 -> (q16 [N, Hp, C] f16 (q * 2^k, zero rows past H), up [N] f32 (2^k),
     down [N] f32 (2^-k), slots [N, Wp] int32 (-1 empty and past W), live [N] int32).
 
     heads_per_chunk: heads read per load (a power of two); when >= H the whole row stays in
     registers between the amax and the stores, else each chunk is read twice (the second time
-    from L2: the row's amax needs all of it before the first store). Hp, Wp and C multiples
+    from L2: the row's amax needs all of it before the first store). programs: how many
+    programs share the rows (None: one per row; fewer bound the rows in flight, and so the
+    L2 footprint of the second read). Hp, Wp and C multiples
     of 16 (the Mosaic kernel's are multiples of 64). Bitwise equal to
     `sparse_attend.mosaic_inputs_jnp`."""
     n, h, c = q.shape
@@ -132,16 +154,19 @@ def prep_pallas(q: jax.Array, sel: jax.Array, block_tables: jax.Array, block_siz
                              f"offsets); split the rows")
     if hp % 16 or wp % 16 or c % 16:
         raise ValueError(f"prep_pallas: hp={hp}, wp={wp} and C={c} must be multiples of 16")
+    if programs is not None and programs < 1:
+        raise ValueError(f"prep_pallas: programs={programs} must be >= 1")
+    programs = min(n, programs or n)
     hb = _pow2_divisor(hp, min(heads_per_chunk, next_pow2(h)))
     kernel = functools.partial(
-        _prep_kernel, h=h, c=c, hp=hp, w=w, wp=wp, r=r, bs=block_size, mb=mb, hb=hb,
+        _prep_kernel, n=n, programs=programs, h=h, c=c, hp=hp, w=w, wp=wp, r=r, bs=block_size,
+        mb=mb, hb=hb,
         cb=_pow2_divisor(c, 512), wb=_pow2_divisor(wp, SLOT_BLOCK), keep=heads_per_chunk >= h)
-    one = pl.BlockSpec((1,), lambda i: (i,))
     q16, up, down, slots, live = pl.pallas_call(
         kernel,
-        grid=(n,),
-        in_specs=[pl.BlockSpec(), pl.BlockSpec(), pl.BlockSpec()],
-        out_specs=[pl.BlockSpec(), one, one, pl.BlockSpec(), one],
+        grid=(programs,),
+        in_specs=[pl.BlockSpec()] * 3,
+        out_specs=[pl.BlockSpec()] * 5,
         out_shape=[jax.ShapeDtypeStruct((n * hp, c), jnp.float16),
                    jax.ShapeDtypeStruct((n,), jnp.float32),
                    jax.ShapeDtypeStruct((n,), jnp.float32),

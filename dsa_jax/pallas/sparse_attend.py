@@ -403,7 +403,7 @@ def _mosaic_attend(q, latent_flat, kv, sel, block_tables, bs, softmax_scale,
     if t.prep == "triton":
         qk, up, down, slots, live = attend_prep.prep_pallas(
             q, sel, block_tables, bs, hp=hp, wp=wp, heads_per_chunk=t.prep_heads,
-            num_warps=t.prep_warps)
+            num_warps=t.prep_warps, programs=t.prep_per_sm * sm_count() or None)
     else:
         qk, up, down, slots, live = mosaic_inputs_jnp(q, sel, block_tables, bs, hp=hp, wp=wp)
         if t.q_in_kernel:  # the kernel scales and converts the f32 rows itself

@@ -65,6 +65,8 @@ class MgpuTuning:
       (~5 XLA passes, q read twice) or "triton" (`attend_prep.prep_pallas`: one launch, q read
       once; bitwise the same inputs, so the same result). Not with q_in_kernel.
     prep_heads / prep_warps: the "triton" prep's heads per load chunk and warps.
+    prep_per_sm: the "triton" prep's programs per multiprocessor, each looping over rows
+      (0: one program per row).
     """
 
     block_w: int = 64
@@ -79,6 +81,7 @@ class MgpuTuning:
     prep: str = "jnp"
     prep_heads: int = 32
     prep_warps: int = 8
+    prep_per_sm: int = 0
 
     def __post_init__(self):
         if self.prep not in ("jnp", "triton"):
@@ -87,6 +90,8 @@ class MgpuTuning:
             raise ValueError("prep='triton' makes f16 q; q_in_kernel=True wants f32 q")
         if self.prep_heads < 1 or self.prep_heads & (self.prep_heads - 1):
             raise ValueError(f"prep_heads={self.prep_heads} must be a power of two")
+        if self.prep_per_sm < 0:
+            raise ValueError(f"prep_per_sm={self.prep_per_sm} must be >= 0")
         if self.block_w not in (64, 128):
             raise ValueError(f"block_w={self.block_w} must be 64 or 128 (the conversion works "
                              f"on 64-row tiles)")
