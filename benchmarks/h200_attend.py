@@ -9,8 +9,12 @@ elementwise bound of tests/test_attend_kernel.py), then timed as the bench times
 `attend-kernel-*`: the jitted `sparse_attend_pallas` (kernel, slot arithmetic and split merge),
 median of groups of back-to-back calls over 3 input sets, plus the device kernel time of the
 attend kernel alone from a profiler trace. Variant groups run in child processes with a time
-limit, so a hung kernel costs only its group (`--groups`: mosaic-smoke, mosaic, triton, and
-triton-sweep for run 1's Triton levers). The table is printed last.
+limit, so a hung kernel costs only its group (`--groups`: mosaic-smoke, mosaic, triton (run
+1's Triton levers are in git history), and prep: the one-launch input prep
+`attend_prep.prep_pallas` beside the jnp prep, each variant checked then timed in turn, its
+output `==` the default's on every check case and its prep outputs `==` the jnp twin's on rows
+of extreme magnitude). The table is printed last. `--smoke` runs the machinery on a CPU in
+seconds (Triton interpreted at tiny shapes, the prep kernel interpreted).
 """
 
 from __future__ import annotations
@@ -36,8 +40,14 @@ SHAPES = {
     "a": ("attend-kernel-64x1-h64-w2051", 64, 1, 64, 2051, 16384),
     "b": ("attend-kernel-128x2-h128-w2048", 128, 2, 128, 2048, 16384),
     "p": ("prefill-chunk-1x2048-h64-w2051", 1, 2048, 64, 2051, 16384),
+    "s": ("smoke-2x1-h5-w70", 2, 1, 5, 70, 256),  # --smoke only (CPU)
 }
 FLOOR_US = {"a": 22.0, "b": 180.0}
+PREP_VARIANTS = {  # MgpuTuning fields of the prep group's variants (beside the default)
+    "mosaic-prep-h32": dict(prep="triton", prep_heads=32, prep_warps=8),
+    "mosaic-prep-h32-sm1": dict(prep="triton", prep_heads=32, prep_warps=8, prep_per_sm=1),
+    "mosaic-prep-h64-w16": dict(prep="triton", prep_heads=64, prep_warps=16),
+}
 TARGET_US = {"a": 55.0, "b": 450.0}
 
 
@@ -47,17 +57,14 @@ def variants(group: str):
     from dsa_jax.pallas import sparse_attend_mgpu as mg
 
     tri = sa.AttendTuning(backend="triton")
-    cb2 = sa.AttendTuning(backend="triton", col_blocks=2)
-    if group == "triton-sweep":  # run 1's Triton levers
-        return {
-            "triton-default": (dict(tuning=tri), "bfloat16"),
-            "triton-w16-bw64": (dict(tuning=tri, num_warps=16, block_w=64), "bfloat16"),
-            "triton-cb2-w8-bw32": (dict(tuning=cb2, num_warps=8, block_w=32), "bfloat16"),
-            "triton-cb2-w4-bw32": (dict(tuning=cb2, num_warps=4, block_w=32), "bfloat16"),
-        }
     if group == "triton":
         return {"triton-default": (dict(tuning=tri), "bfloat16")}
+    if group == "smoke":  # CPU: the script's machinery, with the Triton kernel interpreted
+        return {"triton-interpret": (dict(tuning=tri, interpret=True), "bfloat16"),
+                "triton-interpret-again": (dict(tuning=tri, interpret=True), "bfloat16")}
     mos = {"mosaic-default": mg.MgpuTuning()}
+    if group == "prep":
+        mos.update({k: mg.MgpuTuning(**v) for k, v in PREP_VARIANTS.items()})
     if group == "mosaic":
         mos.update({"mosaic-qk": mg.MgpuTuning(q_in_kernel=True)})
     return {k: (dict(tuning=sa.AttendTuning(backend="mosaic", mosaic=t)), "float16")
@@ -134,25 +141,33 @@ def poison_allocator(nbytes: int):
     del bufs
 
 
-def check_case(name, kw, op, case, seed):
+def check_case(name, kw, op, case, seed, shared=None):
+    """One variant on one case. shared (prep group): inputs, twin and bound computed once per
+    case for every variant, and the default's output, which every other variant must equal."""
     import jax
 
     from dsa_jax.pallas import sparse_attend as sa
     from dsa_jax.pallas import sparse_attend_mgpu as mg
 
     b, r, h, c, w, bs, mb, extra, call_kw = case
-    args = check_inputs(seed, b, r, h, c, w, bs, mb, **extra)
     scale = 1 / 16
-    ref = twin(args, scale)
+    if shared is None or "args" not in shared:
+        args = check_inputs(seed, b, r, h, c, w, bs, mb, **extra)
+        ref = twin(args, scale)
+        row_sub = None
+        if op == "float16":
+            _, rscale = mg.scale_rows_f16(jax.numpy.asarray(args[0].reshape(b * r, h, c)))
+            row_sub = (2.0 ** -25) * np.asarray(rscale, np.float64).reshape(b, r)
+        bnd = bound(*args, scale, U[op], row_sub)
+        if shared is not None:
+            shared.update(args=args, ref=ref, bnd=bnd)
+    else:
+        args, ref, bnd = shared["args"], shared["ref"], shared["bnd"]
     fn = jax.jit(functools.partial(sa.sparse_attend_pallas, softmax_scale=scale, **kw,
                                    **call_kw))
     poison_allocator(4 * b * r * h * c * 16)
-    out = np.asarray(fn(*args), np.float64)
-    row_sub = None
-    if op == "float16":
-        _, rscale = mg.scale_rows_f16(jax.numpy.asarray(args[0].reshape(b * r, h, c)))
-        row_sub = (2.0 ** -25) * np.asarray(rscale, np.float64).reshape(b, r)
-    bnd = bound(*args, scale, U[op], row_sub)
+    out32 = np.asarray(fn(*args))
+    out = out32.astype(np.float64)
     err = np.abs(out - ref)
     ratio = np.where(bnd > 0, err / np.where(bnd > 0, bnd, 1.0), np.where(err > 0, np.inf, 0.0))
     rel = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
@@ -162,7 +177,54 @@ def check_case(name, kw, op, case, seed):
            "rel_err": rel, "empty_rows_exact_zero": bool((out[empty] == 0).all())}
     res["ok"] = (res["nan"] == 0 and res["max_err_over_bound"] <= 1.0 and rel < 1e-2
                  and res["empty_rows_exact_zero"])
+    if shared is not None:
+        if "default" not in shared:
+            shared["default"] = out32
+        else:  # the same kernel inputs (bitwise), so the same bits out
+            res["equal_to_default"] = bool((out32.view(np.uint32)
+                                            == shared["default"].view(np.uint32)).all())
+            res["ok"] = res["ok"] and res["equal_to_default"]
     return res
+
+
+def prep_bitwise(name, tuning, interpret=False):
+    """prep_pallas `==` mosaic_inputs_jnp on the GPU at two shapes, with rows of extreme
+    magnitude (zero, 1e-30, f32 subnormal, 1e30, one element beyond f16, f16 subnormals)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsa_jax.pallas import attend_prep as ap
+    from dsa_jax.pallas import common
+    from dsa_jax.pallas import sparse_attend as sa
+
+    rows = []
+    shapes = ((64, 1, 64, 512, 2051, 64, 40, 64, 2176), (3, 3, 5, 384, 70, 16, 9, 64, 128))
+    for (b, r, h, c, w, bs, mb, hp, wp) in shapes[1:] if interpret else shapes:
+        q, _, _, tables, sel = check_inputs(7 + h, b, r, h, c, w, bs, mb)
+        q = q.reshape(b * r, h, c).copy()
+        q[0] = 0.0
+        q[1] *= 1e-30
+        q[2] *= 1e-42
+        q[3] *= 1e30
+        q[4, 0, 0] = 65504.0 * 8
+        q[5, :, 1::2] *= 3e-5
+        args = (jnp.asarray(q), jnp.asarray(sel), jnp.asarray(tables))
+        programs = tuning.prep_per_sm * common.sm_count() if not interpret else 4
+        got = jax.jit(functools.partial(
+            ap.prep_pallas, block_size=bs, hp=hp, wp=wp, heads_per_chunk=tuning.prep_heads,
+            num_warps=tuning.prep_warps, programs=programs or None,
+            interpret=interpret))(*args)
+        want = jax.jit(functools.partial(sa.mosaic_inputs_jnp, block_size=bs, hp=hp,
+                                         wp=wp))(*args)
+        names = ("q16", "up", "down", "slots", "live")
+        eq = {k: bool((np.asarray(x).view(np.uint8) == np.asarray(y).view(np.uint8)).all())
+              for k, x, y in zip(names, got, want, strict=True)}
+        diff_rows = np.nonzero((np.asarray(got[0]).view(np.uint16)
+                                != np.asarray(want[0]).view(np.uint16)).any(axis=(1, 2)))[0]
+        rows.append({"variant": name, "case": f"prep-bitwise N{b * r} H{h} C{c} W{w}",
+                     "ok": all(eq.values()), "equal": eq, "q16_rows_differing":
+                     diff_rows[:8].tolist()})
+    return rows
 
 
 def case_label(case):
@@ -301,6 +363,8 @@ def time_inputs(b, r, h, w, ctx, n_sets=3):
 def run_group(group: str, out_path: str, shapes: str):
     import jax
 
+    from dsa_jax.pallas import sparse_attend_mgpu as mg
+
     res = {"group": group, "jax": jax.__version__, "device": str(jax.devices()[0]),
            "core_count": getattr(jax.devices()[0], "core_count", None), "checks": [],
            "times": [], "errors": []}
@@ -312,15 +376,19 @@ def run_group(group: str, out_path: str, shapes: str):
     vs = variants(group)
     if group == "mosaic-smoke":  # one small case first: a hung kernel costs little here
         shapes = ""
+    shared = {i: {} for i in range(len(CHECK_CASES))} if group in ("prep", "smoke") else None
     for name, (kw, op) in vs.items():
-        cases = CHECK_CASES if group == "mosaic" else CHECK_CASES[:1]
+        cases = CHECK_CASES if group in ("mosaic", "prep") else CHECK_CASES[:1]
         if group == "mosaic" and name != "mosaic-default":
             cases = CHECK_CASES[:3]
-        if group == "mosaic-smoke":
+        if group in ("mosaic-smoke", "smoke"):
             cases = CHECK_CASES[2:3]
         for i, case in enumerate(cases):
             try:
-                row = check_case(name, kw, op, case, seed=1000 + 17 * i + len(name))
+                if shared is None:
+                    row = check_case(name, kw, op, case, seed=1000 + 17 * i + len(name))
+                else:  # the same inputs for every variant: their outputs compared bitwise
+                    row = check_case(name, kw, op, case, seed=1000 + 17 * i, shared=shared[i])
             except Exception as e:
                 row = {"variant": name, "case": case_label(case), "ok": False,
                        "error": f"{type(e).__name__}: {str(e)[:400]}"}
@@ -328,9 +396,23 @@ def run_group(group: str, out_path: str, shapes: str):
             res["checks"].append(row)
             print(json.dumps(row), flush=True)
             dump()
+        if (group == "prep" and kw["tuning"].mosaic.prep == "triton") or group == "smoke":
+            try:
+                rows = prep_bitwise(name, mg.MgpuTuning(prep="triton", prep_per_sm=1),
+                                    interpret=True) if group == "smoke" else prep_bitwise(
+                                        name, kw["tuning"].mosaic)
+            except Exception as e:
+                rows = [{"variant": name, "case": "prep-bitwise", "ok": False,
+                         "error": f"{type(e).__name__}: {str(e)[:400]}"}]
+                res["errors"].append(traceback.format_exc()[-1500:])
+            for row in rows:
+                res["checks"].append(row)
+                print(json.dumps(row), flush=True)
+            dump()
     for key in shapes:
         for name, (kw, _) in vs.items():
-            if key == "p" and name not in ("triton-default", "mosaic-default", "mosaic-qk"):
+            if key == "p" and group != "prep" and name not in (
+                    "triton-default", "mosaic-default", "mosaic-qk"):
                 continue
             row = {"variant": name, "shape": SHAPES[key][0]}
             try:
@@ -341,57 +423,7 @@ def run_group(group: str, out_path: str, shapes: str):
             res["times"].append(row)
             print(json.dumps(row, default=str), flush=True)
             dump()
-    if group == "mosaic":  # which stage costs what: drop one (wrong results; kernel time only)
-        for key in shapes.replace("p", ""):
-            for drop in ("convert", "copy"):
-                row = {"variant": f"diag-drop-{drop}", "shape": SHAPES[key][0]}
-                try:
-                    row.update(time_diag(key, drop))
-                except Exception as e:
-                    row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-                    res["errors"].append(traceback.format_exc()[-1500:])
-                res["times"].append(row)
-                print(json.dumps(row, default=str), flush=True)
-                dump()
     dump()
-
-
-def time_diag(key, drop):
-    """Kernel time of the default Mosaic kernel with one stage dropped (timing only)."""
-    import jax
-    import jax.numpy as jnp
-
-    from dsa_jax.pallas import common
-    from dsa_jax.pallas import sparse_attend as sa
-    from dsa_jax.pallas import sparse_attend_mgpu as mg
-
-    label, b, r, h, w, ctx = SHAPES[key]
-    (lat, kv, tables), sets = time_inputs(b, r, h, w, ctx)
-    t = mg.MgpuTuning()
-    n, c = b * r, 512
-    hb = -(-h // 64)
-    tiles_all = -(-w // t.block_w)
-    splits = mg.num_splits(n * hb, tiles_all, common.sm_count(), t.max_splits)
-    tiles = -(-tiles_all // splits)
-
-    @jax.jit
-    def fn(q, sel):
-        slots = jax.vmap(sa.token_slots, in_axes=(0, 0, None))(sel, tables, 64).reshape(n, w)
-        slots = jnp.pad(slots, ((0, 0), (0, splits * tiles * t.block_w - w)),
-                        constant_values=-1)
-        q16, down = mg.scale_rows_f16(q.reshape(n, h, c))
-        scales = jnp.stack([kv / 16, kv]).astype(jnp.float32)
-        return mg.sparse_attend_mgpu_partials(
-            scales, (1 / down, down), sa.live_extent(slots), q16, slots,
-            lat.reshape(-1, c), splits=splits, tiles=tiles, tuning=t, drop=drop)[0]
-
-    it = iter(range(1 << 30))
-
-    def call():
-        q, sel = sets[next(it) % len(sets)]
-        return fn(q, sel)
-
-    return kernel_times(call, 10)
 
 
 def main():
@@ -401,7 +433,15 @@ def main():
     ap.add_argument("--groups", default="mosaic-smoke,mosaic")
     ap.add_argument("--shapes", default="abp")
     ap.add_argument("--limit-s", default="80,260", help="time limit per group, in order")
+    ap.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, in this process")
     a = ap.parse_args()
+    if a.smoke:
+        run_group("smoke", a.out, "s")
+        with open(a.out) as f:
+            res = {"command": " ".join(sys.argv), "groups": {"smoke": json.load(f)}}
+        print_table(res)
+        bad = [c for c in res["groups"]["smoke"]["checks"] if not c.get("ok")]
+        sys.exit(1 if bad or res["groups"]["smoke"]["errors"] else 0)
     if a.group:
         run_group(a.group, a.out, a.shapes)
         return
@@ -454,13 +494,15 @@ def print_table(res):
         for c in g.get("checks", []):
             print(f"{c['variant']:22s} {c['case'][:44]:44s} "
                   f"{c.get('max_err_over_bound', float('nan')):8.3g} ok={c.get('ok')} "
+                  f"eq={c.get('equal_to_default', c.get('equal', '-'))} "
                   f"{c.get('error', '')[:60]}")
-    print("\n== times (wall median us, kernel us, TFLOP/s) ==")
+    print("\n== times (wall median us, largest kernel us, all kernels us, TFLOP/s) ==")
     for g in res["groups"].values():
         for t in g.get("times", []):
             ks = t.get("kernels") or [["", 0]]
             print(f"{t['variant']:22s} {t['shape'][:34]:34s} {t.get('median_us', 0):9.1f} "
-                  f"{ks[0][1]:9.1f} {t.get('TFLOPs', 0):6.1f} {t.get('error', '')[:50]}")
+                  f"{ks[0][1]:9.1f} {t.get('total_us', 0):9.1f} {t.get('TFLOPs', 0):6.1f} "
+                  f"{t.get('error', '')[:50]}")
     for k, g in res["groups"].items():
         print(f"group {k}: rc={g.get('rc')} wall={g.get('wall_s', 0):.0f}s")
 
