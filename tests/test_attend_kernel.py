@@ -226,7 +226,8 @@ def test_mosaic_arithmetic_meets_the_f16_bound(splits):
 
 @pytest.mark.parametrize("tuning", [
     mg.MgpuTuning(), mg.MgpuTuning(persistent=True), mg.MgpuTuning(prep="triton"),
-    mg.MgpuTuning(prep="triton", prep_heads=64, prep_warps=16, persistent=True)])
+    mg.MgpuTuning(prep="triton", prep_heads=64, prep_warps=16, persistent=True),
+    mg.MgpuTuning(prep="triton", q_in_kernel=True)])
 def test_mosaic_variants_lower_for_cuda(tuning):
     """The Mosaic kernel cannot run here, but it lowers (Pallas -> Mosaic GPU MLIR) on any
     host: each variant traces and lowers at odd shapes (5 heads padded to 64, C = 384, a

@@ -48,6 +48,10 @@ def test_prep_is_bitwise_the_jnp_twin(case):
                          programs=programs, interpret=True)
     want = sa.mosaic_inputs_jnp(q, sel, tables, bs, hp=hp, wp=wp)
     T.assert_trees_bitwise_equal(got, want)
+    no_q = ap.prep_pallas(q, sel, tables, bs, hp=hp, wp=wp, heads_per_chunk=chunk,
+                          programs=programs, write_q=False, interpret=True)
+    assert no_q[0] is None
+    T.assert_trees_bitwise_equal(no_q[1:], want[1:])
     q16, up, down, slots, live = (np.asarray(x) for x in got)
     assert np.isfinite(q16.astype(np.float32)).all() and (q16[:, h:] == 0).all()
     # Every row with a normal amax is scaled into [2^13, 2^14] (2^14 after rounding up); row
@@ -85,8 +89,7 @@ def test_prep_refuses_bad_arguments():
     with pytest.raises(ValueError, match="does not match"):
         ap.prep_pallas(q, sel[:1], tables, 8, hp=64, wp=64)
     for bad, match in ((dict(prep="xla"), "prep='xla'"), (dict(prep_heads=48), "48"),
-                       (dict(prep_per_sm=-1), "prep_per_sm=-1"),
-                       (dict(prep="triton", q_in_kernel=True), "q_in_kernel")):
+                       (dict(prep_per_sm=-1), "prep_per_sm=-1")):
         with pytest.raises(ValueError, match=match):
             mg.MgpuTuning(**bad)
 

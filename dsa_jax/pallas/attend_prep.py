@@ -52,13 +52,13 @@ def _pow2_divisor(x: int, cap: int) -> int:
     return min(x & -x, next_pow2(cap + 1) // 2)
 
 
-def _prep_kernel(q_ref, sel_ref, bt_ref, q16_ref, up_ref, down_ref, slots_ref, live_ref, *,
-                 n: int, programs: int, **kw):
+def _prep_kernel(q_ref, sel_ref, bt_ref, *outs, n: int, programs: int, write_q: bool, **kw):
     """Rows pid, pid + programs, ... (one row when programs == N). q_ref [N*H, C] f32,
-    sel_ref [N*W] int32 tokens, bt_ref [B*MB] int32; outputs q16_ref [N*Hp, C] f16,
+    sel_ref [N*W] int32 tokens, bt_ref [B*MB] int32; outputs q16_ref [N*Hp, C] f16 (absent
+    unless write_q),
     up_ref / down_ref [N] f32, slots_ref [N*Wp] int32, live_ref [N] int32 (whole arrays,
     flattened)."""
-    refs = (q_ref, sel_ref, bt_ref, q16_ref, up_ref, down_ref, slots_ref, live_ref)
+    refs = (q_ref, sel_ref, bt_ref, *(outs if write_q else (None, *outs)))
     pid = pl.program_id(0)
     if programs == n:
         _prep_row(pid, *refs, **kw)
@@ -103,7 +103,7 @@ def _prep_row(row, q_ref, sel_ref, bt_ref, q16_ref, up_ref, down_ref, slots_ref,
     up = _pow2_bits(k_exp)
     up_ref[pl.ds(row, 1)] = jnp.full((1,), up, jnp.float32)
     down_ref[pl.ds(row, 1)] = jnp.full((1,), _pow2_bits(-k_exp), jnp.float32)
-    for j in range(hp // hb):  # padded heads (H <= h < Hp) load as 0, stored as zeros
+    for j in range(hp // hb if q16_ref is not None else 0):  # padded heads load as 0
         for k in range(c // cb):
             x = kept[j, k] if (j, k) in kept else load(j, k)
             plt.store(q16_ref.at[(row * hp + j * hb + heads)[:, None], (k * cb + cols)[None, :]],
@@ -127,7 +127,7 @@ def _prep_row(row, q_ref, sel_ref, bt_ref, q16_ref, up_ref, down_ref, slots_ref,
 
 def prep_pallas(q: jax.Array, sel: jax.Array, block_tables: jax.Array, block_size: int, *,
                 hp: int, wp: int, heads_per_chunk: int = 32, num_warps: int = 8,
-                programs: int | None = None, interpret: bool = False):
+                programs: int | None = None, write_q: bool = True, interpret: bool = False):
     """q [N, H, C] f32 (N = B * R), sel [B, R, W] int32 tokens (-1 empty), block_tables
     [B, MB] int32 -> (q16 [N, Hp, C] f16 (q * 2^k, zero rows past H), up [N] f32 (2^k),
     down [N] f32 (2^-k), slots [N, Wp] int32 (-1 empty and past W), live [N] int32).
@@ -136,7 +136,8 @@ def prep_pallas(q: jax.Array, sel: jax.Array, block_tables: jax.Array, block_siz
     registers between the amax and the stores, else each chunk is read twice (the second time
     from L2: the row's amax needs all of it before the first store). programs: how many
     programs share the rows (None: one per row; fewer bound the rows in flight, and so the
-    L2 footprint of the second read). Hp, Wp and C multiples
+    L2 footprint of the second read). write_q=False: no q16 (None in its place; the Mosaic
+    kernel's q_in_kernel scales and converts q itself). Hp, Wp and C multiples
     of 16 (the Mosaic kernel's are multiples of 64). Bitwise equal to
     `sparse_attend.mosaic_inputs_jnp`."""
     n, h, c = q.shape
@@ -159,21 +160,22 @@ def prep_pallas(q: jax.Array, sel: jax.Array, block_tables: jax.Array, block_siz
     programs = min(n, programs or n)
     hb = _pow2_divisor(hp, min(heads_per_chunk, next_pow2(h)))
     kernel = functools.partial(
-        _prep_kernel, n=n, programs=programs, h=h, c=c, hp=hp, w=w, wp=wp, r=r, bs=block_size,
-        mb=mb, hb=hb,
+        _prep_kernel, n=n, programs=programs, write_q=write_q, h=h, c=c, hp=hp, w=w, wp=wp,
+        r=r, bs=block_size, mb=mb, hb=hb,
         cb=_pow2_divisor(c, 512), wb=_pow2_divisor(wp, SLOT_BLOCK), keep=heads_per_chunk >= h)
-    q16, up, down, slots, live = pl.pallas_call(
+    shapes = [jax.ShapeDtypeStruct((n * hp, c), jnp.float16),
+              jax.ShapeDtypeStruct((n,), jnp.float32), jax.ShapeDtypeStruct((n,), jnp.float32),
+              jax.ShapeDtypeStruct((n * wp,), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.int32)]
+    shapes = shapes if write_q else shapes[1:]
+    outs = pl.pallas_call(
         kernel,
         grid=(programs,),
         in_specs=[pl.BlockSpec()] * 3,
-        out_specs=[pl.BlockSpec()] * 5,
-        out_shape=[jax.ShapeDtypeStruct((n * hp, c), jnp.float16),
-                   jax.ShapeDtypeStruct((n,), jnp.float32),
-                   jax.ShapeDtypeStruct((n,), jnp.float32),
-                   jax.ShapeDtypeStruct((n * wp,), jnp.int32),
-                   jax.ShapeDtypeStruct((n,), jnp.int32)],
+        out_specs=[pl.BlockSpec()] * len(shapes),
+        out_shape=shapes,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="attend_prep",
     )(q.reshape(n * h, c), sel.reshape(n * w), block_tables.reshape(-1))
-    return q16.reshape(n, hp, c), up, down, slots.reshape(n, wp), live
+    q16, up, down, slots, live = outs if write_q else (None, *outs)
+    return (q16 if q16 is None else q16.reshape(n, hp, c)), up, down, slots.reshape(n, wp), live

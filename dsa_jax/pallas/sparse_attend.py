@@ -403,11 +403,12 @@ def _mosaic_attend(q, latent_flat, kv, sel, block_tables, bs, softmax_scale,
     if t.prep == "triton":
         qk, up, down, slots, live = attend_prep.prep_pallas(
             q, sel, block_tables, bs, hp=hp, wp=wp, heads_per_chunk=t.prep_heads,
-            num_warps=t.prep_warps, programs=t.prep_per_sm * sm_count() or None)
+            num_warps=t.prep_warps, programs=t.prep_per_sm * sm_count() or None,
+            write_q=not t.q_in_kernel)
     else:
         qk, up, down, slots, live = mosaic_inputs_jnp(q, sel, block_tables, bs, hp=hp, wp=wp)
-        if t.q_in_kernel:  # the kernel scales and converts the f32 rows itself
-            qk = q if hp == h else jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
+    if t.q_in_kernel:  # the kernel scales and converts the f32 rows itself
+        qk = q if hp == h else jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
     scales = jnp.stack([kv * softmax_scale, kv]).astype(jnp.float32)  # [2]
     o, m, l = mgpu_op.sparse_attend_mgpu_partials(
         scales, (up, down), live, qk, slots, latent_flat, splits=splits, tiles=tiles, tuning=t)

@@ -65,7 +65,7 @@ class MgpuTuning:
     max_splits: most programs one row's slots are split over (partials cost a merge).
     prep: how the kernel's inputs (scaled f16 q, padded slots, live extents) are made: "jnp"
       (~5 XLA passes, q read twice) or "triton" (`attend_prep.prep_pallas`: one launch, q read
-      once; bitwise the same inputs, so the same result). Not with q_in_kernel.
+      once; bitwise the same inputs, so the same result; with q_in_kernel it makes all but q).
     prep_heads / prep_warps: the "triton" prep's heads per load chunk and warps.
     prep_per_sm: the "triton" prep's programs per multiprocessor, each looping over rows
       (0: one program per row).
@@ -91,8 +91,6 @@ class MgpuTuning:
     def __post_init__(self):
         if self.prep not in ("jnp", "triton"):
             raise ValueError(f"prep={self.prep!r} must be 'jnp' or 'triton'")
-        if self.prep == "triton" and self.q_in_kernel:
-            raise ValueError("prep='triton' makes f16 q; q_in_kernel=True wants f32 q")
         if self.prep_heads < 1 or self.prep_heads & (self.prep_heads - 1):
             raise ValueError(f"prep_heads={self.prep_heads} must be a power of two")
         if self.prep_per_sm < 0:
