@@ -33,6 +33,8 @@ import traceback
 
 import numpy as np
 
+from benchmarks import h200_attend_prep as attend_prep_diag
+
 E32 = 2.0 ** -24
 U = {"bfloat16": 2.0 ** -9, "float16": 2.0 ** -11, "float32": 2.0 ** -24}
 # Timed shapes: (name, B, R, H, W, ctx).
@@ -44,10 +46,10 @@ SHAPES = {
 }
 FLOOR_US = {"a": 22.0, "b": 180.0}
 PREP_VARIANTS = {  # MgpuTuning fields of the prep group's variants (beside the default)
-    "mosaic-prep-h32": dict(prep="triton", prep_heads=32, prep_warps=8),
     "mosaic-prep-h64-w16": dict(prep="triton", prep_heads=64, prep_warps=16),
-    "mosaic-persist-prep-h32": dict(prep="triton", prep_heads=32, prep_warps=8,
-                                    persistent=True),
+    "mosaic-prep-h32": dict(prep="triton", prep_heads=32, prep_warps=8),
+    "mosaic-prep-h64-w16-sm1": dict(prep="triton", prep_heads=64, prep_warps=16,
+                                    prep_per_sm=1),
 }
 TARGET_US = {"a": 55.0, "b": 450.0}
 
@@ -188,46 +190,6 @@ def check_case(name, kw, op, case, seed, shared=None):
     return res
 
 
-def prep_bitwise(name, tuning, interpret=False):
-    """prep_pallas `==` mosaic_inputs_jnp on the GPU at two shapes, with rows of extreme
-    magnitude (zero, 1e-30, f32 subnormal, 1e30, one element beyond f16, f16 subnormals)."""
-    import jax
-    import jax.numpy as jnp
-
-    from dsa_jax.pallas import attend_prep as ap
-    from dsa_jax.pallas import common
-    from dsa_jax.pallas import sparse_attend as sa
-
-    rows = []
-    shapes = ((64, 1, 64, 512, 2051, 64, 40, 64, 2176), (3, 3, 5, 384, 70, 16, 9, 64, 128))
-    for (b, r, h, c, w, bs, mb, hp, wp) in shapes[1:] if interpret else shapes:
-        q, _, _, tables, sel = check_inputs(7 + h, b, r, h, c, w, bs, mb)
-        q = q.reshape(b * r, h, c).copy()
-        q[0] = 0.0
-        q[1] *= 1e-30
-        q[2] *= 1e-42
-        q[3] *= 1e30
-        q[4, 0, 0] = 65504.0 * 8
-        q[5, :, 1::2] *= 3e-5
-        args = (jnp.asarray(q), jnp.asarray(sel), jnp.asarray(tables))
-        programs = tuning.prep_per_sm * common.sm_count() if not interpret else 4
-        got = jax.jit(functools.partial(
-            ap.prep_pallas, block_size=bs, hp=hp, wp=wp, heads_per_chunk=tuning.prep_heads,
-            num_warps=tuning.prep_warps, programs=programs or None,
-            interpret=interpret))(*args)
-        want = jax.jit(functools.partial(sa.mosaic_inputs_jnp, block_size=bs, hp=hp,
-                                         wp=wp))(*args)
-        names = ("q16", "up", "down", "slots", "live")
-        eq = {k: bool((np.asarray(x).view(np.uint8) == np.asarray(y).view(np.uint8)).all())
-              for k, x, y in zip(names, got, want, strict=True)}
-        diff_rows = np.nonzero((np.asarray(got[0]).view(np.uint16)
-                                != np.asarray(want[0]).view(np.uint16)).any(axis=(1, 2)))[0]
-        rows.append({"variant": name, "case": f"prep-bitwise N{b * r} H{h} C{c} W{w}",
-                     "ok": all(eq.values()), "equal": eq, "q16_rows_differing":
-                     diff_rows[:8].tolist()})
-    return rows
-
-
 def case_label(case):
     b, r, h, c, w, bs, mb, extra, call_kw = case
     s = f"B{b} R{r} H{h} C{c} W{w} bs{bs}"
@@ -303,7 +265,12 @@ def time_shape(key, kw):
 
     label, b, r, h, w, ctx = SHAPES[key]
     st, sets = time_inputs(b, r, h, w, ctx)
-    fn = jax.jit(functools.partial(sa.sparse_attend_pallas, softmax_scale=1 / 16, **kw))
+    if not kw.get("diag"):
+        fn = jax.jit(functools.partial(sa.sparse_attend_pallas, softmax_scale=1 / 16, **kw))
+    if kw.get("diag") == "floor":  # one trivial fusion on the same arguments: dispatch cost
+        fn = jax.jit(lambda q, lat, kv, tables, sel: q[:, :, :1, :1] * kv)
+    elif kw.get("diag") == "kernel":  # the Mosaic kernel alone, its inputs made beforehand
+        fn = attend_prep_diag.kernel_only(b, r, h, w, st[2])
     it = iter(range(1 << 30))
 
     def call():
@@ -316,7 +283,7 @@ def time_shape(key, kw):
     heavy = b * r * h > 100_000
     t = measure(call, groups=5 if heavy else 10, inner=5 if heavy else 20)
     t.update(kernel_times(call, 3 if heavy else 10), compile_s=compile_s,
-             finite=bool(jnp.isfinite(out).all()))
+             finite=bool(jnp.isfinite(jax.tree.leaves(out)[0]).all()))
     flops = 4 * b * r * h * w * 512
     t["TFLOPs"] = flops / t["median_us"] / 1e6
     return t
@@ -390,6 +357,10 @@ def run_group(group: str, out_path: str, shapes: str):
         print(json.dumps(row, default=str), flush=True)
         dump()
 
+    diags = {"prep": ("floor", "kernel"), "smoke": ("floor",)}.get(group, ())
+    for key in shapes if diags else "":  # the dispatch floor, the Mosaic kernel alone
+        for diag in diags:
+            time_row(f"diag-{diag}", dict(diag=diag), key)
     for name, (kw, op) in vs.items():
         cases = CHECK_CASES if group in ("mosaic", "prep") else CHECK_CASES[:1]
         if group == "mosaic" and name != "mosaic-default":
@@ -411,9 +382,9 @@ def run_group(group: str, out_path: str, shapes: str):
             dump()
         if (group == "prep" and kw["tuning"].mosaic.prep == "triton") or group == "smoke":
             try:
-                rows = prep_bitwise(name, mg.MgpuTuning(prep="triton", prep_per_sm=1),
-                                    interpret=True) if group == "smoke" else prep_bitwise(
-                                        name, kw["tuning"].mosaic)
+                rows = attend_prep_diag.prep_bitwise(
+                    name, mg.MgpuTuning(prep="triton", prep_per_sm=1) if group == "smoke"
+                    else kw["tuning"].mosaic, check_inputs, interpret=group == "smoke")
             except Exception as e:
                 rows = [{"variant": name, "case": "prep-bitwise", "ok": False,
                          "error": f"{type(e).__name__}: {str(e)[:400]}"}]
@@ -454,7 +425,7 @@ def main():
         return
     t_start = time.time()
     res = {"command": " ".join(sys.argv), "groups": {}}
-    outdir = os.path.dirname(os.path.abspath(a.out))
+    outdir = tempfile.mkdtemp(prefix="attend-parts-")  # merged into --out: one file comes back
     limits = [int(x) for x in a.limit_s.split(",")]
     for gi, g in enumerate(a.groups.split(",")):
         part = os.path.join(outdir, f"part-{g}.json")
@@ -510,6 +481,7 @@ def print_table(res):
             print(f"{t['variant']:22s} {t['shape'][:34]:34s} {t.get('median_us', 0):9.1f} "
                   f"{ks[0][1]:9.1f} {t.get('total_us', 0):9.1f} {t.get('TFLOPs', 0):6.1f} "
                   f"{t.get('error', '')[:50]}")
+            print("    " + "; ".join(f"{n[:28]} {v}" for n, v in ks[:5]))
     for k, g in res["groups"].items():
         print(f"group {k}: rc={g.get('rc')} wall={g.get('wall_s', 0):.0f}s")
 

@@ -30,8 +30,19 @@ from jax.experimental.pallas import triton as plt
 
 from dsa_jax.pallas.common import next_pow2
 
-# Slots handled per step of a row's slot loop (int32 vectors, a power of two for Triton).
-SLOT_BLOCK = 1024
+# Largest slot piece (int32 vectors, a power of two for Triton): Wp is cut into powers of two.
+SLOT_BLOCK = 4096
+
+
+def _pow2_pieces(x: int):
+    """x (a multiple of 16) -> [(start, size)]: sizes powers of two <= SLOT_BLOCK, largest
+    first, covering [0, x) exactly (so no store needs a mask)."""
+    out, s0 = [], 0
+    while s0 < x:
+        size = min(SLOT_BLOCK, next_pow2(x - s0 + 1) // 2)
+        out.append((s0, size))
+        s0 += size
+    return out
 
 
 def _pow2_bits(k):
@@ -78,9 +89,9 @@ def _prep_kernel(q_ref, sel_ref, bt_ref, *outs, n: int, programs: int, write_q: 
 
 def _prep_row(row, q_ref, sel_ref, bt_ref, q16_ref, up_ref, down_ref, slots_ref, live_ref, *,
               h: int, c: int, hp: int, w: int, wp: int, r: int, bs: int, mb: int, hb: int,
-              cb: int, wb: int, keep: bool):
-    """One query row (see `_prep_kernel`). hb | Hp, cb | C and wb | Wp, so every store is
-    whole (no masked store: a clamped index would write one element twice)."""
+              cb: int, keep: bool):
+    """One query row (see `_prep_kernel`). hb | Hp, cb | C and the slot pieces tile Wp, so
+    every store is whole (no masked store: a clamped index would write one element twice)."""
     cols = jnp.arange(cb, dtype=jnp.int32)  # [CB]
     heads = jnp.arange(hb, dtype=jnp.int32)  # [HB]
 
@@ -89,6 +100,22 @@ def _prep_row(row, q_ref, sel_ref, bt_ref, q16_ref, up_ref, down_ref, slots_ref,
         return plt.load(q_ref.at[(row * h + jnp.minimum(hs, h - 1))[:, None],
                                  (k * cb + cols)[None, :]],
                         mask=jnp.broadcast_to((hs < h)[:, None], (hb, cb)), other=0.0)
+
+    # The slots first: every piece's token loads are issued before any store (a store between
+    # them would order each piece's two dependent loads after the last: one latency chain per
+    # piece), and their latency overlaps the q loads below.
+    pieces = _pow2_pieces(wp)
+    toks = []
+    for s0, sz in pieces:
+        ws = s0 + jnp.arange(sz, dtype=jnp.int32)  # [SZ]
+        toks.append(plt.load(sel_ref.at[row * w + jnp.minimum(ws, w - 1)], mask=ws < w,
+                             other=-1))
+    seq = row // r
+    phys = []
+    for tok in toks:
+        # The empty slots' arithmetic is masked: keep it in range.
+        logical = jnp.clip(jnp.maximum(tok, 0) // bs, 0, mb - 1)
+        phys.append(plt.load(bt_ref.at[seq * mb + logical], mask=tok >= 0, other=0))
 
     blocks = [(j, k) for j in range(-(-h // hb)) for k in range(c // cb)]
     kept = {}
@@ -99,6 +126,14 @@ def _prep_row(row, q_ref, sel_ref, bt_ref, q16_ref, up_ref, down_ref, slots_ref,
             kept[j, k] = x
         a = jnp.max(jnp.abs(x))
         amax = a if amax is None else jnp.maximum(amax, a)
+    live = jnp.int32(0)
+    for (s0, sz), tok, ph in zip(pieces, toks, phys, strict=True):
+        ws = s0 + jnp.arange(sz, dtype=jnp.int32)
+        valid = tok >= 0
+        slot = jnp.where(valid, ph * bs + jnp.maximum(tok, 0) % bs, -1)  # [SZ]
+        plt.store(slots_ref.at[row * wp + ws], slot)
+        live = jnp.maximum(live, jnp.max(jnp.where(valid, ws + 1, 0)))
+    live_ref[pl.ds(row, 1)] = jnp.full((1,), live, jnp.int32)
     k_exp = scale_exponent(amax)
     up = _pow2_bits(k_exp)
     up_ref[pl.ds(row, 1)] = jnp.full((1,), up, jnp.float32)
@@ -108,21 +143,6 @@ def _prep_row(row, q_ref, sel_ref, bt_ref, q16_ref, up_ref, down_ref, slots_ref,
             x = kept[j, k] if (j, k) in kept else load(j, k)
             plt.store(q16_ref.at[(row * hp + j * hb + heads)[:, None], (k * cb + cols)[None, :]],
                       (x * up).astype(jnp.float16))
-
-    seq = row // r
-    pos = jnp.arange(wb, dtype=jnp.int32)  # [WB]
-    live = jnp.int32(0)
-    for s0 in range(0, wp, wb):
-        ws = s0 + pos
-        tok = plt.load(sel_ref.at[row * w + jnp.minimum(ws, w - 1)], mask=ws < w, other=-1)
-        valid = tok >= 0
-        tok0 = jnp.maximum(tok, 0)  # the empty slots' arithmetic is masked: keep it in range
-        logical = jnp.clip(tok0 // bs, 0, mb - 1)
-        phys = plt.load(bt_ref.at[seq * mb + logical], mask=valid, other=0)
-        slot = jnp.where(valid, phys * bs + tok0 % bs, -1)  # [WB]
-        plt.store(slots_ref.at[row * wp + ws], slot)
-        live = jnp.maximum(live, jnp.max(jnp.where(valid, ws + 1, 0)))
-    live_ref[pl.ds(row, 1)] = jnp.full((1,), live, jnp.int32)
 
 
 def prep_pallas(q: jax.Array, sel: jax.Array, block_tables: jax.Array, block_size: int, *,
@@ -162,7 +182,7 @@ def prep_pallas(q: jax.Array, sel: jax.Array, block_tables: jax.Array, block_siz
     kernel = functools.partial(
         _prep_kernel, n=n, programs=programs, write_q=write_q, h=h, c=c, hp=hp, w=w, wp=wp,
         r=r, bs=block_size, mb=mb, hb=hb,
-        cb=_pow2_divisor(c, 512), wb=_pow2_divisor(wp, SLOT_BLOCK), keep=heads_per_chunk >= h)
+        cb=_pow2_divisor(c, 512), keep=heads_per_chunk >= h)
     shapes = [jax.ShapeDtypeStruct((n * hp, c), jnp.float16),
               jax.ShapeDtypeStruct((n,), jnp.float32), jax.ShapeDtypeStruct((n,), jnp.float32),
               jax.ShapeDtypeStruct((n * wp,), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.int32)]
