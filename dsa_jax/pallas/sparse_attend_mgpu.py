@@ -187,12 +187,9 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
         n_tiles = jnp.clip((live + block_w - 1) // block_w - split * tiles, 0, tiles)
         return hb, split, row, n_tiles, split * tiles * block_w
 
-    # One item per CTA: its coordinates computed once by every thread, as before items existed.
-    single = None if programs else item(None)
-
     def each_item(body):  # body(item, g) -> g: g counts the tiles of earlier items
         if not programs:
-            body(single, 0)
+            body(item(None), 0)
             return
         pid = lax.axis_index("p")
         trips = (head_blocks * splits * rows - pid + programs - 1) // programs
