@@ -45,8 +45,10 @@ SHAPES = {
     "s": ("smoke-2x1-h5-w70", 2, 1, 5, 70, 256),  # --smoke only (CPU)
 }
 FLOOR_US = {"a": 22.0, "b": 180.0}
-PREP_VARIANTS = {  # MgpuTuning fields of the prep group's variants (beside the default)
-    "mosaic-prep-h64-w16": dict(prep="triton", prep_heads=64, prep_warps=16),
+# MgpuTuning fields of the prep group's variants beside the default (run 7 ran with the jnp
+# prep as "mosaic-default" and the Triton prep, now the default, as "mosaic-prep-h64-w16").
+PREP_VARIANTS = {
+    "mosaic-prep-jnp": dict(prep="jnp"),
     "mosaic-prep-h32": dict(prep="triton", prep_heads=32, prep_warps=8),
     "mosaic-prep-h64-w16-sm1": dict(prep="triton", prep_heads=64, prep_warps=16,
                                     prep_per_sm=1),

@@ -11,6 +11,7 @@ from dsa_jax import testing as T
 from dsa_jax.pallas import attend_prep as ap
 from dsa_jax.pallas import sparse_attend as sa
 from dsa_jax.pallas import sparse_attend_mgpu as mg
+from dsa_jax.pallas.common import KernelLimitError
 
 
 def _extreme_rows(q: np.ndarray) -> np.ndarray:
@@ -88,6 +89,12 @@ def test_prep_refuses_bad_arguments():
         ap.prep_pallas(q, sel, tables, 8, hp=64, wp=64, programs=0)
     with pytest.raises(ValueError, match="does not match"):
         ap.prep_pallas(q, sel[:1], tables, 8, hp=64, wp=64)
+    # 65536 rows x 64 heads x 512 as f16: 2^31 elements in 4 GiB, past 32-bit offsets.
+    big = jax.ShapeDtypeStruct((65536, 64, 512), jnp.float32)
+    with pytest.raises(KernelLimitError, match="attend prep q16"):
+        jax.eval_shape(lambda q: ap.prep_pallas(q, jnp.zeros((65536, 1, 8), jnp.int32),
+                                                jnp.zeros((65536, 1), jnp.int32), 8, hp=64,
+                                                wp=16), big)
     for bad, match in ((dict(prep="xla"), "prep='xla'"), (dict(prep_heads=48), "48"),
                        (dict(prep_per_sm=-1), "prep_per_sm=-1")):
         with pytest.raises(ValueError, match=match):

@@ -28,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from dsa_jax.pallas.common import next_pow2
+from dsa_jax.pallas.common import check_triton_addressable, next_pow2
 
 # Largest slot piece (int32 vectors, a power of two for Triton): Wp is cut into powers of two.
 SLOT_BLOCK = 4096
@@ -169,10 +169,10 @@ def prep_pallas(q: jax.Array, sel: jax.Array, block_tables: jax.Array, block_siz
         raise ValueError(f"prep_pallas: hp={hp} < H={h} or wp={wp} < W={w}")
     if heads_per_chunk < 1 or heads_per_chunk & (heads_per_chunk - 1):
         raise ValueError(f"prep_pallas: heads_per_chunk={heads_per_chunk} must be a power of 2")
-    for what, size in (("q", n * max(h, hp) * next_pow2(c)), ("slots", n * max(w, wp))):
-        if size >= 2 ** 31:  # the kernel's element offsets are int32
-            raise ValueError(f"prep_pallas: {what} spans {size} elements >= 2^31 (int32 "
-                             f"offsets); split the rows")
+    for what, shape, dtype in (("q", (n * h, c), q.dtype), ("q16", (n * hp, c), jnp.float16),
+                               ("sel", (n * w,), sel.dtype), ("slots", (n * wp,), jnp.int32),
+                               ("block_tables", block_tables.shape, block_tables.dtype)):
+        check_triton_addressable(shape, dtype, f"attend prep {what}")
     if hp % 16 or wp % 16 or c % 16:
         raise ValueError(f"prep_pallas: hp={hp}, wp={wp} and C={c} must be multiples of 16")
     if programs is not None and programs < 1:

@@ -47,8 +47,9 @@ _LOG2E = math.log2(math.e)
 
 @dataclasses.dataclass(frozen=True)
 class MgpuTuning:
-    """Tile shape, producer and register split of the Mosaic GPU kernel. The defaults are the
-    fastest variant measured on the H200 (benchmarks/notes.md, h200-attend-run3/4.json).
+    """Tile shape, producer and register split of the Mosaic GPU kernel, and how its inputs are
+    made. The defaults are the fastest variant measured on the H200 (benchmarks/notes.md,
+    h200-attend-run3/4.json; the prep: run6/7).
 
     block_w: slots per tile (wgmma N of the logits, K of P @ V); 64 as FlashMLA.
     stages: fp8 staging buffers the producers may fill ahead of the consumers.
@@ -66,11 +67,13 @@ class MgpuTuning:
     prep: how the kernel's inputs (scaled f16 q, padded slots, live extents) are made: "jnp"
       (~5 XLA passes, q read twice) or "triton" (`attend_prep.prep_pallas`: one launch, q read
       once; bitwise the same inputs, so the same result; with q_in_kernel it makes all but q).
-    prep_heads / prep_warps: the "triton" prep's heads per load chunk and warps.
+    prep_heads / prep_warps: the "triton" prep's heads per load chunk and warps (64 / 16: a
+      64-head row stays in registers, read once).
     prep_per_sm: the "triton" prep's programs per multiprocessor, each looping over rows
       (0: one program per row).
     persistent: one CTA per multiprocessor, each looping over (row, split, head block) items
-      with its pipeline running on across them (else one CTA per item).
+      with its pipeline running on across them (else one CTA per item). Measured slower
+      (h200-attend-run6): an option, not the default.
     """
 
     block_w: int = 64
@@ -82,9 +85,9 @@ class MgpuTuning:
     consumer_regs: int = 232
     producer_regs: int = 40
     max_splits: int = 16
-    prep: str = "jnp"
-    prep_heads: int = 32
-    prep_warps: int = 8
+    prep: str = "triton"
+    prep_heads: int = 64
+    prep_warps: int = 16
     prep_per_sm: int = 0
     persistent: bool = False
 
