@@ -9,8 +9,12 @@ elementwise bound of tests/test_attend_kernel.py), then timed as the bench times
 `attend-kernel-*`: the jitted `sparse_attend_pallas` (kernel, slot arithmetic and split merge),
 median of groups of back-to-back calls over 3 input sets, plus the device kernel time of the
 attend kernel alone from a profiler trace. Variant groups run in child processes with a time
-limit, so a hung kernel costs only its group (`--groups`: mosaic-smoke, mosaic, triton, and
-triton-sweep for run 1's Triton levers). The table is printed last.
+limit, so a hung kernel costs only its group (`--groups`: mosaic-smoke, mosaic, triton (run
+1's Triton levers are in git history), and prep: the one-launch input prep
+`attend_prep.prep_pallas` beside the jnp prep, each variant checked then timed in turn, its
+output `==` the default's on every check case and its prep outputs `==` the jnp twin's on rows
+of extreme magnitude). The table is printed last. `--smoke` runs the machinery on a CPU in
+seconds (Triton interpreted at tiny shapes, the prep kernel interpreted).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import traceback
 
 import numpy as np
 
+from benchmarks import h200_attend_prep as attend_prep_diag
+
 E32 = 2.0 ** -24
 U = {"bfloat16": 2.0 ** -9, "float16": 2.0 ** -11, "float32": 2.0 ** -24}
 # Timed shapes: (name, B, R, H, W, ctx).
@@ -36,8 +42,17 @@ SHAPES = {
     "a": ("attend-kernel-64x1-h64-w2051", 64, 1, 64, 2051, 16384),
     "b": ("attend-kernel-128x2-h128-w2048", 128, 2, 128, 2048, 16384),
     "p": ("prefill-chunk-1x2048-h64-w2051", 1, 2048, 64, 2051, 16384),
+    "s": ("smoke-2x1-h5-w70", 2, 1, 5, 70, 256),  # --smoke only (CPU)
 }
 FLOOR_US = {"a": 22.0, "b": 180.0}
+# MgpuTuning fields of the prep group's variants beside the default (run 7 ran with the jnp
+# prep as "mosaic-default" and the Triton prep, now the default, as "mosaic-prep-h64-w16").
+PREP_VARIANTS = {
+    "mosaic-prep-jnp": dict(prep="jnp"),
+    "mosaic-prep-h32": dict(prep="triton", prep_heads=32, prep_warps=8),
+    "mosaic-prep-h64-w16-sm1": dict(prep="triton", prep_heads=64, prep_warps=16,
+                                    prep_per_sm=1),
+}
 TARGET_US = {"a": 55.0, "b": 450.0}
 
 
@@ -47,17 +62,14 @@ def variants(group: str):
     from dsa_jax.pallas import sparse_attend_mgpu as mg
 
     tri = sa.AttendTuning(backend="triton")
-    cb2 = sa.AttendTuning(backend="triton", col_blocks=2)
-    if group == "triton-sweep":  # run 1's Triton levers
-        return {
-            "triton-default": (dict(tuning=tri), "bfloat16"),
-            "triton-w16-bw64": (dict(tuning=tri, num_warps=16, block_w=64), "bfloat16"),
-            "triton-cb2-w8-bw32": (dict(tuning=cb2, num_warps=8, block_w=32), "bfloat16"),
-            "triton-cb2-w4-bw32": (dict(tuning=cb2, num_warps=4, block_w=32), "bfloat16"),
-        }
     if group == "triton":
         return {"triton-default": (dict(tuning=tri), "bfloat16")}
+    if group == "smoke":  # CPU: the script's machinery, with the Triton kernel interpreted
+        return {"triton-interpret": (dict(tuning=tri, interpret=True), "bfloat16"),
+                "triton-interpret-again": (dict(tuning=tri, interpret=True), "bfloat16")}
     mos = {"mosaic-default": mg.MgpuTuning()}
+    if group == "prep":
+        mos.update({k: mg.MgpuTuning(**v) for k, v in PREP_VARIANTS.items()})
     if group == "mosaic":
         mos.update({"mosaic-qk": mg.MgpuTuning(q_in_kernel=True)})
     return {k: (dict(tuning=sa.AttendTuning(backend="mosaic", mosaic=t)), "float16")
@@ -134,25 +146,33 @@ def poison_allocator(nbytes: int):
     del bufs
 
 
-def check_case(name, kw, op, case, seed):
+def check_case(name, kw, op, case, seed, shared=None):
+    """One variant on one case. shared (prep group): inputs, twin and bound computed once per
+    case for every variant, and the default's output, which every other variant must equal."""
     import jax
 
     from dsa_jax.pallas import sparse_attend as sa
     from dsa_jax.pallas import sparse_attend_mgpu as mg
 
     b, r, h, c, w, bs, mb, extra, call_kw = case
-    args = check_inputs(seed, b, r, h, c, w, bs, mb, **extra)
     scale = 1 / 16
-    ref = twin(args, scale)
+    if shared is None or "args" not in shared:
+        args = check_inputs(seed, b, r, h, c, w, bs, mb, **extra)
+        ref = twin(args, scale)
+        row_sub = None
+        if op == "float16":
+            _, rscale = mg.scale_rows_f16(jax.numpy.asarray(args[0].reshape(b * r, h, c)))
+            row_sub = (2.0 ** -25) * np.asarray(rscale, np.float64).reshape(b, r)
+        bnd = bound(*args, scale, U[op], row_sub)
+        if shared is not None:
+            shared.update(args=args, ref=ref, bnd=bnd)
+    else:
+        args, ref, bnd = shared["args"], shared["ref"], shared["bnd"]
     fn = jax.jit(functools.partial(sa.sparse_attend_pallas, softmax_scale=scale, **kw,
                                    **call_kw))
     poison_allocator(4 * b * r * h * c * 16)
-    out = np.asarray(fn(*args), np.float64)
-    row_sub = None
-    if op == "float16":
-        _, rscale = mg.scale_rows_f16(jax.numpy.asarray(args[0].reshape(b * r, h, c)))
-        row_sub = (2.0 ** -25) * np.asarray(rscale, np.float64).reshape(b, r)
-    bnd = bound(*args, scale, U[op], row_sub)
+    out32 = np.asarray(fn(*args))
+    out = out32.astype(np.float64)
     err = np.abs(out - ref)
     ratio = np.where(bnd > 0, err / np.where(bnd > 0, bnd, 1.0), np.where(err > 0, np.inf, 0.0))
     rel = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
@@ -162,6 +182,13 @@ def check_case(name, kw, op, case, seed):
            "rel_err": rel, "empty_rows_exact_zero": bool((out[empty] == 0).all())}
     res["ok"] = (res["nan"] == 0 and res["max_err_over_bound"] <= 1.0 and rel < 1e-2
                  and res["empty_rows_exact_zero"])
+    if shared is not None:
+        if "default" not in shared:
+            shared["default"] = out32
+        else:  # the same kernel inputs (bitwise), so the same bits out
+            res["equal_to_default"] = bool((out32.view(np.uint32)
+                                            == shared["default"].view(np.uint32)).all())
+            res["ok"] = res["ok"] and res["equal_to_default"]
     return res
 
 
@@ -240,7 +267,12 @@ def time_shape(key, kw):
 
     label, b, r, h, w, ctx = SHAPES[key]
     st, sets = time_inputs(b, r, h, w, ctx)
-    fn = jax.jit(functools.partial(sa.sparse_attend_pallas, softmax_scale=1 / 16, **kw))
+    if not kw.get("diag"):
+        fn = jax.jit(functools.partial(sa.sparse_attend_pallas, softmax_scale=1 / 16, **kw))
+    if kw.get("diag") == "floor":  # one trivial fusion on the same arguments: dispatch cost
+        fn = jax.jit(lambda q, lat, kv, tables, sel: q[:, :, :1, :1] * kv)
+    elif kw.get("diag") == "kernel":  # the Mosaic kernel alone, its inputs made beforehand
+        fn = attend_prep_diag.kernel_only(b, r, h, w, st[2])
     it = iter(range(1 << 30))
 
     def call():
@@ -253,7 +285,7 @@ def time_shape(key, kw):
     heavy = b * r * h > 100_000
     t = measure(call, groups=5 if heavy else 10, inner=5 if heavy else 20)
     t.update(kernel_times(call, 3 if heavy else 10), compile_s=compile_s,
-             finite=bool(jnp.isfinite(out).all()))
+             finite=bool(jnp.isfinite(jax.tree.leaves(out)[0]).all()))
     flops = 4 * b * r * h * w * 512
     t["TFLOPs"] = flops / t["median_us"] / 1e6
     return t
@@ -271,7 +303,6 @@ def time_inputs(b, r, h, w, ctx, n_sets=3):
     key = (b, r, h, w, ctx)
     if key in _TIME_CACHE:
         return _TIME_CACHE[key]
-    _TIME_CACHE.clear()
     bs, kp = 64, 4
     mb = ctx // bs
     k = jax.random.split(jax.random.key(b * 7 + r), 2)
@@ -301,6 +332,8 @@ def time_inputs(b, r, h, w, ctx, n_sets=3):
 def run_group(group: str, out_path: str, shapes: str):
     import jax
 
+    from dsa_jax.pallas import sparse_attend_mgpu as mg
+
     res = {"group": group, "jax": jax.__version__, "device": str(jax.devices()[0]),
            "core_count": getattr(jax.devices()[0], "core_count", None), "checks": [],
            "times": [], "errors": []}
@@ -312,15 +345,36 @@ def run_group(group: str, out_path: str, shapes: str):
     vs = variants(group)
     if group == "mosaic-smoke":  # one small case first: a hung kernel costs little here
         shapes = ""
+    shared = {i: {} for i in range(len(CHECK_CASES))} if group in ("prep", "smoke") else None
+    variant_major = group in ("prep", "smoke")
+
+    def time_row(name, kw, key):
+        row = {"variant": name, "shape": SHAPES[key][0]}
+        try:
+            row.update(time_shape(key, kw))
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            res["errors"].append(traceback.format_exc()[-1500:])
+        res["times"].append(row)
+        print(json.dumps(row, default=str), flush=True)
+        dump()
+
+    diags = {"prep": ("floor", "kernel"), "smoke": ("floor",)}.get(group, ())
+    for key in shapes if diags else "":  # the dispatch floor, the Mosaic kernel alone
+        for diag in diags:
+            time_row(f"diag-{diag}", dict(diag=diag), key)
     for name, (kw, op) in vs.items():
-        cases = CHECK_CASES if group == "mosaic" else CHECK_CASES[:1]
+        cases = CHECK_CASES if group in ("mosaic", "prep") else CHECK_CASES[:1]
         if group == "mosaic" and name != "mosaic-default":
             cases = CHECK_CASES[:3]
-        if group == "mosaic-smoke":
+        if group in ("mosaic-smoke", "smoke"):
             cases = CHECK_CASES[2:3]
         for i, case in enumerate(cases):
             try:
-                row = check_case(name, kw, op, case, seed=1000 + 17 * i + len(name))
+                if shared is None:
+                    row = check_case(name, kw, op, case, seed=1000 + 17 * i + len(name))
+                else:  # the same inputs for every variant: their outputs compared bitwise
+                    row = check_case(name, kw, op, case, seed=1000 + 17 * i, shared=shared[i])
             except Exception as e:
                 row = {"variant": name, "case": case_label(case), "ok": False,
                        "error": f"{type(e).__name__}: {str(e)[:400]}"}
@@ -328,70 +382,28 @@ def run_group(group: str, out_path: str, shapes: str):
             res["checks"].append(row)
             print(json.dumps(row), flush=True)
             dump()
-    for key in shapes:
+        if (group == "prep" and kw["tuning"].mosaic.prep == "triton") or group == "smoke":
+            try:
+                rows = attend_prep_diag.prep_bitwise(
+                    name, mg.MgpuTuning(prep="triton", prep_per_sm=1) if group == "smoke"
+                    else kw["tuning"].mosaic, check_inputs, interpret=group == "smoke")
+            except Exception as e:
+                rows = [{"variant": name, "case": "prep-bitwise", "ok": False,
+                         "error": f"{type(e).__name__}: {str(e)[:400]}"}]
+                res["errors"].append(traceback.format_exc()[-1500:])
+            for row in rows:
+                res["checks"].append(row)
+                print(json.dumps(row), flush=True)
+            dump()
+        if variant_major:  # checked, then timed: a later variant that hangs costs only itself
+            for key in shapes:
+                time_row(name, kw, key)
+    for key in "" if variant_major else shapes:
         for name, (kw, _) in vs.items():
             if key == "p" and name not in ("triton-default", "mosaic-default", "mosaic-qk"):
                 continue
-            row = {"variant": name, "shape": SHAPES[key][0]}
-            try:
-                row.update(time_shape(key, kw))
-            except Exception as e:
-                row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-                res["errors"].append(traceback.format_exc()[-1500:])
-            res["times"].append(row)
-            print(json.dumps(row, default=str), flush=True)
-            dump()
-    if group == "mosaic":  # which stage costs what: drop one (wrong results; kernel time only)
-        for key in shapes.replace("p", ""):
-            for drop in ("convert", "copy"):
-                row = {"variant": f"diag-drop-{drop}", "shape": SHAPES[key][0]}
-                try:
-                    row.update(time_diag(key, drop))
-                except Exception as e:
-                    row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-                    res["errors"].append(traceback.format_exc()[-1500:])
-                res["times"].append(row)
-                print(json.dumps(row, default=str), flush=True)
-                dump()
+            time_row(name, kw, key)
     dump()
-
-
-def time_diag(key, drop):
-    """Kernel time of the default Mosaic kernel with one stage dropped (timing only)."""
-    import jax
-    import jax.numpy as jnp
-
-    from dsa_jax.pallas import common
-    from dsa_jax.pallas import sparse_attend as sa
-    from dsa_jax.pallas import sparse_attend_mgpu as mg
-
-    label, b, r, h, w, ctx = SHAPES[key]
-    (lat, kv, tables), sets = time_inputs(b, r, h, w, ctx)
-    t = mg.MgpuTuning()
-    n, c = b * r, 512
-    hb = -(-h // 64)
-    tiles_all = -(-w // t.block_w)
-    splits = mg.num_splits(n * hb, tiles_all, common.sm_count(), t.max_splits)
-    tiles = -(-tiles_all // splits)
-
-    @jax.jit
-    def fn(q, sel):
-        slots = jax.vmap(sa.token_slots, in_axes=(0, 0, None))(sel, tables, 64).reshape(n, w)
-        slots = jnp.pad(slots, ((0, 0), (0, splits * tiles * t.block_w - w)),
-                        constant_values=-1)
-        q16, down = mg.scale_rows_f16(q.reshape(n, h, c))
-        scales = jnp.stack([kv / 16, kv]).astype(jnp.float32)
-        return mg.sparse_attend_mgpu_partials(
-            scales, (1 / down, down), sa.live_extent(slots), q16, slots,
-            lat.reshape(-1, c), splits=splits, tiles=tiles, tuning=t, drop=drop)[0]
-
-    it = iter(range(1 << 30))
-
-    def call():
-        q, sel = sets[next(it) % len(sets)]
-        return fn(q, sel)
-
-    return kernel_times(call, 10)
 
 
 def main():
@@ -401,13 +413,21 @@ def main():
     ap.add_argument("--groups", default="mosaic-smoke,mosaic")
     ap.add_argument("--shapes", default="abp")
     ap.add_argument("--limit-s", default="80,260", help="time limit per group, in order")
+    ap.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, in this process")
     a = ap.parse_args()
+    if a.smoke:
+        run_group("smoke", a.out, "s")
+        with open(a.out) as f:
+            res = {"command": " ".join(sys.argv), "groups": {"smoke": json.load(f)}}
+        print_table(res)
+        bad = [c for c in res["groups"]["smoke"]["checks"] if not c.get("ok")]
+        sys.exit(1 if bad or res["groups"]["smoke"]["errors"] else 0)
     if a.group:
         run_group(a.group, a.out, a.shapes)
         return
     t_start = time.time()
     res = {"command": " ".join(sys.argv), "groups": {}}
-    outdir = os.path.dirname(os.path.abspath(a.out))
+    outdir = tempfile.mkdtemp(prefix="attend-parts-")  # merged into --out: one file comes back
     limits = [int(x) for x in a.limit_s.split(",")]
     for gi, g in enumerate(a.groups.split(",")):
         part = os.path.join(outdir, f"part-{g}.json")
@@ -454,13 +474,16 @@ def print_table(res):
         for c in g.get("checks", []):
             print(f"{c['variant']:22s} {c['case'][:44]:44s} "
                   f"{c.get('max_err_over_bound', float('nan')):8.3g} ok={c.get('ok')} "
+                  f"eq={c.get('equal_to_default', c.get('equal', '-'))} "
                   f"{c.get('error', '')[:60]}")
-    print("\n== times (wall median us, kernel us, TFLOP/s) ==")
+    print("\n== times (wall median us, largest kernel us, all kernels us, TFLOP/s) ==")
     for g in res["groups"].values():
         for t in g.get("times", []):
             ks = t.get("kernels") or [["", 0]]
             print(f"{t['variant']:22s} {t['shape'][:34]:34s} {t.get('median_us', 0):9.1f} "
-                  f"{ks[0][1]:9.1f} {t.get('TFLOPs', 0):6.1f} {t.get('error', '')[:50]}")
+                  f"{ks[0][1]:9.1f} {t.get('total_us', 0):9.1f} {t.get('TFLOPs', 0):6.1f} "
+                  f"{t.get('error', '')[:50]}")
+            print("    " + "; ".join(f"{n[:28]} {v}" for n, v in ks[:5]))
     for k, g in res["groups"].items():
         print(f"group {k}: rc={g.get('rc')} wall={g.get('wall_s', 0):.0f}s")
 

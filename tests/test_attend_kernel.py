@@ -222,3 +222,25 @@ def test_mosaic_arithmetic_meets_the_f16_bound(splits):
                                   tuning=sa.AttendTuning("triton"), block_w=32)
     e16 = np.abs(got - np.asarray(ref)).max()
     assert 0 < e16 < np.abs(np.asarray(tri) - np.asarray(ref)).max()
+
+
+@pytest.mark.parametrize("tuning", [
+    mg.MgpuTuning(), mg.MgpuTuning(persistent=True), mg.MgpuTuning(prep="triton"),
+    mg.MgpuTuning(prep="triton", prep_heads=64, prep_warps=16, persistent=True),
+    mg.MgpuTuning(prep="triton", q_in_kernel=True)])
+def test_mosaic_variants_lower_for_cuda(tuning):
+    """The Mosaic kernel cannot run here, but it lowers (Pallas -> Mosaic GPU MLIR) on any
+    host: each variant traces and lowers at odd shapes (5 heads padded to 64, C = 384, a
+    partial last tile, 3 splits) before it reaches the device."""
+    import functools
+
+    f32, i32 = jnp.float32, jnp.int32
+    fn = functools.partial(sa.sparse_attend_pallas, softmax_scale=0.1, num_splits=3,
+                           tuning=sa.AttendTuning("mosaic", mosaic=tuning))
+    args = (jax.ShapeDtypeStruct((2, 3, 5, 384), f32),
+            jax.ShapeDtypeStruct((30, 16, 384), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((), f32), jax.ShapeDtypeStruct((2, 12), i32),
+            jax.ShapeDtypeStruct((2, 3, 150), i32))
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1
+    assert ("custom_call @__gpu$xla.gpu.triton" in text) == (tuning.prep == "triton")

@@ -23,6 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from dsa_jax.pallas import attend_prep
 from dsa_jax.pallas import sparse_attend_mgpu as mgpu_op
 from dsa_jax.pallas.common import check_triton_addressable, next_pow2, sm_count
 
@@ -306,16 +307,17 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
     n, w = b * r, sel.shape[-1]
     triton_args = any(a is not None for a in (block_h, block_w, compute_dtype, num_warps))
     backend = pick_backend(tuning, latent.dtype, h, c, interpret, triton_args)
-    slots = jax.vmap(token_slots, in_axes=(0, 0, None))(sel, block_tables, bs)  # [B, R, W]
-    slots = slots.reshape(n, w)
     is_fp8 = latent.dtype == jnp.float8_e4m3fn
     kv = jnp.asarray(kv_scale, jnp.float32) if is_fp8 else jnp.float32(1.0)
     if backend == "mosaic":
-        out = _mosaic_attend(q.reshape(n, h, c), latent.reshape(nb * bs, c), kv, slots,
-                             softmax_scale, tuning.mosaic, num_splits, live_rows or n)
+        out = _mosaic_attend(q.reshape(n, h, c), latent.reshape(nb * bs, c), kv, sel,
+                             block_tables, bs, softmax_scale, tuning.mosaic, num_splits,
+                             live_rows or n)
         return out.reshape(b, r, h, c)
 
     check_triton_addressable(latent.shape, latent.dtype, "latent cache")
+    slots = jax.vmap(token_slots, in_axes=(0, 0, None))(sel, block_tables, bs)  # [B, R, W]
+    slots = slots.reshape(n, w)
     compute_dtype = jnp.dtype(compute_dtype or default_compute_dtype(latent.dtype))
     hp2 = next_pow2(max(h, 16))
     tiles_cfg = default_tiles(hp2, compute_dtype)
@@ -372,23 +374,42 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
     return out[:, :h, :c].reshape(b, r, h, c)
 
 
-def _mosaic_attend(q, latent_flat, kv, slots, softmax_scale, t: mgpu_op.MgpuTuning,
-                   num_splits, live_rows):
-    """q [N, H, C] f32, latent_flat [NS, C] fp8, slots [N, W] flat slots -> [N, H, C] f32."""
+def mosaic_inputs_jnp(q, sel, block_tables, block_size: int, *, hp: int, wp: int):
+    """The Mosaic kernel's inputs in jnp (the twin of `attend_prep.prep_pallas`): q [N, H, C]
+    f32, sel [B, R, W] tokens, block_tables [B, MB] -> (q16 [N, Hp, C] f16 scaled by 2^k,
+    up = 2^k [N], down = 2^-k [N], slots [N, Wp] (-1 past W), live [N])."""
+    n, h, _ = q.shape
+    w = sel.shape[-1]
+    slots = jax.vmap(token_slots, in_axes=(0, 0, None))(sel, block_tables, block_size)
+    slots = jnp.pad(slots.reshape(n, w), ((0, 0), (0, wp - w)), constant_values=-1)  # [N, Wp]
+    up, down = mgpu_op.row_scales(q)  # [N] each
+    q16 = (q * up[:, None, None]).astype(jnp.float16)  # [N, H, C]
+    if hp != h:
+        q16 = jnp.pad(q16, ((0, 0), (0, hp - h), (0, 0)))
+    return q16, up, down, slots, live_extent(slots)
+
+
+def _mosaic_attend(q, latent_flat, kv, sel, block_tables, bs, softmax_scale,
+                   t: mgpu_op.MgpuTuning, num_splits, live_rows):
+    """q [N, H, C] f32, latent_flat [NS, C] fp8, sel [B, R, W] tokens -> [N, H, C] f32."""
     n, h, c = q.shape
-    w = slots.shape[1]
+    w = sel.shape[-1]
     hp = -(-h // mgpu_op.HEADS_PER_CTA) * mgpu_op.HEADS_PER_CTA
     tiles_all = -(-w // t.block_w)
     splits = num_splits or mgpu_op.num_splits(live_rows * (hp // mgpu_op.HEADS_PER_CTA),
                                               tiles_all, sm_count(), t.max_splits)
     tiles = -(-tiles_all // splits)
-    slots = jnp.pad(slots, ((0, 0), (0, splits * tiles * t.block_w - w)), constant_values=-1)
-    up, down = mgpu_op.row_scales(q)  # [N] each
-    qk = q if t.q_in_kernel else (q * up[:, None, None]).astype(jnp.float16)  # [N, H, C]
-    if hp != h:
-        qk = jnp.pad(qk, ((0, 0), (0, hp - h), (0, 0)))
+    wp = splits * tiles * t.block_w
+    if t.prep == "triton":
+        qk, up, down, slots, live = attend_prep.prep_pallas(
+            q, sel, block_tables, bs, hp=hp, wp=wp, heads_per_chunk=t.prep_heads,
+            num_warps=t.prep_warps, programs=t.prep_per_sm * sm_count() or None,
+            write_q=not t.q_in_kernel)
+    else:
+        qk, up, down, slots, live = mosaic_inputs_jnp(q, sel, block_tables, bs, hp=hp, wp=wp)
+    if t.q_in_kernel:  # the kernel scales and converts the f32 rows itself
+        qk = q if hp == h else jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
     scales = jnp.stack([kv * softmax_scale, kv]).astype(jnp.float32)  # [2]
     o, m, l = mgpu_op.sparse_attend_mgpu_partials(
-        scales, (up, down), live_extent(slots), qk, slots, latent_flat, splits=splits,
-        tiles=tiles, tuning=t)
+        scales, (up, down), live, qk, slots, latent_flat, splits=splits, tiles=tiles, tuning=t)
     return merge_splits(o, m, l)[:, :h]

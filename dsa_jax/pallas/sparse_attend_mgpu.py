@@ -38,6 +38,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from dsa_jax.pallas.common import sm_count
+
 HEADS_PER_CTA = 64  # the wgmma M of one warpgroup
 _M_INIT = -1e30  # running max before any slot: finite, so an all-empty tile rescales by 1
 _LOG2E = math.log2(math.e)
@@ -45,8 +47,9 @@ _LOG2E = math.log2(math.e)
 
 @dataclasses.dataclass(frozen=True)
 class MgpuTuning:
-    """Tile shape, producer and register split of the Mosaic GPU kernel. The defaults are the
-    fastest variant measured on the H200 (benchmarks/notes.md, h200-attend-run3/4.json).
+    """Tile shape, producer and register split of the Mosaic GPU kernel, and how its inputs are
+    made. The defaults are the fastest variant measured on the H200 (benchmarks/notes.md,
+    h200-attend-run3/4.json; the prep: run6/7).
 
     block_w: slots per tile (wgmma N of the logits, K of P @ V); 64 as FlashMLA.
     stages: fp8 staging buffers the producers may fill ahead of the consumers.
@@ -61,6 +64,16 @@ class MgpuTuning:
     consumer_regs / producer_regs: per-thread register budgets (setmaxnreg) of the two compute
       warpgroups and the producer; 128 * (2 * consumer + producer) <= 65536.
     max_splits: most programs one row's slots are split over (partials cost a merge).
+    prep: how the kernel's inputs (scaled f16 q, padded slots, live extents) are made: "jnp"
+      (~5 XLA passes, q read twice) or "triton" (`attend_prep.prep_pallas`: one launch, q read
+      once; bitwise the same inputs, so the same result; with q_in_kernel it makes all but q).
+    prep_heads / prep_warps: the "triton" prep's heads per load chunk and warps (64 / 16: a
+      64-head row stays in registers, read once).
+    prep_per_sm: the "triton" prep's programs per multiprocessor, each looping over rows
+      (0: one program per row).
+    persistent: one CTA per multiprocessor, each looping over (row, split, head block) items
+      with its pipeline running on across them (else one CTA per item). Measured slower
+      (h200-attend-run6): an option, not the default.
     """
 
     block_w: int = 64
@@ -72,8 +85,19 @@ class MgpuTuning:
     consumer_regs: int = 232
     producer_regs: int = 40
     max_splits: int = 16
+    prep: str = "triton"
+    prep_heads: int = 64
+    prep_warps: int = 16
+    prep_per_sm: int = 0
+    persistent: bool = False
 
     def __post_init__(self):
+        if self.prep not in ("jnp", "triton"):
+            raise ValueError(f"prep={self.prep!r} must be 'jnp' or 'triton'")
+        if self.prep_heads < 1 or self.prep_heads & (self.prep_heads - 1):
+            raise ValueError(f"prep_heads={self.prep_heads} must be a power of two")
+        if self.prep_per_sm < 0:
+            raise ValueError(f"prep_per_sm={self.prep_per_sm} must be >= 0")
         if self.block_w not in (64, 128):
             raise ValueError(f"block_w={self.block_w} must be 64 or 128 (the conversion works "
                              f"on 64-row tiles)")
@@ -140,8 +164,13 @@ def scale_rows_f16(q: jax.Array) -> tuple[jax.Array, jax.Array]:
 def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_ref, zero_ref,
             o_ref, m_ref, l_ref, *, c: int, block_w: int, tiles: int, stages: int, row_pad: int,
             index_group: int, issue_warps: bool, q_in_kernel: bool, consumer_regs: int,
-            producer_regs: int, drop: str):
-    """One (head block, split, row) CTA of 3 warpgroups; see the module docstring.
+            producer_regs: int, drop: str, programs: int, head_blocks: int, splits: int,
+            rows: int):
+    """One (head block, split, row) CTA of 3 warpgroups; see the module docstring. With
+    programs > 0 (persistent), CTA p handles the items p, p + programs, ... of the
+    (row, split, head block) list (head block fastest), its barriers' stages and phases
+    running on across items, so the producer gathers the next item's first tiles while the
+    consumers finish the last one.
 
     scales_ref [2] f32 (logit scale, output scale); qscale_ref, rscale_ref [N] f32 (each row's
     q scale 2^k and 2^-k); live_ref [N] int32; q_ref [N, Hp, C] f16 (already scaled), or f32
@@ -150,11 +179,27 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
     fp8 zeros. Outputs o_ref [N, S, Hp, C] f32 (normalized partial), m_ref, l_ref [N, S, Hp].
     """
     half = c // 2
-    hb, split, row = lax.axis_index("h"), lax.axis_index("s"), lax.axis_index("r")
-    live = live_ref[row]
-    n_tiles = jnp.clip((live + block_w - 1) // block_w - split * tiles, 0, tiles)
-    base0 = split * tiles * block_w
-    heads = pl.ds(hb * HEADS_PER_CTA, HEADS_PER_CTA)
+
+    def item(i):  # -> (head block, split, row, its tiles, its first slot)
+        if programs:
+            hb, rest = lax.rem(i, head_blocks), i // head_blocks
+            split, row = lax.rem(rest, splits), rest // splits
+        else:
+            hb, split, row = lax.axis_index("h"), lax.axis_index("s"), lax.axis_index("r")
+        live = live_ref[row]
+        n_tiles = jnp.clip((live + block_w - 1) // block_w - split * tiles, 0, tiles)
+        return hb, split, row, n_tiles, split * tiles * block_w
+
+    def each_item(body):  # body(item, g) -> g: g counts the tiles of earlier items
+        if not programs:
+            body(item(None), 0)
+            return
+        pid = lax.axis_index("p")
+        trips = (head_blocks * splits * rows - pid + programs - 1) // programs
+        lax.fori_loop(0, trips, lambda i, g: body(item(pid + i * programs), g), jnp.int32(0))
+
+    def step(g, t):  # the global tile index (a plain t without items, as before)
+        return t if isinstance(g, int) and g == 0 else g + t
     swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # f16 wgmma tiles
     # fp32 partial logits, swizzled: the exchange's stores and loads are free of bank conflicts.
     swz32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
@@ -169,9 +214,9 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
     def scoped(q16, st8, kv16, xs, q_bar, full, free, x_full, x_free):
         wg = lax.axis_index("wg")
 
-        @pl.when(wg < 2)
-        def _consumer():
-            plgpu.set_max_registers(consumer_regs, action="increase")
+        def consume(it, g):
+            hb, split, row, n_tiles, base0 = it
+            heads = pl.ds(hb * HEADS_PER_CTA, HEADS_PER_CTA)
             cols = pl.ds(wg * half, half)
             if q_in_kernel:  # fp32 rows -> scaled f16 tile, 64 columns at a time
                 up = qscale_ref[row]
@@ -187,7 +232,7 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
 
             def tile(t, carry):
                 m, l, acc = carry  # [64] WGMMA_ROW, [64], [64, half] WGMMA
-                s = lax.rem(t, stages)
+                s = lax.rem(step(g, t), stages)
                 plgpu.barrier_wait(full.at[s])
                 plgpu.commit_smem()  # every warp's P @ V of tile t - 1 read kv16: now rewrite
                 for j in range(half // 64 if drop != "convert" else 0):
@@ -205,7 +250,7 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
 
                 part = pl.run_scoped(qk, plgpu.ACC((HEADS_PER_CTA, block_w), jnp.float32))
 
-                @pl.when(t > 0)
+                @pl.when(step(g, t) > 0)
                 def _():
                     plgpu.barrier_wait(x_free)  # the other warpgroup read our last partial
 
@@ -246,9 +291,10 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
                 m_ref.at[row, split, heads][...] = m * (1.0 / _LOG2E)
                 l_ref.at[row, split, heads][...] = l
 
-        @pl.when(wg == 2)
-        def _producer():
-            plgpu.set_max_registers(producer_regs, action="decrease")
+            return step(g, n_tiles)
+
+        def produce(it, g):
+            _, _, row, n_tiles, base0 = it
             promise = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
 
             def copy_row(slot, dst, bar):  # one C-byte row; an empty slot copies zeros
@@ -276,9 +322,9 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
                                  full.at[s])
 
             def fill(t, _):
-                s = lax.rem(t, stages)
+                s = lax.rem(step(g, t), stages)
 
-                @pl.when(t >= stages)
+                @pl.when(step(g, t) >= stages)
                 def _():
                     plgpu.barrier_wait(free.at[s])
 
@@ -291,6 +337,17 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
                 return ()
 
             lax.fori_loop(0, n_tiles, fill, ())
+            return step(g, n_tiles)
+
+        @pl.when(wg < 2)
+        def _consumer():
+            plgpu.set_max_registers(consumer_regs, action="increase")
+            each_item(consume)
+
+        @pl.when(wg == 2)
+        def _producer():
+            plgpu.set_max_registers(producer_regs, action="decrease")
+            each_item(produce)
 
     pl.run_scoped(
         scoped,
@@ -308,11 +365,13 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
 
 
 def sparse_attend_mgpu_partials(scales, q_scales, live, q, slots, latent_flat, *, splits: int,
-                                tiles: int, tuning: MgpuTuning = MgpuTuning(), drop: str = ""):
+                                tiles: int, tuning: MgpuTuning = MgpuTuning(), drop: str = "",
+                                sms: int | None = None):
     """The kernel call: q [N, Hp, C] (Hp a multiple of 64): f32 if tuning.q_in_kernel, else
     f16 already scaled (`scale_rows_f16`); q_scales: (2^k, 2^-k) [N] each (`row_scales`);
     slots [N, Wp] int32 flat cache slots with Wp = splits * tiles * block_w; latent_flat
-    [NS, C] fp8; scales [2] (logit, output); live [N] (`live_extent`). drop: "" (always, but
+    [NS, C] fp8; scales [2] (logit, output); live [N] (`live_extent`). sms: multiprocessors
+    for tuning.persistent (default `common.sm_count()`). drop: "" (always, but
     for timing experiments: "convert" or "copy" skips that stage and the result is wrong) ->
     (o [N, S, Hp, C] f32, m [N, S, Hp], l [N, S, Hp])."""
     n, hp, c = q.shape
@@ -335,12 +394,16 @@ def sparse_attend_mgpu_partials(scales, q_scales, live, q, slots, latent_flat, *
         row_pad=tuning.row_pad, index_group=tuning.index_group,
         issue_warps=tuning.issue_warps, q_in_kernel=tuning.q_in_kernel,
         consumer_regs=tuning.consumer_regs, producer_regs=tuning.producer_regs, drop=drop)
+    head_blocks = hp // HEADS_PER_CTA
+    programs = min(head_blocks * splits * n, sms or sm_count()) if tuning.persistent else 0
+    kernel = functools.partial(kernel, programs=programs, head_blocks=head_blocks,
+                               splits=splits, rows=n)
     part = jax.ShapeDtypeStruct((n, splits, hp), jnp.float32)
     return plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((n, splits, hp, c), jnp.float32), part, part),
-        grid=(hp // HEADS_PER_CTA, splits, n),
-        grid_names=("h", "s", "r"),
+        grid=(programs,) if programs else (head_blocks, splits, n),
+        grid_names=("p",) if programs else ("h", "s", "r"),
         num_threads=3,
         thread_name="wg",
         # Lane semantics named explicitly: jax 0.11 made Warpgroup semantics the default.

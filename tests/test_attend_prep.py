@@ -1,0 +1,118 @@
+"""`attend_prep.prep_pallas` (the Mosaic kernel's inputs in one Triton launch) against its jnp
+twin `sparse_attend.mosaic_inputs_jnp`: bitwise (`==` on the bits) in interpret mode, on odd
+shapes and extreme q magnitudes; its Triton lowering for cuda at the bench shapes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsa_jax import testing as T
+from dsa_jax.pallas import attend_prep as ap
+from dsa_jax.pallas import sparse_attend as sa
+from dsa_jax.pallas import sparse_attend_mgpu as mg
+from dsa_jax.pallas.common import KernelLimitError
+
+
+def _extreme_rows(q: np.ndarray) -> np.ndarray:
+    """q [N, H, C] with its rows pushed to the edges of f32 and f16 (N >= 7)."""
+    q = q.copy()
+    q[0] = 0.0  # zero row: scaled as if amax were 1, stays 0
+    q[1] *= 1e-30  # tiny: scaled up by ~2^113
+    q[2] *= 1e-42  # f32 subnormal amax: k clips at 126
+    q[3] *= 1e30  # huge: scaled down
+    q[4, 0, 0] = 65504.0 * 8  # beyond f16 before scaling, one element
+    q[5] = np.float32(2.0 ** 14) * (1 - 2.0 ** -24)  # just under 2^14: k = 0, rounds to 2^14
+    q[6, :, 1::2] = -q[6, :, 1::2] * 3e-5  # mixed magnitudes: f16 subnormals after scaling
+    return q
+
+
+# (B, R, H, C, W, block size, blocks per seq, Hp, Wp, heads per chunk, programs): odd heads
+# (padded heads stored as zeros), C = 384 (3 column chunks), slot padding past W, the whole
+# row kept (chunk >= H) and read in chunks (the second read of each chunk), Hp not a power of
+# two, programs looping over rows (9 rows on 4 programs: the last loop step is partial).
+CASES = [
+    (3, 3, 5, 384, 70, 16, 9, 64, 128, 32, None),
+    (2, 4, 96, 512, 300, 32, 12, 128, 320, 32, 3),
+    (2, 4, 96, 512, 300, 32, 12, 128, 320, 128, None),
+    (7, 1, 160, 128, 37, 8, 6, 192, 64, 256, 4),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_prep_is_bitwise_the_jnp_twin(case):
+    b, r, h, c, w, bs, mb, hp, wp, chunk, programs = CASES[case]
+    q, _, _, tables, sel = T.attend_inputs(50 + case, b, r, h, c, w, bs, mb, "float8_e4m3fn",
+                                           empty=[(1, 0)])
+    q = jnp.asarray(_extreme_rows(np.asarray(q).reshape(b * r, h, c)))
+    got = ap.prep_pallas(q, sel, tables, bs, hp=hp, wp=wp, heads_per_chunk=chunk,
+                         programs=programs, interpret=True)
+    want = sa.mosaic_inputs_jnp(q, sel, tables, bs, hp=hp, wp=wp)
+    T.assert_trees_bitwise_equal(got, want)
+    no_q = ap.prep_pallas(q, sel, tables, bs, hp=hp, wp=wp, heads_per_chunk=chunk,
+                          programs=programs, write_q=False, interpret=True)
+    assert no_q[0] is None
+    T.assert_trees_bitwise_equal(no_q[1:], want[1:])
+    q16, up, down, slots, live = (np.asarray(x) for x in got)
+    assert np.isfinite(q16.astype(np.float32)).all() and (q16[:, h:] == 0).all()
+    # Every row with a normal amax is scaled into [2^13, 2^14] (2^14 after rounding up); row
+    # 2's f32 subnormals may be flushed to zero on the CPU, in the twin as in the kernel.
+    amax16 = np.abs(q16.astype(np.float32)).max(axis=(1, 2))
+    assert ((amax16[3:] >= 2.0 ** 13) & (amax16[3:] <= 2.0 ** 14)).all() and amax16[1] >= 2 ** 13
+    assert up[0] == 2.0 ** 13 and up[2] in (2.0 ** 126, 2.0 ** 13)  # row 2 kept / flushed
+    assert (slots[:, w:] == -1).all() and (live[1 * r] == 0)  # padding; the empty row
+
+
+def test_scale_exponent_is_frexps():
+    """The exponent from the amax bits equals the twin's frexp rule, across f32's range."""
+    e = np.arange(-149, 128, dtype=np.float64)
+    vals = np.concatenate([2.0 ** e, 2.0 ** e * 1.75, 2.0 ** e * (1 - 2.0 ** -24)])
+    vals = np.concatenate([vals[np.isfinite(vals.astype(np.float32))], [0.0, np.inf]])
+    a = jnp.asarray(vals, jnp.float32)
+    up, down = mg.row_scales(a[:, None, None])
+    k = ap.scale_exponent(a)
+    np.testing.assert_array_equal(np.asarray(jnp.ldexp(jnp.ones_like(a), k)), np.asarray(up))
+    np.testing.assert_array_equal(np.asarray(ap._pow2_bits(-k)), np.asarray(down))
+
+
+def test_prep_refuses_bad_arguments():
+    q = jnp.zeros((4, 5, 128), jnp.float32)
+    sel = jnp.zeros((2, 2, 10), jnp.int32)
+    tables = jnp.zeros((2, 3), jnp.int32)
+    with pytest.raises(ValueError, match="heads_per_chunk=24"):
+        ap.prep_pallas(q, sel, tables, 8, hp=64, wp=64, heads_per_chunk=24)
+    with pytest.raises(ValueError, match="hp=4"):
+        ap.prep_pallas(q, sel, tables, 8, hp=4, wp=64)
+    with pytest.raises(ValueError, match="wp=40"):
+        ap.prep_pallas(q, sel, tables, 8, hp=64, wp=40)
+    with pytest.raises(ValueError, match="programs=0"):
+        ap.prep_pallas(q, sel, tables, 8, hp=64, wp=64, programs=0)
+    with pytest.raises(ValueError, match="does not match"):
+        ap.prep_pallas(q, sel[:1], tables, 8, hp=64, wp=64)
+    # 65536 rows x 64 heads x 512 as f16: 2^31 elements in 4 GiB, past 32-bit offsets.
+    big = jax.ShapeDtypeStruct((65536, 64, 512), jnp.float32)
+    with pytest.raises(KernelLimitError, match="attend prep q16"):
+        jax.eval_shape(lambda q: ap.prep_pallas(q, jnp.zeros((65536, 1, 8), jnp.int32),
+                                                jnp.zeros((65536, 1), jnp.int32), 8, hp=64,
+                                                wp=16), big)
+    for bad, match in ((dict(prep="xla"), "prep='xla'"), (dict(prep_heads=48), "48"),
+                       (dict(prep_per_sm=-1), "prep_per_sm=-1")):
+        with pytest.raises(ValueError, match=match):
+            mg.MgpuTuning(**bad)
+
+
+@pytest.mark.parametrize("shape,chunk,programs", [((64, 1, 64, 2051, 256, 64, 2176), 32, None),
+                                                  ((128, 2, 128, 2048, 256, 128, 2048), 32, 132)])
+def test_prep_lowers_for_cuda(shape, chunk, programs):
+    """The Triton lowering refuses what interpret mode accepts: lower at the bench shapes."""
+    b, r, h, w, mb, hp, wp = shape
+    f32, i32 = jnp.float32, jnp.int32
+
+    def fn(q, sel, tables):
+        return ap.prep_pallas(q, sel, tables, 64, hp=hp, wp=wp, heads_per_chunk=chunk,
+                              programs=programs)
+
+    args = (jax.ShapeDtypeStruct((b * r, h, 512), f32), jax.ShapeDtypeStruct((b, r, w), i32),
+            jax.ShapeDtypeStruct((b, mb), i32))
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "custom_call @__gpu$xla.gpu.triton" in text
