@@ -89,7 +89,19 @@ def case_bitwise(smoke: bool) -> dict:
                 "written_elements": int((as_bytes(b) != as_bytes(pool)).sum()),
                 "elements_kernel_ne_twin": int((as_bytes(b) != as_bytes(x)).sum())}
     out["timing"] = time_writes(smoke)
+    out["widen_view_hlo"] = widen_view_hlo()
     return out
+
+
+def widen_view_hlo() -> dict:
+    """Is an fp8 pool viewed as 32-bit words (`lax.bitcast_convert_type` over [.., C/4, 4])
+    a free bitcast in the compiled program, or a pass over the pool (XLA's
+    BitcastDtypesExpander: shifts and a reduce)? Compiled only."""
+    struct = jax.ShapeDtypeStruct((4096, BS, C), jnp.float8_e4m3fn)
+    f = jax.jit(lambda p: lax.bitcast_convert_type(p.reshape(-1, C // 4, 4), jnp.uint32))
+    text = f.lower(struct).compile().as_text()
+    ops = ("reduce(", "shift-left(", "bitcast-convert(", "fusion(")
+    return {op.rstrip("("): text.count(op) for op in ops}
 
 
 def time_writes(smoke: bool) -> dict:
