@@ -235,9 +235,9 @@ def case_pool(nb: int, smoke: bool, tuning=AUTO) -> dict:
 # ------------------------------------------------------------------ the model at B=64
 
 def case_model(smoke: bool) -> dict:
-    from benchmarks.loop_checks import FORWARD_JITS, model, random_serving
-    from dsa_jax import serve
-    from dsa_jax.model import unfold_state
+    from benchmarks.loop_checks import model, random_serving
+    from dsa_jax import bitwise_jit, serve
+    from dsa_jax.model import forward, forward_unrolled, unfold_state
     from dsa_jax.shapes import glm53_flash, tiny
 
     if smoke:
@@ -258,7 +258,10 @@ def case_model(smoke: bool) -> dict:
     tokens = jnp.asarray(np.random.default_rng(seed).integers(0, vocab, (b, cfg.max_verify)),
                          jnp.int32)
     one = jnp.ones((b,), jnp.int32)
-    scanned, unrolled = FORWARD_JITS
+    # Both under BITWISE_OPTIONS (split-K 1): their GEMMs then sum alike, so the layers' new
+    # rows and the logits are expected equal bit for bit.
+    scanned = bitwise_jit(forward, static_argnums=0, donate_argnums=2)
+    unrolled = bitwise_jit(forward_unrolled, static_argnums=0, donate_argnums=2)
     pool_bytes = int(ms.latent.size * ms.latent.dtype.itemsize)
     compiled = scanned.lower(mcfg, stacked, ms, tokens, one).compile()
     try:
@@ -283,6 +286,8 @@ def case_model(smoke: bool) -> dict:
         u = np.asarray(st2[l].latent[blk, off]).astype(np.float32)
         out["layers"].append({"rows_far_apart": int(((a != u).mean(axis=1) > 0.5).sum()),
                               "elements_differing": int((a != u).sum())})
+    out["logits_equal_bitwise"] = bool((np.asarray(la) == np.asarray(lu)).all())
+    out["new_rows_equal_bitwise"] = not any(x["elements_differing"] for x in out["layers"])
     la, lu = np.asarray(la[:, 0], np.float64), np.asarray(lu[:, 0], np.float64)  # [B, V]
     out["tokens_equal"] = int((la.argmax(-1) == lu.argmax(-1)).sum())
     out["logits_max_abs_diff"] = float(np.abs(la - lu).max())
