@@ -370,7 +370,7 @@ def main():
         except Exception as e:  # noqa: BLE001 - recorded; the driver goes on
             res = {"error": f"{type(e).__name__}: {str(e)[:400]}",
                    "trace": traceback.format_exc()[-1500:]}
-        with open(os.path.join(a.out, f"{a.case}.json"), "w") as f:
+        with open(os.path.join(a.out, f"{a.case.replace('+', 'plus')}.json"), "w") as f:
             json.dump(res, f, indent=1)
         return
     res = {"device": str(jax.devices()[0]), "jax": jax.__version__, "smoke": a.smoke,
@@ -388,7 +388,7 @@ def main():
             rc, tail = p.returncode, (p.stdout + p.stderr)[-1500:]
         except subprocess.TimeoutExpired:
             rc, tail = "timeout", ""
-        path = os.path.join(a.out, f"{name}.json")
+        path = os.path.join(a.out, f"{name.replace('+', 'plus')}.json")
         case = json.load(open(path)) if os.path.exists(path) else {}
         if rc != 0:
             case.update(rc=rc, log_tail=tail)
