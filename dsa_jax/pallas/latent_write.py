@@ -31,7 +31,7 @@ from dsa_jax.pallas.common import (
     with_overrides,
 )
 
-STORES = ("auto", "kernel", "xla", "words")
+STORES = ("auto", "kernel", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,9 +43,7 @@ class LatentWriteTuning:
       to the kernel's output; refused with `KernelLimitError` where its offsets would wrap),
       "xla" (the kernel returns the rows `[N, C]`, an XLA scatter stores them), or "auto" (the
       default): "kernel" unless `triton_offsets_wrap` says the cache needs "xla". The rule is
-      fixed; both give the same bytes. "words" (being measured, not chosen by "auto"): the
-      kernel stores packed unsigned words into the cache viewed as words (`word_view`), whose
-      offsets stay 4x smaller."""
+      fixed; both give the same bytes."""
     num_warps: int = 2
     store: str = "auto"
 
@@ -107,43 +105,6 @@ def _write_kernel(scale_ref, w_ref, raw_ref, slots_ref, *refs, width: int, eps: 
     plt.store(out_ref.at[jnp.maximum(slot, 0), cols], stored, mask=in_width & (slot >= 0))
 
 
-def word_view(c: int, dtype) -> tuple[jnp.dtype, int]:
-    """The unsigned word a row of `c` elements of `dtype` is stored in, and the elements per
-    word: the widest of 4, 2, 1 bytes that divides the row and holds whole elements."""
-    item = jnp.dtype(dtype).itemsize
-    for word in (4, 2, 1):
-        if word >= item and (c * item) % word == 0:
-            return jnp.dtype(f"uint{8 * word}"), word // item
-    raise ValueError(f"no word type holds {item}-byte elements")
-
-
-def _words_kernel(scale_ref, w_ref, raw_ref, slots_ref, _words_in, out_ref, *, width: int,
-                  eps: float, dtype, per_word: int):
-    """`_write_kernel`'s values, stored as words: out_ref [NS, C / k] (k = per_word) is the
-    cache viewed as words (aliased). The row's scale comes from the 1-D row as in
-    `_rms_norm`; the values are the same elementwise fp32 ops on the row laid out as
-    [words, k], packed little-endian (element j of a word in its bits 8 * itemsize * j...)."""
-    i = pl.program_id(0)
-    cp = next_pow2(width)
-    cols = jnp.arange(cp, dtype=jnp.int32)  # [Cp]
-    raw = plt.load(raw_ref.at[i, cols], mask=cols < width, other=0.0)  # [Cp]
-    inv = lax.rsqrt(jnp.sum(raw * raw) / width + eps)
-    nw = width // per_word
-    wcols = jnp.arange(next_pow2(nw), dtype=jnp.int32)  # [Cwp]
-    lanes = jnp.arange(per_word, dtype=jnp.int32)  # [k]
-    cols2 = wcols[:, None] * per_word + lanes[None, :]  # [Cwp, k]
-    in2 = jnp.broadcast_to((wcols < nw)[:, None], cols2.shape)
-    raw2 = plt.load(raw_ref.at[i, cols2], mask=in2, other=0.0)  # [Cwp, k]
-    w2 = plt.load(w_ref.at[cols2], mask=in2, other=0.0)  # [Cwp, k]
-    stored = quantize(w2 * raw2 * inv, scale_ref[0], dtype)  # [Cwp, k]
-    bits = jnp.dtype(dtype).itemsize * 8
-    codes = lax.bitcast_convert_type(stored, jnp.dtype(f"uint{bits}")).astype(jnp.uint32)
-    shifts = jnp.broadcast_to((lanes * bits).astype(jnp.uint32)[None, :], cols2.shape)
-    words = jnp.sum(lax.shift_left(codes, shifts), axis=1).astype(out_ref.dtype)  # [Cwp]
-    slot = slots_ref[i]
-    plt.store(out_ref.at[jnp.maximum(slot, 0), wcols], words, mask=(wcols < nw) & (slot >= 0))
-
-
 def pick_store(tuning: LatentWriteTuning, cache_shape, cache_dtype) -> str:
     """"kernel" or "xla" for a cache `[NB, bs, C]` (`LatentWriteTuning.store`'s rule); an
     explicit "kernel" the kernel cannot address raises `KernelLimitError`."""
@@ -151,11 +112,6 @@ def pick_store(tuning: LatentWriteTuning, cache_shape, cache_dtype) -> str:
     if tuning.store == "kernel":
         check_triton_addressable(cache_shape, cache_dtype, "latent cache")
         return "kernel"
-    if tuning.store == "words":
-        wdt, k = word_view(c, cache_dtype)
-        check_triton_addressable((nb * bs, c // k), wdt,
-                                 f"latent cache {tuple(cache_shape)} as words")
-        return "words"
     if tuning.store == "xla" or triton_offsets_wrap((nb * bs, c), cache_dtype):
         return "xla"
     return "kernel"
@@ -190,18 +146,6 @@ def latent_write_pallas(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
     operands = [scale, norm_w.astype(jnp.float32), kv_raw.reshape(n, c).astype(jnp.float32),
                 slots]
     params = plt.CompilerParams(num_warps=tuning.num_warps, num_stages=1)
-    if store == "words":
-        wdt, k = word_view(c, latent.dtype)
-        flat = latent.reshape(nb * bs, c // k, k) if k > 1 else latent.reshape(nb * bs, c)
-        words = lax.bitcast_convert_type(flat, wdt)  # [NS, C / k]
-        out = pl.pallas_call(
-            functools.partial(_words_kernel, width=c, eps=eps, dtype=latent.dtype,
-                              per_word=k),
-            grid=(n,), in_specs=[pl.BlockSpec()] * 5, out_specs=pl.BlockSpec(),
-            out_shape=jax.ShapeDtypeStruct(words.shape, wdt), input_output_aliases={4: 0},
-            compiler_params=params, interpret=interpret, name="latent_write_words",
-        )(*operands, words)
-        return lax.bitcast_convert_type(out, latent.dtype).reshape(nb, bs, c)
     if store == "xla":
         rows = pl.pallas_call(
             kernel, grid=(n,),
