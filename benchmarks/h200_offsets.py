@@ -100,7 +100,7 @@ def widen_view_hlo() -> dict:
     struct = jax.ShapeDtypeStruct((4096, BS, C), jnp.float8_e4m3fn)
     f = jax.jit(lambda p: lax.bitcast_convert_type(p.reshape(-1, C // 4, 4), jnp.uint32))
     text = f.lower(struct).compile().as_text()
-    ops = ("reduce(", "shift-left(", "bitcast-convert(", "fusion(")
+    ops = ("reduce(", "shift-left(", "bitcast-convert(", "fusion(", "copy(", "bitcast(")
     return {op.rstrip("("): text.count(op) for op in ops}
 
 
