@@ -34,9 +34,10 @@ def quantize(c: jax.Array, scale: jax.Array, dtype) -> jax.Array:
 # jax's Pallas Triton lowering computes element offsets in 32-bit integers for any array of at
 # most 2**32 bytes (64-bit only above), so an array of 2**31 or more elements in that range
 # (fp8: 2..4 GiB; bf16: exactly 4 GiB) is addressed with offsets that wrap: an H200 run wrote
-# out of bounds (benchmarks/results/h200-offsets-20261130.json). No zero-copy wider view helps:
-# Pallas Triton cannot bitcast a ref, and XLA expands a width-changing `bitcast_convert_type`
-# into a pass over the whole array (benchmarks/notes.md).
+# out of bounds (benchmarks/results/h200-offsets-20261130.json). Pallas Triton cannot bitcast
+# a ref; a word view made in jnp is a free bitcast on the GPU, but a write packing words there
+# stored other bits than the per-element kernel (h200-offsets-20261201-run2.json), so the
+# latent write stores through XLA in that zone (latent_write.py) and the Triton attend refuses.
 class KernelLimitError(ValueError):
     """An array a kernel cannot address correctly; raised while tracing, before anything
     runs."""
