@@ -10,7 +10,9 @@ case in its own subprocess (an illegal address poisons the CUDA context):
 
 - bitwise: the XLA-stored write == the kernel-stored one (today's kernel, in place) byte for
   byte on small pools (fp8 / bf16 / fp32, C = 512 and 511, random rows, poisoned pool,
-  invalid rows); the two timed side by side (20 writes in one program, per write).
+  invalid rows); the two timed side by side (20 writes in one program, per write); whether
+  the pool viewed as 32-bit words compiles to a bitcast (the word store measured at tree
+  8e4e631, h200-offsets-20261201-run2.json, and not kept).
 - pool-3GiB / pool-4GiB / pool-4GiB+1 (fp8, [NB, 64, 512]): the write (default rule: XLA
   store in the zone, kernel store past 2**32 bytes) puts 128 random rows into two blocks of the
   top GiB (one the pool's last) of a poisoned pool: rows `==` the kernel's on a small pool,
@@ -20,9 +22,10 @@ case in its own subprocess (an illegal address poisons the CUDA context):
   tests/test_attend_kernel.py.
 - model-b64: the `loop-b64-l8` model (GLM-5.3-Flash blocks, 8 layers, 64 sequences x 16K, fp8:
   a stacked pool of exactly 2**32 bytes) one decode forward, scanned (stacked pool) against
-  the unrolled stack (per-layer pools of 512 MiB, below the zone): no byte of the stacked pool
-  outside the new rows changed, the new rows alike (`loop_checks.check_written_rows`'
-  measure), tokens; the scanned program's memory analysis.
+  the unrolled stack (per-layer pools of 512 MiB, below the zone), both under BITWISE_OPTIONS:
+  no byte of the stacked pool outside the new rows changed, the new rows alike
+  (`loop_checks.check_written_rows`' measure, and bit for bit), tokens, logits; the scanned
+  program's memory analysis.
 
     CUDA_VISIBLE_DEVICES=0 PYTHONPATH=. python3 benchmarks/h200_offsets.py --out $OUT/offsets
     PYTHONPATH=. python3 benchmarks/h200_offsets.py --smoke --out /tmp/offsets  (CPU, tiny)
