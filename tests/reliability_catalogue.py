@@ -19,7 +19,7 @@ from dsa_jax.engine import BlockAllocator, Engine, EngineError, ModelConfig, Out
 from dsa_jax.implementation import ImplementationError, resolve
 from dsa_jax.model import ModelError, fold_states
 from dsa_jax.pallas.common import KernelLimitError
-from dsa_jax.pallas.latent_write import latent_write_pallas
+from dsa_jax.pallas.sparse_attend import sparse_attend_pallas
 from dsa_jax.sampling import Sampling, SamplingError
 from dsa_jax.serve import ServeError
 from dsa_jax.shapes import ODD
@@ -255,14 +255,14 @@ CASES = [
      r"shards must be a positive integer dividing num_seqs 2 and num_blocks 24, got 5",
      lambda c: dsa_jax.init_state(ODD, 2, shards=5)),
     # ---- entry points (prefill / decode / decode_k / write_kv_row / rewind / prepare_step)
-    ("kernel.triton-offsets", "a latent cache the Pallas Triton kernels would address with "
-     "wrapping 32-bit offsets (2**31+ elements, at most 2**32 bytes)", KernelLimitError,
+    ("kernel.triton-offsets", "a latent cache the Pallas Triton gather-attend would address "
+     "with wrapping 32-bit offsets (2**31+ elements, at most 2**32 bytes)", KernelLimitError,
      r"latent cache \(65536, 64, 512\) float8_e4m3fn is 2147483648 bytes: the Pallas Triton "
      r"kernels address arrays of at most 4294967296 bytes with 32-bit offsets",
-     lambda c: jax.eval_shape(lambda lat: latent_write_pallas(
-         jnp.ones((1, 1, 512)), jnp.ones(512), lat, jnp.float32(1.0),
-         jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), bool),
-         eps=1e-6, interpret=True), jax.ShapeDtypeStruct((65536, 64, 512), jnp.float8_e4m3fn))),
+     lambda c: jax.eval_shape(lambda lat: sparse_attend_pallas(
+         jnp.ones((1, 1, 8, 512)), lat, jnp.float32(1.0), jnp.zeros((1, 1), jnp.int32),
+         jnp.zeros((1, 1, 4), jnp.int32), softmax_scale=0.1, interpret=True),
+         jax.ShapeDtypeStruct((65536, 64, 512), jnp.float8_e4m3fn))),
     ("step.kind", "prepare_step with an unknown kind", layer.StepError,
      r"step kind 'chunk' is not one of",
      lambda c: layer.prepare_step(ODD, c.w, c.state, x_rows(2, 3), kind="chunk")),

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from dsa_jax import testing as T
-from dsa_jax.pallas.common import KernelLimitError
+from dsa_jax.pallas import latent_write as lw
+from dsa_jax.pallas.common import KernelLimitError, triton_offsets_wrap
 from dsa_jax.pallas.latent_write import latent_write_pallas
 from dsa_jax.pallas.sparse_attend import sparse_attend_pallas
 
@@ -75,6 +76,98 @@ def test_positions_past_the_cache_write_nothing(impl):
     assert {tuple(map(int, x)) for x in pools} == {(0, 3), (1, 3)}
 
 
+def _bytes(a) -> np.ndarray:
+    a = jnp.asarray(a)
+    return np.asarray(jax.lax.bitcast_convert_type(a, jnp.dtype(f"uint{8 * a.dtype.itemsize}")))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("c", [23, 24, 64])
+def test_xla_store_writes_the_kernels_bytes(dtype, c):
+    """The write's XLA store (the rows computed by the kernel, scattered by XLA: what a cache
+    of 2..4 GiB of fp8 gets) stores exactly the bytes of the kernel's in-place store: random
+    rows, odd widths, a poisoned cache, invalid rows, permuted tables."""
+    args = T.latent_write_inputs(c + 100, dtype, c)
+    cache = args[2]
+    kernel = latent_write_pallas(*args, eps=1e-5, interpret=True,
+                                 tuning=lw.LatentWriteTuning(store="kernel"))
+    xla = latent_write_pallas(*args, eps=1e-5, interpret=True,
+                              tuning=lw.LatentWriteTuning(store="xla"))
+    assert (_bytes(xla) == _bytes(kernel)).all()
+    written = (_bytes(kernel) != _bytes(cache)).any(-1)  # [NB, bs]
+    assert 0 < written.sum() < written.size / 2
+
+
+# (cache shape, dtype, offsets wrap): 2**31 elements of fp8 (2 GiB) through exactly 2**32 bytes
+# wrap; past 2**32 bytes the lowering switches to 64-bit offsets.
+ZONE = [
+    ((65535, 64, 512), jnp.float8_e4m3fn, False),  # one block below 2**31 elements
+    ((65536, 64, 512), jnp.float8_e4m3fn, True),  # 2 GiB: offsets reach 2**31
+    ((98304, 64, 512), jnp.float8_e4m3fn, True),  # 3 GiB (the first H200 failure)
+    ((131072, 64, 512), jnp.float8_e4m3fn, True),  # 4 GiB: the B=64 x 16K x 8-layer pool
+    ((131073, 64, 512), jnp.float8_e4m3fn, False),  # past 2**32 bytes: 64-bit offsets
+    ((65536, 64, 512), jnp.bfloat16, True),  # exactly 2**31 elements, 2**32 bytes
+    ((65536, 64, 512), jnp.float32, False),  # 2**30 elements
+]
+
+
+@pytest.mark.parametrize("shape,dtype,wraps", ZONE)
+def test_store_rule_follows_the_offset_limit(shape, dtype, wraps):
+    """The addressing rule itself, at sizes past 2**31 (nothing allocated): where Triton's
+    offsets would wrap the write stores through XLA, elsewhere in place; an explicit kernel
+    store there is refused."""
+    nb, bs, c = shape
+    assert triton_offsets_wrap(shape, dtype) == wraps
+    assert triton_offsets_wrap((nb * bs, c), dtype) == wraps  # the flat view the kernel sees
+    assert lw.pick_store(lw.LatentWriteTuning(), shape, dtype) == ("xla" if wraps else "kernel")
+    assert lw.pick_store(lw.LatentWriteTuning(store="xla"), shape, dtype) == "xla"
+    if wraps:
+        with pytest.raises(KernelLimitError, match=r"latent cache .* bytes: the Pallas Triton"):
+            lw.pick_store(lw.LatentWriteTuning(store="kernel"), shape, dtype)
+
+
+def _write_call(store="auto"):
+    kv = jax.random.normal(jax.random.key(0), (2, 3, 512))
+    # The top blocks of a 4 GiB pool: flat rows up to 2**23 - 1, byte offsets past 2**31.
+    table = jnp.asarray([[131071, 131070], [0, 98304]], jnp.int32)
+    pos = jnp.asarray([[126, 127, 64], [0, 1, 64]], jnp.int32)
+    valid = jnp.ones((2, 3), bool)
+    return lambda c: latent_write_pallas(kv, jnp.ones(512), c, jnp.float32(1.0), table, pos,
+                                         valid, eps=1e-6, interpret=True,
+                                         tuning=lw.LatentWriteTuning(store=store))
+
+
+@pytest.mark.parametrize("nb,zone", [(131072, True), (98304, True), (131073, False),
+                                     (1024, False)])
+def test_no_triton_kernel_gets_a_cache_it_cannot_address(nb, zone):
+    """Traced only (no memory): in the zone, the write's Pallas call sees only the rows
+    `[N, C]` and a scatter stores them at the rows' flat slots (here in the top GiB: byte
+    offsets past 2**31, which XLA addresses); elsewhere the kernel gets the cache aliased."""
+    cache = jax.ShapeDtypeStruct((nb, 64, 512), jnp.float8_e4m3fn)
+    jaxpr = jax.make_jaxpr(_write_call())(cache)
+    eqns = list(jaxpr.jaxpr.eqns)
+    calls = [e for e in eqns if e.primitive.name == "pallas_call"]
+    assert len(calls) == 1
+    biggest = max(int(np.prod(v.aval.shape)) for v in calls[0].invars)
+    scatters = [e for e in eqns if e.primitive.name.startswith("scatter")]
+    if zone:
+        assert biggest == 6 * 512 and len(scatters) == 1  # the rows [N, C], no cache
+    else:
+        assert biggest == nb * 64 * 512 and not scatters
+    assert jax.eval_shape(_write_call(), cache).shape == cache.shape
+
+
+def test_flat_slots_past_2_31_bytes():
+    """The row indices the scatter gets for the last blocks of a 4 GiB fp8 pool: exact int32
+    rows (below 2**23), whose byte offsets (row * 512) are past 3 * 2**30 (32-bit: negative)."""
+    table = jnp.asarray([[131071, 131070], [0, 98304]], jnp.int32)
+    pos = jnp.asarray([[126, 127, 64], [0, 1, 64]], jnp.int32)
+    got = np.asarray(lw.flat_slots(pos, jnp.ones((2, 3), bool), table, 64))
+    want = np.asarray([[131070 * 64 + 62, 131070 * 64 + 63, 131070 * 64],
+                       [0, 1, 98304 * 64]])
+    assert (got == want).all() and int(got.max()) * 512 > 2 ** 31 + 2 ** 30
+
+
 @pytest.mark.parametrize("nb,dtype,refused", [
     (65536, jnp.float8_e4m3fn, True),  # 2 GiB of fp8: offsets reach 2**31
     (131072, jnp.float8_e4m3fn, True),  # 4 GiB: the 64-bit switch needs more than 2**32 bytes
@@ -84,17 +177,15 @@ def test_positions_past_the_cache_write_nothing(impl):
 ])
 def test_triton_kernels_refuse_a_cache_their_offsets_would_wrap(nb, dtype, refused):
     """A latent cache of 2**31 or more elements and at most 2**32 bytes is refused by the
-    Triton write and gather-attend before anything runs (traced only: no memory is used);
-    one block fewer or more passes."""
+    Triton gather-attend and by the write's in-place kernel store (store="kernel") before
+    anything runs (traced only: no memory is used); one block fewer or more passes. The
+    write's default store takes such a cache (through XLA)."""
     cache = jax.ShapeDtypeStruct((nb, 64, 512), dtype)
-    kv = jax.random.normal(jax.random.key(0), (1, 1, 512))
-    table = jnp.zeros((1, 1), jnp.int32)
-    pos, valid = jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), bool)
     q = jax.random.normal(jax.random.key(1), (1, 1, 8, 512))
     sel = jnp.zeros((1, 1, 4), jnp.int32)
+    table = jnp.zeros((1, 1), jnp.int32)
     calls = [
-        lambda c: latent_write_pallas(kv, jnp.ones(512), c, jnp.float32(1.0), table, pos,
-                                      valid, eps=1e-6, interpret=True),
+        _write_call("kernel"),
         lambda c: sparse_attend_pallas(q, c, jnp.float32(1.0), table, sel, softmax_scale=0.1,
                                        interpret=True),
     ]
@@ -105,3 +196,4 @@ def test_triton_kernels_refuse_a_cache_their_offsets_would_wrap(nb, dtype, refus
                 jax.eval_shape(call, cache)
         else:
             jax.eval_shape(call, cache)
+    jax.eval_shape(_write_call(), cache)

@@ -34,7 +34,10 @@ def quantize(c: jax.Array, scale: jax.Array, dtype) -> jax.Array:
 # jax's Pallas Triton lowering computes element offsets in 32-bit integers for any array of at
 # most 2**32 bytes (64-bit only above), so an array of 2**31 or more elements in that range
 # (fp8: 2..4 GiB; bf16: exactly 4 GiB) is addressed with offsets that wrap: an H200 run wrote
-# out of bounds (benchmarks/results/h200-offsets-20261130.json).
+# out of bounds (benchmarks/results/h200-offsets-20261130.json). Pallas Triton cannot bitcast
+# a ref; a word view made in jnp is a free bitcast on the GPU, but a write packing words there
+# stored other bits than the per-element kernel (h200-offsets-20261201-run2.json), so the
+# latent write stores through XLA in that zone (latent_write.py) and the Triton attend refuses.
 class KernelLimitError(ValueError):
     """An array a kernel cannot address correctly; raised while tracing, before anything
     runs."""
@@ -44,14 +47,24 @@ TRITON_OFFSET_ELEMENTS = 2 ** 31
 TRITON_64BIT_BYTES = 2 ** 32
 
 
-def check_triton_addressable(shape, dtype, what: str) -> None:
-    """Raise `KernelLimitError`, before anything runs, if a Pallas Triton kernel would address an
-    array of `shape` and `dtype` with 32-bit offsets that wrap (module constants)."""
+def triton_offsets_wrap(shape, dtype) -> bool:
+    """Whether a Pallas Triton kernel would address an array of `shape` and `dtype` with 32-bit
+    element offsets that wrap: 2**31 or more elements (conservative by one: the last offset
+    is elements - 1) in at most 2**32 bytes."""
     elements = 1
     for d in shape:
         elements *= int(d)
     nbytes = elements * jnp.dtype(dtype).itemsize
-    if elements >= TRITON_OFFSET_ELEMENTS and nbytes <= TRITON_64BIT_BYTES:
+    return elements >= TRITON_OFFSET_ELEMENTS and nbytes <= TRITON_64BIT_BYTES
+
+
+def check_triton_addressable(shape, dtype, what: str) -> None:
+    """Raise `KernelLimitError`, before anything runs, if a Pallas Triton kernel would address an
+    array of `shape` and `dtype` with 32-bit offsets that wrap (`triton_offsets_wrap`)."""
+    if triton_offsets_wrap(shape, dtype):
+        nbytes = jnp.dtype(dtype).itemsize
+        for d in shape:
+            nbytes *= int(d)
         raise KernelLimitError(
             f"{what} {tuple(shape)} {jnp.dtype(dtype).name} is {nbytes} bytes: the Pallas "
             f"Triton kernels address arrays of at most {TRITON_64BIT_BYTES} bytes with 32-bit "

@@ -3,6 +3,13 @@
 `c = w * v / sqrt(mean(v^2) + eps)` of the raw `kv_a` output `v`, stored at
 `table[t // bs] * bs + t % bs` as `clip(c / s, -448, 448)` in float8_e4m3fn (per-tensor scale
 `s`), or cast for a bf16 / fp32 cache. Rows that are not valid write nothing.
+
+Where the Pallas Triton kernel cannot address the cache (`common.triton_offsets_wrap`: an fp8
+cache of 2..4 GiB, whose element offsets it would compute in 32 bits and wrap), the same
+kernel computes the rows into a small `[N, C]` buffer and XLA stores them with a scatter
+(64-bit addressing; on the GPU in place, the cache donated). The stored bytes are the same
+either way: the kernel's values are computed by the same code, only the store differs
+(`LatentWriteTuning.store`; tests/test_write_kernels.py).
 """
 
 from __future__ import annotations
@@ -16,15 +23,33 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from dsa_jax.pallas.common import check_triton_addressable, next_pow2, quantize, with_overrides
+from dsa_jax.pallas.common import (
+    check_triton_addressable,
+    next_pow2,
+    quantize,
+    triton_offsets_wrap,
+    with_overrides,
+)
+
+STORES = ("auto", "kernel", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
 class LatentWriteTuning:
     """Launch parameters of `latent_write_pallas` (one program per row).
 
-    num_warps: warps per program, each program storing one row of C values."""
+    num_warps: warps per program, each program storing one row of C values.
+    store: who stores the rows into the cache: "kernel" (in place through the cache aliased
+      to the kernel's output; refused with `KernelLimitError` where its offsets would wrap),
+      "xla" (the kernel returns the rows `[N, C]`, an XLA scatter stores them), or "auto" (the
+      default): "kernel" unless `triton_offsets_wrap` says the cache needs "xla". The rule is
+      fixed; both give the same bytes."""
     num_warps: int = 2
+    store: str = "auto"
+
+    def __post_init__(self):
+        if self.store not in STORES:
+            raise ValueError(f"store={self.store!r}: must be one of {STORES}")
 
 
 def _rms_norm(v: jax.Array, w: jax.Array, eps: float, width: int) -> jax.Array:
@@ -60,10 +85,12 @@ def latent_write_xla(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
     return flat.reshape(nb, bs, c)
 
 
-def _write_kernel(scale_ref, w_ref, raw_ref, slots_ref, _cache_in, out_ref, *, width: int,
-                  eps: float):
-    """One row: raw_ref [N, C] f32, slots_ref [N] int32 (whole arrays); out_ref [NS, C] is
-    the cache itself (aliased), written at one row."""
+def _write_kernel(scale_ref, w_ref, raw_ref, slots_ref, *refs, width: int, eps: float,
+                  to_rows: bool):
+    """One row: raw_ref [N, C] f32, slots_ref [N] int32 (whole arrays). out_ref (the last of
+    `refs`): the cache itself [NS, C] (aliased, after the cache input), written at the row's
+    slot; or, when `to_rows`, the rows [N, C], written at the program's row."""
+    out_ref = refs[-1]
     i = pl.program_id(0)
     cp = next_pow2(width)
     cols = jnp.arange(cp, dtype=jnp.int32)  # [Cp]
@@ -71,8 +98,32 @@ def _write_kernel(scale_ref, w_ref, raw_ref, slots_ref, _cache_in, out_ref, *, w
     raw = plt.load(raw_ref.at[i, cols], mask=in_width, other=0.0)  # [Cp]
     w = plt.load(w_ref.at[cols], mask=in_width, other=0.0)  # [Cp]
     stored = quantize(_rms_norm(raw, w, eps, width), scale_ref[0], out_ref.dtype)  # [Cp]
+    if to_rows:
+        plt.store(out_ref.at[i, cols], stored, mask=in_width)
+        return
     slot = slots_ref[i]
     plt.store(out_ref.at[jnp.maximum(slot, 0), cols], stored, mask=in_width & (slot >= 0))
+
+
+def pick_store(tuning: LatentWriteTuning, cache_shape, cache_dtype) -> str:
+    """"kernel" or "xla" for a cache `[NB, bs, C]` (`LatentWriteTuning.store`'s rule); an
+    explicit "kernel" the kernel cannot address raises `KernelLimitError`."""
+    nb, bs, c = cache_shape
+    if tuning.store == "kernel":
+        check_triton_addressable(cache_shape, cache_dtype, "latent cache")
+        return "kernel"
+    if tuning.store == "xla" or triton_offsets_wrap((nb * bs, c), cache_dtype):
+        return "xla"
+    return "kernel"
+
+
+def scatter_rows(latent: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
+    """Store `rows [N, C]` at the flat cache rows `slots [N]` of `latent [NB, bs, C]`; a slot
+    < 0 writes nothing (pointed past the cache and dropped, never clamped)."""
+    nb, bs, c = latent.shape
+    idx = jnp.where(slots >= 0, slots, nb * bs)  # [N]
+    flat = latent.reshape(nb * bs, c).at[idx].set(rows, mode="drop")
+    return flat.reshape(nb, bs, c)
 
 
 def latent_write_pallas(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
@@ -81,16 +132,29 @@ def latent_write_pallas(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
                         tuning: LatentWriteTuning = LatentWriteTuning(), **overrides
                         ) -> jax.Array:
     """`latent_write_xla` as one Pallas launch, a program per row, writing the cache in place
-    (the cache is aliased to the output; donate it to avoid a copy). `overrides`: fields of
-    `tuning` by name (`num_warps=4`)."""
+    (the cache is aliased to the output; donate it to avoid a copy); where the kernel cannot
+    address the cache, the kernel's rows stored by an XLA scatter (`LatentWriteTuning.store`).
+    `overrides`: fields of `tuning` by name (`num_warps=4`)."""
     tuning = with_overrides(tuning, overrides)
-    check_triton_addressable(latent.shape, latent.dtype, "latent cache")
+    store = pick_store(tuning, latent.shape, latent.dtype)
     nb, bs, c = latent.shape
     b, r, _ = kv_raw.shape
     n = b * r
     slots = flat_slots(pos, valid, block_tables, bs).reshape(n).astype(jnp.int32)
     scale = jnp.reshape(jnp.asarray(kv_scale, jnp.float32), (1,))
-    kernel = functools.partial(_write_kernel, width=c, eps=eps)
+    kernel = functools.partial(_write_kernel, width=c, eps=eps, to_rows=store == "xla")
+    operands = [scale, norm_w.astype(jnp.float32), kv_raw.reshape(n, c).astype(jnp.float32),
+                slots]
+    params = plt.CompilerParams(num_warps=tuning.num_warps, num_stages=1)
+    if store == "xla":
+        rows = pl.pallas_call(
+            kernel, grid=(n,),
+            in_specs=[pl.BlockSpec()] * 4,  # scale [1], w [C], raw [N, C], slots [N]
+            out_specs=pl.BlockSpec(),
+            out_shape=jax.ShapeDtypeStruct((n, c), latent.dtype),
+            compiler_params=params, interpret=interpret, name="latent_rows",
+        )(*operands)  # [N, C]
+        return scatter_rows(latent, rows, slots)
     out = pl.pallas_call(
         kernel,
         grid=(n,),
@@ -98,9 +162,8 @@ def latent_write_pallas(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
         out_specs=pl.BlockSpec(),
         out_shape=jax.ShapeDtypeStruct((nb * bs, c), latent.dtype),
         input_output_aliases={4: 0},
-        compiler_params=plt.CompilerParams(num_warps=tuning.num_warps, num_stages=1),
+        compiler_params=params,
         interpret=interpret,
         name="latent_write",
-    )(scale, norm_w.astype(jnp.float32), kv_raw.reshape(n, c).astype(jnp.float32), slots,
-      latent.reshape(nb * bs, c))
+    )(*operands, latent.reshape(nb * bs, c))
     return out.reshape(nb, bs, c)

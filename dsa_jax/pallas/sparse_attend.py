@@ -315,6 +315,10 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
                              live_rows or n)
         return out.reshape(b, r, h, c)
 
+    # Kept for this kernel (the write stores through XLA instead): its gather reads the cache
+    # in place; reading it as words would need an unpack on the hot path (unmeasured). The
+    # Mosaic kernel above addresses rows in 64 bits (memref offsets) and takes any cache size
+    # (benchmarks/results/h200-offsets-20261201.json).
     check_triton_addressable(latent.shape, latent.dtype, "latent cache")
     slots = jax.vmap(token_slots, in_axes=(0, 0, None))(sel, block_tables, bs)  # [B, R, W]
     slots = slots.reshape(n, w)
