@@ -214,8 +214,7 @@ def prepare_step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Ar
     return layout, n_new
 
 
-@functools.partial(bitwise_jit, static_argnames=("cfg", "layout"), donate_argnames=("state",))
-def layout_step(cfg: DsaConfig, layout: RowLayout, weights: DsaWeights, state: DsaState,
+def _layout_step(cfg: DsaConfig, layout: RowLayout, weights: DsaWeights, state: DsaState,
                  x: jax.Array, n_new: jax.Array, shared_sel: jax.Array | None):
     """Pad, step, unpad: one program per layout (what `decode`, `decode_k` and `prefill`
     dispatch after `prepare_step`). The step sits between optimization barriers,
@@ -226,6 +225,60 @@ def layout_step(cfg: DsaConfig, layout: RowLayout, weights: DsaWeights, state: D
     y, state, sel = step(cfg, weights, state, x, n_new, shared_sel)
     y, sel = layout.unpad(*lax.optimization_barrier((y, sel)))
     return y, state, sel
+
+
+layout_step = bitwise_jit(_layout_step, static_argnames=("cfg", "layout"),
+                          donate_argnames=("state",))
+
+# The state fields a step changes. The public calls donate and return only these: the scale
+# and the block tables pass through unchanged, so the new state shares them (two fewer
+# donated buffers and outputs for the runtime to handle per call).
+MOVING_FIELDS = ("latent", "index_k", "index_g", "pool_keys", "lengths", "index_lengths")
+
+
+@functools.lru_cache(maxsize=64)
+def public_program(cfg: DsaConfig, layout: RowLayout):
+    """The jitted program of the public calls for one (config, layout): `_layout_step` with
+    both bound rather than static arguments (no hashing of them per call), the changing state
+    fields donated and returned. Arguments `(weights, kv_scale, block_tables, moving, x,
+    n_new, shared_sel)`, `moving` the state's `MOVING_FIELDS` fields in that order; returns `(y,
+    moving, sel)`. `dispatch_step` calls it."""
+
+    def run(weights, kv_scale, block_tables, moving, x, n_new, shared_sel):
+        state = DsaState(kv_scale=kv_scale, block_tables=block_tables,
+                         **dict(zip(MOVING_FIELDS, moving, strict=True)))
+        y, state, sel = _layout_step(cfg, layout, weights, state, x, n_new, shared_sel)
+        return y, tuple(getattr(state, f) for f in MOVING_FIELDS), sel
+
+    return bitwise_jit(run, donate_argnums=(3,))
+
+
+# (id(cfg), id(layout)) -> (cfg, program): the program found by identity, as a loop passes
+# the same config object every call (layouts are interned, `_row_layout`); the entry holds
+# the config, so its id cannot be reused while the entry lives.
+_PROGRAMS: dict[tuple[int, int], tuple[DsaConfig, object]] = {}
+
+
+def _program(cfg: DsaConfig, layout: RowLayout):
+    entry = _PROGRAMS.get((id(cfg), id(layout)))
+    if entry is None or entry[0] is not cfg:
+        if len(_PROGRAMS) >= 64:
+            _PROGRAMS.clear()
+        entry = _PROGRAMS[(id(cfg), id(layout))] = (cfg, public_program(cfg, layout))
+    return entry[1]
+
+
+def dispatch_step(cfg: DsaConfig, layout: RowLayout, weights: DsaWeights, state: DsaState,
+                  x: jax.Array, n_new: jax.Array, shared_sel: jax.Array | None
+                  ) -> tuple[jax.Array, DsaState, jax.Array]:
+    """What `decode`, `decode_k` and `prefill` dispatch after `prepare_step` (no checks): one
+    call of `public_program`, `(y, new state, sel)` as `layout_step` returns them, bitwise;
+    the old state's changing fields are donated, its scale and block tables shared."""
+    y, moving, sel = _program(cfg, layout)(weights, state.kv_scale, state.block_tables,
+                                           tuple(getattr(state, f) for f in MOVING_FIELDS), x,
+                                           n_new, shared_sel)
+    return y, DsaState(kv_scale=state.kv_scale, block_tables=state.block_tables,
+                       **dict(zip(MOVING_FIELDS, moving, strict=True))), sel
 
 
 # Row counts already on the device, by value: a decode loop passes the same few every step.
@@ -248,16 +301,22 @@ def _remember_step(cfg: DsaConfig, before, state: DsaState, n_new, rows: int) ->
     the checks' slack less the `rows` per sequence the step took at most (dsa_jax.mirror)
     while the indexer ring keeps pace (marks == lengths: then neither the ring check nor the
     indexer-behind check can fail before the slack is used up; any other mark is checked in
-    full next step)."""
-    if before is not None and isinstance(n_new, np.ndarray):
-        lengths = before.lengths + n_new
-        lengths.setflags(write=False)
-        marks = (ring_mark_after(cfg, before.lengths, before.index_lengths, n_new)
-                 if state.index_k.shape[1] else lengths)
-        slack = None
-        if before.slack is not None and np.array_equal(marks, lengths):
-            slack = before.slack - rows
-        remember(state, lengths, marks, before.block_tables, slack)
+    full next step). Marks equal to the lengths are recorded as the same array, so the next
+    step knows the ring keeps pace by identity, with no arithmetic."""
+    if before is None or not isinstance(n_new, np.ndarray):
+        return
+    lengths = before.lengths + n_new
+    lengths.setflags(write=False)
+    if before.index_lengths is before.lengths or not state.index_k.shape[1]:
+        marks = lengths  # ring_mark_after with marks == lengths gives lengths + n_new
+    else:
+        marks = ring_mark_after(cfg, before.lengths, before.index_lengths, n_new)
+        if np.array_equal(marks, lengths):
+            marks = lengths
+    slack = None
+    if before.slack is not None and marks is lengths:
+        slack = before.slack - rows
+    remember(state, lengths, marks, before.block_tables, slack)
 
 
 def _public_step(cfg, weights, state, x, kind, counts, shared_sel, check):
@@ -266,8 +325,8 @@ def _public_step(cfg, weights, state, x, kind, counts, shared_sel, check):
     layout, n_new = prepare_step(cfg, weights, state, x, kind=kind, counts=counts,
                                  shared_sel=shared_sel, check=check)
     before = known(state)
-    y, state, sel = layout_step(cfg, layout, weights, state, x, _device_counts(n_new),
-                                 shared_sel)
+    y, state, sel = dispatch_step(cfg, layout, weights, state, x, _device_counts(n_new),
+                                  shared_sel)
     _remember_step(cfg, before, state, n_new, layout.k)
     if before is not None and weights.has_indexer:
         vouch(sel, before.lengths)  # a shared layer may take it without a device read

@@ -156,12 +156,14 @@ def check_numbers(cfg: DsaConfig, numbers, n_new: np.ndarray, has_indexer: bool,
     [B]` rows: raises `StepError`, else returns the slack (tokens every sequence can append
     before a check of these values could fail: the end of its checked blocks)."""
     lengths, index_lengths, tables = numbers.lengths, numbers.index_lengths, numbers.block_tables
-    if has_indexer and (index_lengths < lengths).any():
-        s = int(np.flatnonzero(index_lengths < lengths)[0])
-        raise StepError(f"sequence {s}: indexer length {index_lengths[s]} is behind the "
-                        f"sequence length {lengths[s]}: rows {index_lengths[s]}..{lengths[s] - 1}"
-                        f" were never written to the indexer cache")
-    if has_indexer:
+    # Marks recorded as the lengths array itself (dsa_jax.mirror) are in lockstep: never
+    # behind, and a ring at its mark holds the pool being filled (Rr >= KP - 1 + G).
+    if has_indexer and index_lengths is not lengths:
+        if (index_lengths < lengths).any():
+            s = int(np.flatnonzero(index_lengths < lengths)[0])
+            raise StepError(f"sequence {s}: indexer length {index_lengths[s]} is behind the "
+                            f"sequence length {lengths[s]}: rows {index_lengths[s]}.."
+                            f"{lengths[s] - 1} were never written to the indexer cache")
         check_ring(cfg, lengths, index_lengths)
     ends = lengths + n_new  # [B]
     if (ends > cfg.max_context).any():
@@ -169,10 +171,39 @@ def check_numbers(cfg: DsaConfig, numbers, n_new: np.ndarray, has_indexer: bool,
         raise StepError(f"sequence {s}: writing {n_new[s]} token(s) at position {lengths[s]} "
                         f"would reach {lengths[s] + n_new[s]}, past max_context "
                         f"{cfg.max_context}")
-    check_tables(cfg, tables, lengths, n_new, nb)
+    blocks_read = -(-ends // cfg.block_size)  # [B]
+    if not tables_fit(tables, blocks_read, nb):
+        check_tables(cfg, tables, lengths, n_new, nb)
     # Blocks below ceil(ends / bs) are checked: a sequence may grow to their end.
-    checked_end = np.minimum(-(-ends // cfg.block_size) * cfg.block_size, cfg.max_context)
+    checked_end = np.minimum(blocks_read * cfg.block_size, cfg.max_context)
     return int((checked_end - lengths).min(initial=cfg.max_context))
+
+
+# Per read-only host table (the mirror's, passed on from step to step): each sequence's count
+# of leading entries in [0, nb), and whether those entries are all distinct blocks. Keyed by
+# the array (an entry goes with it).
+_TABLE_FACTS: dict[int, tuple[weakref.ref, int, np.ndarray, bool]] = {}
+
+
+def tables_fit(tables: np.ndarray, blocks_read: np.ndarray, nb: int) -> bool:
+    """True when every sequence's first `blocks_read [B]` entries are mapped (in `[0, nb)`)
+    and no two of them are the same block; False means `check_tables` must look (it may still
+    pass). Cached per read-only table: a loop checks the same one every step."""
+    entry = _TABLE_FACTS.get(id(tables))
+    if entry is None or entry[0]() is not tables or entry[1] != nb:
+        ok = (tables >= 0) & (tables < nb)  # [B, MB]
+        prefix = np.where(ok.all(axis=1), ok.shape[1], np.argmin(ok, axis=1))  # [B]
+        mask = np.arange(tables.shape[1])[None, :] < prefix[:, None]
+        distinct = mapped_twice(tables, mask, nb) is None
+        if tables.flags.writeable or not isinstance(tables, np.ndarray):
+            return bool(distinct and (blocks_read <= prefix).all())
+        key = id(tables)
+        if len(_TABLE_FACTS) >= 256:
+            _TABLE_FACTS.clear()
+        entry = (weakref.ref(tables, lambda _, key=key: _TABLE_FACTS.pop(key, None)), nb,
+                 prefix, distinct)
+        _TABLE_FACTS[key] = entry
+    return bool(entry[3] and (blocks_read <= entry[2]).all())
 
 
 def ring_message(cfg: DsaConfig, s: int, length: int, mark: int) -> str:

@@ -1,0 +1,296 @@
+"""H200: what the host pays per call of the public `dsa_jax.decode` (issue 15,
+public-decode-b1), side by side in one process.
+
+    PYTHONPATH=. python3 benchmarks/h200_dispatch.py --out $OUT/dispatch/h200-dispatch.json
+    PYTHONPATH=. python3 benchmarks/h200_dispatch.py --smoke --out /tmp/h200-dispatch.json
+
+One GLM-5.3-Flash "full" block, 16K context, batch 1, pallas (tiny shapes and xla under
+--smoke). Checks first, bitwise (`==`) from copies of one state: the public decode, the old
+program (`layer.layout_step`: config and layout static, the whole state donated), the new one
+(`layer.dispatch_step`: both bound, only the changing fields donated) and each compiled
+variant give the same y, sel and state. Then, in `--rounds` interleaved rounds (the host's
+speed drifts), per-call wall time synced after every call (`synced_us`) and back to back
+(`pipelined_us`, `benchmarks.harness.measure` with `--inner` calls a group) of:
+- public: the README's call (`benchmarks.measures.time_public_decode`, the bench's
+  public-decode-b1), and its host checks alone (`measures.host_checks_us`);
+- old, new: the bare programs; new-cb-off: the new one compiled with XLA's command buffers
+  off (`compiler_options`);
+- trivial-N-{plain,outs,donated}: one-kernel programs of N = 1, 8, 21, 40 small arguments
+  returning one array / every argument / every argument donated (the runtime's cost per
+  argument, output and donation).
+And from profiler traces: the step's device kernel time (`device_step_us`, the bench's
+definition) and the host-side events per call of the synced public call (`host_events`:
+where the host spends a call). The JSON is written after every section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import dsa_jax
+from benchmarks.harness import measure, profile, trace_events
+from benchmarks.loop_checks import copy_tree
+from benchmarks.measures import host_checks_us, time_public_decode
+from benchmarks.workloads import random_state
+from dsa_jax import layer
+from dsa_jax.shapes import glm53_flash, tiny
+
+TRIVIAL_ARGS = (1, 8, 21, 40)
+CB_OFF = {"xla_gpu_enable_command_buffer": ""}
+
+
+def setup(smoke: bool):
+    if smoke:
+        cfg = tiny(implementation="xla", max_context=512, indexer_types=("full",))
+    else:
+        cfg = glm53_flash(implementation="pallas", indexer_types=("full",))
+    weights = dsa_jax.init_random_weights(cfg, jax.random.key(8))
+    # A pool boundary well below the ceiling: every reset is a rewind the ring allows.
+    start = (cfg.max_context - 256) // cfg.index_kpool * cfg.index_kpool
+    state = random_state(cfg, 1, start, 1100)
+    x = jax.random.normal(jax.random.key(10), (1, cfg.hidden_size))  # [1, D]
+    return cfg, weights, state, x, start
+
+
+class Bare:
+    """A program called bare (no checks) on a donated state, set back to `start` by reset."""
+
+    def __init__(self, cfg, weights, state, x, start, call):
+        self.cfg, self.weights, self.state, self.x, self.start = cfg, weights, state, x, start
+        self.layout, n_new = layer.prepare_step(cfg, weights, state, x, kind="decode")
+        self.n_new = jnp.asarray(n_new)  # [1]
+        self.call = call
+        self.out = None
+
+    def __call__(self):
+        y, self.state, sel = self.call(self.cfg, self.layout, self.weights, self.state, self.x,
+                                       self.n_new, None)
+        self.out = (y, sel)
+        return y
+
+    def reset(self):
+        b = self.state.lengths.shape[0]
+        self.state = dsa_jax.rewind(self.cfg, self.state, np.full((b,), self.start, np.int32))
+
+
+def compiled_call(cfg, layout, weights, state, x, n_new, options):
+    """`layer.public_program` compiled with `options`, called as `layer.dispatch_step`."""
+    prog = layer.public_program(cfg, layout)
+    moving = tuple(getattr(state, f) for f in layer.MOVING_FIELDS)
+    exe = prog.lower(weights, state.kv_scale, state.block_tables, moving, x, n_new,
+                     None).compile(compiler_options=options)
+
+    def call(cfg, layout, weights, state, x, n_new, shared_sel):
+        y, moving, sel = exe(weights, state.kv_scale, state.block_tables,
+                             tuple(getattr(state, f) for f in layer.MOVING_FIELDS), x, n_new,
+                             shared_sel)
+        return y, state._replace(**dict(zip(layer.MOVING_FIELDS, moving, strict=True))), sel
+
+    return call
+
+
+def times(call, reset, groups: int, inner: int) -> dict:
+    synced = measure(call, warmup=2, groups=groups, inner=1, reset=reset)
+    piped = measure(call, warmup=1, groups=max(3, groups // inner), inner=inner, reset=reset)
+    return {"synced_us": synced["median_us"], "synced_p10_us": synced["p10_us"],
+            "synced_p90_us": synced["p90_us"], "pipelined_us": piped["median_us"]}
+
+
+def trivial(n: int, kind: str):
+    """A one-kernel program of n [4] f32 arguments (kind: plain -> one output, outs -> every
+    argument + 1 out, donated -> the same with every argument donated)."""
+    box = {"a": [jnp.full((4,), i, jnp.float32) for i in range(n)]}
+    if kind == "plain":
+        f = jax.jit(lambda *a: a[0] * 2)
+    else:
+        f = jax.jit(lambda *a: tuple(v + 1 for v in a),
+                    donate_argnums=tuple(range(n)) if kind == "donated" else ())
+
+    def call():
+        out = f(*box["a"])
+        if kind == "plain":
+            return out
+        if kind == "donated":
+            box["a"] = list(out)
+        return out[0]
+
+    return call
+
+
+def equal_trees(a, b) -> bool:
+    return all(bool((np.asarray(u) == np.asarray(v)).all())
+               for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+def host_events(call, calls: int, top: int = 30) -> list[dict]:
+    """Host-side trace events of `calls` synced calls: per name, us and count per call."""
+    ev = trace_events(lambda: jax.block_until_ready(call()), calls)
+    procs = {e["pid"]: e.get("args", {}).get("name", "") for e in ev
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    agg: dict = {}
+    for e in ev:
+        if e.get("ph") != "X":
+            continue
+        pname = procs.get(e.get("pid"), "")
+        if "GPU" in pname or "/device:" in pname:
+            continue
+        a = agg.setdefault(e.get("name", "?")[:120], [0.0, 0])
+        a[0] += float(e.get("dur", 0.0))
+        a[1] += 1
+    rows = sorted(agg.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"name": k, "us_per_call": v[0] / calls, "count_per_call": v[1] / calls}
+            for k, v in rows]
+
+
+def section_checks(ctx, res):
+    cfg, weights, state, x, start = ctx["setup"]
+    layout, n_new = layer.prepare_step(cfg, weights, state, x, kind="decode")
+    n_dev = jnp.asarray(n_new)
+    outs = {}
+    outs["public"] = dsa_jax.decode(cfg, weights, copy_tree(state), x)
+    outs["old"] = layer.layout_step(cfg, layout, weights, copy_tree(state), x, n_dev, None)
+    outs["new"] = layer.dispatch_step(cfg, layout, weights, copy_tree(state), x, n_dev, None)
+    for name, opts in ctx["compiled"].items():
+        st = copy_tree(state)
+        try:  # an option this XLA refuses is recorded, the rest still run
+            call = compiled_call(cfg, layout, weights, st, x, n_dev, opts)
+        except Exception as e:
+            res["errors"].append({"section": f"compile {name}", "options": opts,
+                                  "error": f"{type(e).__name__}: {e}"[:500]})
+            continue
+        ctx["calls"][name] = call
+        outs[name] = call(cfg, layout, weights, st, x, n_dev, None)
+    ref = outs["old"]
+    for name, out in outs.items():
+        if name != "old":
+            res["checks"][f"{name} == old (y, state, sel)"] = equal_trees(out, ref)
+    res["checks"]["finite"] = bool(np.isfinite(np.asarray(ref[0])).all())
+
+
+def section_times(ctx, res):
+    cfg, weights, state, x, start = ctx["setup"]
+    a = ctx["args"]
+    groups, inner = a.groups, a.inner
+    runners = {name: Bare(cfg, weights, random_state(cfg, 1, start, 1100), x, start, fn)
+               for name, fn in [("old", layer.layout_step), ("new", layer.dispatch_step)]
+               + list(ctx["calls"].items())}
+    pub = {"state": random_state(cfg, 1, start, 1100)}
+
+    def public_times():
+        t, pub["state"] = time_public_decode(cfg, weights, pub["state"], x, start, warmup=2,
+                                             groups=groups, inner=1)
+        tp, pub["state"] = time_public_decode(cfg, weights, pub["state"], x, start, warmup=1,
+                                              groups=max(3, groups // inner), inner=inner)
+        return {"synced_us": t["median_us"], "synced_p10_us": t["p10_us"],
+                "synced_p90_us": t["p90_us"], "pipelined_us": tp["median_us"]}
+
+    triv = {f"trivial-{n}-{k}": trivial(n, k) for n in TRIVIAL_ARGS
+            for k in ("plain", "outs", "donated")}
+    for r in range(a.rounds):
+        rnd = {"round": r, "public": public_times(),
+               "host_checks_us": host_checks_us(cfg, weights, pub["state"], x, 200)}
+        for name, run in runners.items():
+            rnd[name] = times(run, run.reset, groups, inner)
+        for name, call in triv.items():
+            rnd[name] = times(call, None, groups, inner)
+        res["rounds"].append(rnd)
+        write(res, a.out)
+    names = [k for k in res["rounds"][0] if k not in ("round", "host_checks_us")]
+    res["median"] = {n: {m: float(np.median([rd[n][m] for rd in res["rounds"]]))
+                         for m in res["rounds"][0][n]} for n in names}
+    res["median"]["host_checks_us"] = float(np.median([rd["host_checks_us"]
+                                                       for rd in res["rounds"]]))
+    ctx["public_state"] = pub
+
+
+def section_profile(ctx, res):
+    cfg, weights, state, x, start = ctx["setup"]
+    box = {"state": random_state(cfg, 1, start, 1100)}
+
+    def readme_call():
+        y, box["state"], _ = dsa_jax.decode(cfg, weights, box["state"], x)
+        return y
+
+    def reset():
+        box["state"] = dsa_jax.rewind(cfg, box["state"], np.full((1,), start, np.int32))
+
+    p = profile(readme_call, 10, reset=reset, top=40)
+    res["profile"] = p
+    if "kernel_us_per_step" in p:
+        res["device_step_us"] = p["kernel_us_per_step"]
+    reset()
+    res["host_events_public_synced"] = host_events(readme_call, 10)
+    run = Bare(cfg, weights, random_state(cfg, 1, start, 1100), x, start, layer.dispatch_step)
+    jax.block_until_ready(run())
+    res["host_events_new_synced"] = host_events(run, 10)
+
+
+def write(res, path):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+
+
+def table(res) -> str:
+    med = res.get("median", {})
+    dev = res.get("device_step_us")
+    lines = [f"device step (kernel time): {dev}"]
+    for name, m in med.items():
+        if isinstance(m, dict):
+            ratio = f"  {m['synced_us'] / dev:.2f}x device" if dev else ""
+            lines.append(f"{name:24s} synced {m['synced_us']:8.1f} us  pipelined "
+                         f"{m['pipelined_us']:8.1f} us{ratio}")
+        else:
+            lines.append(f"{name:24s} {m:8.1f} us")
+    lines.append(f"checks: {res['checks']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="JSON results path")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, xla")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--groups", type=int, default=150, help="synced calls per measurement")
+    ap.add_argument("--inner", type=int, default=8, help="back-to-back calls per group")
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.rounds, a.groups, a.inner = 1, 6, 3
+    ctx = {"args": a, "setup": setup(a.smoke), "calls": {},
+           "compiled": {"new-compiled": {}} if a.smoke else
+           {"new-compiled": {}, "new-cb-off": CB_OFF}}
+    res = {"command": "PYTHONPATH=. python3 benchmarks/h200_dispatch.py " + " ".join(
+               sys.argv[1:] if argv is None else argv),
+           "date": datetime.datetime.now(datetime.UTC).isoformat(),
+           "jax_version": jax.__version__, "backend": jax.default_backend(),
+           "device": str(jax.devices()[0].device_kind),
+           "config": {"context": ctx["setup"][0].max_context, "start": ctx["setup"][4],
+                      "implementation": ctx["setup"][0].implementation},
+           "checks": {}, "rounds": [], "errors": []}
+    for name, fn in [("checks", section_checks), ("times", section_times),
+                     ("profile", section_profile)]:
+        t0 = time.perf_counter()
+        try:
+            fn(ctx, res)
+        except Exception as e:  # recorded; the other sections still run
+            res["errors"].append({"section": name, "error": f"{type(e).__name__}: {e}"[:500],
+                                  "traceback": traceback.format_exc()[-3000:]})
+        res.setdefault("section_s", {})[name] = time.perf_counter() - t0
+        write(res, a.out)
+    print(table(res))
+    ok = all(v is True for v in res["checks"].values())
+    return 0 if ok and not res["errors"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
