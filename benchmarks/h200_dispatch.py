@@ -11,13 +11,18 @@ program (`layer.layout_step`: config and layout static, the whole state donated)
 variant give the same y, sel and state. Then, in `--rounds` interleaved rounds (the host's
 speed drifts), per-call wall time synced after every call (`synced_us`) and back to back
 (`pipelined_us`, `benchmarks.harness.measure` with `--inner` calls a group) of:
-- public: the README's call (`benchmarks.measures.time_public_decode`, the bench's
-  public-decode-b1), and its host checks alone (`measures.host_checks_us`);
+- public: the README's call as the bench's public-decode-b1 times it
+  (`benchmarks.measures.time_public_decode`: a rewind before every call, so every timed call
+  runs the full host check); public-loop: the same call in a loop, no rewind (as
+  `h200_loop.py` times it: the checks within the slack); the host checks alone
+  (`measures.host_checks_us`, within the slack);
 - old, new: the bare programs; new-cb-off: the new one compiled with XLA's command buffers
   off (`compiler_options`);
 - trivial-N-{plain,outs,donated}: one-kernel programs of N = 1, 8, 21, 40 small arguments
   returning one array / every argument / every argument donated (the runtime's cost per
-  argument, output and donation).
+  argument, output and donation); chain-30-{fresh,donated}: 30 kernels in a row whose
+  output is a new buffer every call, or the donated argument (does a command buffer pay for
+  output addresses that change?).
 And from profiler traces: the step's device kernel time (`device_step_us`, the bench's
 definition) and the host-side events per call of the synced public call (`host_events`:
 where the host spends a call). The JSON is written after every section.
@@ -39,7 +44,7 @@ import numpy as np
 
 import dsa_jax
 from benchmarks.harness import measure, profile, trace_events
-from benchmarks.loop_checks import copy_tree
+from benchmarks.loop_checks import copy_tree, wall_us
 from benchmarks.measures import host_checks_us, time_public_decode
 from benchmarks.workloads import random_state
 from dsa_jax import layer
@@ -55,8 +60,9 @@ def setup(smoke: bool):
     else:
         cfg = glm53_flash(implementation="pallas", indexer_types=("full",))
     weights = dsa_jax.init_random_weights(cfg, jax.random.key(8))
-    # A pool boundary well below the ceiling: every reset is a rewind the ring allows.
-    start = (cfg.max_context - 256) // cfg.index_kpool * cfg.index_kpool
+    # A pool boundary well below the ceiling (room for a round of public-loop calls): every
+    # reset is a rewind the ring allows.
+    start = (cfg.max_context - 400) // cfg.index_kpool * cfg.index_kpool
     state = random_state(cfg, 1, start, 1100)
     x = jax.random.normal(jax.random.key(10), (1, cfg.hidden_size))  # [1, D]
     return cfg, weights, state, x, start
@@ -123,6 +129,28 @@ def trivial(n: int, kind: str):
         if kind == "donated":
             box["a"] = list(out)
         return out[0]
+
+    return call
+
+
+def chain(kernels: int, donated: bool):
+    """A program of `kernels` small kernels in a row (fences keep XLA from fusing them, so
+    they land in one command buffer) on one [4096] f32 argument, its output a fresh buffer
+    (its address changes from call to call) or the donated argument (the same address)."""
+
+    def body(v):
+        for _ in range(kernels):
+            v = jax.lax.optimization_barrier(jnp.sin(v) * 1.0001)
+        return v
+
+    f = jax.jit(body, donate_argnums=(0,) if donated else ())
+    box = {"v": jnp.linspace(0.0, 1.0, 4096, dtype=jnp.float32)}
+
+    def call():
+        out = f(box["v"])
+        if donated:
+            box["v"] = out
+        return out
 
     return call
 
@@ -194,10 +222,22 @@ def section_times(ctx, res):
         return {"synced_us": t["median_us"], "synced_p10_us": t["p10_us"],
                 "synced_p90_us": t["p90_us"], "pipelined_us": tp["median_us"]}
 
+    def public_loop_times():  # consecutive calls, no rewind between them
+        pub["state"] = dsa_jax.rewind(cfg, pub["state"], np.full((1,), start, np.int32))
+
+        def call():
+            y, pub["state"], _ = dsa_jax.decode(cfg, weights, pub["state"], x)
+            return y
+
+        synced = wall_us(call, groups)
+        piped = measure(call, warmup=1, groups=max(3, groups // inner), inner=inner)
+        return {"synced_us": synced, "pipelined_us": piped["median_us"]}
+
     triv = {f"trivial-{n}-{k}": trivial(n, k) for n in TRIVIAL_ARGS
             for k in ("plain", "outs", "donated")}
+    triv.update({f"chain-30-{'donated' if d else 'fresh'}": chain(30, d) for d in (False, True)})
     for r in range(a.rounds):
-        rnd = {"round": r, "public": public_times(),
+        rnd = {"round": r, "public": public_times(), "public-loop": public_loop_times(),
                "host_checks_us": host_checks_us(cfg, weights, pub["state"], x, 200)}
         for name, run in runners.items():
             rnd[name] = times(run, run.reset, groups, inner)
