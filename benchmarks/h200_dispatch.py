@@ -15,7 +15,8 @@ speed drifts), per-call wall time synced after every call (`synced_us`) and back
   (`benchmarks.measures.time_public_decode`: a rewind before every call, so every timed call
   runs the full host check); public-loop: the same call in a loop, no rewind (as
   `h200_loop.py` times it: the checks within the slack); the host checks alone
-  (`measures.host_checks_us`, within the slack);
+  (`measures.host_checks_us`, within the slack) and the full check of lengths and tables
+  (`full_check_us`, what a call after a rewind runs);
 - old, new: the bare programs; new-cb-off: the new one compiled with XLA's command buffers
   off (`compiler_options`);
 - trivial-N-{plain,outs,donated}: one-kernel programs of N = 1, 8, 21, 40 small arguments
@@ -43,12 +44,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import dsa_jax
-from benchmarks.harness import measure, profile, trace_events
+from benchmarks.harness import host_time_us, measure, profile, trace_events
 from benchmarks.loop_checks import copy_tree, wall_us
 from benchmarks.measures import host_checks_us, time_public_decode
 from benchmarks.workloads import random_state
-from dsa_jax import layer
+from dsa_jax import layer, mirror
 from dsa_jax.shapes import glm53_flash, tiny
+from dsa_jax.step_checks import check_numbers
 
 TRIVIAL_ARGS = (1, 8, 21, 40)
 CB_OFF = {"xla_gpu_enable_command_buffer": ""}
@@ -205,6 +207,15 @@ def section_checks(ctx, res):
     res["checks"]["finite"] = bool(np.isfinite(np.asarray(ref[0])).all())
 
 
+def full_check_us(cfg, state) -> float:
+    """Host time of the full check of lengths and tables (`step_checks.check_numbers`), what
+    a call runs after a rewind (the bench's public-decode-b1 times those calls)."""
+    numbers = mirror.host_numbers(state)
+    n_new = np.ones(state.lengths.shape, np.int32)
+    return host_time_us(lambda: check_numbers(cfg, numbers, n_new, True,
+                                              state.latent.shape[0]), 200)
+
+
 def section_times(ctx, res):
     cfg, weights, state, x, start = ctx["setup"]
     a = ctx["args"]
@@ -238,18 +249,20 @@ def section_times(ctx, res):
     triv.update({f"chain-30-{'donated' if d else 'fresh'}": chain(30, d) for d in (False, True)})
     for r in range(a.rounds):
         rnd = {"round": r, "public": public_times(), "public-loop": public_loop_times(),
-               "host_checks_us": host_checks_us(cfg, weights, pub["state"], x, 200)}
+               "host_checks_us": host_checks_us(cfg, weights, pub["state"], x, 200),
+               "full_check_us": full_check_us(cfg, pub["state"])}
         for name, run in runners.items():
             rnd[name] = times(run, run.reset, groups, inner)
         for name, call in triv.items():
             rnd[name] = times(call, None, groups, inner)
         res["rounds"].append(rnd)
         write(res, a.out)
-    names = [k for k in res["rounds"][0] if k not in ("round", "host_checks_us")]
+    scalars = ("host_checks_us", "full_check_us")
+    names = [k for k in res["rounds"][0] if k not in ("round",) + scalars]
     res["median"] = {n: {m: float(np.median([rd[n][m] for rd in res["rounds"]]))
                          for m in res["rounds"][0][n]} for n in names}
-    res["median"]["host_checks_us"] = float(np.median([rd["host_checks_us"]
-                                                       for rd in res["rounds"]]))
+    for n in scalars:
+        res["median"][n] = float(np.median([rd[n] for rd in res["rounds"]]))
     ctx["public_state"] = pub
 
 
