@@ -3,9 +3,10 @@
 
 All append rows to every sequence through one jitted step whose shapes are fixed by the
 config's ceiling (live extents are data), so one compile serves every context length, and all
-donate the state so the caches are updated in place. `decode` and `decode_k` pad each
-sequence's rows to `cfg.max_verify`, so a K-row verify and K serial decodes run the same
-shapes, hence the same per-row reductions: bit-identical results.
+donate the state so the caches are updated in place (the public calls donate the fields a
+step changes; the new state shares the scale and block tables with the old one). `decode`
+and `decode_k` pad each sequence's rows to `cfg.max_verify`, so a K-row verify and K serial
+decodes run the same shapes, hence the same per-row reductions: bit-identical results.
 
 Two public pieces serve every caller (these functions, the NNX module, the sharded steps,
 the engine): `prepare_step` (host side: row layout, row counts, checks) and `step` (the pure,
