@@ -49,6 +49,7 @@ from benchmarks.loop_checks import copy_tree, wall_us
 from benchmarks.measures import host_checks_us, time_public_decode
 from benchmarks.workloads import random_state
 from dsa_jax import layer, mirror
+from dsa_jax.bitwise import BITWISE_OPTIONS
 from dsa_jax.shapes import glm53_flash, tiny
 from dsa_jax.step_checks import check_numbers
 
@@ -92,11 +93,12 @@ class Bare:
 
 
 def compiled_call(cfg, layout, weights, state, x, n_new, options):
-    """`layer.public_program` compiled with `options`, called as `layer.dispatch_step`."""
+    """`layer.public_program` compiled with the library's `BITWISE_OPTIONS` and `options`,
+    called as `layer.dispatch_step`."""
     prog = layer.public_program(cfg, layout)
     moving = tuple(getattr(state, f) for f in layer.MOVING_FIELDS)
     exe = prog.lower(weights, state.kv_scale, state.block_tables, moving, x, n_new,
-                     None).compile(compiler_options=options)
+                     None).compile(compiler_options={**BITWISE_OPTIONS, **options})
 
     def call(cfg, layout, weights, state, x, n_new, shared_sel):
         y, moving, sel = exe(weights, state.kv_scale, state.block_tables,

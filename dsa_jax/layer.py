@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -254,19 +255,27 @@ def public_program(cfg: DsaConfig, layout: RowLayout):
     return bitwise_jit(run, donate_argnums=(3,))
 
 
-# (id(cfg), id(layout)) -> (cfg, program): the program found by identity, as a loop passes
-# the same config object every call (layouts are interned, `_row_layout`); the entry holds
-# the config, so its id cannot be reused while the entry lives.
-_PROGRAMS: dict[tuple[int, int], tuple[DsaConfig, object]] = {}
+# (id(cfg), id(layout)) -> (cfg, layout, program): the program found by identity, as a loop
+# passes the same config object every call (layouts are interned, `_row_layout`); the entry
+# holds both, so their ids cannot be reused while it lives.
+_PROGRAMS: dict[tuple[int, int], tuple] = {}
+# The state's fields in order: the latent (moving), the two shared ones, the other moving ones.
+if DsaState._fields != (MOVING_FIELDS[0], "kv_scale", "block_tables", *MOVING_FIELDS[1:]):
+    raise ImportError(f"DsaState fields {DsaState._fields} no longer match MOVING_FIELDS")
 
 
 def _program(cfg: DsaConfig, layout: RowLayout):
     entry = _PROGRAMS.get((id(cfg), id(layout)))
-    if entry is None or entry[0] is not cfg:
+    if entry is None or entry[0] is not cfg or entry[1] is not layout:
         if len(_PROGRAMS) >= 64:
             _PROGRAMS.clear()
-        entry = _PROGRAMS[(id(cfg), id(layout))] = (cfg, public_program(cfg, layout))
-    return entry[1]
+        entry = _PROGRAMS[(id(cfg), id(layout))] = (cfg, layout, public_program(cfg, layout))
+    return entry[2]
+
+
+def _any_traced(*trees) -> bool:
+    leaves = jax.tree.leaves(trees)
+    return any(map(isinstance, leaves, itertools.repeat(jax.core.Tracer, len(leaves))))
 
 
 def dispatch_step(cfg: DsaConfig, layout: RowLayout, weights: DsaWeights, state: DsaState,
@@ -274,12 +283,15 @@ def dispatch_step(cfg: DsaConfig, layout: RowLayout, weights: DsaWeights, state:
                   ) -> tuple[jax.Array, DsaState, jax.Array]:
     """What `decode`, `decode_k` and `prefill` dispatch after `prepare_step` (no checks): one
     call of `public_program`, `(y, new state, sel)` as `layout_step` returns them, bitwise;
-    the old state's changing fields are donated, its scale and block tables shared."""
-    y, moving, sel = _program(cfg, layout)(weights, state.kv_scale, state.block_tables,
-                                           tuple(getattr(state, f) for f in MOVING_FIELDS), x,
-                                           n_new, shared_sel)
-    return y, DsaState(kv_scale=state.kv_scale, block_tables=state.block_tables,
-                       **dict(zip(MOVING_FIELDS, moving, strict=True))), sel
+    the old state's changing fields are donated, its scale and block tables shared. Its
+    top-level program (`BITWISE_OPTIONS`) for concrete arguments, the nested one under the
+    caller's trace, as `bitwise_jit` picks, with one flatten of the arguments."""
+    prog = _program(cfg, layout)
+    moving = (state.latent, state.index_k, state.index_g, state.pool_keys, state.lengths,
+              state.index_lengths)
+    args = (weights, state.kv_scale, state.block_tables, moving, x, n_new, shared_sel)
+    y, m, sel = (prog.nested if _any_traced(args) else prog.top)(*args)
+    return y, DsaState(m[0], state.kv_scale, state.block_tables, *m[1:]), sel
 
 
 # Row counts already on the device, by value: a decode loop passes the same few every step.
