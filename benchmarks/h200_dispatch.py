@@ -14,24 +14,29 @@ speed drifts), per-call wall time synced after every call (`synced_us`) and back
 - public: the README's call as the bench's public-decode-b1 times it
   (`benchmarks.measures.time_public_decode`: a rewind before every call, so every timed call
   runs the full host check); public-loop: the same call in a loop, no rewind (as
-  `h200_loop.py` times it: the checks within the slack); the host checks alone
+  `h200_loop.py` times it: the checks within the slack, a state of its own); the host
+  checks alone
   (`measures.host_checks_us`, within the slack) and the full check of lengths and tables
   (`full_check_us`, what a call after a rewind runs);
 - old, new: the bare programs; new-cb-off: the new one compiled with XLA's command buffers
-  off (`compiler_options`);
+  off (`compiler_options`); new-hold3: new, the last 3 calls' outputs kept alive;
+  new-outbuf (an experiment, not a library path): y and sel written into donated buffers, so
+  no buffer of the program changes its address between calls;
 - trivial-N-{plain,outs,donated}: one-kernel programs of N = 1, 8, 21, 40 small arguments
   returning one array / every argument / every argument donated (the runtime's cost per
   argument, output and donation); chain-30-{fresh,donated}: 30 kernels in a row whose
   output is a new buffer every call, or the donated argument (does a command buffer pay for
   output addresses that change?).
 And from profiler traces: the step's device kernel time (`device_step_us`, the bench's
-definition) and the host-side events per call of the synced public call (`host_events`:
-where the host spends a call). The JSON is written after every section.
+definition) and the host-side events per call of synced calls of public, new, each variant
+and the chain programs (`host_events_*`: where the host spends a call, e.g.
+`command_buffer::update`, `cuGraphLaunch`). The JSON is written after every section.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import os
@@ -51,6 +56,7 @@ from benchmarks.workloads import random_state
 from dsa_jax import layer, mirror
 from dsa_jax.bitwise import BITWISE_OPTIONS
 from dsa_jax.shapes import glm53_flash, tiny
+from dsa_jax.state import DsaState
 from dsa_jax.step_checks import check_numbers
 
 TRIVIAL_ARGS = (1, 8, 21, 40)
@@ -107,6 +113,47 @@ def compiled_call(cfg, layout, weights, state, x, n_new, options):
         return y, state._replace(**dict(zip(layer.MOVING_FIELDS, moving, strict=True))), sel
 
     return call
+
+
+def outbuf_call(cfg, layout, weights, state, x, n_new):
+    """Experiment, not a library path: the new program with its two fresh outputs (y, sel)
+    written into donated buffers (the previous call's y and sel), so every buffer the program
+    touches keeps its address from call to call. Does XLA then skip `command_buffer::update`
+    (and pay less in `cuGraphLaunch`)?"""
+
+    def run(weights, kv_scale, block_tables, moving, x, n_new, y_buf, sel_buf):
+        st = DsaState(moving[0], kv_scale, block_tables, *moving[1:])
+        y, st, sel = layer.layout_step(cfg, layout, weights, st, x, n_new, None)
+        return y, tuple(getattr(st, f) for f in layer.MOVING_FIELDS), sel
+
+    f = jax.jit(run, donate_argnums=(3, 6, 7), keep_unused=True,
+                compiler_options=BITWISE_OPTIONS)
+    b = state.lengths.shape[0]
+    box = {"bufs": (jnp.zeros((b, cfg.hidden_size), jnp.float32),
+                    jnp.zeros((b, cfg.sel_width), jnp.int32))}
+
+    def call(cfg, layout, weights, state, x, n_new, shared_sel):
+        moving = tuple(getattr(state, f) for f in layer.MOVING_FIELDS)
+        y, moving, sel = f(weights, state.kv_scale, state.block_tables, moving, x, n_new,
+                           *box["bufs"])
+        box["bufs"] = (y, sel)
+        return y, DsaState(moving[0], state.kv_scale, state.block_tables, *moving[1:]), sel
+
+    return call
+
+
+class Hold(Bare):
+    """`Bare`, keeping the outputs of the last `keep` calls alive (another allocation
+    pattern for the runtime's fresh output buffers)."""
+
+    def __init__(self, *args, keep: int = 3):
+        super().__init__(*args)
+        self.kept = collections.deque(maxlen=keep)
+
+    def __call__(self):
+        y = super().__call__()
+        self.kept.append(self.out)
+        return y
 
 
 def times(call, reset, groups: int, inner: int) -> dict:
@@ -202,6 +249,9 @@ def section_checks(ctx, res):
             continue
         ctx["calls"][name] = call
         outs[name] = call(cfg, layout, weights, st, x, n_dev, None)
+    st = copy_tree(state)
+    ctx["calls"]["new-outbuf"] = outbuf_call(cfg, layout, weights, st, x, n_dev)
+    outs["new-outbuf"] = ctx["calls"]["new-outbuf"](cfg, layout, weights, st, x, n_dev, None)
     ref = outs["old"]
     for name, out in outs.items():
         if name != "old":
@@ -225,6 +275,8 @@ def section_times(ctx, res):
     runners = {name: Bare(cfg, weights, random_state(cfg, 1, start, 1100), x, start, fn)
                for name, fn in [("old", layer.layout_step), ("new", layer.dispatch_step)]
                + list(ctx["calls"].items())}
+    runners["new-hold3"] = Hold(cfg, weights, random_state(cfg, 1, start, 1100), x, start,
+                                layer.dispatch_step)
     pub = {"state": random_state(cfg, 1, start, 1100)}
 
     def public_times():
@@ -236,10 +288,12 @@ def section_times(ctx, res):
                 "synced_p90_us": t["p90_us"], "pipelined_us": tp["median_us"]}
 
     def public_loop_times():  # consecutive calls, no rewind between them
-        pub["state"] = dsa_jax.rewind(cfg, pub["state"], np.full((1,), start, np.int32))
+        # A state of its own each round: a rewind of a round's calls would leave the ring's
+        # mark too far ahead for the next steps.
+        loop = {"state": random_state(cfg, 1, start, 1100)}
 
         def call():
-            y, pub["state"], _ = dsa_jax.decode(cfg, weights, pub["state"], x)
+            y, loop["state"], _ = dsa_jax.decode(cfg, weights, loop["state"], x)
             return y
 
         synced = wall_us(call, groups)
@@ -285,9 +339,15 @@ def section_profile(ctx, res):
         res["device_step_us"] = p["kernel_us_per_step"]
     reset()
     res["host_events_public_synced"] = host_events(readme_call, 10)
-    run = Bare(cfg, weights, random_state(cfg, 1, start, 1100), x, start, layer.dispatch_step)
-    jax.block_until_ready(run())
-    res["host_events_new_synced"] = host_events(run, 10)
+    variants = {"new": layer.dispatch_step, **ctx["calls"]}
+    for name, fn in variants.items():
+        run = Bare(cfg, weights, random_state(cfg, 1, start, 1100), x, start, fn)
+        jax.block_until_ready(run())
+        res[f"host_events_{name}_synced"] = host_events(run, 10)
+    for d in (False, True):
+        call = chain(30, d)
+        jax.block_until_ready(call())
+        res[f"host_events_chain-30-{'donated' if d else 'fresh'}_synced"] = host_events(call, 10)
 
 
 def write(res, path):
