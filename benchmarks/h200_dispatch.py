@@ -14,14 +14,14 @@ speed drifts), per-call wall time synced after every call (`synced_us`) and back
 - public: the README's call as the bench's public-decode-b1 times it
   (`benchmarks.measures.time_public_decode`: a rewind before every call, so every timed call
   runs the full host check); public-loop: the same call in a loop, no rewind (as
-  `h200_loop.py` times it: the checks within the slack, a state of its own); the host
-  checks alone
+  `h200_loop.py` times it: the checks within the slack, a state of its own);
+  public-out-loop: the same with `out=` the previous y and sel; the host checks alone
   (`measures.host_checks_us`, within the slack) and the full check of lengths and tables
   (`full_check_us`, what a call after a rewind runs);
 - old, new: the bare programs; new-cb-off: the new one compiled with XLA's command buffers
   off (`compiler_options`); new-hold3: new, the last 3 calls' outputs kept alive;
-  new-outbuf (an experiment, not a library path): y and sel written into donated buffers, so
-  no buffer of the program changes its address between calls;
+  new-outbuf: `dispatch_step(..., out=)`, y and sel written into donated buffers, so no
+  buffer of the program changes its address between calls;
 - trivial-N-{plain,outs,donated}: one-kernel programs of N = 1, 8, 21, 40 small arguments
   returning one array / every argument / every argument donated (the runtime's cost per
   argument, output and donation); chain-30-{fresh,donated}: 30 kernels in a row whose
@@ -56,7 +56,6 @@ from benchmarks.workloads import random_state
 from dsa_jax import layer, mirror
 from dsa_jax.bitwise import BITWISE_OPTIONS
 from dsa_jax.shapes import glm53_flash, tiny
-from dsa_jax.state import DsaState
 from dsa_jax.step_checks import check_numbers
 
 TRIVIAL_ARGS = (1, 8, 21, 40)
@@ -116,28 +115,19 @@ def compiled_call(cfg, layout, weights, state, x, n_new, options):
 
 
 def outbuf_call(cfg, layout, weights, state, x, n_new):
-    """Experiment, not a library path: the new program with its two fresh outputs (y, sel)
-    written into donated buffers (the previous call's y and sel), so every buffer the program
-    touches keeps its address from call to call. Does XLA then skip `command_buffer::update`
-    (and pay less in `cuGraphLaunch`)?"""
-
-    def run(weights, kv_scale, block_tables, moving, x, n_new, y_buf, sel_buf):
-        st = DsaState(moving[0], kv_scale, block_tables, *moving[1:])
-        y, st, sel = layer.layout_step(cfg, layout, weights, st, x, n_new, None)
-        return y, tuple(getattr(st, f) for f in layer.MOVING_FIELDS), sel
-
-    f = jax.jit(run, donate_argnums=(3, 6, 7), keep_unused=True,
-                compiler_options=BITWISE_OPTIONS)
+    """`layer.dispatch_step` with `out`: y and sel written into donated buffers (the previous
+    call's y and sel), so every buffer the program touches keeps its address from call to
+    call and XLA skips `command_buffer::update` (round 2: the same program built here by hand,
+    `h200-dispatch-20261201-002013.json`)."""
     b = state.lengths.shape[0]
     box = {"bufs": (jnp.zeros((b, cfg.hidden_size), jnp.float32),
                     jnp.zeros((b, cfg.sel_width), jnp.int32))}
 
     def call(cfg, layout, weights, state, x, n_new, shared_sel):
-        moving = tuple(getattr(state, f) for f in layer.MOVING_FIELDS)
-        y, moving, sel = f(weights, state.kv_scale, state.block_tables, moving, x, n_new,
-                           *box["bufs"])
+        y, state, sel = layer.dispatch_step(cfg, layout, weights, state, x, n_new, shared_sel,
+                                            out=box["bufs"])
         box["bufs"] = (y, sel)
-        return y, DsaState(moving[0], state.kv_scale, state.block_tables, *moving[1:]), sel
+        return y, state, sel
 
     return call
 
@@ -300,11 +290,27 @@ def section_times(ctx, res):
         piped = measure(call, warmup=1, groups=max(3, groups // inner), inner=inner)
         return {"synced_us": synced, "pipelined_us": piped["median_us"]}
 
+    def public_out_loop_times():  # as public-loop, each call given the last y and sel as out
+        loop = {"state": random_state(cfg, 1, start, 1100),
+                "out": (jnp.zeros((1, cfg.hidden_size)), jnp.zeros((1, cfg.sel_width),
+                                                                   jnp.int32))}
+
+        def call():
+            y, loop["state"], sel = dsa_jax.decode(cfg, weights, loop["state"], x,
+                                                   out=loop["out"])
+            loop["out"] = (y, sel)
+            return y
+
+        synced = wall_us(call, groups)
+        piped = measure(call, warmup=1, groups=max(3, groups // inner), inner=inner)
+        return {"synced_us": synced, "pipelined_us": piped["median_us"]}
+
     triv = {f"trivial-{n}-{k}": trivial(n, k) for n in TRIVIAL_ARGS
             for k in ("plain", "outs", "donated")}
     triv.update({f"chain-30-{'donated' if d else 'fresh'}": chain(30, d) for d in (False, True)})
     for r in range(a.rounds):
         rnd = {"round": r, "public": public_times(), "public-loop": public_loop_times(),
+               "public-out-loop": public_out_loop_times(),
                "host_checks_us": host_checks_us(cfg, weights, pub["state"], x, 200),
                "full_check_us": full_check_us(cfg, pub["state"])}
         for name, run in runners.items():

@@ -338,3 +338,29 @@ def rows_per_seq(b: int, count: int, given, name: str):
         raise StepError(f"{name}: per-sequence row counts {n.tolist()} must be {b} values in "
                         f"[0, {count}]")
     return n.astype(np.int32)
+
+
+def check_out(cfg: DsaConfig, x, out, inputs) -> tuple[jax.Array, jax.Array]:
+    """`out` for a decode or verify of `x` (`[B, D]` or `[B, K, D]`): two distinct concrete,
+    live jax arrays `(y, sel)` of y's shape `x.shape[:-1] + (D,)` float32 and sel's
+    `x.shape[:-1] + (W,)` int32, none of them an array of `inputs` (they are donated)."""
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise StepError(f"out must be a pair (y, sel) of arrays, got {type(out).__name__}"
+                        f"{f' of {len(out)}' if isinstance(out, (tuple, list)) else ''}")
+    lead = tuple(x.shape[:-1])
+    want = (("y", lead + (cfg.hidden_size,), np.dtype(np.float32)),
+            ("sel", lead + (cfg.sel_width,), np.dtype(np.int32)))
+    for a, (name, shape, dtype) in zip(out, want, strict=True):
+        if not isinstance(a, jax.Array) or not is_concrete(a):
+            raise StepError(f"out {name} must be a concrete jax.Array (it is donated: a call "
+                            f"at the top level, not under jit), got {type(a).__name__}")
+        if tuple(a.shape) != shape or a.dtype != dtype:
+            raise StepError(f"out {name} is {np.dtype(a.dtype).name}{list(a.shape)}, expected "
+                            f"{dtype.name}{list(shape)}")
+        if a.is_deleted():
+            raise StepError(f"out {name} was donated to a step (or deleted): pass a live array")
+    taken = {id(a) for a in jax.tree.leaves(inputs)}
+    if out[0] is out[1] or id(out[0]) in taken or id(out[1]) in taken:
+        raise StepError("out y and sel must be two arrays of their own: neither one another nor "
+                        "the weights, the state, x or shared_sel (out is donated)")
+    return tuple(out)

@@ -133,3 +133,72 @@ def test_cached_table_facts_never_pass_a_bad_read():
     assert tables_fit(live, np.array([mb, mb]), nb)
     live[0, mb - 1] = -1
     assert not tables_fit(live, np.array([mb, mb]), nb)
+
+
+def _plain_and_out(kind, k):
+    weights = dsa_jax.init_random_weights(CFG, jax.random.key(20))
+    state = random_state(CFG, weights, 2, 6, seed=21)
+    call = dsa_jax.decode if kind == "decode" else dsa_jax.decode_k
+    lead = (2,) if kind == "decode" else (2, k)
+    xs = [random_rows(22 + i, *lead, CFG.hidden_size) for i in range(3)]
+    plain, st = [], copy_tree(state)
+    for x in xs:
+        y, st, sel = call(CFG, weights, st, x)
+        plain.append((y, sel))
+    outs, st = [], copy_tree(state)
+    buf = (jnp.full(lead + (CFG.hidden_size,), 7.0, jnp.float32),
+           jnp.full(lead + (CFG.sel_width,), 7, jnp.int32))
+    for x in xs:  # the previous results passed back once read: the loop the option is for
+        outs.append((np.asarray(buf[0]), np.asarray(buf[1])))
+        y, st, sel = call(CFG, weights, st, x, out=buf)
+        buf = (y, sel)
+    outs = outs[1:] + [(np.asarray(buf[0]), np.asarray(buf[1]))]
+    return plain, outs
+
+
+@pytest.mark.parametrize("kind, k", [("decode", 1), ("verify", 3)])
+def test_out_buffers_give_the_same_bits(kind, k):
+    plain, outs = _plain_and_out(kind, k)
+    assert _bits(outs) == _bits([(np.asarray(y), np.asarray(s)) for y, s in plain])
+
+
+def test_out_buffers_are_donated():
+    weights = dsa_jax.init_random_weights(CFG, jax.random.key(30))
+    state = random_state(CFG, weights, 1, 4, seed=31)
+    buf = (jnp.zeros((1, CFG.hidden_size)), jnp.zeros((1, CFG.sel_width), jnp.int32))
+    y, _, sel = dsa_jax.decode(CFG, weights, state, random_rows(32, 1, CFG.hidden_size),
+                               out=buf)
+    if jax.default_backend() == "cpu" and not buf[0].is_deleted():
+        pytest.skip("this backend does not implement donation")
+    assert buf[0].is_deleted() and buf[1].is_deleted()
+    assert not y.is_deleted() and not sel.is_deleted()
+
+
+def test_bad_out_is_refused_before_anything_is_donated():
+    weights = dsa_jax.init_random_weights(CFG, jax.random.key(40))
+    state = random_state(CFG, weights, 2, 4, seed=41)
+    x = random_rows(42, 2, CFG.hidden_size)
+    y_ok = jnp.zeros((2, CFG.hidden_size))
+    sel_ok = jnp.zeros((2, CFG.sel_width), jnp.int32)
+    dead = jnp.zeros((2, CFG.sel_width), jnp.int32)
+    dead.delete()
+    cases = [
+        ((y_ok,), "out must be a pair \\(y, sel\\) of arrays, got tuple of 1"),
+        ((y_ok[:1], sel_ok), f"out y is float32\\[1, {CFG.hidden_size}\\], expected "
+                             f"float32\\[2, {CFG.hidden_size}\\]"),
+        ((y_ok, sel_ok.astype(jnp.float32)), f"out sel is float32\\[2, {CFG.sel_width}\\], "
+                                             f"expected int32\\[2, {CFG.sel_width}\\]"),
+        ((np.zeros((2, CFG.hidden_size), np.float32), sel_ok), "must be a concrete jax.Array"),
+        ((y_ok, dead), "out sel was donated to a step"),
+        ((x, sel_ok), "two arrays of their own"),  # x is an input: it cannot be donated
+    ]
+    for out, message in cases:
+        with pytest.raises(StepError, match=message):
+            dsa_jax.decode(CFG, weights, state, x, out=out)
+        assert not state.latent.is_deleted() and not y_ok.is_deleted()
+
+    def traced(y_buf):
+        return dsa_jax.decode(CFG, weights, state, x, out=(y_buf, sel_ok))[0]
+
+    with pytest.raises(StepError, match="concrete jax.Array"):
+        jax.jit(traced)(y_ok)
