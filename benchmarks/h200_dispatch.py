@@ -21,7 +21,8 @@ speed drifts), per-call wall time synced after every call (`synced_us`) and back
 - old, new: the bare programs; new-cb-off: the new one compiled with XLA's command buffers
   off (`compiler_options`); new-hold3: new, the last 3 calls' outputs kept alive;
   new-outbuf: `dispatch_step(..., out=)`, y and sel written into donated buffers, so no
-  buffer of the program changes its address between calls;
+  buffer of the program changes its address between calls; new-copyout (an experiment): y
+  and sel kept in the program's own donated buffers, fresh copies returned;
 - trivial-N-{plain,outs,donated}: one-kernel programs of N = 1, 8, 21, 40 small arguments
   returning one array / every argument / every argument donated (the runtime's cost per
   argument, output and donation); chain-30-{fresh,donated}: 30 kernels in a row whose
@@ -56,6 +57,7 @@ from benchmarks.workloads import random_state
 from dsa_jax import layer, mirror
 from dsa_jax.bitwise import BITWISE_OPTIONS
 from dsa_jax.shapes import glm53_flash, tiny
+from dsa_jax.state import DsaState
 from dsa_jax.step_checks import check_numbers
 
 TRIVIAL_ARGS = (1, 8, 21, 40)
@@ -128,6 +130,33 @@ def outbuf_call(cfg, layout, weights, state, x, n_new):
                                             out=box["bufs"])
         box["bufs"] = (y, sel)
         return y, state, sel
+
+    return call
+
+
+def copyout_call(cfg, layout, weights, state, x, n_new):
+    """Experiment, not a library path: the program writes y and sel into buffers it keeps
+    (donated back every call, so their addresses never change) and returns fresh copies of
+    them. Does XLA leave the copies out of the command buffer (then no update per call and
+    no `out=` needed), or update the graph for their new addresses?"""
+
+    def run(weights, kv_scale, block_tables, moving, x, n_new, y_buf, sel_buf):
+        st = DsaState(moving[0], kv_scale, block_tables, *moving[1:])
+        y, st, sel = layer.layout_step(cfg, layout, weights, st, x, n_new, None)
+        return y, tuple(getattr(st, f) for f in layer.MOVING_FIELDS), sel, y, sel
+
+    f = jax.jit(run, donate_argnums=(3, 6, 7), keep_unused=True,
+                compiler_options=BITWISE_OPTIONS)
+    b = state.lengths.shape[0]
+    box = {"bufs": (jnp.zeros((b, cfg.hidden_size), jnp.float32),
+                    jnp.zeros((b, cfg.sel_width), jnp.int32))}
+
+    def call(cfg, layout, weights, state, x, n_new, shared_sel):
+        moving = tuple(getattr(state, f) for f in layer.MOVING_FIELDS)
+        y_keep, moving, sel_keep, y, sel = f(weights, state.kv_scale, state.block_tables,
+                                             moving, x, n_new, *box["bufs"])
+        box["bufs"] = (y_keep, sel_keep)
+        return y, DsaState(moving[0], state.kv_scale, state.block_tables, *moving[1:]), sel
 
     return call
 
@@ -239,9 +268,10 @@ def section_checks(ctx, res):
             continue
         ctx["calls"][name] = call
         outs[name] = call(cfg, layout, weights, st, x, n_dev, None)
-    st = copy_tree(state)
-    ctx["calls"]["new-outbuf"] = outbuf_call(cfg, layout, weights, st, x, n_dev)
-    outs["new-outbuf"] = ctx["calls"]["new-outbuf"](cfg, layout, weights, st, x, n_dev, None)
+    for name, make in (("new-outbuf", outbuf_call), ("new-copyout", copyout_call)):
+        st = copy_tree(state)
+        ctx["calls"][name] = make(cfg, layout, weights, st, x, n_dev)
+        outs[name] = ctx["calls"][name](cfg, layout, weights, st, x, n_dev, None)
     ref = outs["old"]
     for name, out in outs.items():
         if name != "old":
