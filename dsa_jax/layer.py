@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -281,11 +280,6 @@ def _program(cfg: DsaConfig, layout: RowLayout, with_out: bool):
     return entry[2]
 
 
-def _any_traced(*trees) -> bool:
-    leaves = jax.tree.leaves(trees)
-    return any(map(isinstance, leaves, itertools.repeat(jax.core.Tracer, len(leaves))))
-
-
 def dispatch_step(cfg: DsaConfig, layout: RowLayout, weights: DsaWeights, state: DsaState,
                   x: jax.Array, n_new: jax.Array, shared_sel: jax.Array | None,
                   out: tuple[jax.Array, jax.Array] | None = None
@@ -293,15 +287,13 @@ def dispatch_step(cfg: DsaConfig, layout: RowLayout, weights: DsaWeights, state:
     """What `decode`, `decode_k` and `prefill` dispatch after `prepare_step` (no checks): one
     call of `public_program`, `(y, new state, sel)` as `layout_step` returns them, bitwise;
     the old state's changing fields are donated, its scale and block tables shared, and `out`
-    (y's and sel's buffers, see `decode`) donated too. Its top-level program
-    (`BITWISE_OPTIONS`) for concrete arguments, the nested one under the caller's trace, as
-    `bitwise_jit` picks, with one flatten of the arguments."""
+    (y's and sel's buffers, see `decode`) donated too."""
     prog = _program(cfg, layout, out is not None)
     moving = (state.latent, state.index_k, state.index_g, state.pool_keys, state.lengths,
               state.index_lengths)
     args = (weights, state.kv_scale, state.block_tables, moving, x, n_new, shared_sel,
             *(out or ()))
-    y, m, sel = (prog.nested if _any_traced(args) else prog.top)(*args)
+    y, m, sel = prog(*args)
     return y, DsaState(m[0], state.kv_scale, state.block_tables, *m[1:]), sel
 
 
