@@ -251,6 +251,10 @@ def _trace_events(call: Callable[[], Any], calls: int) -> list[dict]:
     return data["traceEvents"] if isinstance(data, dict) else data
 
 
+# Public for scripts that read the host side of a trace too (benchmarks/h200_dispatch.py).
+trace_events = _trace_events
+
+
 def _busy_us(spans: list[tuple[float, float]]) -> float:
     """Time covered by the union of [start, end) spans."""
     spans = sorted(spans)

@@ -3,9 +3,10 @@
 
 All append rows to every sequence through one jitted step whose shapes are fixed by the
 config's ceiling (live extents are data), so one compile serves every context length, and all
-donate the state so the caches are updated in place. `decode` and `decode_k` pad each
-sequence's rows to `cfg.max_verify`, so a K-row verify and K serial decodes run the same
-shapes, hence the same per-row reductions: bit-identical results.
+donate the state so the caches are updated in place (the public calls donate the fields a
+step changes; the new state shares the scale and block tables with the old one). `decode`
+and `decode_k` pad each sequence's rows to `cfg.max_verify`, so a K-row verify and K serial
+decodes run the same shapes, hence the same per-row reductions: bit-identical results.
 
 Two public pieces serve every caller (these functions, the NNX module, the sharded steps,
 the engine): `prepare_step` (host side: row layout, row counts, checks) and `step` (the pure,
@@ -42,6 +43,7 @@ from dsa_jax.select import expand_selection, top_pools
 from dsa_jax.state import DsaState, ring_mark_after
 from dsa_jax.step_checks import (
     StepError,
+    check_out,
     check_rewind,
     check_step,
     is_concrete,
@@ -214,8 +216,7 @@ def prepare_step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Ar
     return layout, n_new
 
 
-@functools.partial(bitwise_jit, static_argnames=("cfg", "layout"), donate_argnames=("state",))
-def layout_step(cfg: DsaConfig, layout: RowLayout, weights: DsaWeights, state: DsaState,
+def _layout_step(cfg: DsaConfig, layout: RowLayout, weights: DsaWeights, state: DsaState,
                  x: jax.Array, n_new: jax.Array, shared_sel: jax.Array | None):
     """Pad, step, unpad: one program per layout (what `decode`, `decode_k` and `prefill`
     dispatch after `prepare_step`). The step sits between optimization barriers,
@@ -226,6 +227,74 @@ def layout_step(cfg: DsaConfig, layout: RowLayout, weights: DsaWeights, state: D
     y, state, sel = step(cfg, weights, state, x, n_new, shared_sel)
     y, sel = layout.unpad(*lax.optimization_barrier((y, sel)))
     return y, state, sel
+
+
+layout_step = bitwise_jit(_layout_step, static_argnames=("cfg", "layout"),
+                          donate_argnames=("state",))
+
+# The state fields a step changes. The public calls donate and return only these: the scale
+# and the block tables pass through unchanged, so the new state shares them (two fewer
+# donated buffers and outputs for the runtime to handle per call).
+MOVING_FIELDS = ("latent", "index_k", "index_g", "pool_keys", "lengths", "index_lengths")
+
+
+def public_program(cfg: DsaConfig, layout: RowLayout, with_out: bool = False):
+    """The jitted program of the public calls for one (config, layout): `_layout_step` with
+    both bound rather than static arguments (no hashing of them per call), the changing state
+    fields donated and returned. Arguments `(weights, kv_scale, block_tables, moving, x,
+    n_new, shared_sel)`, `moving` the state's `MOVING_FIELDS` fields in that order, and with
+    `with_out` two more, donated: the buffers y and sel are written into; returns `(y, moving,
+    sel)`. `dispatch_step` calls it. One program per distinct (config, layout, with_out)."""
+    return _public_program(cfg, layout, bool(with_out))
+
+
+@functools.lru_cache(maxsize=64)
+def _public_program(cfg: DsaConfig, layout: RowLayout, with_out: bool):
+    def run(weights, kv_scale, block_tables, moving, x, n_new, shared_sel, *out):
+        state = DsaState(kv_scale=kv_scale, block_tables=block_tables,
+                         **dict(zip(MOVING_FIELDS, moving, strict=True)))
+        y, state, sel = _layout_step(cfg, layout, weights, state, x, n_new, shared_sel)
+        return y, tuple(getattr(state, f) for f in MOVING_FIELDS), sel
+
+    if with_out:  # kept, so that XLA writes y and sel into them (same shapes and dtypes)
+        return bitwise_jit(run, donate_argnums=(3, 7, 8), keep_unused=True)
+    return bitwise_jit(run, donate_argnums=(3,))
+
+
+# (id(cfg), id(layout), with_out) -> (cfg, layout, program): the program found by identity,
+# as a loop passes the same config object every call (layouts are interned, `_row_layout`);
+# the entry holds both, so their ids cannot be reused while it lives.
+_PROGRAMS: dict[tuple[int, int, bool], tuple] = {}
+# The state's fields in order: the latent (moving), the two shared ones, the other moving ones.
+if DsaState._fields != (MOVING_FIELDS[0], "kv_scale", "block_tables", *MOVING_FIELDS[1:]):
+    raise ImportError(f"DsaState fields {DsaState._fields} no longer match MOVING_FIELDS")
+
+
+def _program(cfg: DsaConfig, layout: RowLayout, with_out: bool):
+    key = (id(cfg), id(layout), with_out)
+    entry = _PROGRAMS.get(key)
+    if entry is None or entry[0] is not cfg or entry[1] is not layout:
+        if len(_PROGRAMS) >= 64:
+            _PROGRAMS.clear()
+        entry = _PROGRAMS[key] = (cfg, layout, public_program(cfg, layout, with_out))
+    return entry[2]
+
+
+def dispatch_step(cfg: DsaConfig, layout: RowLayout, weights: DsaWeights, state: DsaState,
+                  x: jax.Array, n_new: jax.Array, shared_sel: jax.Array | None,
+                  out: tuple[jax.Array, jax.Array] | None = None
+                  ) -> tuple[jax.Array, DsaState, jax.Array]:
+    """What `decode`, `decode_k` and `prefill` dispatch after `prepare_step` (no checks): one
+    call of `public_program`, `(y, new state, sel)` as `layout_step` returns them, bitwise;
+    the old state's changing fields are donated, its scale and block tables shared, and `out`
+    (y's and sel's buffers, see `decode`) donated too."""
+    prog = _program(cfg, layout, out is not None)
+    moving = (state.latent, state.index_k, state.index_g, state.pool_keys, state.lengths,
+              state.index_lengths)
+    args = (weights, state.kv_scale, state.block_tables, moving, x, n_new, shared_sel,
+            *(out or ()))
+    y, m, sel = prog(*args)
+    return y, DsaState(m[0], state.kv_scale, state.block_tables, *m[1:]), sel
 
 
 # Row counts already on the device, by value: a decode loop passes the same few every step.
@@ -248,26 +317,34 @@ def _remember_step(cfg: DsaConfig, before, state: DsaState, n_new, rows: int) ->
     the checks' slack less the `rows` per sequence the step took at most (dsa_jax.mirror)
     while the indexer ring keeps pace (marks == lengths: then neither the ring check nor the
     indexer-behind check can fail before the slack is used up; any other mark is checked in
-    full next step)."""
-    if before is not None and isinstance(n_new, np.ndarray):
-        lengths = before.lengths + n_new
-        lengths.setflags(write=False)
-        marks = (ring_mark_after(cfg, before.lengths, before.index_lengths, n_new)
-                 if state.index_k.shape[1] else lengths)
-        slack = None
-        if before.slack is not None and np.array_equal(marks, lengths):
-            slack = before.slack - rows
-        remember(state, lengths, marks, before.block_tables, slack)
+    full next step). Marks equal to the lengths are recorded as the same array, so the next
+    step knows the ring keeps pace by identity, with no arithmetic."""
+    if before is None or not isinstance(n_new, np.ndarray):
+        return
+    lengths = before.lengths + n_new
+    lengths.setflags(write=False)
+    if before.index_lengths is before.lengths or not state.index_k.shape[1]:
+        marks = lengths  # ring_mark_after with marks == lengths gives lengths + n_new
+    else:
+        marks = ring_mark_after(cfg, before.lengths, before.index_lengths, n_new)
+        if np.array_equal(marks, lengths):
+            marks = lengths
+    slack = None
+    if before.slack is not None and marks is lengths:
+        slack = before.slack - rows
+    remember(state, lengths, marks, before.block_tables, slack)
 
 
-def _public_step(cfg, weights, state, x, kind, counts, shared_sel, check):
+def _public_step(cfg, weights, state, x, kind, counts, shared_sel, check, out=None):
     """Host side (`prepare_step`: checks on the host's copy of the lengths, no device read
-    once it has one), then one dispatch: pad, step, unpad."""
+    once it has one; `out` checked), then one dispatch: pad, step, unpad."""
     layout, n_new = prepare_step(cfg, weights, state, x, kind=kind, counts=counts,
                                  shared_sel=shared_sel, check=check)
+    if out is not None:
+        out = check_out(cfg, x, out, (weights, state, x, shared_sel))
     before = known(state)
-    y, state, sel = layout_step(cfg, layout, weights, state, x, _device_counts(n_new),
-                                 shared_sel)
+    y, state, sel = dispatch_step(cfg, layout, weights, state, x, _device_counts(n_new),
+                                  shared_sel, out)
     _remember_step(cfg, before, state, n_new, layout.k)
     if before is not None and weights.has_indexer:
         vouch(sel, before.lengths)  # a shared layer may take it without a device read
@@ -291,28 +368,34 @@ def prefill(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, 
 
 
 def decode_k(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, *,
-             active=None, shared_sel: jax.Array | None = None, check: bool = True
+             active=None, shared_sel: jax.Array | None = None, check: bool = True,
+             out: tuple[jax.Array, jax.Array] | None = None
              ) -> tuple[jax.Array, DsaState, jax.Array]:
     """The K rows of a speculative verify: K consecutive tokens of every sequence.
 
     x: [B, K, D] with `K <= cfg.max_verify`; active: [B] bool, sequences that take part (the
     others write nothing and return zeros); shared_sel: [B, K, W]. Rows are padded to
     `cfg.max_verify`, so the result is bit-identical to K successive `decode` calls.
-    Returns `y [B, K, D]`, the new state, `sel [B, K, W]`. `check`: as in `prefill`.
+    Returns `y [B, K, D]`, the new state, `sel [B, K, W]`. `check`: as in `prefill`; `out`:
+    as in `decode`, `(y [B, K, D] f32, sel [B, K, W] int32)`.
     """
-    return _public_step(cfg, weights, state, x, "verify", active, shared_sel, check)
+    return _public_step(cfg, weights, state, x, "verify", active, shared_sel, check, out)
 
 
 def decode(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, *,
-           active=None, shared_sel: jax.Array | None = None, check: bool = True
+           active=None, shared_sel: jax.Array | None = None, check: bool = True,
+           out: tuple[jax.Array, jax.Array] | None = None
            ) -> tuple[jax.Array, DsaState, jax.Array]:
     """Append one token to every sequence (ragged: each at its own length).
 
     x: [B, D]; active: [B] bool (default all); shared_sel: [B, W] for a "shared" layer.
     Returns `y [B, D]` f32, the new state (the old one is donated), and `sel [B, W]` int32.
-    `check`: as in `prefill`.
+    `check`: as in `prefill`. `out`: optional buffers `(y [B, D] f32, sel [B, W] int32)` the
+    results are written into, donated like the state (e.g. the previous call's y and sel,
+    once read): a loop that passes them back keeps every buffer of the program in place, so
+    XLA need not update its command buffer (CUDA graph) for new output addresses each call.
     """
-    return _public_step(cfg, weights, state, x, "decode", active, shared_sel, check)
+    return _public_step(cfg, weights, state, x, "decode", active, shared_sel, check, out)
 
 
 def rewind(cfg: DsaConfig, state: DsaState, lengths) -> DsaState:

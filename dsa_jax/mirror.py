@@ -14,6 +14,11 @@ lengths and tables passes (past max_context, an unmapped or shared block, the in
 behind). A step of at most `slack` rows per sequence needs no check of them; a step that
 appends `n` rows passes `slack - n` on to the new state's entry (same tables, lockstep
 indexer).
+
+Lockstep marks (index_lengths == lengths, a state that only grew) are recorded as the very
+same array as the lengths (`dsa_jax.layer`), so a check knows them to be in lockstep by
+identity, with no arithmetic: such marks are never behind and the ring holds the pool being
+filled.
 """
 
 from __future__ import annotations

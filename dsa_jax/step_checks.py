@@ -156,12 +156,14 @@ def check_numbers(cfg: DsaConfig, numbers, n_new: np.ndarray, has_indexer: bool,
     [B]` rows: raises `StepError`, else returns the slack (tokens every sequence can append
     before a check of these values could fail: the end of its checked blocks)."""
     lengths, index_lengths, tables = numbers.lengths, numbers.index_lengths, numbers.block_tables
-    if has_indexer and (index_lengths < lengths).any():
-        s = int(np.flatnonzero(index_lengths < lengths)[0])
-        raise StepError(f"sequence {s}: indexer length {index_lengths[s]} is behind the "
-                        f"sequence length {lengths[s]}: rows {index_lengths[s]}..{lengths[s] - 1}"
-                        f" were never written to the indexer cache")
-    if has_indexer:
+    # Marks recorded as the lengths array itself (dsa_jax.mirror) are in lockstep: never
+    # behind, and a ring at its mark holds the pool being filled (Rr >= KP - 1 + G).
+    if has_indexer and index_lengths is not lengths:
+        if (index_lengths < lengths).any():
+            s = int(np.flatnonzero(index_lengths < lengths)[0])
+            raise StepError(f"sequence {s}: indexer length {index_lengths[s]} is behind the "
+                            f"sequence length {lengths[s]}: rows {index_lengths[s]}.."
+                            f"{lengths[s] - 1} were never written to the indexer cache")
         check_ring(cfg, lengths, index_lengths)
     ends = lengths + n_new  # [B]
     if (ends > cfg.max_context).any():
@@ -169,10 +171,39 @@ def check_numbers(cfg: DsaConfig, numbers, n_new: np.ndarray, has_indexer: bool,
         raise StepError(f"sequence {s}: writing {n_new[s]} token(s) at position {lengths[s]} "
                         f"would reach {lengths[s] + n_new[s]}, past max_context "
                         f"{cfg.max_context}")
-    check_tables(cfg, tables, lengths, n_new, nb)
+    blocks_read = -(-ends // cfg.block_size)  # [B]
+    if not tables_fit(tables, blocks_read, nb):
+        check_tables(cfg, tables, lengths, n_new, nb)
     # Blocks below ceil(ends / bs) are checked: a sequence may grow to their end.
-    checked_end = np.minimum(-(-ends // cfg.block_size) * cfg.block_size, cfg.max_context)
+    checked_end = np.minimum(blocks_read * cfg.block_size, cfg.max_context)
     return int((checked_end - lengths).min(initial=cfg.max_context))
+
+
+# Per read-only host table (the mirror's, passed on from step to step): each sequence's count
+# of leading entries in [0, nb), and whether those entries are all distinct blocks. Keyed by
+# the array (an entry goes with it).
+_TABLE_FACTS: dict[int, tuple[weakref.ref, int, np.ndarray, bool]] = {}
+
+
+def tables_fit(tables: np.ndarray, blocks_read: np.ndarray, nb: int) -> bool:
+    """True when every sequence's first `blocks_read [B]` entries are mapped (in `[0, nb)`)
+    and no two of them are the same block; False means `check_tables` must look (it may still
+    pass). Cached per read-only table: a loop checks the same one every step."""
+    entry = _TABLE_FACTS.get(id(tables))
+    if entry is None or entry[0]() is not tables or entry[1] != nb:
+        ok = (tables >= 0) & (tables < nb)  # [B, MB]
+        prefix = np.where(ok.all(axis=1), ok.shape[1], np.argmin(ok, axis=1))  # [B]
+        mask = np.arange(tables.shape[1])[None, :] < prefix[:, None]
+        distinct = mapped_twice(tables, mask, nb) is None
+        if tables.flags.writeable or not isinstance(tables, np.ndarray):
+            return bool(distinct and (blocks_read <= prefix).all())
+        key = id(tables)
+        if len(_TABLE_FACTS) >= 256:
+            _TABLE_FACTS.clear()
+        entry = (weakref.ref(tables, lambda _, key=key: _TABLE_FACTS.pop(key, None)), nb,
+                 prefix, distinct)
+        _TABLE_FACTS[key] = entry
+    return bool(entry[3] and (blocks_read <= entry[2]).all())
 
 
 def ring_message(cfg: DsaConfig, s: int, length: int, mark: int) -> str:
@@ -307,3 +338,29 @@ def rows_per_seq(b: int, count: int, given, name: str):
         raise StepError(f"{name}: per-sequence row counts {n.tolist()} must be {b} values in "
                         f"[0, {count}]")
     return n.astype(np.int32)
+
+
+def check_out(cfg: DsaConfig, x, out, inputs) -> tuple[jax.Array, jax.Array]:
+    """`out` for a decode or verify of `x` (`[B, D]` or `[B, K, D]`): two distinct concrete,
+    live jax arrays `(y, sel)` of y's shape `x.shape[:-1] + (D,)` float32 and sel's
+    `x.shape[:-1] + (W,)` int32, none of them an array of `inputs` (they are donated)."""
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise StepError(f"out must be a pair (y, sel) of arrays, got {type(out).__name__}"
+                        f"{f' of {len(out)}' if isinstance(out, (tuple, list)) else ''}")
+    lead = tuple(x.shape[:-1])
+    want = (("y", lead + (cfg.hidden_size,), np.dtype(np.float32)),
+            ("sel", lead + (cfg.sel_width,), np.dtype(np.int32)))
+    for a, (name, shape, dtype) in zip(out, want, strict=True):
+        if not isinstance(a, jax.Array) or not is_concrete(a):
+            raise StepError(f"out {name} must be a concrete jax.Array (it is donated: a call "
+                            f"at the top level, not under jit), got {type(a).__name__}")
+        if tuple(a.shape) != shape or a.dtype != dtype:
+            raise StepError(f"out {name} is {np.dtype(a.dtype).name}{list(a.shape)}, expected "
+                            f"{dtype.name}{list(shape)}")
+        if a.is_deleted():
+            raise StepError(f"out {name} was donated to a step (or deleted): pass a live array")
+    taken = {id(a) for a in jax.tree.leaves(inputs)}
+    if out[0] is out[1] or id(out[0]) in taken or id(out[1]) in taken:
+        raise StepError("out y and sel must be two arrays of their own: neither one another nor "
+                        "the weights, the state, x or shared_sel (out is donated)")
+    return tuple(out)
