@@ -40,7 +40,7 @@ from dsa_jax.indexer import pool_scores, write_index_rows
 from dsa_jax.mirror import host_numbers, known, remember
 from dsa_jax.projection import output_projection, project, project_kv
 from dsa_jax.select import expand_selection, top_pools
-from dsa_jax.state import DsaState, ring_mark_after
+from dsa_jax.state import DsaState, ring_mark_after, ring_mark_after_rewind
 from dsa_jax.step_checks import (
     StepError,
     check_out,
@@ -420,15 +420,17 @@ def rewind(cfg: DsaConfig, state: DsaState, lengths) -> DsaState:
         raise StepError(f"rewind lengths have shape {tuple(new.shape)}, expected "
                         f"{tuple(state.lengths.shape)} (one per sequence)")
     ring = state.index_k is not None and state.index_k.shape[1] > 0
-    # A ring keeps its mark (it says how far the ring still reaches); no ring: lockstep.
-    marks = state.index_lengths if ring else jnp.minimum(state.index_lengths, new)
+    # A ring keeps its mark (it says how far the ring still reaches; `ring_mark_after_rewind`
+    # bounds it); no ring: lockstep.
+    marks = (ring_mark_after_rewind(cfg, new, state.index_lengths) if ring
+             else jnp.minimum(state.index_lengths, new))
     if not (is_concrete(lengths) and is_concrete(state.lengths)):
         return state._replace(lengths=new, index_lengths=marks)
     numbers = host_numbers(state)
     want = np.asarray(lengths, np.int32).reshape(-1)
     check_rewind(cfg, numbers.lengths, numbers.index_lengths, want, ring)
     out = state._replace(lengths=new, index_lengths=marks)
-    remember(out, want, numbers.index_lengths if ring else
+    remember(out, want, ring_mark_after_rewind(cfg, want, numbers.index_lengths) if ring else
              np.minimum(numbers.index_lengths, want), numbers.block_tables)
     return out
 

@@ -253,6 +253,17 @@ def ring_from_rows(cfg: DsaConfig, rows, marks) -> jax.Array:
     return jnp.asarray(ring)
 
 
+def ring_mark_after_rewind(cfg: DsaConfig, lengths, marks):
+    """The mark after a rewind to `lengths` (numpy or jnp, [B]): kept, so later rewinds still
+    count from the rows the ring may hold, but at most `lengths + Rr - G`. Past that (a rewind
+    to a pool boundary further back) the steps that follow write every row they later read
+    (positions >= lengths, a boundary) after the stale ones, and a kept mark would make the
+    guard refuse those fresh rows; rows below `lengths` stay unreachable for rewinds other
+    than to a pool boundary, as `ring_holds` then asks for positions >= lengths."""
+    xp = np if isinstance(lengths, np.ndarray) else jnp
+    return xp.minimum(marks, lengths + (ring_rows(cfg) - ring_guard(cfg)))
+
+
 def ring_mark_after(cfg: DsaConfig, lengths, marks, n_new):
     """The mark after a step writes `n_new` rows at `lengths` (numpy or jnp, [B]): rows
     `[M' - Rr, lengths + n_new)` are then held. A mark more than Rr ahead (left by a rewind to

@@ -64,13 +64,15 @@ def test_one_program_per_layout_for_equal_configs():
     layout, _ = layer.prepare_step(CFG, weights, state, random_rows(1, 3, CFG.hidden_size),
                                    kind="decode")
     prog = layer.public_program(CFG, layout)
-    before = jit_cache_size(prog)
+    sizes = []
     for i in range(3):  # an equal config built anew every call: no new program, no retrace
         cfg = CFG.replace(max_verify=CFG.max_verify)
         assert layer.public_program(cfg, layout) is prog
         _, state, _ = dsa_jax.decode(cfg, weights, state, random_rows(11 + i, 3, CFG.hidden_size))
-    if before is not None:
-        assert jit_cache_size(prog) == before + 1
+        sizes.append(jit_cache_size(prog))
+    # The first call may compile (unless another test in this process already did); the
+    # others add nothing.
+    assert sizes[0] is None or sizes[1] == sizes[2] == sizes[0]
 
 
 def test_lockstep_marks_are_the_lengths_array_and_a_rewound_ring_is_checked():

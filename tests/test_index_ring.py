@@ -220,6 +220,25 @@ def test_rewind_past_the_reach_is_refused_and_to_a_pool_boundary_allowed():
     T.assert_trees_bitwise_equal((y2, back.pool_keys), (ys2[1], ref.pool_keys))
 
 
+def test_decoding_goes_on_after_a_rewind_to_a_far_pool_boundary():
+    """A rewind to a pool boundary 24 rows below the mark (past Rr): the steps after it read
+    only rows they wrote themselves, and must not be refused (they were, before the mark was
+    bounded at the rewind: the second decode failed on its own row). Then a rewind below the
+    boundary to a non-boundary length is still refused."""
+    cfg = ODD
+    w = _weights(cfg, 10)
+    x = T.random_rows(11, 1, 60, cfg.hidden_size)
+    _, state = _prefill(cfg, w, x, [40])
+    state = dsa_jax.rewind(cfg, state, [16])
+    _, ref = _prefill(cfg, w, x, [16])
+    for t in (16, 17, 18):
+        y, state, _ = dsa_jax.decode(cfg, w, state, x[:, t])
+        y_ref, ref, _ = dsa_jax.decode(cfg, w, ref, x[:, t])
+        T.assert_trees_bitwise_equal(y, y_ref)
+    with pytest.raises(dsa_jax.StepError, match="holds raw rows only from position 16"):
+        dsa_jax.rewind(cfg, state, [14])
+
+
 def test_a_kept_mark_bounds_later_rewinds():
     """Rewind, decode one row, rewind again: the rows the first rewind rejected still sit in
     the ring, so the second rewind's reach counts from the kept mark, not the length."""

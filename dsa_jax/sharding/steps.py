@@ -49,7 +49,7 @@ from dsa_jax.sharding.layout import (
     put,
     row_sharding,
 )
-from dsa_jax.state import DsaState
+from dsa_jax.state import DsaState, ring_mark_after_rewind
 from dsa_jax.step_checks import check_rewind
 from dsa_jax.weights import DsaWeights
 
@@ -314,5 +314,6 @@ def rewind(cfg: DsaConfig, state: DsaState, lengths) -> DsaState:
     for start, cur in _local_rows(state.lengths).items():
         check_rewind(cfg, cur, marks[start], new[start:start + len(cur)], ring, start)
     placed = put(new, state.lengths.sharding)
-    return state._replace(lengths=placed, index_lengths=state.index_lengths if ring else
-                          _minimum(state.index_lengths, placed))
+    return state._replace(lengths=placed, index_lengths=(
+        ring_mark_after_rewind(cfg, placed, state.index_lengths) if ring
+        else _minimum(state.index_lengths, placed)))
