@@ -97,6 +97,7 @@ class Bare:
     def reset(self):
         b = self.state.lengths.shape[0]
         self.state = dsa_jax.rewind(self.cfg, self.state, np.full((b,), self.start, np.int32))
+        return self.state
 
 
 def compiled_call(cfg, layout, weights, state, x, n_new, options):
@@ -368,6 +369,7 @@ def section_profile(ctx, res):
 
     def reset():
         box["state"] = dsa_jax.rewind(cfg, box["state"], np.full((1,), start, np.int32))
+        return box["state"]
 
     p = profile(readme_call, 10, reset=reset, top=40)
     res["profile"] = p

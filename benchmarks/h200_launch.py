@@ -138,6 +138,7 @@ class _Layers:
         from benchmarks.workloads import rewound
 
         self.states = [rewound(st, self.start) for st in self.states]
+        return self.states
 
 
 def _layers_row(variant, cfg, b, plan, n: int = 4) -> dict:
@@ -181,7 +182,7 @@ class _Trivial:
         return y
 
     def reset(self):
-        self.r.reset()
+        return self.r.reset()
 
     @property
     def state(self):

@@ -65,15 +65,16 @@ def check_device(after: BaseException) -> None:
 def measure(call: Callable[[], Any], *, warmup: int, groups: int, inner: int,
             reset: Callable[[], None] | None = None) -> dict:
     """Median microseconds per call: `groups` groups of `inner` back-to-back calls, each group
-    bracketed by `jax.block_until_ready`; `reset` runs before each group, outside the timing."""
+    bracketed by `jax.block_until_ready`; `reset` runs before each group, outside the timing
+    (what it returns is waited for: a reset's device work must not land in the timed call)."""
     for _ in range(warmup):
         if reset is not None:
-            reset()
+            jax.block_until_ready(reset())
         jax.block_until_ready(call())
     per_call = []
     for _ in range(groups):
         if reset is not None:
-            reset()
+            jax.block_until_ready(reset())
         t0 = time.perf_counter()
         out = None
         for _ in range(inner):
@@ -276,11 +277,11 @@ def profile(call: Callable[[], Any], calls: int, *, reset: Callable[[], None] | 
     from the first kernel's start to the last one's end. `{"error": ...}` where the trace holds
     no device kernels (a CPU)."""
     if reset is not None:
-        reset()
+        jax.block_until_ready(reset())
     for _ in range(2):
         jax.block_until_ready(call())
     if reset is not None:
-        reset()
+        jax.block_until_ready(reset())
     ev = _trace_events(call, calls)
     procs = {e["pid"]: e.get("args", {}).get("name", "") for e in ev
              if e.get("ph") == "M" and e.get("name") == "process_name"}

@@ -114,6 +114,7 @@ class StepRunner:
 
     def reset(self):
         self.state = rewound(self.state, self.start)
+        return self.state
 
 
 def rewound(state: DsaState, length: int) -> DsaState:

@@ -1,0 +1,204 @@
+"""Where do the scanned model and the unrolled stack part? Every layer's intermediates, tapped.
+
+`h200_scan_check.py` found the scanned model (`model.forward`) and the unrolled stack
+(`model.forward_unrolled`) bitwise apart on the H200 at GLM shapes, from one layer's output on,
+with that layer's inputs and caches equal. This script taps, in both programs, each layer's
+norm input, projections (q_abs, kv_raw, qi, k_raw, g, w), pool scores, top pools, attend output
+and output projection through host callbacks tagged with the layer index, and reports the first
+layer and tap that differ (and, for the scores and the selection, by how much: a near tie that
+flips a pool, or a program-dependent GEMM). The taps change both programs (each tapped value is
+materialized), so the untapped programs are compared as well: if they differ and the tapped
+ones do not, the difference lives in a fusion that a tap breaks.
+
+    PYTHONPATH=. python3 benchmarks/h200_scan_taps.py --out $OUT/taps.json [--configs glm8 glm8b64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.h200_scan_check import configs, leaf_diff, setup
+from dsa_jax import model as model_mod
+from dsa_jax.bitwise import BITWISE_OPTIONS
+from dsa_jax.model import forward, forward_unrolled, unfold_state
+
+# module -> names of the functions tapped (each returns arrays or a NamedTuple of them)
+TAPPED = ("project", "pool_scores", "top_pools", "attend", "output_projection")
+_records: dict = {}
+_layer = [None]  # the traced layer index of the block being traced
+
+
+def _tap(name: str, fn):
+    def run(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        if _layer[0] is None:  # outside a block (the LM head's norm)
+            return out
+        leaves = {f"{name}.{k}": v for k, v in
+                  (out._asdict().items() if hasattr(out, "_asdict") else [("out", out)])
+                  if v is not None}
+
+        def record(layer, **vals):
+            for k, v in vals.items():
+                _records.setdefault(_records["__program__"], {}).setdefault(
+                    (int(layer), k), []).append(np.asarray(v))
+        jax.debug.callback(record, _layer[0], **leaves)
+        return out
+    return run
+
+
+@contextlib.contextmanager
+def tapped():
+    """Patch the functions `model._block` and `model.step` call, and both of them to set the
+    layer index the taps carry."""
+    saved = {n: getattr(model_mod, n) for n in TAPPED + ("_block", "step")}
+    block, step = saved["_block"], saved["step"]
+    counter = [0]
+
+    def tapped_block(cfg, w, caches, rows, layer, full, x, shared_sel):
+        _layer[0] = layer
+        x = _tap("x", lambda v: v)(x)
+        try:
+            return block(cfg, w, caches, rows, layer, full, x, shared_sel)
+        finally:
+            _layer[0] = None
+
+    def tapped_step(*args, **kwargs):
+        _layer[0] = jnp.int32(counter[0])
+        counter[0] += 1
+        args = (*args[:3], _tap("x", lambda v: v)(args[3]), *args[4:])
+        try:
+            return step(*args, **kwargs)
+        finally:
+            _layer[0] = None
+
+    try:
+        for n in TAPPED:
+            setattr(model_mod, n, _tap(n, saved[n]))
+        model_mod._block, model_mod.step = tapped_block, tapped_step
+        # layer.step's own callees too (forward_unrolled runs layer.step)
+        import dsa_jax.layer as layer_mod
+        lsaved = {n: getattr(layer_mod, n) for n in TAPPED if hasattr(layer_mod, n)}
+        for n, f in lsaved.items():
+            setattr(layer_mod, n, _tap(n, f))
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(model_mod, n, f)
+        for n, f in lsaved.items():
+            setattr(layer_mod, n, f)
+
+
+def first_difference(got: dict, want: dict) -> dict | None:
+    """got/want: (layer, tap) -> [values per step]. The first (step, layer, tap) apart."""
+    keys = sorted(set(got) & set(want))
+    steps = min(len(got[k]) for k in keys) if keys else 0
+    diffs = []
+    for s in range(steps):
+        for k in keys:
+            d = leaf_diff(got[k][s], want[k][s])
+            if d is not None:
+                diffs.append({"step": s, "layer": k[0], "tap": k[1], **d})
+        if diffs:
+            break
+    if not diffs:
+        return None
+    first_layer = min(d["layer"] for d in diffs)
+    return {"first_layer": first_layer,
+            "taps_apart_in_that_layer": [d for d in diffs if d["layer"] == first_layer],
+            "layers_apart": sorted({d["layer"] for d in diffs}),
+            "only_in_one": sorted(str(k) for k in set(got) ^ set(want))[:20]}
+
+
+def run(cfg, vocab: int, b: int, steps: int) -> dict:
+    mcfg, weights, stacked, ms = setup(cfg, vocab, b)
+    r = cfg.max_verify
+    rng = np.random.default_rng(7)
+    n_news = [[r, r - 1], [1, r], [r - 1, 0], [1, 1], [r, 2]][:steps]
+    states = tuple(unfold_state(mcfg, ms))
+    plain = {}
+    tapped_out = {}
+    for label, use_taps in (("plain", False), ("taps", True)):
+        ctx = tapped() if use_taps else contextlib.nullcontext()
+        with ctx:
+            scan = jax.jit(lambda w, s, t, n: forward(mcfg, w, s, t, n)).lower(
+                stacked, ms, jnp.zeros((b, r), jnp.int32), jnp.ones((b,), jnp.int32)
+            ).compile(compiler_options=BITWISE_OPTIONS)
+            unrolled = jax.jit(lambda w, s, t, n: forward_unrolled(mcfg, w, s, t, n)).lower(
+                weights, states, jnp.zeros((b, r), jnp.int32), jnp.ones((b,), jnp.int32)
+            ).compile(compiler_options=BITWISE_OPTIONS)
+        ms_a, st_u = ms, states
+        rng = np.random.default_rng(7)
+        outcome = {"equal_steps": 0}
+        for i, n_new in enumerate(n_news):
+            tokens = jnp.asarray(rng.integers(0, vocab, (b, r)), jnp.int32)
+            n = jnp.asarray(np.resize(n_new, b), jnp.int32)
+            _records.clear()
+            _records["__program__"] = "scan"
+            a = jax.block_until_ready(scan(stacked, ms_a, tokens, n))
+            jax.effects_barrier()
+            _records["__program__"] = "unrolled"
+            u = jax.block_until_ready(unrolled(weights, st_u, tokens, n))
+            jax.effects_barrier()
+            d = leaf_diff(a[0], u[0])
+            apart = [l for l, (sa, su) in enumerate(zip(unfold_state(mcfg, a[1]), u[1],
+                                                        strict=True))
+                     if any(leaf_diff(getattr(sa, f), getattr(su, f)) is not None
+                            for f in ("latent", "index_k", "index_g", "pool_keys"))]
+            if d is not None or apart:
+                outcome.update(first_step=i, logits=d, cache_layers_apart=apart)
+                if use_taps:
+                    outcome["taps"] = first_difference(_records.get("scan", {}),
+                                                       _records.get("unrolled", {}))
+                    outcome["n_taps"] = len(_records.get("scan", {}))
+                break
+            outcome["equal_steps"] = i + 1
+            if use_taps:  # the taps came back from both programs, for the same layers
+                outcome["taps_per_program"] = {k: len(_records.get(k, {}))
+                                               for k in ("scan", "unrolled")}
+                outcome["tap_keys_equal"] = (set(_records.get("scan", {}))
+                                             == set(_records.get("unrolled", {})))
+            ms_a, st_u = a[1], u[1]
+        (plain if label == "plain" else tapped_out).update(outcome)
+    return {"plain": plain, "tapped": tapped_out}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--configs", nargs="*", default=["glm8"], choices=("tiny", "glm8", "glm8b64"))
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=256)
+    args = ap.parse_args(argv)
+    res = {"command": "PYTHONPATH=. python3 benchmarks/h200_scan_taps.py " + " ".join(
+               sys.argv[1:] if argv is None else argv),
+           "date": datetime.datetime.now(datetime.UTC).isoformat(),
+           "jax_version": jax.__version__, "device": str(jax.devices()[0].device_kind),
+           "options": BITWISE_OPTIONS, "results": {}}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    for name, cfg in configs(args.smoke, ["pallas"] if not args.smoke else []).items():
+        if not args.smoke and name.split("-")[0] not in args.configs:
+            continue
+        try:
+            r = run(cfg, 64 if args.smoke else args.vocab,
+                    64 if name.startswith("glm8b64") else 2, args.steps)
+        except Exception as e:
+            r = {"error": f"{type(e).__name__}: {e}"[:800]}
+        res["results"][name] = r
+        print(name, json.dumps(r, default=str)[:3000], flush=True)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
