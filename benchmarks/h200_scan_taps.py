@@ -25,9 +25,12 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from benchmarks.h200_scan_check import configs, leaf_diff, setup
+from dsa_jax import layer as layer_mod
 from dsa_jax import model as model_mod
+from dsa_jax import projection as proj_mod
 from dsa_jax.bitwise import BITWISE_OPTIONS
 from dsa_jax.model import forward, forward_unrolled, unfold_state
 
@@ -60,6 +63,7 @@ def tapped():
     """Patch the functions `model._block` and `model.step` call, and both of them to set the
     layer index the taps carry."""
     saved = {n: getattr(model_mod, n) for n in TAPPED + ("_block", "step")}
+    lsaved, psaved = {}, {}
     block, step = saved["_block"], saved["step"]
     counter = [0]
 
@@ -84,31 +88,62 @@ def tapped():
         for n in TAPPED:
             setattr(model_mod, n, _tap(n, saved[n]))
         model_mod._block, model_mod.step = tapped_block, tapped_step
-        # layer.step's own callees too (forward_unrolled runs layer.step)
-        import dsa_jax.layer as layer_mod
+        # layer.step's own callees too (forward_unrolled runs layer.step), and inside the
+        # projections every GEMM and norm
         lsaved = {n: getattr(layer_mod, n) for n in TAPPED if hasattr(layer_mod, n)}
         for n, f in lsaved.items():
             setattr(layer_mod, n, _tap(n, f))
+        psaved = {n: getattr(proj_mod, n) for n in ("matmul", "rms_norm", "per_head")}
+        for n, f in psaved.items():
+            setattr(proj_mod, n, _tap(n, f))
         yield
     finally:
         for n, f in saved.items():
             setattr(model_mod, n, f)
         for n, f in lsaved.items():
             setattr(layer_mod, n, f)
+        for n, f in psaved.items():
+            setattr(proj_mod, n, f)
+
+
+def _fence(f):
+    def fenced(v, *args, _f=f):
+        return lax.optimization_barrier(_f(lax.optimization_barrier(v), *args))
+    return fenced
+
+
+# name -> the functions fenced: each an island of its own (barriers on its input and output),
+# so XLA cannot fuse it, or what feeds it, with anything program-dependent.
+FENCES = {"none": (), "fenced_norm": ("rms_norm",), "fenced_gemm": ("matmul", "per_head"),
+          "fenced_all": ("rms_norm", "matmul", "per_head")}
+
+
+@contextlib.contextmanager
+def candidate(name: str):
+    """A change to both programs, to test a suspect (FENCES): the RMSNorms of the step (the
+    layer's input norm, the q_a norm) and/or its GEMMs fenced."""
+    mods = [m for m in (proj_mod, model_mod)]
+    orig = {(m, n): getattr(m, n) for m in mods for n in FENCES[name] if hasattr(m, n)}
+    try:
+        for (m, n), f in orig.items():
+            setattr(m, n, _fence(f))
+        yield
+    finally:
+        for (m, n), f in orig.items():
+            setattr(m, n, f)
+
+
+CANDIDATES = tuple(FENCES)
 
 
 def first_difference(got: dict, want: dict) -> dict | None:
-    """got/want: (layer, tap) -> [values per step]. The first (step, layer, tap) apart."""
-    keys = sorted(set(got) & set(want))
-    steps = min(len(got[k]) for k in keys) if keys else 0
+    """got/want: (layer, tap) -> [values, one per call of that tap in the layer]. The taps
+    apart in the first layer with any."""
     diffs = []
-    for s in range(steps):
-        for k in keys:
-            d = leaf_diff(got[k][s], want[k][s])
-            if d is not None:
-                diffs.append({"step": s, "layer": k[0], "tap": k[1], **d})
-        if diffs:
-            break
+    for k in sorted(set(got) & set(want)):
+        for c, (a, b) in enumerate(zip(got[k], want[k], strict=False)):
+            if (d := leaf_diff(a, b)) is not None:
+                diffs.append({"layer": k[0], "tap": k[1], "call": c, **d})
     if not diffs:
         return None
     first_layer = min(d["layer"] for d in diffs)
@@ -118,7 +153,7 @@ def first_difference(got: dict, want: dict) -> dict | None:
             "only_in_one": sorted(str(k) for k in set(got) ^ set(want))[:20]}
 
 
-def run(cfg, vocab: int, b: int, steps: int) -> dict:
+def run(cfg, vocab: int, b: int, steps: int, cand: str = "none") -> dict:
     mcfg, weights, stacked, ms = setup(cfg, vocab, b)
     r = cfg.max_verify
     rng = np.random.default_rng(7)
@@ -128,7 +163,7 @@ def run(cfg, vocab: int, b: int, steps: int) -> dict:
     tapped_out = {}
     for label, use_taps in (("plain", False), ("taps", True)):
         ctx = tapped() if use_taps else contextlib.nullcontext()
-        with ctx:
+        with candidate(cand), ctx:
             scan = jax.jit(lambda w, s, t, n: forward(mcfg, w, s, t, n)).lower(
                 stacked, ms, jnp.zeros((b, r), jnp.int32), jnp.ones((b,), jnp.int32)
             ).compile(compiler_options=BITWISE_OPTIONS)
@@ -178,6 +213,7 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", nargs="*", default=["glm8"], choices=("tiny", "glm8", "glm8b64"))
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--candidates", nargs="*", default=["none"], choices=CANDIDATES)
     args = ap.parse_args(argv)
     res = {"command": "PYTHONPATH=. python3 benchmarks/h200_scan_taps.py " + " ".join(
                sys.argv[1:] if argv is None else argv),
@@ -188,15 +224,16 @@ def main(argv=None) -> int:
     for name, cfg in configs(args.smoke, ["pallas"] if not args.smoke else []).items():
         if not args.smoke and name.split("-")[0] not in args.configs:
             continue
-        try:
-            r = run(cfg, 64 if args.smoke else args.vocab,
-                    64 if name.startswith("glm8b64") else 2, args.steps)
-        except Exception as e:
-            r = {"error": f"{type(e).__name__}: {e}"[:800]}
-        res["results"][name] = r
-        print(name, json.dumps(r, default=str)[:3000], flush=True)
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1, default=str)
+        for cand in args.candidates:
+            try:
+                r = run(cfg, 64 if args.smoke else args.vocab,
+                        64 if name.startswith("glm8b64") else 2, args.steps, cand)
+            except Exception as e:
+                r = {"error": f"{type(e).__name__}: {e}"[:800]}
+            res["results"].setdefault(name, {})[cand] = r
+            print(name, cand, json.dumps(r, default=str)[:3000], flush=True)
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1, default=str)
     return 0
 
 
