@@ -28,9 +28,17 @@ class Projections(NamedTuple):
 
 
 def rms_norm(v: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """Plain RMSNorm in fp32: `w * v / sqrt(mean(v^2) + eps)`."""
-    v = v.astype(jnp.float32)
-    return w * v * lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps)
+    """Plain RMSNorm in fp32: `w * v / sqrt(mean(v^2) + eps)`, as an island of its own.
+
+    The barriers on its input and output keep XLA from fusing the norm's reduction or its
+    elementwise part with what surrounds it. Fused differently in two programs (the scanned
+    model and the unrolled stack), the norm came out a last bit apart on a few rows on the
+    H200, which then rounded the next GEMM's bf16 operand differently and moved the whole row
+    (benchmarks/results/h200-scan-taps-20261201-*.json). As an island it compiles to the same
+    code wherever it appears."""
+    v = lax.optimization_barrier(v.astype(jnp.float32))
+    return lax.optimization_barrier(
+        w * v * lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps))
 
 
 # fp32 weights mean fp32 arithmetic: without HIGHEST a GPU runs fp32 dots as tf32 (~1e-3).

@@ -168,3 +168,29 @@ def test_hidden_rows_equal_between_the_two_forms():
     assert_bitwise(got[3], want[3])
     assert_bitwise(got[3][0], weights.embed[tokens])
     assert not (np.asarray(got[3][1]) == np.asarray(got[3][0])).all()
+
+
+def test_rms_norm_is_an_island():
+    """The norm's input and output are fusion barriers (projection.rms_norm says why): without
+    them XLA fused it differently in the scanned and the unrolled programs on the H200."""
+    from dsa_jax.projection import rms_norm
+    v, w = jnp.ones((3, 8)), jnp.ones((8,))
+    eqns = jax.make_jaxpr(lambda v, w: rms_norm(v, w, 1e-5))(v, w).jaxpr.eqns
+    assert eqns[0].primitive.name == "optimization_barrier"
+    assert eqns[-1].primitive.name == "optimization_barrier"
+    rng = np.random.default_rng(0)
+    v = jnp.asarray(rng.standard_normal((5, 33)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((33,)), jnp.float32)
+    want = w * v / jnp.sqrt(jnp.mean(v * v, axis=-1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(rms_norm(v, w, 1e-5), want, rtol=4 * 2.0 ** -23 * 33, atol=0)
+
+
+@pytest.mark.gpu
+def test_scanned_equals_unrolled_bitwise_at_glm_shapes():
+    """The must-hold of issue 15 on the GPU: 8 GLM-5.3-Flash layers (full, shared) x 4, 1K
+    context, 2 sequences, prompt and decode rows: logits, selection and every cache `==`."""
+    from benchmarks.loop_checks import check_scan_equals_unrolled
+    from dsa_jax.shapes import glm53_flash
+    cfg = glm53_flash(implementation="pallas", max_context=1024,
+                      indexer_types=("full", "shared") * 4)
+    assert check_scan_equals_unrolled(cfg, 256)
