@@ -17,6 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from dsa_jax.pallas import pool_scores_mgpu as mgpu_scores
 from dsa_jax.pallas.common import next_pow2, sm_count, with_overrides
 
 # Query rows per lax.map step of the XLA twin: bounds the [rows, Hi, P] fp32 block.
@@ -89,7 +90,10 @@ class PoolScoresTuning:
     (`num_stages`); None: `prompt_shaped(rows per sequence)`. precision: how the GPU runs the
     fp32 dots, "tf32x3" (3 tf32 products of split operands) or "bf16x6" (6 bf16 products of
     operands split in three; its dropped terms are O(2^-22) relative, inside the tf32x3 bound
-    the tests assert); interpret mode runs IEEE fp32 either way. num_warps, num_stages: Triton's."""
+    the tests assert); interpret mode runs IEEE fp32 either way. num_warps, num_stages: Triton's.
+    backend: "triton" (this kernel, the default) or "mosaic" (`pool_scores_mgpu`: Pallas Mosaic
+    GPU, bulk key copies and tf32x3 wgmmas, compiled for a Hopper GPU only, no interpret
+    mode; the fields above do not apply to it). mosaic: that kernel's tuning."""
     block_p: int = 64
     num_chunks: int | None = None
     target_programs: int | None = None
@@ -100,8 +104,15 @@ class PoolScoresTuning:
     precision: str = "tf32x3"
     num_warps: int = 4
     num_stages: int = 3
+    backend: str = "triton"
+    mosaic: mgpu_scores.MgpuScoresTuning = mgpu_scores.MgpuScoresTuning()
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"pool_scores: backend={self.backend!r} must be one of {BACKENDS}")
 
 
+BACKENDS = ("triton", "mosaic")
 _PRECISIONS = {"tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
                "bf16x6": lax.DotAlgorithmPreset.BF16_BF16_F32_X6}
 
@@ -271,7 +282,13 @@ def pool_scores_pallas(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand
     `tuning` by name (`block_p=32`).
     """
     b, r, hi, di = qi.shape
-    tuning = resolve_tuning(with_overrides(tuning, overrides), r)
+    tuning = with_overrides(tuning, overrides)
+    if tuning.backend == "mosaic":
+        if interpret:
+            raise ValueError("pool_scores: backend='mosaic' compiles for a Hopper GPU and has "
+                             "no interpret mode; use backend='triton' with interpret=True")
+        return mgpu_scores.pool_scores_mgpu(qi, w, pool_keys, n_cand, tuning=tuning.mosaic)
+    tuning = resolve_tuning(tuning, r)
     p = pool_keys.shape[1]
     rb = tuning.rows_per_program or default_rows_per_program(r)
     if rb & (rb - 1):

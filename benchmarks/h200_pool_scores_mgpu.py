@@ -1,0 +1,221 @@
+"""H200: the Mosaic GPU pool-scores kernel (`pallas/pool_scores_mgpu.py`) beside the Triton one
+(`pallas/pool_scores.py`), checked and timed (issue #14).
+
+    CUDA_VISIBLE_DEVICES=0 PYTHONPATH=. python3 benchmarks/h200_pool_scores_mgpu.py --out $OUT/x
+    PYTHONPATH=. python3 benchmarks/h200_pool_scores_mgpu.py --smoke --out /tmp/psm   # CPU
+
+Cases (GLM-5.3-Flash indexer: Hi 32, Di 128, P 4096 at 16K), inputs as
+`benchmarks.workloads.selection_inputs` builds them: `b64` (64 sequences x 1 row), `b64-r4`
+(64 x 4 rows, the last 3 padding, as the padded decode runs it), `b1-r4` (1 x 4, one real),
+and a 9000-row prompt from an empty context (row t has (t + 1) // 4 candidates).
+Per variant: every output against the float64 definition within the derived tf32x3 bound
+(`testing.pool_scores_bound`), -inf exactly past the candidates, no -0.0; the largest
+|mosaic - triton| over the bound; then `wall_us` and `kernel_us` (profiler trace).
+Batch independence (SPEC: a row's scores are the same bits whatever it is batched with), `==`:
+rows of b64 scored alone (batch 1) against the batch; b64's rows as the first of 4 rows per
+sequence (b64-r4's layout, the other 3 random live rows) against b64; chunk counts 1 / 3 /
+default against each other; prompt rows scored alone against the prompt batch.
+With `--smoke` (CPU) the Mosaic kernel cannot run: its variants are lowered for cuda only and
+the Triton ones run in interpret mode at tiny shapes. JSON: <out>/h200-pool-scores-mgpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.harness import sweep_row, sweep_times
+from benchmarks.workloads import selection_inputs
+from dsa_jax import layer, shapes
+from dsa_jax import testing as T
+from dsa_jax.pallas import pool_scores as ps
+from dsa_jax.pallas import pool_scores_mgpu as pm
+
+S, M = ps.PoolScoresTuning, pm.MgpuScoresTuning
+
+VARIANTS = {
+    "triton": S(),  # today's default
+    "triton-rows1": S(rows_per_program=1),  # r4: one row per program (86.8 us, notes)
+    "mosaic": S(backend="mosaic"),
+    "mosaic-s4": S(backend="mosaic", mosaic=M(stages=4)),
+    "mosaic-nohi": S(backend="mosaic", mosaic=M(write_hi=False)),
+    "mosaic-fuse": S(backend="mosaic", mosaic=M(fuse_qlo=True)),
+    "mosaic-fuse-nohi-s4": S(backend="mosaic", mosaic=M(fuse_qlo=True, write_hi=False,
+                                                        stages=4)),
+    "mosaic-c1": S(backend="mosaic", mosaic=M(chunks=1)),
+    "mosaic-c4": S(backend="mosaic", mosaic=M(chunks=4)),
+    "mosaic-c16": S(backend="mosaic", mosaic=M(chunks=16)),
+}
+SUBSETS = {
+    "b64": list(VARIANTS),
+    "b64-r4": ["triton", "triton-rows1", "mosaic", "mosaic-s4", "mosaic-fuse", "mosaic-c4"],
+    "b1-r4": ["triton", "mosaic", "mosaic-s4", "mosaic-fuse", "mosaic-c16"],
+    "prefill": ["triton", "mosaic", "mosaic-s4", "mosaic-fuse"],
+}
+
+
+def _fn(tun, smoke):
+    if smoke and tun.backend == "mosaic":
+        return None
+    return jax.jit(functools.partial(ps.pool_scores_pallas, interpret=smoke, tuning=tun))
+
+
+def _lowers(tun, args) -> bool:
+    fn = functools.partial(ps.pool_scores_pallas, tuning=tun)
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return text.count("custom_call @mosaic_gpu") == 1
+
+
+def _checks(out, ref, bound, rows=None) -> dict:
+    out = np.asarray(out) if rows is None else np.asarray(out)[:, rows]
+    fin = ~np.isneginf(ref)
+    err = np.abs(out[fin] - ref[fin]) / bound[fin]
+    return {"neginf_pattern_ok": bool(np.array_equal(np.isneginf(out), ~fin)),
+            "no_neg_zero": bool(not (np.signbit(out) & (out == 0)).any()),
+            "within_bound": bool((err <= 1).all()),
+            "max_err_over_bound": float(err.max()) if err.size else 0.0}
+
+
+def _run_case(res, path, name, args, smoke, check_rows=None, heavy=False):
+    """Every variant of SUBSETS[name] on args = (qi, w, keys, n_cand)."""
+    qi, w, keys, n_cand = args
+    sub = [np.asarray(a) for a in args]
+    if check_rows is not None:
+        sub = [sub[0][:, check_rows], sub[1][:, check_rows], sub[2], sub[3][:, check_rows]]
+    ref = T.pool_scores_definition(*sub)
+    bound = T.pool_scores_bound(*sub[:3], T.TF32X3_ROUNDOFF)
+    outs = {}
+    for vname in SUBSETS[name]:
+        if time.monotonic() > res["deadline"] and vname not in ("triton", "mosaic"):
+            continue
+        tun = VARIANTS[vname]
+        row = {"case": name, "variant": vname, "shape": [int(s) for s in qi.shape],
+               "P": int(keys.shape[1]),
+               "tuning": str(tun.mosaic if tun.backend == "mosaic" else tun)}
+
+        def work(row, tun=tun, vname=vname):
+            fn = _fn(tun, smoke)
+            if fn is None:
+                row["lowers_for_cuda"] = _lowers(tun, args)
+                row["ok"] = row["lowers_for_cuda"]
+                return
+            out = np.asarray(fn(qi, w, keys, n_cand))
+            outs[vname] = out
+            row.update(_checks(out, ref, bound, check_rows))
+            row["ok"] = all(row[c] for c in ("neginf_pattern_ok", "no_neg_zero",
+                                             "within_bound"))
+            if "triton" in outs and vname != "triton":
+                a, b = outs["triton"], out
+                if check_rows is not None:
+                    a, b = a[:, check_rows], b[:, check_rows]
+                fin = ~np.isneginf(ref)
+                row["max_diff_to_triton_over_bound"] = float(
+                    (np.abs(a[fin] - b[fin]) / bound[fin]).max()) if fin.any() else 0.0
+                row["equal_to_triton"] = bool(np.array_equal(outs["triton"], out))
+            row.update(sweep_times(functools.partial(fn, qi, w, keys, n_cand), heavy))
+
+        sweep_row(res, row, work, path)
+    return outs
+
+
+def _independence(res, path, args, smoke, prompt=None):
+    """`==` of a row's scores alone and batched, 1 vs 4 rows per sequence, chunk counts."""
+    if smoke:
+        return
+    qi, w, keys, n_cand = args
+    tun = VARIANTS["mosaic"]
+    fn = _fn(tun, smoke)
+    rng = np.random.default_rng(5)
+    row = {"case": "b64", "variant": "mosaic", "kind": "batch_independence"}
+
+    def work(row):
+        full = np.asarray(fn(qi, w, keys, n_cand))  # [B, 1, P]
+        alone = [np.array_equal(np.asarray(fn(qi[i:i + 1], w[i:i + 1], keys[i:i + 1],
+                                              n_cand[i:i + 1]))[0], full[i])
+                 for i in (0, 17, 63)]
+        row["alone_equal_batched"] = bool(all(alone))
+        b = qi.shape[0]
+        extra_q = jnp.asarray(rng.standard_normal((b, 3) + qi.shape[2:], np.float32))
+        extra_w = jnp.asarray(rng.standard_normal((b, 3, qi.shape[2]), np.float32) * 0.02)
+        q4 = jnp.concatenate([qi, extra_q], axis=1)
+        w4 = jnp.concatenate([w, extra_w], axis=1)
+        nc4 = jnp.concatenate([n_cand, jnp.full((b, 3), keys.shape[1] // 2, jnp.int32)], 1)
+        row["r4_row0_equal_r1"] = bool(np.array_equal(np.asarray(fn(q4, w4, keys, nc4))[:, :1],
+                                                      full))
+        for c in (1, 3, 7):
+            f_c = _fn(S(backend="mosaic", mosaic=M(chunks=c)), smoke)
+            row[f"chunks{c}_equal"] = bool(np.array_equal(
+                np.asarray(f_c(qi, w, keys, n_cand)), full))
+        for v in ("mosaic-s4", "mosaic-nohi", "mosaic-fuse"):  # (fuse: other sums; nohi:
+            # equal where the tensor core ignores an fp32 word's low 13 bits)
+            row[f"{v}_same_bits"] = bool(np.array_equal(
+                np.asarray(_fn(VARIANTS[v], smoke)(qi, w, keys, n_cand)), full))
+        if prompt is not None:
+            pq, pw, pk, pn = prompt
+            pfull = np.asarray(fn(pq, pw, pk, pn))
+            some = [5, 4097, 8999]
+            alone = np.asarray(fn(pq[:, some], pw[:, some], pk, pn[:, some]))
+            row["prompt_rows_alone_equal"] = bool(np.array_equal(alone, pfull[:, some]))
+            one = np.asarray(fn(pq[:, 4097:4098], pw[:, 4097:4098], pk, pn[:, 4097:4098]))
+            row["prompt_row_single_equal"] = bool(np.array_equal(one, pfull[:, 4097:4098]))
+        row["ok"] = all(v for k, v in row.items() if k.endswith("equal") or
+                        k.endswith("batched") or k.endswith("_r1"))  # not *_same_bits
+
+    sweep_row(res, row, work, path)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes; Mosaic only lowered (CPU)")
+    ap.add_argument("--budget-s", type=float, default=100.0,
+                    help="after this many seconds only triton and mosaic run")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "h200-pool-scores-mgpu.json")
+    smoke = args.smoke
+    cfg = (shapes.glm53_flash() if not smoke else
+           shapes.glm53_flash(max_context=448, index_n_heads=3, index_head_dim=12,
+                              index_topk=80))
+    res = {"command": "PYTHONPATH=. python3 benchmarks/h200_pool_scores_mgpu.py "
+                      + " ".join(sys.argv[1:]),
+           "date": datetime.datetime.now(datetime.UTC).isoformat(),
+           "deadline": time.monotonic() + args.budget_s, "jax_version": jax.__version__,
+           "device": jax.devices()[0].device_kind,
+           "shape": {"Hi": cfg.index_n_heads, "Di": cfg.index_head_dim, "P": cfg.num_pools},
+           "results": [], "errors": []}
+    cases = [("b64", 64, 1), ("b64-r4", 64, 4), ("b1-r4", 1, 4)] if not smoke else [
+        ("b64", 3, 1), ("b64-r4", 2, 4), ("b1-r4", 1, 4)]
+    b64 = None
+    for name, b, r in cases:
+        keys, pos, valid, sets = selection_inputs(cfg, b, r, cfg.max_context, 300 + r)
+        qi, w = sets[0]
+        n_cand = layer.candidate_pools(cfg, pos, valid)  # [B, R]
+        the = (qi, w, keys, n_cand)
+        b64 = b64 or the
+        _run_case(res, path, name, the, smoke)
+    # the prompt: rows share one sequence's keys; checked on every 97th row
+    n = 9000 if not smoke else 50
+    rng = np.random.default_rng(9)
+    hi, di, p = cfg.index_n_heads, cfg.index_head_dim, cfg.num_pools
+    pq = jnp.asarray(rng.standard_normal((1, n, hi, di), np.float32))
+    pw = jnp.asarray(rng.standard_normal((1, n, hi), np.float32) * np.float32((hi * di) ** -0.5))
+    pk = jnp.asarray(0.3 * rng.standard_normal((1, p, di), np.float32))
+    pn = jnp.asarray(((np.arange(n) + 1) // cfg.index_kpool)[None, :].astype(np.int32))
+    prompt = (pq, pw, pk, pn)
+    _run_case(res, path, "prefill", prompt, smoke, check_rows=np.arange(0, n, 97), heavy=True)
+    _independence(res, path, b64, smoke, prompt)
+    print(f"errors: {len(res['errors'])}; wrote {path}", flush=True)
+    return 0 if not res["errors"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,297 @@
+"""Pooled indexer scores as a Pallas Mosaic GPU kernel (Hopper: bulk copies, wgmma in tf32).
+
+The same function as `pool_scores.pool_scores_xla` (the definition): `score[b, r, p] =
+sum_h w[b, r, h] * relu(qi[b, r, h] . K[b, p])`, -inf for `p >= n_cand[b, r]`, -0.0 -> 0.0.
+
+* one CTA per (query row, pool chunk); the chunk is `tiles` tiles of `block_p` pools;
+* warpgroup 2 (producer) streams the chunk's live key tiles [block_p, Dp] f32 by bulk (TMA)
+  copies into a ring of `stages` buffers; tiles past the row's candidates are never read;
+* warpgroups 0 and 1 (consumers) take the tiles in turn (even / odd). Each splits its tile in
+  registers into exact tf32 values, K = hi + lo + (dropped, <= 2^-20 |K|), writes hi back
+  in place and lo to its own buffer, and runs three wgmmas (tf32 operands from shared memory,
+  fp32 accumulator [block_p, Hp]): hi x qhi + lo x qhi + hi x qlo, the pool tile as M and the
+  heads as N (qi split the same way by `split_tf32`, in jnp, once per row). Every operand is
+  an exact tf32 value, so the result does not depend on whether the tensor core truncates or
+  rounds the low bits of an fp32 word (the bound is `testing.TF32X3_ROUNDOFF`, as for the
+  Triton kernel's tf32x3 dot). The epilogue applies relu, the head weights and the head sum in
+  registers and stores the tile's [block_p] scores;
+* a pool's score depends only on its key, its row's qi and w and these fixed instructions, not
+  on the chunking, the grid or the other rows: a row scores the same bits alone or batched.
+
+Restrictions: Di is padded to a multiple of 32 (one 128-byte swizzle of f32) and Hi to a
+multiple of 8 (the wgmma N step); keys whose Di is not a multiple of 32 or whose P is not a
+multiple of 8 (the bulk copy's tiling of the pool axis) are copied padded (the GLM shapes,
+Di = 128 and P = context / 4 pools of a capacity in whole pages, need none). A partial last
+tile reads past P through the bulk copy's bounds check, which fills zeros. Compiled for a
+Hopper GPU only: there is no interpret mode (jax's GPU interpret mode cannot run bulk
+copies); tests/test_pool_scores_mgpu.py lowers it on the CPU and models its arithmetic; its
+parity runs on the GPU. Written for Lane semantics,
+named explicitly (jax 0.11 defaults to Warpgroup).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from dsa_jax.pallas.common import sm_count
+
+# Keeps an fp32 word's sign, exponent and the 10 high significand bits: a tf32 value.
+TF32_MASK = -(1 << 13)  # 0xFFFFE000 as int32
+_F32_SWIZZLE = 32  # f32 elements in one 128-byte swizzle row
+CONSUMERS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuScoresTuning:
+    """Tiles and pipeline of the Mosaic GPU scores kernel.
+
+    block_p: pools per tile (the wgmma M): 64 or 128.
+    stages: key buffers in the ring, a multiple of the 2 consumers (each consumer owns every
+      other buffer, so each of its barriers is waited on at every phase).
+    chunks: CTAs per row, each taking a contiguous share of the tiles (None: about one CTA per
+      multiprocessor over all rows, at least one per row: `default_chunks`).
+    write_hi: write the truncated hi part of each key tile back before the dots (exact tf32
+      operands); False feeds the raw fp32 keys as hi, trusting the tensor core to ignore the
+      low 13 bits (a timing variant: correct only if the hardware truncates).
+    fuse_qlo: the products with qhi and qlo of the hi keys as one wgmma of N = 2 Hp (the hi
+      tile read from shared memory once for both) and lo x qhi as a second accumulator, the
+      three summed in registers; else three wgmmas into one accumulator.
+    consumer_regs / producer_regs: per-thread register budgets (setmaxnreg).
+    """
+
+    block_p: int = 64
+    stages: int = 2
+    chunks: int | None = None
+    write_hi: bool = True
+    fuse_qlo: bool = False
+    consumer_regs: int = 232
+    producer_regs: int = 40
+
+    def __post_init__(self):
+        if self.block_p not in (64, 128):
+            raise ValueError(f"block_p={self.block_p} must be 64 or 128 (wgmma M tiles)")
+        if self.stages < CONSUMERS or self.stages % CONSUMERS:
+            raise ValueError(f"stages={self.stages} must be a positive multiple of {CONSUMERS}")
+        if self.chunks is not None and self.chunks < 1:
+            raise ValueError(f"chunks={self.chunks} must be >= 1")
+        regs = 128 * (CONSUMERS * self.consumer_regs + self.producer_regs)
+        if regs > 65536:
+            raise ValueError(f"registers 128 * ({CONSUMERS} * {self.consumer_regs} + "
+                             f"{self.producer_regs}) = {regs} exceed 65536")
+
+
+def padded_dims(hi: int, di: int) -> tuple[int, int]:
+    """(Hp, Dp): heads to a multiple of 8, dims to a multiple of 32."""
+    return -(-hi // 8) * 8, -(-di // _F32_SWIZZLE) * _F32_SWIZZLE
+
+
+def smem_bytes(hp: int, dp: int, t: MgpuScoresTuning) -> int:
+    """Shared memory the kernel allocates (the H200 gives a CTA at most 227 KiB)."""
+    return 4 * dp * (t.stages * t.block_p + CONSUMERS * t.block_p + 2 * hp)
+
+
+def default_chunks(rows: int, tiles_all: int, sms: int) -> int:
+    """CTAs per row: about one CTA per multiprocessor in all (the kernel's shared memory
+    allows one per multiprocessor), at least one per row, at most one per tile."""
+    return max(1, min(tiles_all, sms // max(rows, 1)))
+
+
+def split_tf32(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x f32 -> (hi, lo), both exact tf32 values: hi = x truncated to 10 significand bits,
+    lo = (x - hi) truncated the same way (x - hi is exact in fp32), so
+    |x - hi - lo| <= 2^-10 |x - hi| <= 2^-20 |x|."""
+    hi = _trunc(x)
+    return hi, _trunc(x - hi)
+
+
+def _trunc(x):
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    return lax.bitcast_convert_type(bits & jnp.int32(TF32_MASK), jnp.float32)
+
+
+def _kernel(ncand_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: int, tiles: int,
+            stages: int, rows_per_seq: int, hp: int, dp: int, write_hi: bool, fuse_qlo: bool,
+            consumer_regs: int, producer_regs: int):
+    """One (row, chunk) CTA of 3 warpgroups; see the module docstring.
+
+    ncand_ref [N] int32; q_ref [N, 2 Hp, Dp] f32 (qi's tf32 hi parts, then its lo parts);
+    w_ref [N, Hp] f32 (padded heads 0); keys_ref [B, P, Dp] f32; out_ref [N, Pc] f32 with
+    Pc = chunks * tiles * block_p >= P (every element written).
+    """
+    chunk, row = lax.axis_index("c"), lax.axis_index("r")
+    seq = row // rows_per_seq
+    first = chunk * tiles  # the chunk's first tile
+    n_cand = ncand_ref[row]
+    live = jnp.clip((n_cand + block_p - 1) // block_p - first, 0, tiles)  # live tiles
+    tf32 = (plgpu.TilingTransform((8, _F32_SWIZZLE)), plgpu.SwizzleTransform(128))
+    row_layout = plgpu.Layout.WGMMA.reduce(1)  # [block_p]: one value per accumulator row
+
+    def scoped(kbuf, lobuf, qbuf, q_bar, full, free):
+        wg = lax.axis_index("wg")
+
+        def store(t, scores):  # scores [block_p] row_layout
+            out_ref.at[row, pl.ds((first + t) * block_p, block_p)][...] = scores
+
+        def consume():
+            plgpu.barrier_wait(q_bar)
+            w = plgpu.load(w_ref.at[row], (), layout=plgpu.Layout.WGMMA.reduce(0),
+                           optimized=False)  # [Hp]
+            q_both = plgpu.transpose_ref(qbuf, (1, 0))  # [Dp, 2 Hp]: hi, then lo
+            q_hi = plgpu.transpose_ref(qbuf.at[pl.ds(0, hp)], (1, 0))  # [Dp, Hp]
+            q_lo = plgpu.transpose_ref(qbuf.at[pl.ds(hp, hp)], (1, 0))
+            lo_ref = lobuf.at[wg]
+
+            def tile(j, carry):
+                t = CONSUMERS * j + wg
+                s = lax.rem(t, stages)
+                k_ref = kbuf.at[s]
+                plgpu.barrier_wait(full.at[s])
+                for c in range(dp // _F32_SWIZZLE):  # one swizzle column at a time
+                    cols = pl.ds(c * _F32_SWIZZLE, _F32_SWIZZLE)
+                    k = k_ref.at[:, cols][...]  # [BP, 32] f32
+                    hi = _trunc(k)
+                    if write_hi:
+                        k_ref.at[:, cols][...] = hi
+                    lo_ref.at[:, cols][...] = _trunc(k - hi)
+                plgpu.commit_smem()  # hi and lo visible to wgmma
+
+                if fuse_qlo:  # hi x [qhi | qlo] (N = 2 Hp: hi read once), lo x qhi
+                    def dots(both_ref, lo_acc_ref):
+                        plgpu.wgmma(both_ref, k_ref, q_both)
+                        plgpu.wgmma(lo_acc_ref, lo_ref, q_hi)
+                        return both_ref[...], lo_acc_ref[...]
+
+                    both, lo_acc = pl.run_scoped(
+                        dots, plgpu.ACC((block_p, 2 * hp), jnp.float32),
+                        plgpu.ACC((block_p, hp), jnp.float32))  # [BP, 2 Hp], [BP, Hp]
+                    acc = (both[:, :hp] + lo_acc) + both[:, hp:]  # [BP, Hp]
+                else:
+                    def dots(acc_ref):
+                        plgpu.wgmma(acc_ref, k_ref, q_hi)
+                        plgpu.wgmma(acc_ref, lo_ref, q_hi)
+                        plgpu.wgmma(acc_ref, k_ref, q_lo)
+                        return acc_ref[...]
+
+                    acc = pl.run_scoped(dots, plgpu.ACC((block_p, hp), jnp.float32))  # [BP, Hp]
+                plgpu.barrier_arrive(free.at[s])  # the wgmmas are done: refill the buffer
+                heads = jnp.maximum(acc, 0.0) * lax.broadcast_in_dim(w, acc.shape, [1])
+                scores = heads.sum(axis=1)  # [BP]
+                scores = jnp.where(scores == 0, 0.0, scores)  # -0.0 -> 0.0
+                pools = (first + t) * block_p + plgpu.broadcasted_iota(
+                    jnp.int32, (block_p,), 0, layout=row_layout)
+                store(t, jnp.where(pools < n_cand, scores, -jnp.inf))
+                return carry
+
+            lax.fori_loop(0, (live - wg + CONSUMERS - 1) // CONSUMERS, tile, 0)
+
+        def dead(j, carry):  # tiles with no candidate: -inf, no key read
+            t = live + CONSUMERS * j + wg
+            store(t, plgpu.layout_cast(jnp.full((block_p,), -jnp.inf, jnp.float32),
+                                       row_layout))
+            return carry
+
+        def produce():
+            @pl.when(live > 0)
+            def _():
+                plgpu.copy_gmem_to_smem(q_ref.at[row], qbuf, q_bar)
+
+            def fill(t, carry):
+                s = lax.rem(t, stages)
+
+                @pl.when(t >= stages)
+                def _():
+                    plgpu.barrier_wait(free.at[s])
+
+                plgpu.copy_gmem_to_smem(
+                    keys_ref.at[seq, pl.ds((first + t) * block_p, block_p)], kbuf.at[s],
+                    full.at[s])
+                return carry
+
+            lax.fori_loop(0, live, fill, 0)
+
+        @pl.when(wg < CONSUMERS)
+        def _consumer():
+            plgpu.set_max_registers(consumer_regs, action="increase")
+
+            @pl.when(live > 0)
+            def _():
+                consume()
+
+            lax.fori_loop(0, (tiles - live - wg + CONSUMERS - 1) // CONSUMERS, dead, 0)
+
+        @pl.when(wg == CONSUMERS)
+        def _producer():
+            plgpu.set_max_registers(producer_regs, action="decrease")
+            produce()
+
+    pl.run_scoped(
+        scoped,
+        plgpu.SMEM((stages, block_p, dp), jnp.float32, transforms=tf32),  # key ring (then hi)
+        plgpu.SMEM((CONSUMERS, block_p, dp), jnp.float32, transforms=tf32),  # lo, per consumer
+        plgpu.SMEM((2 * hp, dp), jnp.float32, transforms=tf32),  # qi hi, then lo
+        plgpu.Barrier(num_arrivals=1),  # qi loaded
+        plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # key buffer filled
+        plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # key buffer consumed
+        collective_axes="wg",
+    )
+
+
+def pool_scores_mgpu(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: jax.Array, *,
+                     tuning: MgpuScoresTuning = MgpuScoresTuning(),
+                     sms: int | None = None) -> jax.Array:
+    """`pool_scores_xla` as a Mosaic GPU kernel; same arguments, the result within the tf32x3
+    bound (tests/test_pool_scores_mgpu.py). qi [B, R, Hi, Di] f32, w [B, R, Hi] f32,
+    pool_keys [B, P, Di] f32, n_cand [B, R] int32 -> [B, R, P] f32. sms: multiprocessors for
+    `default_chunks` (default `common.sm_count()`)."""
+    b, r, hi, di = qi.shape
+    p = pool_keys.shape[1]
+    if pool_keys.shape != (b, p, di) or w.shape != (b, r, hi) or n_cand.shape != (b, r):
+        raise ValueError(f"pool_scores_mgpu: shapes qi {qi.shape}, w {w.shape}, keys "
+                         f"{pool_keys.shape}, n_cand {n_cand.shape} do not agree")
+    hp, dp = padded_dims(hi, di)
+    t = tuning
+    if (2 if t.fuse_qlo else 1) * hp > 256:
+        raise ValueError(f"pool_scores_mgpu: Hi {hi} (padded {hp}) over the wgmma N limit "
+                         f"{128 if t.fuse_qlo else 256}{' with fuse_qlo' if t.fuse_qlo else ''}")
+    if smem_bytes(hp, dp, t) > 227 * 1024:
+        raise ValueError(f"pool_scores_mgpu: shared memory {smem_bytes(hp, dp, t)} B > 227 KiB "
+                         f"(Hi {hi}, Di {di}, block_p {t.block_p}, stages {t.stages})")
+    n = b * r
+    tiles_all = pl.cdiv(p, t.block_p)
+    chunks = t.chunks or default_chunks(n, tiles_all, sms or sm_count())
+    chunks = min(chunks, tiles_all)
+    tiles = pl.cdiv(tiles_all, chunks)
+    chunks = pl.cdiv(tiles_all, tiles)  # no chunk without a tile
+    width = chunks * tiles * t.block_p  # >= P: whole tiles are stored
+    q = jnp.pad(qi.astype(jnp.float32).reshape(n, hi, di), ((0, 0), (0, hp - hi), (0, dp - di)))
+    q = jnp.concatenate(split_tf32(q), axis=1)  # [N, 2 Hp, Dp]: hi heads, then lo heads
+    w_p = jnp.pad(w.astype(jnp.float32).reshape(n, hi), ((0, 0), (0, hp - hi)))  # [N, Hp]
+    keys = pool_keys.astype(jnp.float32)
+    p8 = -(-p // 8) * 8  # the bulk copy tiles the pool axis by 8
+    if (p8, dp) != (p, di):  # odd P or Di: a padded copy (the GLM shapes need none)
+        keys = jnp.pad(keys, ((0, 0), (0, p8 - p), (0, dp - di)))
+    kernel = functools.partial(
+        _kernel, block_p=t.block_p, tiles=tiles, stages=t.stages, rows_per_seq=r, hp=hp, dp=dp,
+        write_hi=t.write_hi, fuse_qlo=t.fuse_qlo, consumer_regs=t.consumer_regs,
+        producer_regs=t.producer_regs)
+    out = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((n, width), jnp.float32),
+        grid=(n, chunks),  # rows on the grid's x axis (the y axis allows 65535)
+        grid_names=("r", "c"),
+        num_threads=CONSUMERS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            approx_math=False, unsafe_no_auto_barriers=True, reduction_scratch_bytes=0,
+            lowering_semantics=plgpu.LoweringSemantics.Lane),
+    )(n_cand.astype(jnp.int32).reshape(n), q, w_p, keys)
+    if width != p:
+        out = out[:, :p]
+    return out.reshape(b, r, p)

@@ -1,0 +1,157 @@
+"""The Mosaic GPU pool-scores kernel (`pallas/pool_scores_mgpu.py`, issue #14).
+
+On any host: its variants lower for cuda (Pallas -> Mosaic GPU MLIR; the kernel cannot run on
+a CPU), a numpy model of its arithmetic (tf32 splits, three products per key x head) meets the
+derived bound the GPU kernels are held to (`testing.pool_scores_bound` with
+`TF32X3_ROUNDOFF`), and bad tunings raise. On the GPU (`gpu` marker): parity against the
+float64 definition within that bound (odd P, n_cand off the tile edges, rows with none,
+odd heads and dims), -inf exactly past the candidates, and the SPEC's batch independence with
+`==`: a row alone against the same row in a batch, 1 vs 4 rows per sequence, chunk counts.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsa_jax import testing as T
+from dsa_jax.pallas import pool_scores as ps
+from dsa_jax.pallas import pool_scores_mgpu as pm
+
+M = pm.MgpuScoresTuning
+
+
+@pytest.mark.parametrize("shape,tuning", [
+    ((2, 4, 32, 128, 4096), M()),  # GLM-5.3-Flash: 2 sequences x 4 rows
+    ((2, 3, 5, 12, 100), M()),  # odd heads, dims, pools (keys padded to 104 x 32)
+    ((1, 9, 32, 128, 200), M(stages=4, chunks=3, write_hi=False)),
+    ((2, 3, 5, 12, 100), M(fuse_qlo=True)),
+])
+def test_variants_lower_for_cuda(shape, tuning):
+    """The kernel lowers on any host (the Mosaic GPU lowering rules run here), so a kernel that
+    cannot lower fails before the device."""
+    b, r, hi, di, p = shape
+    f32, i32 = jnp.float32, jnp.int32
+    fn = functools.partial(ps.pool_scores_pallas, tuning=ps.PoolScoresTuning(
+        backend="mosaic", mosaic=tuning))
+    args = (jax.ShapeDtypeStruct((b, r, hi, di), f32), jax.ShapeDtypeStruct((b, r, hi), f32),
+            jax.ShapeDtypeStruct((b, p, di), f32), jax.ShapeDtypeStruct((b, r), i32))
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1
+    assert "custom_call @__gpu$xla.gpu.triton" not in text
+
+
+def _trunc(x):
+    return (np.asarray(x, np.float32).view(np.int32) & np.int32(pm.TF32_MASK)).view(np.float32)
+
+
+def _model(qi, w, keys, n_cand):
+    """The kernel's arithmetic in numpy: exact tf32 splits of both operands, the three
+    products hi x hi + lo x hi + hi x lo summed exactly (float64, standing in for the tensor
+    core's wide accumulation), then fp32 relu, weights and head sum."""
+    q_hi, k_hi = _trunc(qi), _trunc(keys)
+    q_lo, k_lo = _trunc(qi - q_hi), _trunc(keys - k_hi)
+    f64 = functools.partial(np.asarray, dtype=np.float64)
+
+    def dot(a, b):
+        return np.einsum("brhd,bpd->brhp", f64(a), f64(b))
+
+    dots = (dot(q_hi, k_hi) + dot(q_hi, k_lo) + dot(q_lo, k_hi)).astype(np.float32)
+    s = np.einsum("brh,brhp->brp", np.asarray(w, np.float32), np.maximum(dots, 0))
+    s = np.where(s == 0, np.float32(0), s)
+    return np.where(np.arange(keys.shape[1]) < np.asarray(n_cand)[..., None], s, -np.inf)
+
+
+def test_split_is_exact_tf32():
+    """hi and lo carry at most 10 significand bits, and x - hi - lo <= 2^-20 |x|: the split
+    that `TF32X3_ROUNDOFF` (2^-18 per product) covers."""
+    x = np.random.default_rng(0).standard_normal(4096).astype(np.float32) * 1e3
+    hi, lo = (np.asarray(a) for a in pm.split_tf32(jnp.asarray(x)))
+    for part in (hi, lo):
+        assert not (part.view(np.int32) & ~np.int32(pm.TF32_MASK)).any()
+    np.testing.assert_array_equal(hi, _trunc(x))
+    resid = np.abs(x.astype(np.float64) - hi - lo)
+    assert (resid <= 2.0 ** -20 * np.abs(x)).all()
+
+
+def test_model_meets_the_tf32x3_bound():
+    """The modelled arithmetic is within the derived bound of the float64 definition, on odd
+    shapes with candidate counts on and off the 64-pool tile edges."""
+    qi, w, keys, _ = T.pool_inputs(3, 2, 3, 5, 12, 150)
+    n_cand = np.array([[0, 63, 64], [65, 150, 1]], np.int32)
+    got = _model(np.asarray(qi), np.asarray(w), np.asarray(keys), n_cand)
+    bound = T.pool_scores_bound(qi, w, keys, T.TF32X3_ROUNDOFF)
+    T.assert_pool_scores_close(got, T.pool_scores_definition(qi, w, keys, n_cand), bound)
+
+
+def test_bad_tunings_raise():
+    with pytest.raises(ValueError, match="stages=3"):
+        M(stages=3)
+    with pytest.raises(ValueError, match="block_p=32"):
+        M(block_p=32)
+    with pytest.raises(ValueError, match="backend='cuda'"):
+        ps.PoolScoresTuning(backend="cuda")
+    qi, w, keys, n_cand = T.pool_inputs(1, 1, 1, 2, 8, 16)
+    with pytest.raises(ValueError, match="no interpret mode"):
+        ps.pool_scores_pallas(qi, w, keys, n_cand, interpret=True, backend="mosaic")
+    qi, w, keys, n_cand = T.pool_inputs(1, 1, 1, 32, 128, 16)
+    with pytest.raises(ValueError, match="shared memory"):  # 288 KiB
+        pm.pool_scores_mgpu(qi, w, keys, n_cand, tuning=M(block_p=128, stages=2))
+    qi, w, keys, n_cand = T.pool_inputs(1, 1, 1, 129, 32, 16)
+    with pytest.raises(ValueError, match="Hi 129"):
+        pm.pool_scores_mgpu(qi, w, keys, n_cand, tuning=M(fuse_qlo=True))
+
+
+def test_default_chunks():
+    """About one CTA per multiprocessor, at least one per row, at most one per tile."""
+    assert pm.default_chunks(64, 64, 132) == 2
+    assert pm.default_chunks(1, 64, 132) == 64
+    assert pm.default_chunks(4, 64, 132) == 33
+    assert pm.default_chunks(9000, 64, 132) == 1
+
+
+# ------------------------------------------------------------------------------------ GPU
+
+
+def _mosaic(args, **kw):
+    return np.asarray(jax.jit(functools.partial(pm.pool_scores_mgpu, tuning=M(**kw)))(*args))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw", [{}, dict(stages=4), dict(chunks=1), dict(chunks=3),
+                                dict(write_hi=False), dict(fuse_qlo=True)])
+@pytest.mark.parametrize("dims", [(2, 5, 32, 128, 300), (3, 2, 5, 12, 100), (1, 3, 32, 128, 1000)])
+def test_gpu_parity_within_bound(kw, dims):
+    """Within the derived tf32x3 bound of the float64 definition; -inf exactly past each
+    row's candidates (on, before and after tile edges, none, all); no -0.0."""
+    b, r, hi, di, p = dims
+    qi, w, keys, _ = T.pool_inputs(7, b, r, hi, di, p)
+    rng = np.random.default_rng(1)
+    n_cand = rng.integers(0, p + 1, (b, r)).astype(np.int32)
+    n_cand[0, 0], n_cand[-1, -1] = 0, p
+    if r > 2:
+        n_cand[0, 1], n_cand[0, 2] = 64, 65
+    out = _mosaic((qi, w, keys, jnp.asarray(n_cand)), **kw)
+    bound = T.pool_scores_bound(qi, w, keys, T.TF32X3_ROUNDOFF)
+    T.assert_pool_scores_close(out, T.pool_scores_definition(qi, w, keys, n_cand), bound)
+
+
+@pytest.mark.gpu
+def test_gpu_batch_independence():
+    """A row's scores, bitwise, alone and in a batch of 64 sequences, as the first of 1 or of
+    4 rows per sequence, and under other chunk counts."""
+    qi, w, keys, _ = T.pool_inputs(5, 64, 1, 32, 128, 1000)
+    n_cand = jnp.asarray(np.random.default_rng(2).integers(0, 1001, (64, 1)).astype(np.int32))
+    full = _mosaic((qi, w, keys, n_cand))
+    for i in (0, 31, 63):
+        one = _mosaic((qi[i:i + 1], w[i:i + 1], keys[i:i + 1], n_cand[i:i + 1]))
+        np.testing.assert_array_equal(one[0], full[i])
+    q4, w4, _, _ = T.pool_inputs(6, 64, 4, 32, 128, 1000)
+    q4 = q4.at[:, :1].set(qi)
+    w4 = w4.at[:, :1].set(w)
+    nc4 = jnp.concatenate([n_cand, jnp.full((64, 3), 700, jnp.int32)], axis=1)
+    np.testing.assert_array_equal(_mosaic((q4, w4, keys, nc4))[:, :1], full)
+    for c in (1, 5):
+        np.testing.assert_array_equal(_mosaic((qi, w, keys, n_cand), chunks=c), full)
