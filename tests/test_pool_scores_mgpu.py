@@ -28,6 +28,8 @@ M = pm.MgpuScoresTuning
     ((2, 3, 5, 12, 100), M()),  # odd heads, dims, pools (keys padded to 104 x 32)
     ((1, 9, 32, 128, 200), M(stages=4, chunks=3, write_hi=False)),
     ((2, 3, 5, 12, 100), M(fuse_qlo=True)),
+    ((2, 3, 5, 12, 100), M(rows=2, fuse_qlo=True)),  # rows padded to 4 per sequence
+    ((1, 50, 32, 128, 4096), M(rows=2)),
 ])
 def test_variants_lower_for_cuda(shape, tuning):
     """The kernel lowers on any host (the Mosaic GPU lowering rules run here), so a kernel that
@@ -100,16 +102,21 @@ def test_bad_tunings_raise():
     with pytest.raises(ValueError, match="shared memory"):  # 288 KiB
         pm.pool_scores_mgpu(qi, w, keys, n_cand, tuning=M(block_p=128, stages=2))
     qi, w, keys, n_cand = T.pool_inputs(1, 1, 1, 129, 32, 16)
-    with pytest.raises(ValueError, match="Hi 129"):
+    with pytest.raises(ValueError, match="N = 272 > 256"):
         pm.pool_scores_mgpu(qi, w, keys, n_cand, tuning=M(fuse_qlo=True))
+    with pytest.raises(ValueError, match="rows=3"):
+        M(rows=3)
 
 
 def test_default_chunks():
-    """About one CTA per multiprocessor, at least one per row, at most one per tile."""
-    assert pm.default_chunks(64, 64, 132) == 2
-    assert pm.default_chunks(1, 64, 132) == 64
-    assert pm.default_chunks(4, 64, 132) == 33
-    assert pm.default_chunks(9000, 64, 132) == 1
+    """About one CTA per multiprocessor, at least one per row, at most one per tile; a padded
+    decode's rows count per sequence."""
+    assert pm.default_chunks(64, 1, 64, 132) == 2
+    assert pm.default_chunks(64, 4, 64, 132) == 2  # 3 of 4 rows padding
+    assert pm.default_chunks(1, 4, 64, 132) == 64
+    assert pm.default_chunks(1, 1, 64, 132) == 64
+    assert pm.default_chunks(4, 9, 64, 132) == 3
+    assert pm.default_chunks(1, 9000, 64, 132) == 1
 
 
 # ------------------------------------------------------------------------------------ GPU
@@ -121,7 +128,8 @@ def _mosaic(args, **kw):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kw", [{}, dict(stages=4), dict(chunks=1), dict(chunks=3),
-                                dict(write_hi=False), dict(fuse_qlo=True)])
+                                dict(write_hi=False), dict(fuse_qlo=True), dict(rows=2),
+                                dict(rows=2, fuse_qlo=True, stages=4)])
 @pytest.mark.parametrize("dims", [(2, 5, 32, 128, 300), (3, 2, 5, 12, 100), (1, 3, 32, 128, 1000)])
 def test_gpu_parity_within_bound(kw, dims):
     """Within the derived tf32x3 bound of the float64 definition; -inf exactly past each
@@ -155,3 +163,14 @@ def test_gpu_batch_independence():
     np.testing.assert_array_equal(_mosaic((q4, w4, keys, nc4))[:, :1], full)
     for c in (1, 5):
         np.testing.assert_array_equal(_mosaic((qi, w, keys, n_cand), chunks=c), full)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fuse", [False, True])
+def test_gpu_rows_per_cta_same_bits(fuse):
+    """Two rows per CTA (their heads side by side in the wgmma N) score each row with the
+    same bits as one row per CTA: what `MgpuScoresTuning.rows` relies on."""
+    qi, w, keys, _ = T.pool_inputs(8, 2, 7, 32, 128, 777)
+    n_cand = jnp.asarray(np.random.default_rng(3).integers(0, 778, (2, 7)).astype(np.int32))
+    np.testing.assert_array_equal(_mosaic((qi, w, keys, n_cand), rows=2, fuse_qlo=fuse),
+                                  _mosaic((qi, w, keys, n_cand), fuse_qlo=fuse))

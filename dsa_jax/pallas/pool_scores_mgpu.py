@@ -25,8 +25,8 @@ Di = 128 and P = context / 4 pools of a capacity in whole pages, need none). A p
 tile reads past P through the bulk copy's bounds check, which fills zeros. Compiled for a
 Hopper GPU only: there is no interpret mode (jax's GPU interpret mode cannot run bulk
 copies); tests/test_pool_scores_mgpu.py lowers it on the CPU and models its arithmetic; its
-parity runs on the GPU. Written for Lane semantics,
-named explicitly (jax 0.11 defaults to Warpgroup).
+parity runs on the GPU. Written for Lane semantics, named explicitly (jax 0.11 defaults to
+Warpgroup).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from dsa_jax.pallas.common import sm_count
 TF32_MASK = -(1 << 13)  # 0xFFFFE000 as int32
 _F32_SWIZZLE = 32  # f32 elements in one 128-byte swizzle row
 CONSUMERS = 2
+DECODE_ROWS = 4  # rows per sequence of a decode or verify step (max_verify), see default_chunks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +64,11 @@ class MgpuScoresTuning:
     fuse_qlo: the products with qhi and qlo of the hi keys as one wgmma of N = 2 Hp (the hi
       tile read from shared memory once for both) and lo x qhi as a second accumulator, the
       three summed in registers; else three wgmmas into one accumulator.
+    rows: rows of one sequence per CTA (a power of two), their heads side by side in the wgmma
+      N (rows x Hp, or 2 x rows x Hp with fuse_qlo, at most 256): one key split serves them
+      all; a sequence's rows are padded to a multiple with rows that have no candidate. A row's
+      bits are the same at any `rows` only if the tensor core computes each output column
+      independently of the others (checked on the GPU, benchmarks/h200_pool_scores_mgpu.py).
     consumer_regs / producer_regs: per-thread register budgets (setmaxnreg).
     """
 
@@ -71,6 +77,7 @@ class MgpuScoresTuning:
     chunks: int | None = None
     write_hi: bool = True
     fuse_qlo: bool = False
+    rows: int = 1
     consumer_regs: int = 232
     producer_regs: int = 40
 
@@ -79,6 +86,8 @@ class MgpuScoresTuning:
             raise ValueError(f"block_p={self.block_p} must be 64 or 128 (wgmma M tiles)")
         if self.stages < CONSUMERS or self.stages % CONSUMERS:
             raise ValueError(f"stages={self.stages} must be a positive multiple of {CONSUMERS}")
+        if self.rows < 1 or self.rows & (self.rows - 1):
+            raise ValueError(f"rows={self.rows} must be a power of two")
         if self.chunks is not None and self.chunks < 1:
             raise ValueError(f"chunks={self.chunks} must be >= 1")
         regs = 128 * (CONSUMERS * self.consumer_regs + self.producer_regs)
@@ -94,13 +103,16 @@ def padded_dims(hi: int, di: int) -> tuple[int, int]:
 
 def smem_bytes(hp: int, dp: int, t: MgpuScoresTuning) -> int:
     """Shared memory the kernel allocates (the H200 gives a CTA at most 227 KiB)."""
-    return 4 * dp * (t.stages * t.block_p + CONSUMERS * t.block_p + 2 * hp)
+    return 4 * dp * (t.stages * t.block_p + CONSUMERS * t.block_p + 2 * t.rows * hp)
 
 
-def default_chunks(rows: int, tiles_all: int, sms: int) -> int:
+def default_chunks(b: int, r: int, tiles_all: int, sms: int) -> int:
     """CTAs per row: about one CTA per multiprocessor in all (the kernel's shared memory
-    allows one per multiprocessor), at least one per row, at most one per tile."""
-    return max(1, min(tiles_all, sms // max(rows, 1)))
+    allows one per multiprocessor), at least one per row, at most one per tile. Decode and
+    verify rows (r <= `DECODE_ROWS`) count per sequence, since most of a padded decode's rows
+    have no candidate (their CTAs only store -inf); a prompt's rows count one by one."""
+    rows = b if r <= DECODE_ROWS else b * r
+    return max(1, min(tiles_all, sms // rows))
 
 
 def split_tf32(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -117,35 +129,38 @@ def _trunc(x):
 
 
 def _kernel(ncand_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: int, tiles: int,
-            stages: int, rows_per_seq: int, hp: int, dp: int, write_hi: bool, fuse_qlo: bool,
-            consumer_regs: int, producer_regs: int):
-    """One (row, chunk) CTA of 3 warpgroups; see the module docstring.
+            stages: int, groups_per_seq: int, rows: int, hp: int, dp: int, write_hi: bool,
+            fuse_qlo: bool, consumer_regs: int, producer_regs: int):
+    """One (row group, chunk) CTA of 3 warpgroups; see the module docstring.
 
-    ncand_ref [N] int32; q_ref [N, 2 Hp, Dp] f32 (qi's tf32 hi parts, then its lo parts);
-    w_ref [N, Hp] f32 (padded heads 0); keys_ref [B, P, Dp] f32; out_ref [N, Pc] f32 with
-    Pc = chunks * tiles * block_p >= P (every element written).
+    ncand_ref [N] int32 (N = G * rows); q_ref [G, 2 rows Hp, Dp] f32 (the group's qi split:
+    every row's tf32 hi parts, then every row's lo parts); w_ref [G, rows Hp] f32 (padded heads
+    0); keys_ref [B, P, Dp] f32; out_ref [N, Pc] f32 with Pc = chunks * tiles * block_p >= P
+    (every element written).
     """
-    chunk, row = lax.axis_index("c"), lax.axis_index("r")
-    seq = row // rows_per_seq
+    chunk, group = lax.axis_index("c"), lax.axis_index("r")
+    seq = group // groups_per_seq
     first = chunk * tiles  # the chunk's first tile
-    n_cand = ncand_ref[row]
-    live = jnp.clip((n_cand + block_p - 1) // block_p - first, 0, tiles)  # live tiles
+    n_cands = [ncand_ref[group * rows + i] for i in range(rows)]
+    most = functools.reduce(jnp.maximum, n_cands)
+    live = jnp.clip((most + block_p - 1) // block_p - first, 0, tiles)  # live tiles
+    nq = rows * hp  # the wgmma N of one of qi's parts
     tf32 = (plgpu.TilingTransform((8, _F32_SWIZZLE)), plgpu.SwizzleTransform(128))
     row_layout = plgpu.Layout.WGMMA.reduce(1)  # [block_p]: one value per accumulator row
 
     def scoped(kbuf, lobuf, qbuf, q_bar, full, free):
         wg = lax.axis_index("wg")
 
-        def store(t, scores):  # scores [block_p] row_layout
-            out_ref.at[row, pl.ds((first + t) * block_p, block_p)][...] = scores
+        def store(i, t, scores):  # row i of the group; scores [block_p] row_layout
+            out_ref.at[group * rows + i, pl.ds((first + t) * block_p, block_p)][...] = scores
 
         def consume():
             plgpu.barrier_wait(q_bar)
-            w = plgpu.load(w_ref.at[row], (), layout=plgpu.Layout.WGMMA.reduce(0),
-                           optimized=False)  # [Hp]
-            q_both = plgpu.transpose_ref(qbuf, (1, 0))  # [Dp, 2 Hp]: hi, then lo
-            q_hi = plgpu.transpose_ref(qbuf.at[pl.ds(0, hp)], (1, 0))  # [Dp, Hp]
-            q_lo = plgpu.transpose_ref(qbuf.at[pl.ds(hp, hp)], (1, 0))
+            w = plgpu.load(w_ref.at[group], (), layout=plgpu.Layout.WGMMA.reduce(0),
+                           optimized=False)  # [rows Hp]
+            q_both = plgpu.transpose_ref(qbuf, (1, 0))  # [Dp, 2 rows Hp]: hi, then lo
+            q_hi = plgpu.transpose_ref(qbuf.at[pl.ds(0, nq)], (1, 0))  # [Dp, rows Hp]
+            q_lo = plgpu.transpose_ref(qbuf.at[pl.ds(nq, nq)], (1, 0))
             lo_ref = lobuf.at[wg]
 
             def tile(j, carry):
@@ -169,9 +184,9 @@ def _kernel(ncand_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: int, tiles: 
                         return both_ref[...], lo_acc_ref[...]
 
                     both, lo_acc = pl.run_scoped(
-                        dots, plgpu.ACC((block_p, 2 * hp), jnp.float32),
-                        plgpu.ACC((block_p, hp), jnp.float32))  # [BP, 2 Hp], [BP, Hp]
-                    acc = (both[:, :hp] + lo_acc) + both[:, hp:]  # [BP, Hp]
+                        dots, plgpu.ACC((block_p, 2 * nq), jnp.float32),
+                        plgpu.ACC((block_p, nq), jnp.float32))  # [BP, 2 nq], [BP, nq]
+                    acc = (both[:, :nq] + lo_acc) + both[:, nq:]  # [BP, nq]
                 else:
                     def dots(acc_ref):
                         plgpu.wgmma(acc_ref, k_ref, q_hi)
@@ -179,28 +194,30 @@ def _kernel(ncand_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: int, tiles: 
                         plgpu.wgmma(acc_ref, k_ref, q_lo)
                         return acc_ref[...]
 
-                    acc = pl.run_scoped(dots, plgpu.ACC((block_p, hp), jnp.float32))  # [BP, Hp]
+                    acc = pl.run_scoped(dots, plgpu.ACC((block_p, nq), jnp.float32))  # [BP, nq]
                 plgpu.barrier_arrive(free.at[s])  # the wgmmas are done: refill the buffer
                 heads = jnp.maximum(acc, 0.0) * lax.broadcast_in_dim(w, acc.shape, [1])
-                scores = heads.sum(axis=1)  # [BP]
-                scores = jnp.where(scores == 0, 0.0, scores)  # -0.0 -> 0.0
                 pools = (first + t) * block_p + plgpu.broadcasted_iota(
                     jnp.int32, (block_p,), 0, layout=row_layout)
-                store(t, jnp.where(pools < n_cand, scores, -jnp.inf))
+                for i in range(rows):
+                    scores = heads[:, i * hp:(i + 1) * hp].sum(axis=1)  # [BP]
+                    scores = jnp.where(scores == 0, 0.0, scores)  # -0.0 -> 0.0
+                    store(i, t, jnp.where(pools < n_cands[i], scores, -jnp.inf))
                 return carry
 
             lax.fori_loop(0, (live - wg + CONSUMERS - 1) // CONSUMERS, tile, 0)
 
         def dead(j, carry):  # tiles with no candidate: -inf, no key read
             t = live + CONSUMERS * j + wg
-            store(t, plgpu.layout_cast(jnp.full((block_p,), -jnp.inf, jnp.float32),
-                                       row_layout))
+            for i in range(rows):
+                store(i, t, plgpu.layout_cast(jnp.full((block_p,), -jnp.inf, jnp.float32),
+                                              row_layout))
             return carry
 
         def produce():
             @pl.when(live > 0)
             def _():
-                plgpu.copy_gmem_to_smem(q_ref.at[row], qbuf, q_bar)
+                plgpu.copy_gmem_to_smem(q_ref.at[group], qbuf, q_bar)
 
             def fill(t, carry):
                 s = lax.rem(t, stages)
@@ -235,7 +252,7 @@ def _kernel(ncand_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: int, tiles: 
         scoped,
         plgpu.SMEM((stages, block_p, dp), jnp.float32, transforms=tf32),  # key ring (then hi)
         plgpu.SMEM((CONSUMERS, block_p, dp), jnp.float32, transforms=tf32),  # lo, per consumer
-        plgpu.SMEM((2 * hp, dp), jnp.float32, transforms=tf32),  # qi hi, then lo
+        plgpu.SMEM((2 * rows * hp, dp), jnp.float32, transforms=tf32),  # qi hi, then lo
         plgpu.Barrier(num_arrivals=1),  # qi loaded
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # key buffer filled
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # key buffer consumed
@@ -257,41 +274,51 @@ def pool_scores_mgpu(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: 
                          f"{pool_keys.shape}, n_cand {n_cand.shape} do not agree")
     hp, dp = padded_dims(hi, di)
     t = tuning
-    if (2 if t.fuse_qlo else 1) * hp > 256:
-        raise ValueError(f"pool_scores_mgpu: Hi {hi} (padded {hp}) over the wgmma N limit "
-                         f"{128 if t.fuse_qlo else 256}{' with fuse_qlo' if t.fuse_qlo else ''}")
+    n_max = (2 if t.fuse_qlo else 1) * t.rows * hp
+    if n_max > 256:
+        raise ValueError(f"pool_scores_mgpu: wgmma N = {n_max} > 256 (Hi {hi} padded to {hp}, "
+                         f"rows {t.rows}, fuse_qlo {t.fuse_qlo})")
     if smem_bytes(hp, dp, t) > 227 * 1024:
         raise ValueError(f"pool_scores_mgpu: shared memory {smem_bytes(hp, dp, t)} B > 227 KiB "
-                         f"(Hi {hi}, Di {di}, block_p {t.block_p}, stages {t.stages})")
-    n = b * r
+                         f"(Hi {hi}, Di {di}, block_p {t.block_p}, stages {t.stages}, "
+                         f"rows {t.rows})")
+    rb = t.rows
+    rp = -(-r // rb) * rb  # rows per sequence, padded
+    groups = b * rp // rb
+    n = b * rp
     tiles_all = pl.cdiv(p, t.block_p)
-    chunks = t.chunks or default_chunks(n, tiles_all, sms or sm_count())
+    chunks = t.chunks or default_chunks(b, rp // rb, tiles_all, sms or sm_count())
     chunks = min(chunks, tiles_all)
     tiles = pl.cdiv(tiles_all, chunks)
     chunks = pl.cdiv(tiles_all, tiles)  # no chunk without a tile
     width = chunks * tiles * t.block_p  # >= P: whole tiles are stored
-    q = jnp.pad(qi.astype(jnp.float32).reshape(n, hi, di), ((0, 0), (0, hp - hi), (0, dp - di)))
-    q = jnp.concatenate(split_tf32(q), axis=1)  # [N, 2 Hp, Dp]: hi heads, then lo heads
-    w_p = jnp.pad(w.astype(jnp.float32).reshape(n, hi), ((0, 0), (0, hp - hi)))  # [N, Hp]
+    q = jnp.pad(qi.astype(jnp.float32), ((0, 0), (0, rp - r), (0, hp - hi), (0, dp - di)))
+    q = q.reshape(groups, rb * hp, dp)
+    q = jnp.concatenate(split_tf32(q), axis=1)  # [G, 2 rows Hp, Dp]: hi parts, then lo parts
+    w_p = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, rp - r), (0, hp - hi)))
+    w_p = w_p.reshape(groups, rb * hp)  # [G, rows Hp]
+    ncand_p = jnp.pad(n_cand.astype(jnp.int32), ((0, 0), (0, rp - r))).reshape(n)  # pad: none
     keys = pool_keys.astype(jnp.float32)
     p8 = -(-p // 8) * 8  # the bulk copy tiles the pool axis by 8
     if (p8, dp) != (p, di):  # odd P or Di: a padded copy (the GLM shapes need none)
         keys = jnp.pad(keys, ((0, 0), (0, p8 - p), (0, dp - di)))
     kernel = functools.partial(
-        _kernel, block_p=t.block_p, tiles=tiles, stages=t.stages, rows_per_seq=r, hp=hp, dp=dp,
+        _kernel, block_p=t.block_p, tiles=tiles, stages=t.stages, groups_per_seq=rp // rb,
+        rows=rb, hp=hp, dp=dp,
         write_hi=t.write_hi, fuse_qlo=t.fuse_qlo, consumer_regs=t.consumer_regs,
         producer_regs=t.producer_regs)
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((n, width), jnp.float32),
-        grid=(n, chunks),  # rows on the grid's x axis (the y axis allows 65535)
+        grid=(groups, chunks),  # row groups on the grid's x axis (y allows 65535)
         grid_names=("r", "c"),
         num_threads=CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             approx_math=False, unsafe_no_auto_barriers=True, reduction_scratch_bytes=0,
             lowering_semantics=plgpu.LoweringSemantics.Lane),
-    )(n_cand.astype(jnp.int32).reshape(n), q, w_p, keys)
-    if width != p:
-        out = out[:, :p]
-    return out.reshape(b, r, p)
+    )(ncand_p, q, w_p, keys)
+    out = out.reshape(b, rp, width)
+    if (rp, width) != (r, p):
+        out = out[:, :r, :p]
+    return out
