@@ -52,13 +52,16 @@ VARIANTS = {
                                                         stages=4)),
     "mosaic-rows2": S(backend="mosaic", mosaic=M(rows=2)),
     "mosaic-rows2-fuse": S(backend="mosaic", mosaic=M(rows=2, fuse_qlo=True)),
+    "mosaic-1c-bp128": S(backend="mosaic", mosaic=M(consumers=1, block_p=128)),
+    "mosaic-1c-s4": S(backend="mosaic", mosaic=M(consumers=1, stages=4)),
     "mosaic-c1": S(backend="mosaic", mosaic=M(chunks=1)),
     "mosaic-c4": S(backend="mosaic", mosaic=M(chunks=4)),
     "mosaic-c16": S(backend="mosaic", mosaic=M(chunks=16)),
 }
 SUBSETS = {
-    "b64": [v for v in VARIANTS if "rows2" not in v],
-    "b64-r4": ["triton", "triton-rows1", "mosaic", "mosaic-s4", "mosaic-fuse", "mosaic-c4"],
+    "b64": [v for v in VARIANTS if "rows2" not in v and v != "triton-rows1"],
+    "b64-r4": ["triton", "triton-rows1", "mosaic", "mosaic-s4", "mosaic-fuse", "mosaic-1c-s4",
+               "mosaic-c4"],
     "b1-r4": ["triton", "mosaic", "mosaic-s4", "mosaic-fuse", "mosaic-c16"],
     "prefill": ["triton", "mosaic", "mosaic-fuse", "mosaic-rows2", "mosaic-rows2-fuse",
                 "mosaic-s4"],

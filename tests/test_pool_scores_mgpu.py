@@ -30,6 +30,8 @@ M = pm.MgpuScoresTuning
     ((2, 3, 5, 12, 100), M(fuse_qlo=True)),
     ((2, 3, 5, 12, 100), M(rows=2, fuse_qlo=True)),  # rows padded to 4 per sequence
     ((1, 50, 32, 128, 4096), M(rows=2)),
+    ((2, 3, 5, 12, 100), M(consumers=1, stages=1)),
+    ((64, 1, 32, 128, 4096), M(consumers=1, block_p=128)),
 ])
 def test_variants_lower_for_cuda(shape, tuning):
     """The kernel lowers on any host (the Mosaic GPU lowering rules run here), so a kernel that
@@ -91,6 +93,8 @@ def test_model_meets_the_tf32x3_bound():
 def test_bad_tunings_raise():
     with pytest.raises(ValueError, match="stages=3"):
         M(stages=3)
+    with pytest.raises(ValueError, match="consumers=3"):
+        M(consumers=3, stages=3)
     with pytest.raises(ValueError, match="block_p=32"):
         M(block_p=32)
     with pytest.raises(ValueError, match="backend='cuda'"):
@@ -126,11 +130,15 @@ def _mosaic(args, **kw):
     return np.asarray(jax.jit(functools.partial(pm.pool_scores_mgpu, tuning=M(**kw)))(*args))
 
 
+_ODD = [(2, 5, 32, 128, 300), (3, 2, 5, 12, 100), (1, 3, 32, 128, 1000)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("kw", [{}, dict(stages=4), dict(chunks=1), dict(chunks=3),
-                                dict(write_hi=False), dict(fuse_qlo=True), dict(rows=2),
-                                dict(rows=2, fuse_qlo=True, stages=4)])
-@pytest.mark.parametrize("dims", [(2, 5, 32, 128, 300), (3, 2, 5, 12, 100), (1, 3, 32, 128, 1000)])
+@pytest.mark.parametrize("kw,dims", [({}, d) for d in _ODD] + [
+    (dict(stages=4), _ODD[0]), (dict(chunks=1), _ODD[2]), (dict(chunks=3), _ODD[1]),
+    (dict(write_hi=False), _ODD[0]), (dict(fuse_qlo=True), _ODD[1]), (dict(rows=2), _ODD[0]),
+    (dict(rows=2, fuse_qlo=True, stages=4), _ODD[1]), (dict(consumers=1, block_p=128), _ODD[2]),
+    (dict(consumers=1, stages=3), _ODD[0])])
 def test_gpu_parity_within_bound(kw, dims):
     """Within the derived tf32x3 bound of the float64 definition; -inf exactly past each
     row's candidates (on, before and after tile edges, none, all); no -0.0."""

@@ -6,7 +6,7 @@ sum_h w[b, r, h] * relu(qi[b, r, h] . K[b, p])`, -inf for `p >= n_cand[b, r]`, -
 * one CTA per (query row, pool chunk); the chunk is `tiles` tiles of `block_p` pools;
 * warpgroup 2 (producer) streams the chunk's live key tiles [block_p, Dp] f32 by bulk (TMA)
   copies into a ring of `stages` buffers; tiles past the row's candidates are never read;
-* warpgroups 0 and 1 (consumers) take the tiles in turn (even / odd). Each splits its tile in
+* warpgroups 0 and 1 (consumers; or only 0) take the tiles in turn. Each splits its tile in
   registers into exact tf32 values, K = hi + lo + (dropped, <= 2^-20 |K|), writes hi back
   in place and lo to its own buffer, and runs three wgmmas (tf32 operands from shared memory,
   fp32 accumulator [block_p, Hp]): hi x qhi + lo x qhi + hi x qlo, the pool tile as M and the
@@ -45,7 +45,6 @@ from dsa_jax.pallas.common import sm_count
 # Keeps an fp32 word's sign, exponent and the 10 high significand bits: a tf32 value.
 TF32_MASK = -(1 << 13)  # 0xFFFFE000 as int32
 _F32_SWIZZLE = 32  # f32 elements in one 128-byte swizzle row
-CONSUMERS = 2
 DECODE_ROWS = 4  # rows per sequence of a decode or verify step (max_verify), see default_chunks
 
 
@@ -54,8 +53,9 @@ class MgpuScoresTuning:
     """Tiles and pipeline of the Mosaic GPU scores kernel.
 
     block_p: pools per tile (the wgmma M): 64 or 128.
-    stages: key buffers in the ring, a multiple of the 2 consumers (each consumer owns every
-      other buffer, so each of its barriers is waited on at every phase).
+    stages: key buffers in the ring, a multiple of `consumers` (consumer c owns the buffers
+      s = c mod consumers, so each of its barriers is waited on at every phase).
+    consumers: compute warpgroups (1 or 2), taking the tiles in turn, each with its lo buffer.
     chunks: CTAs per row, each taking a contiguous share of the tiles (None: about one CTA per
       multiprocessor over all rows, at least one per row: `default_chunks`).
     write_hi: write the truncated hi part of each key tile back before the dots (exact tf32
@@ -69,11 +69,12 @@ class MgpuScoresTuning:
       all; a sequence's rows are padded to a multiple with rows that have no candidate. A row's
       bits are the same at any `rows` only if the tensor core computes each output column
       independently of the others (checked on the GPU, benchmarks/h200_pool_scores_mgpu.py).
-    consumer_regs / producer_regs: per-thread register budgets (setmaxnreg).
+    consumer_regs / producer_regs: per-thread register budgets (setmaxnreg) with 2 consumers.
     """
 
     block_p: int = 64
     stages: int = 2
+    consumers: int = 2
     chunks: int | None = None
     write_hi: bool = True
     fuse_qlo: bool = False
@@ -84,15 +85,18 @@ class MgpuScoresTuning:
     def __post_init__(self):
         if self.block_p not in (64, 128):
             raise ValueError(f"block_p={self.block_p} must be 64 or 128 (wgmma M tiles)")
-        if self.stages < CONSUMERS or self.stages % CONSUMERS:
-            raise ValueError(f"stages={self.stages} must be a positive multiple of {CONSUMERS}")
+        if self.consumers not in (1, 2):
+            raise ValueError(f"consumers={self.consumers} must be 1 or 2")
+        if self.stages < self.consumers or self.stages % self.consumers:
+            raise ValueError(f"stages={self.stages} must be a positive multiple of "
+                             f"consumers={self.consumers}")
         if self.rows < 1 or self.rows & (self.rows - 1):
             raise ValueError(f"rows={self.rows} must be a power of two")
         if self.chunks is not None and self.chunks < 1:
             raise ValueError(f"chunks={self.chunks} must be >= 1")
-        regs = 128 * (CONSUMERS * self.consumer_regs + self.producer_regs)
+        regs = 128 * (self.consumers * self.consumer_regs + self.producer_regs)
         if regs > 65536:
-            raise ValueError(f"registers 128 * ({CONSUMERS} * {self.consumer_regs} + "
+            raise ValueError(f"registers 128 * ({self.consumers} * {self.consumer_regs} + "
                              f"{self.producer_regs}) = {regs} exceed 65536")
 
 
@@ -103,7 +107,7 @@ def padded_dims(hi: int, di: int) -> tuple[int, int]:
 
 def smem_bytes(hp: int, dp: int, t: MgpuScoresTuning) -> int:
     """Shared memory the kernel allocates (the H200 gives a CTA at most 227 KiB)."""
-    return 4 * dp * (t.stages * t.block_p + CONSUMERS * t.block_p + 2 * t.rows * hp)
+    return 4 * dp * (t.stages * t.block_p + t.consumers * t.block_p + 2 * t.rows * hp)
 
 
 def default_chunks(b: int, r: int, tiles_all: int, sms: int) -> int:
@@ -129,9 +133,9 @@ def _trunc(x):
 
 
 def _kernel(ncand_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: int, tiles: int,
-            stages: int, groups_per_seq: int, rows: int, hp: int, dp: int, write_hi: bool,
-            fuse_qlo: bool, consumer_regs: int, producer_regs: int):
-    """One (row group, chunk) CTA of 3 warpgroups; see the module docstring.
+            stages: int, consumers: int, groups_per_seq: int, rows: int, hp: int, dp: int,
+            write_hi: bool, fuse_qlo: bool, consumer_regs: int, producer_regs: int):
+    """One (row group, chunk) CTA of consumers + 1 warpgroups; see the module docstring.
 
     ncand_ref [N] int32 (N = G * rows); q_ref [G, 2 rows Hp, Dp] f32 (the group's qi split:
     every row's tf32 hi parts, then every row's lo parts); w_ref [G, rows Hp] f32 (padded heads
@@ -164,7 +168,7 @@ def _kernel(ncand_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: int, tiles: 
             lo_ref = lobuf.at[wg]
 
             def tile(j, carry):
-                t = CONSUMERS * j + wg
+                t = consumers * j + wg
                 s = lax.rem(t, stages)
                 k_ref = kbuf.at[s]
                 plgpu.barrier_wait(full.at[s])
@@ -205,10 +209,10 @@ def _kernel(ncand_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: int, tiles: 
                     store(i, t, jnp.where(pools < n_cands[i], scores, -jnp.inf))
                 return carry
 
-            lax.fori_loop(0, (live - wg + CONSUMERS - 1) // CONSUMERS, tile, 0)
+            lax.fori_loop(0, (live - wg + consumers - 1) // consumers, tile, 0)
 
         def dead(j, carry):  # tiles with no candidate: -inf, no key read
-            t = live + CONSUMERS * j + wg
+            t = live + consumers * j + wg
             for i in range(rows):
                 store(i, t, plgpu.layout_cast(jnp.full((block_p,), -jnp.inf, jnp.float32),
                                               row_layout))
@@ -233,25 +237,27 @@ def _kernel(ncand_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: int, tiles: 
 
             lax.fori_loop(0, live, fill, 0)
 
-        @pl.when(wg < CONSUMERS)
+        @pl.when(wg < consumers)
         def _consumer():
-            plgpu.set_max_registers(consumer_regs, action="increase")
+            if consumers > 1:  # (two warpgroups in all start with enough registers)
+                plgpu.set_max_registers(consumer_regs, action="increase")
 
             @pl.when(live > 0)
             def _():
                 consume()
 
-            lax.fori_loop(0, (tiles - live - wg + CONSUMERS - 1) // CONSUMERS, dead, 0)
+            lax.fori_loop(0, (tiles - live - wg + consumers - 1) // consumers, dead, 0)
 
-        @pl.when(wg == CONSUMERS)
+        @pl.when(wg == consumers)
         def _producer():
-            plgpu.set_max_registers(producer_regs, action="decrease")
+            if consumers > 1:
+                plgpu.set_max_registers(producer_regs, action="decrease")
             produce()
 
     pl.run_scoped(
         scoped,
         plgpu.SMEM((stages, block_p, dp), jnp.float32, transforms=tf32),  # key ring (then hi)
-        plgpu.SMEM((CONSUMERS, block_p, dp), jnp.float32, transforms=tf32),  # lo, per consumer
+        plgpu.SMEM((consumers, block_p, dp), jnp.float32, transforms=tf32),  # lo, per consumer
         plgpu.SMEM((2 * rows * hp, dp), jnp.float32, transforms=tf32),  # qi hi, then lo
         plgpu.Barrier(num_arrivals=1),  # qi loaded
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # key buffer filled
@@ -303,7 +309,8 @@ def pool_scores_mgpu(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: 
     if (p8, dp) != (p, di):  # odd P or Di: a padded copy (the GLM shapes need none)
         keys = jnp.pad(keys, ((0, 0), (0, p8 - p), (0, dp - di)))
     kernel = functools.partial(
-        _kernel, block_p=t.block_p, tiles=tiles, stages=t.stages, groups_per_seq=rp // rb,
+        _kernel, block_p=t.block_p, tiles=tiles, stages=t.stages, consumers=t.consumers,
+        groups_per_seq=rp // rb,
         rows=rb, hp=hp, dp=dp,
         write_hi=t.write_hi, fuse_qlo=t.fuse_qlo, consumer_regs=t.consumer_regs,
         producer_regs=t.producer_regs)
@@ -312,7 +319,7 @@ def pool_scores_mgpu(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: 
         out_type=jax.ShapeDtypeStruct((n, width), jnp.float32),
         grid=(groups, chunks),  # row groups on the grid's x axis (y allows 65535)
         grid_names=("r", "c"),
-        num_threads=CONSUMERS + 1,
+        num_threads=t.consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             approx_math=False, unsafe_no_auto_barriers=True, reduction_scratch_bytes=0,
