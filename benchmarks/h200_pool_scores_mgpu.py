@@ -22,6 +22,7 @@ the Triton ones run in interpret mode at tiny shapes. JSON: <out>/h200-pool-scor
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import os
@@ -54,17 +55,24 @@ VARIANTS = {
     "mosaic-rows2-fuse": S(backend="mosaic", mosaic=M(rows=2, fuse_qlo=True)),
     "mosaic-1c-bp128": S(backend="mosaic", mosaic=M(consumers=1, block_p=128)),
     "mosaic-1c-s4": S(backend="mosaic", mosaic=M(consumers=1, stages=4)),
+    "mosaic-bf16": S(backend="mosaic", mosaic=M(precision="bf16x6")),
+    "mosaic-bf16-s4": S(backend="mosaic", mosaic=M(precision="bf16x6", stages=4)),
+    "mosaic-bf16-1c-s4": S(backend="mosaic", mosaic=M(precision="bf16x6", consumers=1,
+                                                      stages=4)),
+    "mosaic-bf16-rows2": S(backend="mosaic", mosaic=M(precision="bf16x6", rows=2)),
     "mosaic-c1": S(backend="mosaic", mosaic=M(chunks=1)),
     "mosaic-c4": S(backend="mosaic", mosaic=M(chunks=4)),
     "mosaic-c16": S(backend="mosaic", mosaic=M(chunks=16)),
 }
+CORE = ("triton", "mosaic", "mosaic-bf16")  # run whatever the time budget
 SUBSETS = {
-    "b64": [v for v in VARIANTS if "rows2" not in v and v != "triton-rows1"],
-    "b64-r4": ["triton", "triton-rows1", "mosaic", "mosaic-s4", "mosaic-fuse", "mosaic-1c-s4",
-               "mosaic-c4"],
-    "b1-r4": ["triton", "mosaic", "mosaic-s4", "mosaic-fuse", "mosaic-c16"],
-    "prefill": ["triton", "mosaic", "mosaic-fuse", "mosaic-rows2", "mosaic-rows2-fuse",
-                "mosaic-s4"],
+    "b64": [v for v in VARIANTS if "rows2" not in v and v not in (
+        "triton-rows1", "mosaic-c16", "mosaic-fuse-nohi-s4")],
+    "b64-r4": ["triton", "triton-rows1", "mosaic", "mosaic-bf16", "mosaic-s4", "mosaic-fuse",
+               "mosaic-bf16-s4", "mosaic-1c-s4", "mosaic-c4"],
+    "b1-r4": ["triton", "mosaic", "mosaic-bf16", "mosaic-s4", "mosaic-fuse", "mosaic-c16"],
+    "prefill": ["triton", "mosaic", "mosaic-bf16", "mosaic-bf16-rows2", "mosaic-fuse",
+                "mosaic-rows2", "mosaic-rows2-fuse", "mosaic-s4"],
 }
 
 
@@ -90,8 +98,9 @@ def _checks(out, ref, bound, rows=None) -> dict:
             "max_err_over_bound": float(err.max()) if err.size else 0.0}
 
 
-def _run_case(res, path, name, args, smoke, check_rows=None, heavy=False):
-    """Every variant of SUBSETS[name] on args = (qi, w, keys, n_cand)."""
+def _run_case(res, path, name, args, smoke, check_rows=None, heavy=False, only=None):
+    """The variants of SUBSETS[name] (those in `only` if given) on args = (qi, w, keys,
+    n_cand); past the time budget only CORE."""
     qi, w, keys, n_cand = args
     sub = [np.asarray(a) for a in args]
     if check_rows is not None:
@@ -99,8 +108,12 @@ def _run_case(res, path, name, args, smoke, check_rows=None, heavy=False):
     ref = T.pool_scores_definition(*sub)
     bound = T.pool_scores_bound(*sub[:3], T.TF32X3_ROUNDOFF)
     outs = {}
+    if "triton" not in (only or ["triton"]):  # the reference of max_diff_to_triton
+        outs["triton"] = np.asarray(_fn(VARIANTS["triton"], smoke)(qi, w, keys, n_cand))
     for vname in SUBSETS[name]:
-        if time.monotonic() > res["deadline"] and vname not in ("triton", "mosaic"):
+        if only is not None and vname not in only:
+            continue
+        if time.monotonic() > res["deadline"] and vname not in CORE:
             continue
         tun = VARIANTS[vname]
         row = {"case": name, "variant": vname, "shape": [int(s) for s in qi.shape],
@@ -132,16 +145,18 @@ def _run_case(res, path, name, args, smoke, check_rows=None, heavy=False):
     return outs
 
 
-def _independence(res, path, args, smoke, prompt):
-    """`==` of a row's scores alone and batched, 1 vs 4 rows per sequence, chunk counts, and
-    (not required: other arithmetic) the variants against the default kernel. Each check is
-    recorded apart, so one that fails to compile leaves the others."""
+def _independence(res, path, args, smoke, prompt, base="mosaic"):
+    """`==` of a row's scores alone and batched, 1 vs 4 rows per sequence, chunk counts, 2 rows
+    per CTA, for the kernel `VARIANTS[base]`; and (not required: other arithmetic) the other
+    variants of its precision against it. Each check is recorded apart, so one that fails to
+    compile leaves the others."""
     if smoke:
         return
     qi, w, keys, n_cand = args
-    fn = _fn(VARIANTS["mosaic"], smoke)
+    tun = VARIANTS[base]
+    fn = _fn(tun, smoke)
     rng = np.random.default_rng(5)
-    row = {"case": "b64+prefill", "variant": "mosaic", "kind": "batch_independence",
+    row = {"case": "b64+prefill", "variant": base, "kind": "batch_independence",
            "check_errors": {}}
     b = qi.shape[0]
     pq, pw, pk, pn = prompt
@@ -151,11 +166,16 @@ def _independence(res, path, args, smoke, prompt):
     def same(a, b_):
         return bool(np.array_equal(np.asarray(a), np.asarray(b_)))
 
-    def full():
-        return got.setdefault("full", np.asarray(fn(qi, w, keys, n_cand)))  # [B, 1, P]
+    def cached(key, make):
+        if key not in got:
+            got[key] = np.asarray(make())
+        return got[key]
 
-    def pfull(v="mosaic"):
-        return got.setdefault(v, np.asarray(_fn(VARIANTS[v], smoke)(pq, pw, pk, pn)))
+    def full():
+        return cached("full", lambda: fn(qi, w, keys, n_cand))  # [B, 1, P]
+
+    def pfull(t=tun):
+        return cached(str(t), lambda: _fn(t, smoke)(pq, pw, pk, pn))
 
     def r4():
         q4 = jnp.concatenate([qi, jnp.asarray(rng.standard_normal((b, 3) + qi.shape[2:],
@@ -164,6 +184,9 @@ def _independence(res, path, args, smoke, prompt):
             rng.standard_normal((b, 3, qi.shape[2]), np.float32) * 0.02)], axis=1)
         nc4 = jnp.concatenate([n_cand, jnp.full((b, 3), keys.shape[1] // 2, jnp.int32)], 1)
         return same(np.asarray(fn(q4, w4, keys, nc4))[:, :1], full())
+
+    def with_(**kw):
+        return dataclasses.replace(tun, mosaic=dataclasses.replace(tun.mosaic, **kw))
 
     checks = {
         "alone_equal_batched": lambda: all(
@@ -175,18 +198,19 @@ def _independence(res, path, args, smoke, prompt):
         "prompt_row_single_equal": lambda: same(
             fn(pq[:, 4097:4098], pw[:, 4097:4098], pk, pn[:, 4097:4098]),
             pfull()[:, 4097:4098]),
-        "mosaic-rows2_equal": lambda: same(pfull("mosaic-rows2"), pfull()),
-        "mosaic-rows2-fuse_equal": lambda: same(pfull("mosaic-rows2-fuse"),
-                                                pfull("mosaic-fuse")),
+        "rows2_equal": lambda: same(pfull(with_(rows=2)), pfull()),
     }
     for c in (1, 3, 7):
         checks[f"chunks{c}_equal"] = functools.partial(
-            lambda c: same(_fn(S(backend="mosaic", mosaic=M(chunks=c)), smoke)(
-                qi, w, keys, n_cand), full()), c)
-    for v in ("mosaic-s4", "mosaic-nohi", "mosaic-fuse"):  # (fuse: other sums; nohi: equal
-        # where the tensor core ignores an fp32 word's low 13 bits)
+            lambda c: same(_fn(with_(chunks=c), smoke)(qi, w, keys, n_cand), full()), c)
+    others = ({"stages4": dict(stages=4), "one_consumer": dict(consumers=1, stages=2)}
+              if tun.mosaic.precision == "bf16x6" else
+              {"stages4": dict(stages=4), "nohi": dict(write_hi=False),
+               "fuse": dict(fuse_qlo=True)})
+    for v, kw in others.items():  # (fuse: other sums; nohi: equal where the tensor core
+        # ignores an fp32 word's low 13 bits)
         checks[f"{v}_same_bits"] = functools.partial(
-            lambda v: same(_fn(VARIANTS[v], smoke)(qi, w, keys, n_cand), full()), v)
+            lambda kw: same(_fn(with_(**kw), smoke)(qi, w, keys, n_cand), full()), kw)
 
     def work(row):
         for key, check in checks.items():
@@ -235,9 +259,15 @@ def main() -> int:
         keys, pos, valid, sets = selection_inputs(cfg, b, r, cfg.max_context, 300 + r)
         qi, w = sets[0]
         n_cand = layer.candidate_pools(cfg, pos, valid)  # [B, R]
-        _run_case(res, path, name, (qi, w, keys, n_cand), smoke)
-        if i == 0:  # the SPEC's property first, while the time budget lasts
-            _independence(res, path, (qi, w, keys, n_cand), smoke, prompt)
+        the = (qi, w, keys, n_cand)
+        if i == 0:  # the core variants and the SPEC's property first, in the time budget
+            _run_case(res, path, name, the, smoke, only=CORE)
+            for base in ("mosaic", "mosaic-bf16"):
+                _independence(res, path, the, smoke, prompt, base)
+            _run_case(res, path, name, the, smoke,
+                      only=[v for v in SUBSETS[name] if v not in CORE])
+        else:
+            _run_case(res, path, name, the, smoke)
     _run_case(res, path, "prefill", prompt, smoke, check_rows=np.arange(0, n, 97), heavy=True)
     print(f"errors: {len(res['errors'])}; wrote {path}", flush=True)
     return 0 if not res["errors"] else 1

@@ -32,6 +32,8 @@ M = pm.MgpuScoresTuning
     ((1, 50, 32, 128, 4096), M(rows=2)),
     ((2, 3, 5, 12, 100), M(consumers=1, stages=1)),
     ((64, 1, 32, 128, 4096), M(consumers=1, block_p=128)),
+    ((2, 3, 5, 12, 100), M(precision="bf16x6")),  # Di padded to 64
+    ((1, 9, 32, 128, 4096), M(precision="bf16x6", rows=2, stages=4)),
 ])
 def test_variants_lower_for_cuda(shape, tuning):
     """The kernel lowers on any host (the Mosaic GPU lowering rules run here), so a kernel that
@@ -47,22 +49,30 @@ def test_variants_lower_for_cuda(shape, tuning):
     assert "custom_call @__gpu$xla.gpu.triton" not in text
 
 
-def _trunc(x):
-    return (np.asarray(x, np.float32).view(np.int32) & np.int32(pm.TF32_MASK)).view(np.float32)
+def _trunc(x, mask=pm.TF32_MASK):
+    return (np.asarray(x, np.float32).view(np.int32) & np.int32(mask)).view(np.float32)
 
 
-def _model(qi, w, keys, n_cand):
-    """The kernel's arithmetic in numpy: exact tf32 splits of both operands, the three
-    products hi x hi + lo x hi + hi x lo summed exactly (float64, standing in for the tensor
-    core's wide accumulation), then fp32 relu, weights and head sum."""
-    q_hi, k_hi = _trunc(qi), _trunc(keys)
-    q_lo, k_lo = _trunc(qi - q_hi), _trunc(keys - k_hi)
+def _parts(x, precision):
+    """The kernel's operand splits, as float32 arrays: (hi, lo) or (x1, x2, x3)."""
+    if precision == "tf32x3":
+        return tuple(np.asarray(a) for a in pm.split_tf32(jnp.asarray(x)))
+    return tuple(np.asarray(a.astype(jnp.float32)) for a in pm.split_bf16(jnp.asarray(x)))
+
+
+def _model(qi, w, keys, n_cand, precision="tf32x3"):
+    """The kernel's arithmetic in numpy: its splits of both operands, the products it runs
+    (tf32x3: hi hi + lo hi + hi lo; bf16x6: the six of order <= 2) summed exactly (float64,
+    standing in for the tensor core's wide accumulation), then fp32 relu, weights, head sum."""
     f64 = functools.partial(np.asarray, dtype=np.float64)
+    qs, ks = _parts(qi, precision), _parts(keys, precision)
 
     def dot(a, b):
         return np.einsum("brhd,bpd->brhp", f64(a), f64(b))
 
-    dots = (dot(q_hi, k_hi) + dot(q_hi, k_lo) + dot(q_lo, k_hi)).astype(np.float32)
+    pairs = ([(0, 0), (0, 1), (1, 0)] if precision == "tf32x3" else
+             [(0, 0), (0, 1), (1, 0), (0, 2), (1, 1), (2, 0)])
+    dots = sum(dot(qs[i], ks[j]) for i, j in pairs).astype(np.float32)
     s = np.einsum("brh,brhp->brp", np.asarray(w, np.float32), np.maximum(dots, 0))
     s = np.where(s == 0, np.float32(0), s)
     return np.where(np.arange(keys.shape[1]) < np.asarray(n_cand)[..., None], s, -np.inf)
@@ -80,12 +90,26 @@ def test_split_is_exact_tf32():
     assert (resid <= 2.0 ** -20 * np.abs(x)).all()
 
 
-def test_model_meets_the_tf32x3_bound():
+def test_split_bf16_bounds():
+    """x1, x2 exact bf16 values with the truncation bounds `split_bf16` states, and
+    |x - x1 - x2 - x3| <= 2^-23 |x|: what the bf16x6 precision's bound rests on."""
+    x = np.random.default_rng(4).standard_normal(8192).astype(np.float32) * 1e3
+    x1, x2, x3 = _parts(x, "bf16x6")
+    for part in (x1, x2):
+        assert not (part.view(np.int32) & np.int32(0xFFFF)).any()
+    ax = np.abs(x.astype(np.float64))
+    assert (np.abs(x - x1.astype(np.float64)) < 2.0 ** -7 * ax).all()
+    assert (np.abs(x - x1.astype(np.float64) - x2) < 2.0 ** -14 * ax).all()
+    assert (np.abs(x - x1.astype(np.float64) - x2 - x3) <= 2.0 ** -23 * ax).all()
+
+
+@pytest.mark.parametrize("precision", ["tf32x3", "bf16x6"])
+def test_model_meets_the_tf32x3_bound(precision):
     """The modelled arithmetic is within the derived bound of the float64 definition, on odd
     shapes with candidate counts on and off the 64-pool tile edges."""
     qi, w, keys, _ = T.pool_inputs(3, 2, 3, 5, 12, 150)
     n_cand = np.array([[0, 63, 64], [65, 150, 1]], np.int32)
-    got = _model(np.asarray(qi), np.asarray(w), np.asarray(keys), n_cand)
+    got = _model(np.asarray(qi), np.asarray(w), np.asarray(keys), n_cand, precision)
     bound = T.pool_scores_bound(qi, w, keys, T.TF32X3_ROUNDOFF)
     T.assert_pool_scores_close(got, T.pool_scores_definition(qi, w, keys, n_cand), bound)
 
@@ -138,7 +162,9 @@ _ODD = [(2, 5, 32, 128, 300), (3, 2, 5, 12, 100), (1, 3, 32, 128, 1000)]
     (dict(stages=4), _ODD[0]), (dict(chunks=1), _ODD[2]), (dict(chunks=3), _ODD[1]),
     (dict(write_hi=False), _ODD[0]), (dict(fuse_qlo=True), _ODD[1]), (dict(rows=2), _ODD[0]),
     (dict(rows=2, fuse_qlo=True, stages=4), _ODD[1]), (dict(consumers=1, block_p=128), _ODD[2]),
-    (dict(consumers=1, stages=3), _ODD[0])])
+    (dict(consumers=1, stages=3), _ODD[0]), (dict(precision="bf16x6"), _ODD[1]),
+    (dict(precision="bf16x6", stages=4, rows=2), _ODD[0]),
+    (dict(precision="bf16x6", consumers=1, stages=3), _ODD[2])])
 def test_gpu_parity_within_bound(kw, dims):
     """Within the derived tf32x3 bound of the float64 definition; -inf exactly past each
     row's candidates (on, before and after tile edges, none, all); no -0.0."""
@@ -174,11 +200,11 @@ def test_gpu_batch_independence():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fuse", [False, True])
-def test_gpu_rows_per_cta_same_bits(fuse):
+@pytest.mark.parametrize("kw", [{}, dict(fuse_qlo=True), dict(precision="bf16x6")])
+def test_gpu_rows_per_cta_same_bits(kw):
     """Two rows per CTA (their heads side by side in the wgmma N) score each row with the
     same bits as one row per CTA: what `MgpuScoresTuning.rows` relies on."""
     qi, w, keys, _ = T.pool_inputs(8, 2, 7, 32, 128, 777)
     n_cand = jnp.asarray(np.random.default_rng(3).integers(0, 778, (2, 7)).astype(np.int32))
-    np.testing.assert_array_equal(_mosaic((qi, w, keys, n_cand), rows=2, fuse_qlo=fuse),
-                                  _mosaic((qi, w, keys, n_cand), fuse_qlo=fuse))
+    np.testing.assert_array_equal(_mosaic((qi, w, keys, n_cand), rows=2, **kw),
+                                  _mosaic((qi, w, keys, n_cand), **kw))

@@ -44,7 +44,9 @@ from dsa_jax.pallas.common import sm_count
 
 # Keeps an fp32 word's sign, exponent and the 10 high significand bits: a tf32 value.
 TF32_MASK = -(1 << 13)  # 0xFFFFE000 as int32
+_BF16_MASK = -(1 << 16)  # 0xFFFF0000: sign, exponent and 7 significand bits
 _F32_SWIZZLE = 32  # f32 elements in one 128-byte swizzle row
+_PARTS = {"tf32x3": 2, "bf16x6": 3}  # parts qi is split into, per precision
 DECODE_ROWS = 4  # rows per sequence of a decode or verify step (max_verify), see default_chunks
 
 
@@ -69,6 +71,12 @@ class MgpuScoresTuning:
       all; a sequence's rows are padded to a multiple with rows that have no candidate. A row's
       bits are the same at any `rows` only if the tensor core computes each output column
       independently of the others (checked on the GPU, benchmarks/h200_pool_scores_mgpu.py).
+    precision: "tf32x3" (above) or "bf16x6": keys and qi split into three bf16 parts each
+      (`split_bf16`), six products k1 q1 + k1 q2 + k2 q1 + k1 q3 + k2 q2 + k3 q1 with the key
+      parts as the wgmma's A straight from registers (no shared-memory write of split keys;
+      the ring buffer is released once read), qi's parts [q1 | q2 | q3] side by side in N;
+      what is dropped stays < 2^-19.5 relative per product, inside `TF32X3_ROUNDOFF`.
+      write_hi and fuse_qlo do not apply.
     consumer_regs / producer_regs: per-thread register budgets (setmaxnreg) with 2 consumers.
     """
 
@@ -79,6 +87,7 @@ class MgpuScoresTuning:
     write_hi: bool = True
     fuse_qlo: bool = False
     rows: int = 1
+    precision: str = "tf32x3"
     consumer_regs: int = 232
     producer_regs: int = 40
 
@@ -90,6 +99,8 @@ class MgpuScoresTuning:
         if self.stages < self.consumers or self.stages % self.consumers:
             raise ValueError(f"stages={self.stages} must be a positive multiple of "
                              f"consumers={self.consumers}")
+        if self.precision not in _PARTS:
+            raise ValueError(f"precision={self.precision!r} must be one of {sorted(_PARTS)}")
         if self.rows < 1 or self.rows & (self.rows - 1):
             raise ValueError(f"rows={self.rows} must be a power of two")
         if self.chunks is not None and self.chunks < 1:
@@ -100,13 +111,17 @@ class MgpuScoresTuning:
                              f"{self.producer_regs}) = {regs} exceed 65536")
 
 
-def padded_dims(hi: int, di: int) -> tuple[int, int]:
-    """(Hp, Dp): heads to a multiple of 8, dims to a multiple of 32."""
-    return -(-hi // 8) * 8, -(-di // _F32_SWIZZLE) * _F32_SWIZZLE
+def padded_dims(hi: int, di: int, precision: str = "tf32x3") -> tuple[int, int]:
+    """(Hp, Dp): heads to a multiple of 8, dims to a multiple of one 128-byte swizzle of the
+    dot's operands (32 f32, 64 bf16)."""
+    step = 64 if precision == "bf16x6" else _F32_SWIZZLE
+    return -(-hi // 8) * 8, -(-di // step) * step
 
 
 def smem_bytes(hp: int, dp: int, t: MgpuScoresTuning) -> int:
     """Shared memory the kernel allocates (the H200 gives a CTA at most 227 KiB)."""
+    if t.precision == "bf16x6":  # no lo buffers; qi in three bf16 parts
+        return 4 * dp * t.stages * t.block_p + 2 * dp * 3 * t.rows * hp
     return 4 * dp * (t.stages * t.block_p + t.consumers * t.block_p + 2 * t.rows * hp)
 
 
@@ -127,18 +142,20 @@ def split_tf32(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return hi, _trunc(x - hi)
 
 
-def _trunc(x):
+def _trunc(x, mask: int = TF32_MASK):
     bits = lax.bitcast_convert_type(x, jnp.int32)
-    return lax.bitcast_convert_type(bits & jnp.int32(TF32_MASK), jnp.float32)
+    return lax.bitcast_convert_type(bits & jnp.int32(mask), jnp.float32)
 
 
 def _kernel(ncand_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: int, tiles: int,
             stages: int, consumers: int, groups_per_seq: int, rows: int, hp: int, dp: int,
-            write_hi: bool, fuse_qlo: bool, consumer_regs: int, producer_regs: int):
+            write_hi: bool, fuse_qlo: bool, precision: str, consumer_regs: int,
+            producer_regs: int):
     """One (row group, chunk) CTA of consumers + 1 warpgroups; see the module docstring.
 
     ncand_ref [N] int32 (N = G * rows); q_ref [G, 2 rows Hp, Dp] f32 (the group's qi split:
-    every row's tf32 hi parts, then every row's lo parts); w_ref [G, rows Hp] f32 (padded heads
+    every row's tf32 hi parts, then every row's lo parts; for bf16x6 [G, 3 rows Hp, Dp] bf16,
+    the three parts); w_ref [G, rows Hp] f32 (padded heads
     0); keys_ref [B, P, Dp] f32; out_ref [N, Pc] f32 with Pc = chunks * tiles * block_p >= P
     (every element written).
     """
@@ -152,7 +169,7 @@ def _kernel(ncand_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: int, tiles: 
     tf32 = (plgpu.TilingTransform((8, _F32_SWIZZLE)), plgpu.SwizzleTransform(128))
     row_layout = plgpu.Layout.WGMMA.reduce(1)  # [block_p]: one value per accumulator row
 
-    def scoped(kbuf, lobuf, qbuf, q_bar, full, free):
+    def scoped(kbuf, qbuf, q_bar, full, free, lobuf=None):
         wg = lax.axis_index("wg")
 
         def store(i, t, scores):  # row i of the group; scores [block_p] row_layout
@@ -162,44 +179,19 @@ def _kernel(ncand_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: int, tiles: 
             plgpu.barrier_wait(q_bar)
             w = plgpu.load(w_ref.at[group], (), layout=plgpu.Layout.WGMMA.reduce(0),
                            optimized=False)  # [rows Hp]
-            q_both = plgpu.transpose_ref(qbuf, (1, 0))  # [Dp, 2 rows Hp]: hi, then lo
-            q_hi = plgpu.transpose_ref(qbuf.at[pl.ds(0, nq)], (1, 0))  # [Dp, rows Hp]
-            q_lo = plgpu.transpose_ref(qbuf.at[pl.ds(nq, nq)], (1, 0))
-            lo_ref = lobuf.at[wg]
+            lo_ref = lobuf.at[wg] if lobuf is not None else None
 
             def tile(j, carry):
                 t = consumers * j + wg
                 s = lax.rem(t, stages)
                 k_ref = kbuf.at[s]
                 plgpu.barrier_wait(full.at[s])
-                for c in range(dp // _F32_SWIZZLE):  # one swizzle column at a time
-                    cols = pl.ds(c * _F32_SWIZZLE, _F32_SWIZZLE)
-                    k = k_ref.at[:, cols][...]  # [BP, 32] f32
-                    hi = _trunc(k)
-                    if write_hi:
-                        k_ref.at[:, cols][...] = hi
-                    lo_ref.at[:, cols][...] = _trunc(k - hi)
-                plgpu.commit_smem()  # hi and lo visible to wgmma
-
-                if fuse_qlo:  # hi x [qhi | qlo] (N = 2 Hp: hi read once), lo x qhi
-                    def dots(both_ref, lo_acc_ref):
-                        plgpu.wgmma(both_ref, k_ref, q_both)
-                        plgpu.wgmma(lo_acc_ref, lo_ref, q_hi)
-                        return both_ref[...], lo_acc_ref[...]
-
-                    both, lo_acc = pl.run_scoped(
-                        dots, plgpu.ACC((block_p, 2 * nq), jnp.float32),
-                        plgpu.ACC((block_p, nq), jnp.float32))  # [BP, 2 nq], [BP, nq]
-                    acc = (both[:, :nq] + lo_acc) + both[:, nq:]  # [BP, nq]
+                if precision == "bf16x6":
+                    acc = _dots_bf16x6(k_ref, qbuf, free.at[s], block_p=block_p, nq=nq, dp=dp)
                 else:
-                    def dots(acc_ref):
-                        plgpu.wgmma(acc_ref, k_ref, q_hi)
-                        plgpu.wgmma(acc_ref, lo_ref, q_hi)
-                        plgpu.wgmma(acc_ref, k_ref, q_lo)
-                        return acc_ref[...]
-
-                    acc = pl.run_scoped(dots, plgpu.ACC((block_p, nq), jnp.float32))  # [BP, nq]
-                plgpu.barrier_arrive(free.at[s])  # the wgmmas are done: refill the buffer
+                    acc = _dots_tf32x3(k_ref, lo_ref, qbuf, nq=nq, dp=dp, write_hi=write_hi,
+                                       fuse_qlo=fuse_qlo)
+                    plgpu.barrier_arrive(free.at[s])  # the wgmmas are done: refill the buffer
                 heads = jnp.maximum(acc, 0.0) * lax.broadcast_in_dim(w, acc.shape, [1])
                 pools = (first + t) * block_p + plgpu.broadcasted_iota(
                     jnp.int32, (block_p,), 0, layout=row_layout)
@@ -254,16 +246,95 @@ def _kernel(ncand_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: int, tiles: 
                 plgpu.set_max_registers(producer_regs, action="decrease")
             produce()
 
-    pl.run_scoped(
-        scoped,
-        plgpu.SMEM((stages, block_p, dp), jnp.float32, transforms=tf32),  # key ring (then hi)
-        plgpu.SMEM((consumers, block_p, dp), jnp.float32, transforms=tf32),  # lo, per consumer
-        plgpu.SMEM((2 * rows * hp, dp), jnp.float32, transforms=tf32),  # qi hi, then lo
+    part = (jnp.bfloat16, (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+    if precision != "bf16x6":
+        part = (jnp.float32, tf32)
+    scratch = [
+        plgpu.SMEM((stages, block_p, dp), jnp.float32, transforms=tf32),  # key ring
+        plgpu.SMEM((_PARTS[precision] * rows * hp, dp), part[0], transforms=part[1]),  # qi
         plgpu.Barrier(num_arrivals=1),  # qi loaded
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # key buffer filled
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # key buffer consumed
-        collective_axes="wg",
-    )
+    ]
+    if precision != "bf16x6":  # lo parts of the keys, per consumer
+        scratch.append(plgpu.SMEM((consumers, block_p, dp), jnp.float32, transforms=tf32))
+    pl.run_scoped(scoped, *scratch, collective_axes="wg")
+
+
+def _dots_tf32x3(k_ref, lo_ref, qbuf, *, nq: int, dp: int, write_hi: bool, fuse_qlo: bool):
+    """The tile's head dots [BP, nq] f32 as three tf32 products: k_ref [BP, Dp] f32 (the
+    keys; their hi parts written back unless not write_hi), lo_ref [BP, Dp] f32 (lo parts
+    written here), qbuf [2 nq, Dp] f32 (qi's hi parts, then lo parts)."""
+    block_p = k_ref.shape[0]
+    for c in range(dp // _F32_SWIZZLE):  # one swizzle column at a time
+        cols = pl.ds(c * _F32_SWIZZLE, _F32_SWIZZLE)
+        k = k_ref.at[:, cols][...]  # [BP, 32] f32
+        hi = _trunc(k)
+        if write_hi:
+            k_ref.at[:, cols][...] = hi
+        lo_ref.at[:, cols][...] = _trunc(k - hi)
+    plgpu.commit_smem()  # hi and lo visible to wgmma
+    q_hi = plgpu.transpose_ref(qbuf.at[pl.ds(0, nq)], (1, 0))  # [Dp, nq]
+    if fuse_qlo:  # hi x [qhi | qlo] (N = 2 nq: hi read once), lo x qhi
+        def dots(both_ref, lo_acc_ref):
+            plgpu.wgmma(both_ref, k_ref, plgpu.transpose_ref(qbuf, (1, 0)))
+            plgpu.wgmma(lo_acc_ref, lo_ref, q_hi)
+            return both_ref[...], lo_acc_ref[...]
+
+        both, lo_acc = pl.run_scoped(dots, plgpu.ACC((block_p, 2 * nq), jnp.float32),
+                                     plgpu.ACC((block_p, nq), jnp.float32))
+        return (both[:, :nq] + lo_acc) + both[:, nq:]  # [BP, nq]
+
+    def dots3(acc_ref):
+        plgpu.wgmma(acc_ref, k_ref, q_hi)
+        plgpu.wgmma(acc_ref, lo_ref, q_hi)
+        plgpu.wgmma(acc_ref, k_ref, plgpu.transpose_ref(qbuf.at[pl.ds(nq, nq)], (1, 0)))
+        return acc_ref[...]
+
+    return pl.run_scoped(dots3, plgpu.ACC((block_p, nq), jnp.float32))  # [BP, nq]
+
+
+def split_bf16(x):
+    """x f32 -> (x1, x2, x3) bf16, x = x1 + x2 + x3 + e: x1 = x truncated to bf16's 8
+    significand bits, x2 = (x - x1) likewise (the remainders are exact in fp32), x3 = the rest
+    rounded: |x - x1| < 2^-7 |x|, |x2 + x3 - (x - x1)| < 2^-14 |x|, |e| <= 2^-23 |x|. The
+    truncations are bit masks, so x1 and x2 are exact bf16 values before any conversion
+    (XLA's excess-precision rewrites cannot change them)."""
+    x1 = _trunc(x, _BF16_MASK)
+    r = x - x1
+    x2 = _trunc(r, _BF16_MASK)
+    return (x1.astype(jnp.bfloat16), x2.astype(jnp.bfloat16),
+            (r - x2).astype(jnp.bfloat16))
+
+
+def _dots_bf16x6(k_ref, qbuf, free, *, block_p: int, nq: int, dp: int):
+    """The tile's head dots [BP, nq] f32 as six bf16 products (k1 q1 + k1 q2 + k2 q1 +
+    k1 q3 + k2 q2 + k3 q1; with `split_bf16`' bounds the dropped k2 q3 + k3 q2 + k3 q3 and the
+    parts' residuals leave < 2^-19.5 |kq| per product, inside `TF32X3_ROUNDOFF`): the keys
+    k_ref [BP, Dp] f32 are read into registers and split there (the wgmma's A from registers:
+    no shared-memory write, and the buffer is released at once), qbuf [3 nq, Dp] bf16 holds
+    qi's parts q1, q2, q3. Dp is taken 64 columns at a time (registers)."""
+    def dots(a1, a2, a3):  # [BP, 3 nq], [BP, 2 nq], [BP, nq]
+        parts = []
+        for c in range(dp // 64):
+            k = k_ref.at[:, pl.ds(c * 64, 64)][...]  # [BP, 64] f32
+            parts.append(split_bf16(k))
+        plgpu.barrier_arrive(free)  # the keys are in registers: refill the buffer
+
+        for c, (k1, k2, k3) in enumerate(parts):
+            def q(n, c=c):  # the first n parts of qi, this column block: [64, n nq]
+                return plgpu.transpose_ref(qbuf.at[pl.ds(0, n * nq), pl.ds(c * 64, 64)], (1, 0))
+
+            plgpu.wgmma(a1, k1, q(3))
+            plgpu.wgmma(a2, k2, q(2))
+            plgpu.wgmma(a3, k3, q(1))
+        return a1[...], a2[...], a3[...]
+
+    a1, a2, a3 = pl.run_scoped(dots, plgpu.ACC((block_p, 3 * nq), jnp.float32),
+                               plgpu.ACC((block_p, 2 * nq), jnp.float32),
+                               plgpu.ACC((block_p, nq), jnp.float32))
+    small = (a1[:, 2 * nq:] + a2[:, nq:]) + a3  # k1 q3 + k2 q2 + k3 q1
+    return a1[:, :nq] + ((a1[:, nq:2 * nq] + a2[:, :nq]) + small)  # [BP, nq]
 
 
 def pool_scores_mgpu(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: jax.Array, *,
@@ -278,12 +349,12 @@ def pool_scores_mgpu(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: 
     if pool_keys.shape != (b, p, di) or w.shape != (b, r, hi) or n_cand.shape != (b, r):
         raise ValueError(f"pool_scores_mgpu: shapes qi {qi.shape}, w {w.shape}, keys "
                          f"{pool_keys.shape}, n_cand {n_cand.shape} do not agree")
-    hp, dp = padded_dims(hi, di)
     t = tuning
-    n_max = (2 if t.fuse_qlo else 1) * t.rows * hp
+    hp, dp = padded_dims(hi, di, t.precision)
+    n_max = {"bf16x6": 3, "tf32x3": 2 if t.fuse_qlo else 1}[t.precision] * t.rows * hp
     if n_max > 256:
         raise ValueError(f"pool_scores_mgpu: wgmma N = {n_max} > 256 (Hi {hi} padded to {hp}, "
-                         f"rows {t.rows}, fuse_qlo {t.fuse_qlo})")
+                         f"rows {t.rows}, fuse_qlo {t.fuse_qlo}, precision {t.precision})")
     if smem_bytes(hp, dp, t) > 227 * 1024:
         raise ValueError(f"pool_scores_mgpu: shared memory {smem_bytes(hp, dp, t)} B > 227 KiB "
                          f"(Hi {hi}, Di {di}, block_p {t.block_p}, stages {t.stages}, "
@@ -300,7 +371,10 @@ def pool_scores_mgpu(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: 
     width = chunks * tiles * t.block_p  # >= P: whole tiles are stored
     q = jnp.pad(qi.astype(jnp.float32), ((0, 0), (0, rp - r), (0, hp - hi), (0, dp - di)))
     q = q.reshape(groups, rb * hp, dp)
-    q = jnp.concatenate(split_tf32(q), axis=1)  # [G, 2 rows Hp, Dp]: hi parts, then lo parts
+    if t.precision == "bf16x6":
+        q = jnp.concatenate(split_bf16(q), axis=1)  # [G, 3 rows Hp, Dp] bf16: q1, q2, q3
+    else:
+        q = jnp.concatenate(split_tf32(q), axis=1)  # [G, 2 rows Hp, Dp]: hi parts, lo parts
     w_p = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, rp - r), (0, hp - hi)))
     w_p = w_p.reshape(groups, rb * hp)  # [G, rows Hp]
     ncand_p = jnp.pad(n_cand.astype(jnp.int32), ((0, 0), (0, rp - r))).reshape(n)  # pad: none
@@ -310,9 +384,8 @@ def pool_scores_mgpu(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: 
         keys = jnp.pad(keys, ((0, 0), (0, p8 - p), (0, dp - di)))
     kernel = functools.partial(
         _kernel, block_p=t.block_p, tiles=tiles, stages=t.stages, consumers=t.consumers,
-        groups_per_seq=rp // rb,
-        rows=rb, hp=hp, dp=dp,
-        write_hi=t.write_hi, fuse_qlo=t.fuse_qlo, consumer_regs=t.consumer_regs,
+        groups_per_seq=rp // rb, rows=rb, hp=hp, dp=dp, write_hi=t.write_hi,
+        fuse_qlo=t.fuse_qlo, precision=t.precision, consumer_regs=t.consumer_regs,
         producer_regs=t.producer_regs)
     out = plgpu.kernel(
         kernel,
