@@ -25,8 +25,10 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import json
 import os
 import sys
+import threading
 import time
 
 import jax
@@ -39,6 +41,41 @@ from dsa_jax import layer, shapes
 from dsa_jax import testing as T
 from dsa_jax.pallas import pool_scores as ps
 from dsa_jax.pallas import pool_scores_mgpu as pm
+
+HUNG = 3  # exit status after a row outlived --row-timeout-s (a kernel that never finished)
+
+
+def _row(res, row, work, path, scale=1.0):
+    """`harness.sweep_row`, skipping a row a resumed run has already recorded, and with a
+    watchdog: a row still running after res["row_timeout_s"] (a kernel waiting forever on a
+    barrier) is recorded as hung with what it had so far, and the process exits with HUNG, so
+    that a rerun with --resume goes on past it. scale: of the timeout, for a row of many
+    compiles."""
+    key = (row.get("case"), row.get("variant"), row.get("kind"))
+    if key in res["done"] or row.get("variant") in res["hung"]:
+        return
+    print(f"start {key}", flush=True)
+
+    def hung():
+        row["error"] = f"hung: still running after {scale * res['row_timeout_s']} s"
+        res["results"].append(row)
+        res["errors"].append(f"hung: {key}")
+        with open(path, "w") as f:
+            json.dump({k: v for k, v in res.items() if k not in ("done", "hung")}, f, indent=1,
+                  default=str)
+        print(json.dumps(row, default=str), flush=True)
+        os._exit(HUNG)
+
+    timer = threading.Timer(scale * res["row_timeout_s"], hung)
+    timer.start()
+    try:
+        done, hung_ = res.pop("done"), res.pop("hung")
+        try:
+            sweep_row(res, row, work, path)
+        finally:
+            res["done"], res["hung"] = done, hung_
+    finally:
+        timer.cancel()
 
 S, M = ps.PoolScoresTuning, pm.MgpuScoresTuning
 
@@ -141,7 +178,7 @@ def _run_case(res, path, name, args, smoke, check_rows=None, heavy=False, only=N
                 row["equal_to_triton"] = bool(np.array_equal(outs["triton"], out))
             row.update(sweep_times(functools.partial(fn, qi, w, keys, n_cand), heavy))
 
-        sweep_row(res, row, work, path)
+        _row(res, row, work, path)
     return outs
 
 
@@ -221,7 +258,7 @@ def _independence(res, path, args, smoke, prompt, base="mosaic"):
         row["ok"] = not row["check_errors"] and all(
             v for k, v in row.items() if k.endswith(("_equal", "_batched", "_r1")))
 
-    sweep_row(res, row, work, path)
+    _row(res, row, work, path, scale=3.0)
 
 
 def main() -> int:
@@ -229,7 +266,11 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; Mosaic only lowered (CPU)")
     ap.add_argument("--budget-s", type=float, default=100.0,
-                    help="after this many seconds only triton and mosaic run")
+                    help="after this many seconds only the CORE variants run")
+    ap.add_argument("--row-timeout-s", type=float, default=30.0,
+                    help="a row running longer is recorded as hung and the run exits (3)")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the rows of an earlier run's JSON and skip them")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "h200-pool-scores-mgpu.json")
@@ -243,7 +284,17 @@ def main() -> int:
            "deadline": time.monotonic() + args.budget_s, "jax_version": jax.__version__,
            "device": jax.devices()[0].device_kind,
            "shape": {"Hi": cfg.index_n_heads, "Di": cfg.index_head_dim, "P": cfg.num_pools},
-           "results": [], "errors": []}
+           "results": [], "errors": [], "row_timeout_s": args.row_timeout_s}
+    if args.resume and os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        res["results"], res["errors"] = old["results"], old["errors"]
+        res["resumed"] = old.get("resumed", 0) + 1
+    res["done"] = {(r.get("case"), r.get("variant"), r.get("kind"))
+                   for r in res["results"]}
+    # a variant that hung once is not run again (each rerun would hang on it)
+    res["hung"] = {r.get("variant") for r in res["results"]
+                   if str(r.get("error", "")).startswith("hung")}
     cases = [("b64", 64, 1), ("b64-r4", 64, 4), ("b1-r4", 1, 4)] if not smoke else [
         ("b64", 3, 1), ("b64-r4", 2, 4), ("b1-r4", 1, 4)]
     # the prompt: rows share one sequence's keys; checked on every 97th row
@@ -269,6 +320,10 @@ def main() -> int:
         else:
             _run_case(res, path, name, the, smoke)
     _run_case(res, path, "prefill", prompt, smoke, check_rows=np.arange(0, n, 97), heavy=True)
+    res.pop("done")
+    res.pop("hung")
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1, default=str)
     print(f"errors: {len(res['errors'])}; wrote {path}", flush=True)
     return 0 if not res["errors"] else 1
 
