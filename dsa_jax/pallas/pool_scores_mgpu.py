@@ -1,4 +1,4 @@
-"""Pooled indexer scores as a Pallas Mosaic GPU kernel (Hopper: bulk copies, wgmma in tf32).
+"""Pooled indexer scores as a Pallas Mosaic GPU kernel (Hopper: bulk copies, wgmma).
 
 The same function as `pool_scores.pool_scores_xla` (the definition): `score[b, r, p] =
 sum_h w[b, r, h] * relu(qi[b, r, h] . K[b, p])`, -inf for `p >= n_cand[b, r]`, -0.0 -> 0.0.
@@ -15,6 +15,9 @@ sum_h w[b, r, h] * relu(qi[b, r, h] . K[b, p])`, -inf for `p >= n_cand[b, r]`, -
   rounds the low bits of an fp32 word (the bound is `testing.TF32X3_ROUNDOFF`, as for the
   Triton kernel's tf32x3 dot). The epilogue applies relu, the head weights and the head sum in
   registers and stores the tile's [block_p] scores;
+* or, with `precision="bf16x6"`, each consumer splits its tile into three bf16 parts in
+  registers and feeds them to the wgmma as its A operand straight from registers (six
+  products; see `MgpuScoresTuning.precision`), releasing the ring buffer as soon as it is read;
 * a pool's score depends only on its key, its row's qi and w and these fixed instructions, not
   on the chunking, the grid or the other rows: a row scores the same bits alone or batched.
 
