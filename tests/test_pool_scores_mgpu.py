@@ -34,6 +34,8 @@ M = pm.MgpuScoresTuning
     ((64, 1, 32, 128, 4096), M(consumers=1, block_p=128)),
     ((2, 3, 5, 12, 100), M(precision="bf16x6")),  # Di padded to 64
     ((1, 9, 32, 128, 4096), M(precision="bf16x6", rows=2, stages=4)),
+    ((2, 3, 5, 12, 100), M(persistent=True, chunks=3)),
+    ((1, 9000, 32, 128, 4096), M(persistent=True, precision="bf16x6", rows=2, stages=4)),
 ])
 def test_variants_lower_for_cuda(shape, tuning):
     """The kernel lowers on any host (the Mosaic GPU lowering rules run here), so a kernel that
@@ -164,7 +166,9 @@ _ODD = [(2, 5, 32, 128, 300), (3, 2, 5, 12, 100), (1, 3, 32, 128, 1000)]
     (dict(rows=2, fuse_qlo=True, stages=4), _ODD[1]), (dict(consumers=1, block_p=128), _ODD[2]),
     (dict(consumers=1, stages=3), _ODD[0]), (dict(precision="bf16x6"), _ODD[1]),
     (dict(precision="bf16x6", stages=4, rows=2), _ODD[0]),
-    (dict(precision="bf16x6", consumers=1, stages=3), _ODD[2])])
+    (dict(precision="bf16x6", consumers=1, stages=3), _ODD[2]),
+    (dict(persistent=True, chunks=3), _ODD[0]), (dict(persistent=True, rows=2), _ODD[1]),
+    (dict(persistent=True, precision="bf16x6", consumers=1), _ODD[2])])
 def test_gpu_parity_within_bound(kw, dims):
     """Within the derived tf32x3 bound of the float64 definition; -inf exactly past each
     row's candidates (on, before and after tile edges, none, all); no -0.0."""
@@ -195,8 +199,8 @@ def test_gpu_batch_independence():
     w4 = w4.at[:, :1].set(w)
     nc4 = jnp.concatenate([n_cand, jnp.full((64, 3), 700, jnp.int32)], axis=1)
     np.testing.assert_array_equal(_mosaic((q4, w4, keys, nc4))[:, :1], full)
-    for c in (1, 5):
-        np.testing.assert_array_equal(_mosaic((qi, w, keys, n_cand), chunks=c), full)
+    for kw in (dict(chunks=1), dict(chunks=5), dict(persistent=True, chunks=3)):
+        np.testing.assert_array_equal(_mosaic((qi, w, keys, n_cand), **kw), full)
 
 
 @pytest.mark.gpu

@@ -80,6 +80,10 @@ class MgpuScoresTuning:
       the ring buffer is released once read), qi's parts [q1 | q2 | q3] side by side in N;
       what is dropped stays < 2^-19.5 relative per product, inside `TF32X3_ROUNDOFF`.
       write_hi and fuse_qlo do not apply.
+    persistent: one CTA per multiprocessor, each taking a contiguous run of the (row group,
+      chunk) items with its ring running on across them (the next item's first keys load while
+      the last one computes; qi double-buffered, reloaded where the row group changes); for a
+      prompt's many rows, whose CTAs would otherwise each fill and drain the ring.
     consumer_regs / producer_regs: per-thread register budgets (setmaxnreg) with 2 consumers.
     """
 
@@ -91,6 +95,7 @@ class MgpuScoresTuning:
     fuse_qlo: bool = False
     rows: int = 1
     precision: str = "tf32x3"
+    persistent: bool = False
     consumer_regs: int = 232
     producer_regs: int = 40
 
@@ -123,9 +128,10 @@ def padded_dims(hi: int, di: int, precision: str = "tf32x3") -> tuple[int, int]:
 
 def smem_bytes(hp: int, dp: int, t: MgpuScoresTuning) -> int:
     """Shared memory the kernel allocates (the H200 gives a CTA at most 227 KiB)."""
+    slots = 2 if t.persistent else 1  # qi buffers
     if t.precision == "bf16x6":  # no lo buffers; qi in three bf16 parts
-        return 4 * dp * t.stages * t.block_p + 2 * dp * 3 * t.rows * hp
-    return 4 * dp * (t.stages * t.block_p + t.consumers * t.block_p + 2 * t.rows * hp)
+        return 4 * dp * t.stages * t.block_p + slots * 2 * dp * 3 * t.rows * hp
+    return 4 * dp * (t.stages * t.block_p + t.consumers * t.block_p + slots * 2 * t.rows * hp)
 
 
 def default_chunks(b: int, r: int, tiles_all: int, sms: int) -> int:
@@ -151,111 +157,165 @@ def _trunc(x, mask: int = TF32_MASK):
 
 
 def _kernel(ncand_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: int, tiles: int,
-            stages: int, consumers: int, groups_per_seq: int, rows: int, hp: int, dp: int,
-            write_hi: bool, fuse_qlo: bool, precision: str, consumer_regs: int,
-            producer_regs: int):
-    """One (row group, chunk) CTA of consumers + 1 warpgroups; see the module docstring.
+            chunks: int, stages: int, consumers: int, groups_per_seq: int, rows: int, hp: int,
+            dp: int, write_hi: bool, fuse_qlo: bool, precision: str, consumer_regs: int,
+            producer_regs: int, programs: int, items: int):
+    """CTAs of consumers + 1 warpgroups; see the module docstring. An item is a (row group,
+    chunk) pair; with programs == 0 each CTA takes one item (grid index i: chunk fastest,
+    then sequence, then the row group within its sequence), else CTA p
+    takes the items [p items / programs, (p + 1) items / programs) in order (row groups
+    major), its ring and barrier phases running on across them, and qi reloaded (into the
+    other of two buffers) only where the row group changes.
 
     ncand_ref [N] int32 (N = G * rows); q_ref [G, 2 rows Hp, Dp] f32 (the group's qi split:
     every row's tf32 hi parts, then every row's lo parts; for bf16x6 [G, 3 rows Hp, Dp] bf16,
-    the three parts); w_ref [G, rows Hp] f32 (padded heads
-    0); keys_ref [B, P, Dp] f32; out_ref [N, Pc] f32 with Pc = chunks * tiles * block_p >= P
-    (every element written).
+    the three parts); w_ref [G, rows Hp] f32 (padded heads 0); keys_ref [B, P, Dp] f32;
+    out_ref [N, Pc] f32 with Pc = chunks * tiles * block_p >= P (every element written).
     """
-    chunk, group = lax.axis_index("c"), lax.axis_index("r")
-    seq = group // groups_per_seq
-    first = chunk * tiles  # the chunk's first tile
-    n_cands = [ncand_ref[group * rows + i] for i in range(rows)]
-    most = functools.reduce(jnp.maximum, n_cands)
-    live = jnp.clip((most + block_p - 1) // block_p - first, 0, tiles)  # live tiles
     nq = rows * hp  # the wgmma N of one of qi's parts
     tf32 = (plgpu.TilingTransform((8, _F32_SWIZZLE)), plgpu.SwizzleTransform(128))
     row_layout = plgpu.Layout.WGMMA.reduce(1)  # [block_p]: one value per accumulator row
+    q_slots = 2 if programs else 1
 
-    def scoped(kbuf, qbuf, q_bar, full, free, lobuf=None):
+    def item(i):  # -> (row group, first tile, live tiles, the rows' candidate counts)
+        if programs:  # row groups major: a CTA's run of items shares qi
+            group, chunk = i // chunks, lax.rem(i, chunks)
+        else:  # the first row group of every sequence first: in a padded decode the
+            # real rows (each sequence's first) start in the first wave
+            i = lax.axis_index("i")
+            chunk, rest = lax.rem(i, chunks), i // chunks
+            seqs = items // (chunks * groups_per_seq)
+            group = lax.rem(rest, seqs) * groups_per_seq + rest // seqs
+        first = chunk * tiles
+        n_cands = [ncand_ref[group * rows + r] for r in range(rows)]
+        most = functools.reduce(jnp.maximum, n_cands)
+        live = jnp.clip((most + block_p - 1) // block_p - first, 0, tiles)
+        return group, first, live, n_cands
+
+    def each_item(body):  # body(item, carry) -> carry; carry (tiles so far, qi loads, group)
+        init = (jnp.int32(0), jnp.int32(0), jnp.int32(-1))
+        if not programs:
+            body(item(None), init)
+            return
+        pid = lax.axis_index("p")
+        lax.fori_loop(pid * items // programs, (pid + 1) * items // programs,
+                      lambda i, carry: body(item(i), carry), init)
+
+    def scoped(kbuf, qbuf, q_full, q_free, full, free, lobuf=None):
         wg = lax.axis_index("wg")
 
-        def store(i, t, scores):  # row i of the group; scores [block_p] row_layout
-            out_ref.at[group * rows + i, pl.ds((first + t) * block_p, block_p)][...] = scores
+        def store(group, first, r, t, scores):  # row r of the group; [block_p] row_layout
+            out_ref.at[group * rows + r, pl.ds((first + t) * block_p, block_p)][...] = scores
 
-        def consume():
-            plgpu.barrier_wait(q_bar)
-            w = plgpu.load(w_ref.at[group], (), layout=plgpu.Layout.WGMMA.reduce(0),
-                           optimized=False)  # [rows Hp]
+        def consume(it, carry):
+            group, first, live, n_cands = it
+            gt, qc, last = carry
+            new_q = (live > 0) & (group != last)
+
+            @pl.when(new_q)
+            def _():
+                if programs:
+                    @pl.when(qc >= 1)
+                    def _():  # done with the last group's qi
+                        plgpu.barrier_arrive(q_free.at[lax.rem(qc - 1, q_slots)])
+
+                plgpu.barrier_wait(q_full.at[lax.rem(qc, q_slots)])
+
+            qc = qc + new_q.astype(jnp.int32)
+            qb = qbuf.at[lax.rem(qc + q_slots - 1, q_slots)]
             lo_ref = lobuf.at[wg] if lobuf is not None else None
+            mine = lax.rem(wg - lax.rem(gt, consumers) + consumers, consumers)  # first own t
 
-            def tile(j, carry):
-                t = consumers * j + wg
-                s = lax.rem(t, stages)
-                k_ref = kbuf.at[s]
-                plgpu.barrier_wait(full.at[s])
-                if precision == "bf16x6":
-                    acc = _dots_bf16x6(k_ref, qbuf, free.at[s], block_p=block_p, nq=nq, dp=dp)
-                else:
-                    acc = _dots_tf32x3(k_ref, lo_ref, qbuf, nq=nq, dp=dp, write_hi=write_hi,
-                                       fuse_qlo=fuse_qlo)
-                    plgpu.barrier_arrive(free.at[s])  # the wgmmas are done: refill the buffer
-                heads = jnp.maximum(acc, 0.0) * lax.broadcast_in_dim(w, acc.shape, [1])
-                pools = (first + t) * block_p + plgpu.broadcasted_iota(
-                    jnp.int32, (block_p,), 0, layout=row_layout)
-                for i in range(rows):
-                    scores = heads[:, i * hp:(i + 1) * hp].sum(axis=1)  # [BP]
-                    scores = jnp.where(scores == 0, 0.0, scores)  # -0.0 -> 0.0
-                    store(i, t, jnp.where(pools < n_cands[i], scores, -jnp.inf))
-                return carry
-
-            lax.fori_loop(0, (live - wg + consumers - 1) // consumers, tile, 0)
-
-        def dead(j, carry):  # tiles with no candidate: -inf, no key read
-            t = live + consumers * j + wg
-            for i in range(rows):
-                store(i, t, plgpu.layout_cast(jnp.full((block_p,), -jnp.inf, jnp.float32),
-                                              row_layout))
-            return carry
-
-        def produce():
             @pl.when(live > 0)
             def _():
-                plgpu.copy_gmem_to_smem(q_ref.at[group], qbuf, q_bar)
+                w = plgpu.load(w_ref.at[group], (), layout=plgpu.Layout.WGMMA.reduce(0),
+                               optimized=False)  # [rows Hp]
 
-            def fill(t, carry):
-                s = lax.rem(t, stages)
+                def tile(j, c):
+                    t = mine + consumers * j
+                    s = lax.rem(gt + t, stages)
+                    k_ref = kbuf.at[s]
+                    plgpu.barrier_wait(full.at[s])
+                    if precision == "bf16x6":
+                        acc = _dots_bf16x6(k_ref, qb, free.at[s], block_p=block_p, nq=nq,
+                                           dp=dp)
+                    else:
+                        acc = _dots_tf32x3(k_ref, lo_ref, qb, nq=nq, dp=dp, write_hi=write_hi,
+                                           fuse_qlo=fuse_qlo)
+                        plgpu.barrier_arrive(free.at[s])  # wgmmas done: refill the buffer
+                    heads = jnp.maximum(acc, 0.0) * lax.broadcast_in_dim(w, acc.shape, [1])
+                    pools = (first + t) * block_p + plgpu.broadcasted_iota(
+                        jnp.int32, (block_p,), 0, layout=row_layout)
+                    for r in range(rows):
+                        scores = heads[:, r * hp:(r + 1) * hp].sum(axis=1)  # [BP]
+                        scores = jnp.where(scores == 0, 0.0, scores)  # -0.0 -> 0.0
+                        store(group, first, r, t, jnp.where(pools < n_cands[r], scores,
+                                                            -jnp.inf))
+                    return c
 
-                @pl.when(t >= stages)
+                lax.fori_loop(0, jnp.maximum(live - mine + consumers - 1, 0) // consumers,
+                              tile, 0)
+
+            def dead(j, c):  # tiles with no candidate: -inf, no key read
+                t = live + consumers * j + wg
+                for r in range(rows):
+                    store(group, first, r, t, plgpu.layout_cast(
+                        jnp.full((block_p,), -jnp.inf, jnp.float32), row_layout))
+                return c
+
+            lax.fori_loop(0, (tiles - live - wg + consumers - 1) // consumers, dead, 0)
+            return gt + live, qc, jnp.where(new_q, group, last)
+
+        def produce(it, carry):
+            group, first, live, _ = it
+            gt, qc, last = carry
+            new_q = (live > 0) & (group != last)
+
+            @pl.when(new_q)
+            def _():
+                slot = lax.rem(qc, q_slots)
+                if programs:
+                    @pl.when(qc >= q_slots)
+                    def _():  # the consumers are done with the qi loaded two groups ago
+                        plgpu.barrier_wait(q_free.at[slot])
+
+                plgpu.copy_gmem_to_smem(q_ref.at[group], qbuf.at[slot], q_full.at[slot])
+
+            def fill(t, c):
+                s = lax.rem(gt + t, stages)
+
+                @pl.when(gt + t >= stages)
                 def _():
                     plgpu.barrier_wait(free.at[s])
 
                 plgpu.copy_gmem_to_smem(
-                    keys_ref.at[seq, pl.ds((first + t) * block_p, block_p)], kbuf.at[s],
-                    full.at[s])
-                return carry
+                    keys_ref.at[group // groups_per_seq, pl.ds((first + t) * block_p, block_p)],
+                    kbuf.at[s], full.at[s])
+                return c
 
             lax.fori_loop(0, live, fill, 0)
+            return gt + live, qc + new_q.astype(jnp.int32), jnp.where(new_q, group, last)
 
         @pl.when(wg < consumers)
         def _consumer():
             if consumers > 1:  # (two warpgroups in all start with enough registers)
                 plgpu.set_max_registers(consumer_regs, action="increase")
-
-            @pl.when(live > 0)
-            def _():
-                consume()
-
-            lax.fori_loop(0, (tiles - live - wg + consumers - 1) // consumers, dead, 0)
+            each_item(consume)
 
         @pl.when(wg == consumers)
         def _producer():
             if consumers > 1:
                 plgpu.set_max_registers(producer_regs, action="decrease")
-            produce()
+            each_item(produce)
 
     part = (jnp.bfloat16, (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
     if precision != "bf16x6":
         part = (jnp.float32, tf32)
     scratch = [
         plgpu.SMEM((stages, block_p, dp), jnp.float32, transforms=tf32),  # key ring
-        plgpu.SMEM((_PARTS[precision] * rows * hp, dp), part[0], transforms=part[1]),  # qi
-        plgpu.Barrier(num_arrivals=1),  # qi loaded
+        plgpu.SMEM((q_slots, _PARTS[precision] * nq, dp), part[0], transforms=part[1]),  # qi
+        plgpu.Barrier(num_arrivals=1, num_barriers=q_slots),  # qi loaded
+        plgpu.Barrier(num_arrivals=consumers, num_barriers=q_slots),  # qi no longer read
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # key buffer filled
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # key buffer consumed
     ]
@@ -389,12 +449,15 @@ def pool_scores_mgpu(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: 
         _kernel, block_p=t.block_p, tiles=tiles, stages=t.stages, consumers=t.consumers,
         groups_per_seq=rp // rb, rows=rb, hp=hp, dp=dp, write_hi=t.write_hi,
         fuse_qlo=t.fuse_qlo, precision=t.precision, consumer_regs=t.consumer_regs,
-        producer_regs=t.producer_regs)
+        producer_regs=t.producer_regs, chunks=chunks)
+    items = groups * chunks
+    programs = min(items, sms or sm_count()) if t.persistent else 0  # (else one CTA per item)
+    kernel = functools.partial(kernel, programs=programs, items=items)
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((n, width), jnp.float32),
-        grid=(groups, chunks),  # row groups on the grid's x axis (y allows 65535)
-        grid_names=("r", "c"),
+        grid=(programs or items,),  # the x axis (y and z allow 65535)
+        grid_names=("p",) if programs else ("i",),
         num_threads=t.consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
