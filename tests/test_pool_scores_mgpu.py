@@ -138,6 +138,21 @@ def test_bad_tunings_raise():
         M(rows=3)
 
 
+def test_fit_chooses_the_schedule():
+    """None fields chosen per shape (none changes the arithmetic): a prompt's rows two per CTA,
+    decode rows four stages; what does not fit falls back; set fields are kept."""
+    assert (pm.fit(M(), 32, 128, 1).rows, pm.fit(M(), 32, 128, 1).stages) == (1, 4)
+    assert (pm.fit(M(), 32, 128, 9000).rows, pm.fit(M(), 32, 128, 9000).stages) == (2, 2)
+    assert pm.fit(M(), 64, 128, 1).stages == 2  # qi parts 64 KiB: 4 stages do not fit
+    assert pm.fit(M(stages=2), 32, 128, 1).stages == 2
+    assert pm.fit(M(rows=1), 32, 128, 9000).rows == 1
+    assert pm.fit(M(precision="bf16x6"), 5, 12, 50).rows == 2
+    assert pm.supports(M(), 32, 128) is None
+    assert "wgmma N" in pm.supports(M(fuse_qlo=True), 200, 128)
+    with pytest.raises(ValueError, match="wgmma N = 400"):
+        pm.fit(M(fuse_qlo=True), 200, 128, 1)
+
+
 def test_default_chunks():
     """About one CTA per multiprocessor, at least one per row, at most one per tile; a padded
     decode's rows count per sequence."""

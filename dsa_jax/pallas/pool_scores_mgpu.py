@@ -44,11 +44,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dsa_jax.pallas.common import sm_count
+from dsa_jax.pallas.pool_scores_mgpu_dots import (
+    F32_SWIZZLE,
+    TF32_MASK,
+    dots_bf16x6,
+    dots_tf32x3,
+    split_bf16,
+    split_tf32,
+)
 
-# Keeps an fp32 word's sign, exponent and the 10 high significand bits: a tf32 value.
-TF32_MASK = -(1 << 13)  # 0xFFFFE000 as int32
-_BF16_MASK = -(1 << 16)  # 0xFFFF0000: sign, exponent and 7 significand bits
-_F32_SWIZZLE = 32  # f32 elements in one 128-byte swizzle row
+__all__ = ["MgpuScoresTuning", "TF32_MASK", "fit", "pool_scores_mgpu", "split_bf16",
+           "split_tf32", "supports"]
+
 _PARTS = {"tf32x3": 2, "bf16x6": 3}  # parts qi is split into, per precision
 DECODE_ROWS = 4  # rows per sequence of a decode or verify step (max_verify), see default_chunks
 
@@ -59,7 +66,9 @@ class MgpuScoresTuning:
 
     block_p: pools per tile (the wgmma M): 64 or 128.
     stages: key buffers in the ring, a multiple of `consumers` (consumer c owns the buffers
-      s = c mod consumers, so each of its barriers is waited on at every phase).
+      s = c mod consumers, so each of its barriers is waited on at every phase). None, and
+      rows and persistent None: chosen per call by `fit` (none of them changes a score's
+      bits: each pool's products and sums are the same instructions in any schedule).
     consumers: compute warpgroups (1 or 2), taking the tiles in turn, each with its lo buffer.
     chunks: CTAs per row, each taking a contiguous share of the tiles (None: about one CTA per
       multiprocessor over all rows, at least one per row: `default_chunks`).
@@ -88,14 +97,14 @@ class MgpuScoresTuning:
     """
 
     block_p: int = 64
-    stages: int = 2
+    stages: int | None = None
     consumers: int = 2
     chunks: int | None = None
     write_hi: bool = True
     fuse_qlo: bool = False
-    rows: int = 1
+    rows: int | None = None
     precision: str = "tf32x3"
-    persistent: bool = False
+    persistent: bool | None = None
     consumer_regs: int = 232
     producer_regs: int = 40
 
@@ -104,12 +113,13 @@ class MgpuScoresTuning:
             raise ValueError(f"block_p={self.block_p} must be 64 or 128 (wgmma M tiles)")
         if self.consumers not in (1, 2):
             raise ValueError(f"consumers={self.consumers} must be 1 or 2")
-        if self.stages < self.consumers or self.stages % self.consumers:
+        if self.stages is not None and (self.stages < self.consumers
+                                        or self.stages % self.consumers):
             raise ValueError(f"stages={self.stages} must be a positive multiple of "
                              f"consumers={self.consumers}")
         if self.precision not in _PARTS:
             raise ValueError(f"precision={self.precision!r} must be one of {sorted(_PARTS)}")
-        if self.rows < 1 or self.rows & (self.rows - 1):
+        if self.rows is not None and (self.rows < 1 or self.rows & (self.rows - 1)):
             raise ValueError(f"rows={self.rows} must be a power of two")
         if self.chunks is not None and self.chunks < 1:
             raise ValueError(f"chunks={self.chunks} must be >= 1")
@@ -122,7 +132,7 @@ class MgpuScoresTuning:
 def padded_dims(hi: int, di: int, precision: str = "tf32x3") -> tuple[int, int]:
     """(Hp, Dp): heads to a multiple of 8, dims to a multiple of one 128-byte swizzle of the
     dot's operands (32 f32, 64 bf16)."""
-    step = 64 if precision == "bf16x6" else _F32_SWIZZLE
+    step = 64 if precision == "bf16x6" else F32_SWIZZLE
     return -(-hi // 8) * 8, -(-di // step) * step
 
 
@@ -134,6 +144,54 @@ def smem_bytes(hp: int, dp: int, t: MgpuScoresTuning) -> int:
     return 4 * dp * (t.stages * t.block_p + t.consumers * t.block_p + slots * 2 * t.rows * hp)
 
 
+# `fit`'s choices where the tuning leaves them None, in order of preference (first that fits):
+# (rows, persistent, stages) for a prompt's rows (more than DECODE_ROWS per sequence), and for
+# decode and verify rows. See benchmarks/notes.md ("Pool scores as a Mosaic GPU kernel").
+PROMPT_PLANS = ((2, False, 2), (1, False, 4), (1, False, 2))
+DECODE_PLANS = ((1, False, 4), (1, False, 2))
+
+
+def fit(t: MgpuScoresTuning, hi: int, di: int, r: int) -> MgpuScoresTuning:
+    """t with its None fields (rows, persistent, stages) chosen for Hi, Di and r rows per
+    sequence: the first plan of PROMPT_PLANS (r > DECODE_ROWS) or DECODE_PLANS whose wgmma N
+    and shared memory fit, fields set in t kept. Raises (naming the limit) if none fits."""
+    plans = PROMPT_PLANS if r > DECODE_ROWS else DECODE_PLANS
+    last = None
+    for rows, persistent, stages in plans:
+        cand = dataclasses.replace(
+            t, rows=t.rows if t.rows is not None else rows,
+            persistent=t.persistent if t.persistent is not None else persistent,
+            stages=t.stages if t.stages is not None else max(stages, t.consumers))
+        last = why_not(cand, hi, di)
+        if last is None:
+            return cand
+    raise ValueError(f"pool_scores_mgpu: {last}")
+
+
+def why_not(t: MgpuScoresTuning, hi: int, di: int) -> str | None:
+    """None if the kernel runs tuning t (every field set) at Hi, Di; else why not."""
+    hp, dp = padded_dims(hi, di, t.precision)
+    n_max = {"bf16x6": 3, "tf32x3": 2 if t.fuse_qlo else 1}[t.precision] * t.rows * hp
+    if n_max > 256:
+        return (f"wgmma N = {n_max} > 256 (Hi {hi} padded to {hp}, rows {t.rows}, fuse_qlo "
+                f"{t.fuse_qlo}, precision {t.precision})")
+    if smem_bytes(hp, dp, t) > 227 * 1024:
+        return (f"shared memory {smem_bytes(hp, dp, t)} B > 227 KiB (Hi {hi}, Di {di}, "
+                f"block_p {t.block_p}, stages {t.stages}, rows {t.rows}, persistent "
+                f"{t.persistent})")
+    return None
+
+
+def supports(t: MgpuScoresTuning, hi: int, di: int) -> str | None:
+    """None if the kernel runs at Hi, Di with t's fixed fields (its None fields at their
+    smallest: one row per CTA, not persistent, one buffer per consumer); else why not."""
+    least = dataclasses.replace(
+        t, rows=1 if t.rows is None else t.rows,
+        persistent=False if t.persistent is None else t.persistent,
+        stages=t.consumers if t.stages is None else t.stages)
+    return why_not(least, hi, di)
+
+
 def default_chunks(b: int, r: int, tiles_all: int, sms: int) -> int:
     """CTAs per row: about one CTA per multiprocessor in all (the kernel's shared memory
     allows one per multiprocessor), at least one per row, at most one per tile. Decode and
@@ -141,19 +199,6 @@ def default_chunks(b: int, r: int, tiles_all: int, sms: int) -> int:
     have no candidate (their CTAs only store -inf); a prompt's rows count one by one."""
     rows = b if r <= DECODE_ROWS else b * r
     return max(1, min(tiles_all, sms // rows))
-
-
-def split_tf32(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x f32 -> (hi, lo), both exact tf32 values: hi = x truncated to 10 significand bits,
-    lo = (x - hi) truncated the same way (x - hi is exact in fp32), so
-    |x - hi - lo| <= 2^-10 |x - hi| <= 2^-20 |x|."""
-    hi = _trunc(x)
-    return hi, _trunc(x - hi)
-
-
-def _trunc(x, mask: int = TF32_MASK):
-    bits = lax.bitcast_convert_type(x, jnp.int32)
-    return lax.bitcast_convert_type(bits & jnp.int32(mask), jnp.float32)
 
 
 def _kernel(ncand_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: int, tiles: int,
@@ -173,7 +218,7 @@ def _kernel(ncand_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: int, tiles: 
     out_ref [N, Pc] f32 with Pc = chunks * tiles * block_p >= P (every element written).
     """
     nq = rows * hp  # the wgmma N of one of qi's parts
-    tf32 = (plgpu.TilingTransform((8, _F32_SWIZZLE)), plgpu.SwizzleTransform(128))
+    tf32 = (plgpu.TilingTransform((8, F32_SWIZZLE)), plgpu.SwizzleTransform(128))
     row_layout = plgpu.Layout.WGMMA.reduce(1)  # [block_p]: one value per accumulator row
     q_slots = 2 if programs else 1
 
@@ -237,10 +282,10 @@ def _kernel(ncand_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: int, tiles: 
                     k_ref = kbuf.at[s]
                     plgpu.barrier_wait(full.at[s])
                     if precision == "bf16x6":
-                        acc = _dots_bf16x6(k_ref, qb, free.at[s], block_p=block_p, nq=nq,
+                        acc = dots_bf16x6(k_ref, qb, free.at[s], block_p=block_p, nq=nq,
                                            dp=dp)
                     else:
-                        acc = _dots_tf32x3(k_ref, lo_ref, qb, nq=nq, dp=dp, write_hi=write_hi,
+                        acc = dots_tf32x3(k_ref, lo_ref, qb, nq=nq, dp=dp, write_hi=write_hi,
                                            fuse_qlo=fuse_qlo)
                         plgpu.barrier_arrive(free.at[s])  # wgmmas done: refill the buffer
                     heads = jnp.maximum(acc, 0.0) * lax.broadcast_in_dim(w, acc.shape, [1])
@@ -324,82 +369,6 @@ def _kernel(ncand_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: int, tiles: 
     pl.run_scoped(scoped, *scratch, collective_axes="wg")
 
 
-def _dots_tf32x3(k_ref, lo_ref, qbuf, *, nq: int, dp: int, write_hi: bool, fuse_qlo: bool):
-    """The tile's head dots [BP, nq] f32 as three tf32 products: k_ref [BP, Dp] f32 (the
-    keys; their hi parts written back unless not write_hi), lo_ref [BP, Dp] f32 (lo parts
-    written here), qbuf [2 nq, Dp] f32 (qi's hi parts, then lo parts)."""
-    block_p = k_ref.shape[0]
-    for c in range(dp // _F32_SWIZZLE):  # one swizzle column at a time
-        cols = pl.ds(c * _F32_SWIZZLE, _F32_SWIZZLE)
-        k = k_ref.at[:, cols][...]  # [BP, 32] f32
-        hi = _trunc(k)
-        if write_hi:
-            k_ref.at[:, cols][...] = hi
-        lo_ref.at[:, cols][...] = _trunc(k - hi)
-    plgpu.commit_smem()  # hi and lo visible to wgmma
-    q_hi = plgpu.transpose_ref(qbuf.at[pl.ds(0, nq)], (1, 0))  # [Dp, nq]
-    if fuse_qlo:  # hi x [qhi | qlo] (N = 2 nq: hi read once), lo x qhi
-        def dots(both_ref, lo_acc_ref):
-            plgpu.wgmma(both_ref, k_ref, plgpu.transpose_ref(qbuf, (1, 0)))
-            plgpu.wgmma(lo_acc_ref, lo_ref, q_hi)
-            return both_ref[...], lo_acc_ref[...]
-
-        both, lo_acc = pl.run_scoped(dots, plgpu.ACC((block_p, 2 * nq), jnp.float32),
-                                     plgpu.ACC((block_p, nq), jnp.float32))
-        return (both[:, :nq] + lo_acc) + both[:, nq:]  # [BP, nq]
-
-    def dots3(acc_ref):
-        plgpu.wgmma(acc_ref, k_ref, q_hi)
-        plgpu.wgmma(acc_ref, lo_ref, q_hi)
-        plgpu.wgmma(acc_ref, k_ref, plgpu.transpose_ref(qbuf.at[pl.ds(nq, nq)], (1, 0)))
-        return acc_ref[...]
-
-    return pl.run_scoped(dots3, plgpu.ACC((block_p, nq), jnp.float32))  # [BP, nq]
-
-
-def split_bf16(x):
-    """x f32 -> (x1, x2, x3) bf16, x = x1 + x2 + x3 + e: x1 = x truncated to bf16's 8
-    significand bits, x2 = (x - x1) likewise (the remainders are exact in fp32), x3 = the rest
-    rounded: |x - x1| < 2^-7 |x|, |x2 + x3 - (x - x1)| < 2^-14 |x|, |e| <= 2^-23 |x|. The
-    truncations are bit masks, so x1 and x2 are exact bf16 values before any conversion
-    (XLA's excess-precision rewrites cannot change them)."""
-    x1 = _trunc(x, _BF16_MASK)
-    r = x - x1
-    x2 = _trunc(r, _BF16_MASK)
-    return (x1.astype(jnp.bfloat16), x2.astype(jnp.bfloat16),
-            (r - x2).astype(jnp.bfloat16))
-
-
-def _dots_bf16x6(k_ref, qbuf, free, *, block_p: int, nq: int, dp: int):
-    """The tile's head dots [BP, nq] f32 as six bf16 products (k1 q1 + k1 q2 + k2 q1 +
-    k1 q3 + k2 q2 + k3 q1; with `split_bf16`' bounds the dropped k2 q3 + k3 q2 + k3 q3 and the
-    parts' residuals leave < 2^-19.5 |kq| per product, inside `TF32X3_ROUNDOFF`): the keys
-    k_ref [BP, Dp] f32 are read into registers and split there (the wgmma's A from registers:
-    no shared-memory write, and the buffer is released at once), qbuf [3 nq, Dp] bf16 holds
-    qi's parts q1, q2, q3. Dp is taken 64 columns at a time (registers)."""
-    def dots(a1, a2, a3):  # [BP, 3 nq], [BP, 2 nq], [BP, nq]
-        parts = []
-        for c in range(dp // 64):
-            k = k_ref.at[:, pl.ds(c * 64, 64)][...]  # [BP, 64] f32
-            parts.append(split_bf16(k))
-        plgpu.barrier_arrive(free)  # the keys are in registers: refill the buffer
-
-        for c, (k1, k2, k3) in enumerate(parts):
-            def q(n, c=c):  # the first n parts of qi, this column block: [64, n nq]
-                return plgpu.transpose_ref(qbuf.at[pl.ds(0, n * nq), pl.ds(c * 64, 64)], (1, 0))
-
-            plgpu.wgmma(a1, k1, q(3))
-            plgpu.wgmma(a2, k2, q(2))
-            plgpu.wgmma(a3, k3, q(1))
-        return a1[...], a2[...], a3[...]
-
-    a1, a2, a3 = pl.run_scoped(dots, plgpu.ACC((block_p, 3 * nq), jnp.float32),
-                               plgpu.ACC((block_p, 2 * nq), jnp.float32),
-                               plgpu.ACC((block_p, nq), jnp.float32))
-    small = (a1[:, 2 * nq:] + a2[:, nq:]) + a3  # k1 q3 + k2 q2 + k3 q1
-    return a1[:, :nq] + ((a1[:, nq:2 * nq] + a2[:, :nq]) + small)  # [BP, nq]
-
-
 def pool_scores_mgpu(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: jax.Array, *,
                      tuning: MgpuScoresTuning = MgpuScoresTuning(),
                      sms: int | None = None) -> jax.Array:
@@ -412,16 +381,8 @@ def pool_scores_mgpu(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: 
     if pool_keys.shape != (b, p, di) or w.shape != (b, r, hi) or n_cand.shape != (b, r):
         raise ValueError(f"pool_scores_mgpu: shapes qi {qi.shape}, w {w.shape}, keys "
                          f"{pool_keys.shape}, n_cand {n_cand.shape} do not agree")
-    t = tuning
+    t = fit(tuning, hi, di, r)
     hp, dp = padded_dims(hi, di, t.precision)
-    n_max = {"bf16x6": 3, "tf32x3": 2 if t.fuse_qlo else 1}[t.precision] * t.rows * hp
-    if n_max > 256:
-        raise ValueError(f"pool_scores_mgpu: wgmma N = {n_max} > 256 (Hi {hi} padded to {hp}, "
-                         f"rows {t.rows}, fuse_qlo {t.fuse_qlo}, precision {t.precision})")
-    if smem_bytes(hp, dp, t) > 227 * 1024:
-        raise ValueError(f"pool_scores_mgpu: shared memory {smem_bytes(hp, dp, t)} B > 227 KiB "
-                         f"(Hi {hi}, Di {di}, block_p {t.block_p}, stages {t.stages}, "
-                         f"rows {t.rows})")
     rb = t.rows
     rp = -(-r // rb) * rb  # rows per sequence, padded
     groups = b * rp // rb
