@@ -153,6 +153,21 @@ def test_fit_chooses_the_schedule():
         pm.fit(M(fuse_qlo=True), 200, 128, 1)
 
 
+def test_pick_backend():
+    """"auto": mosaic where it runs (not interpret mode, no explicit Triton field, Hi and Di
+    it supports), decided on Hi and Di only; "mosaic" raises where it cannot run."""
+    auto, S = ps.PoolScoresTuning(backend="auto"), ps.PoolScoresTuning
+    assert ps.pick_backend(auto, 32, 128, False) == "mosaic"
+    assert ps.pick_backend(auto, 5, 12, False) == "mosaic"
+    assert ps.pick_backend(auto, 32, 128, True) == "triton"
+    assert ps.pick_backend(S(backend="auto", block_p=32), 32, 128, False) == "triton"
+    assert ps.pick_backend(S(backend="auto", rows_per_program=1), 32, 128, False) == "triton"
+    assert ps.pick_backend(auto, 300, 128, False) == "triton"  # wgmma N > 256
+    assert ps.pick_backend(S(backend="triton"), 32, 128, False) == "triton"
+    with pytest.raises(ValueError, match="wgmma N"):
+        ps.pick_backend(S(backend="mosaic"), 300, 128, False)
+
+
 def test_default_chunks():
     """About one CTA per multiprocessor, at least one per row, at most one per tile; a padded
     decode's rows count per sequence."""
