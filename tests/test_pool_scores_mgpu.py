@@ -26,9 +26,9 @@ M = pm.MgpuScoresTuning
 @pytest.mark.parametrize("shape,tuning", [
     ((2, 4, 32, 128, 4096), M()),  # GLM-5.3-Flash: 2 sequences x 4 rows
     ((2, 3, 5, 12, 100), M()),  # odd heads, dims, pools (keys padded to 104 x 32)
-    ((1, 9, 32, 128, 200), M(stages=4, chunks=3, write_hi=False)),
-    ((2, 3, 5, 12, 100), M(fuse_qlo=True)),
-    ((2, 3, 5, 12, 100), M(rows=2, fuse_qlo=True)),  # rows padded to 4 per sequence
+    ((1, 9, 32, 128, 200), M(stages=4, chunks=3, write_hi=True)),
+    ((2, 3, 5, 12, 100), M(fuse_qlo=False)),
+    ((2, 3, 5, 12, 100), M(rows=2)),  # rows padded to 4 per sequence
     ((1, 50, 32, 128, 4096), M(rows=2)),
     ((2, 3, 5, 12, 100), M(consumers=1, stages=1)),
     ((64, 1, 32, 128, 4096), M(consumers=1, block_p=128)),
@@ -192,8 +192,9 @@ _ODD = [(2, 5, 32, 128, 300), (3, 2, 5, 12, 100), (1, 3, 32, 128, 1000)]
 @pytest.mark.gpu
 @pytest.mark.parametrize("kw,dims", [({}, d) for d in _ODD] + [
     (dict(stages=4), _ODD[0]), (dict(chunks=1), _ODD[2]), (dict(chunks=3), _ODD[1]),
-    (dict(write_hi=False), _ODD[0]), (dict(fuse_qlo=True), _ODD[1]), (dict(rows=2), _ODD[0]),
-    (dict(rows=2, fuse_qlo=True, stages=4), _ODD[1]), (dict(consumers=1, block_p=128), _ODD[2]),
+    (dict(write_hi=True), _ODD[0]), (dict(fuse_qlo=False), _ODD[1]), (dict(rows=2), _ODD[0]),
+    (dict(rows=2, fuse_qlo=False, write_hi=True, stages=4), _ODD[1]),
+    (dict(consumers=1, block_p=128), _ODD[2]),
     (dict(consumers=1, stages=3), _ODD[0]), (dict(precision="bf16x6"), _ODD[1]),
     (dict(precision="bf16x6", stages=4, rows=2), _ODD[0]),
     (dict(precision="bf16x6", consumers=1, stages=3), _ODD[2]),
@@ -217,7 +218,9 @@ def test_gpu_parity_within_bound(kw, dims):
 @pytest.mark.gpu
 def test_gpu_batch_independence():
     """A row's scores, bitwise, alone and in a batch of 64 sequences, as the first of 1 or of
-    4 rows per sequence, and under other chunk counts."""
+    4 rows per sequence, under other schedules (chunks, persistent CTAs, hi written: equal
+    where the tensor core ignores an fp32 word's low 13 bits), and as a row of a prompt chunk
+    (2 rows per CTA by `fit`) against the same row scored alone (one per CTA)."""
     qi, w, keys, _ = T.pool_inputs(5, 64, 1, 32, 128, 1000)
     n_cand = jnp.asarray(np.random.default_rng(2).integers(0, 1001, (64, 1)).astype(np.int32))
     full = _mosaic((qi, w, keys, n_cand))
@@ -229,16 +232,23 @@ def test_gpu_batch_independence():
     w4 = w4.at[:, :1].set(w)
     nc4 = jnp.concatenate([n_cand, jnp.full((64, 3), 700, jnp.int32)], axis=1)
     np.testing.assert_array_equal(_mosaic((q4, w4, keys, nc4))[:, :1], full)
-    for kw in (dict(chunks=1), dict(chunks=5), dict(persistent=True, chunks=3)):
+    for kw in (dict(chunks=1), dict(chunks=5), dict(persistent=True, chunks=3),
+               dict(write_hi=True)):
         np.testing.assert_array_equal(_mosaic((qi, w, keys, n_cand), **kw), full)
+    pq, pw, pk, _ = T.pool_inputs(9, 1, 21, 32, 128, 1000)
+    pn = jnp.asarray(np.arange(40, 1000, 46)[None, :21].astype(np.int32))  # [1, 21]
+    prompt = _mosaic((pq, pw, pk, pn))
+    for r in (0, 7, 20):
+        one = _mosaic((pq[:, r:r + 1], pw[:, r:r + 1], pk, pn[:, r:r + 1]))
+        np.testing.assert_array_equal(one, prompt[:, r:r + 1])
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kw", [{}, dict(fuse_qlo=True), dict(precision="bf16x6")])
+@pytest.mark.parametrize("kw", [{}, dict(fuse_qlo=False), dict(precision="bf16x6")])
 def test_gpu_rows_per_cta_same_bits(kw):
     """Two rows per CTA (their heads side by side in the wgmma N) score each row with the
     same bits as one row per CTA: what `MgpuScoresTuning.rows` relies on."""
     qi, w, keys, _ = T.pool_inputs(8, 2, 7, 32, 128, 777)
     n_cand = jnp.asarray(np.random.default_rng(3).integers(0, 778, (2, 7)).astype(np.int32))
     np.testing.assert_array_equal(_mosaic((qi, w, keys, n_cand), rows=2, **kw),
-                                  _mosaic((qi, w, keys, n_cand), **kw))
+                                  _mosaic((qi, w, keys, n_cand), rows=1, **kw))

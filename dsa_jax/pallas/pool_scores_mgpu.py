@@ -62,7 +62,10 @@ DECODE_ROWS = 4  # rows per sequence of a decode or verify step (max_verify), se
 
 @dataclasses.dataclass(frozen=True)
 class MgpuScoresTuning:
-    """Tiles and pipeline of the Mosaic GPU scores kernel.
+    """Tiles and pipeline of the Mosaic GPU scores kernel. The defaults are the fastest variant
+    measured on the H200 with a measured prompt too (benchmarks/notes.md, "Pool scores as a
+    Mosaic GPU kernel"): tf32x3, fuse_qlo, raw keys as hi, 4 stages for decode rows and 2 rows
+    per CTA for a prompt's (bf16x6 measured as fast at decode shapes, its prompt unmeasured).
 
     block_p: pools per tile (the wgmma M): 64 or 128.
     stages: key buffers in the ring, a multiple of `consumers` (consumer c owns the buffers
@@ -73,11 +76,14 @@ class MgpuScoresTuning:
     chunks: CTAs per row, each taking a contiguous share of the tiles (None: about one CTA per
       multiprocessor over all rows, at least one per row: `default_chunks`).
     write_hi: write the truncated hi part of each key tile back before the dots (exact tf32
-      operands); False feeds the raw fp32 keys as hi, trusting the tensor core to ignore the
-      low 13 bits (a timing variant: correct only if the hardware truncates).
+      operands); False (the default) feeds the raw fp32 keys as hi: the H200's tensor core
+      ignores an fp32 word's low 13 bits, so both give the same bits there (checked on the
+      GPU: h200_pool_scores_mgpu.py's `write_hi_equal`; a rounding tensor core would fail the
+      parity tests' bound), without the 32 KiB write per tile.
     fuse_qlo: the products with qhi and qlo of the hi keys as one wgmma of N = 2 Hp (the hi
       tile read from shared memory once for both) and lo x qhi as a second accumulator, the
-      three summed in registers; else three wgmmas into one accumulator.
+      three summed in registers (the default); else three wgmmas into one accumulator (other
+      sums: other bits).
     rows: rows of one sequence per CTA (a power of two), their heads side by side in the wgmma
       N (rows x Hp, or 2 x rows x Hp with fuse_qlo, at most 256): one key split serves them
       all; a sequence's rows are padded to a multiple with rows that have no candidate. A row's
@@ -100,8 +106,8 @@ class MgpuScoresTuning:
     stages: int | None = None
     consumers: int = 2
     chunks: int | None = None
-    write_hi: bool = True
-    fuse_qlo: bool = False
+    write_hi: bool = False
+    fuse_qlo: bool = True
     rows: int | None = None
     precision: str = "tf32x3"
     persistent: bool | None = None
