@@ -82,7 +82,8 @@ S, M = ps.PoolScoresTuning, pm.MgpuScoresTuning
 # Round 1 (h200-pool-scores-mgpu-20261201-r1.json): tf32x3 default 53.8 us at b64 (Triton
 # 69.8), 4 stages + fuse_qlo + raw keys as hi 40.6; raw keys as hi gave the same bits (the
 # tensor core ignores an fp32 word's low 13 bits); 2 rows per CTA bit-equal to 1 and the fastest
-# prompt (1233 vs 1993 us). Round 2: the bf16x6 path, persistent CTAs, the fast tf32 combos.
+# prompt (1233 vs 1993 us). Round 2 (-r2.json, budget 50 s: no Mosaic prompt rows): the bf16x6
+# path, persistent CTAs, the fast tf32 combos. "mosaic" is the default (`fit`'s schedule).
 _NF = dict(write_hi=False, fuse_qlo=True)
 VARIANTS = {
     "triton": S(),  # today's default
