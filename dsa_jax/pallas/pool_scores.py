@@ -17,6 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from dsa_jax.pallas import pool_scores_mgpu as mgpu_scores
 from dsa_jax.pallas.common import next_pow2, sm_count, with_overrides
 
 # Query rows per lax.map step of the XLA twin: bounds the [rows, Hi, P] fp32 block.
@@ -89,7 +90,18 @@ class PoolScoresTuning:
     (`num_stages`); None: `prompt_shaped(rows per sequence)`. precision: how the GPU runs the
     fp32 dots, "tf32x3" (3 tf32 products of split operands) or "bf16x6" (6 bf16 products of
     operands split in three; its dropped terms are O(2^-22) relative, inside the tf32x3 bound
-    the tests assert); interpret mode runs IEEE fp32 either way. num_warps, num_stages: Triton's."""
+    the tests assert); interpret mode runs IEEE fp32 either way. num_warps, num_stages: Triton's.
+    backend: "triton" (this kernel), "mosaic" (`pool_scores_mgpu`: Pallas Mosaic GPU, bulk key
+    copies and wgmmas, compiled for a Hopper GPU only, no interpret mode, the fields above do
+    not apply to it; raises where it cannot run) or "auto" (the default; H200, 16K context:
+    1.7-1.9x faster at 64 decode rows with or without padding rows, 1.6x for a 9000-row prompt,
+    equal at batch 1, benchmarks/results/h200-pool-scores-mgpu-20261201-r1/r2.json, and its
+    bits independent of the batch, checked there): mosaic where it runs these Hi and
+    Di (`pool_scores_mgpu.supports`), not in interpret mode, and no field above is set away from
+    its default (an explicit Triton tile is a request for this kernel), triton otherwise. The
+    rule depends on Hi and Di only, never on the rows or the batch, so a decode and a prompt
+    of one model run the same kernel and a row scores the same bits in both. mosaic: that
+    kernel's tuning (`MgpuScoresTuning`; its schedule per shape from `fit`)."""
     block_p: int = 64
     num_chunks: int | None = None
     target_programs: int | None = None
@@ -100,8 +112,33 @@ class PoolScoresTuning:
     precision: str = "tf32x3"
     num_warps: int = 4
     num_stages: int = 3
+    backend: str = "auto"
+    mosaic: mgpu_scores.MgpuScoresTuning = mgpu_scores.MgpuScoresTuning()
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"pool_scores: backend={self.backend!r} must be one of {BACKENDS}")
 
 
+BACKENDS = ("triton", "mosaic", "auto")
+
+
+def pick_backend(tuning: PoolScoresTuning, hi: int, di: int, interpret: bool) -> str:
+    """"triton" or "mosaic" by `PoolScoresTuning.backend`'s rule; raises where "mosaic" was
+    asked for and cannot run."""
+    why = mgpu_scores.supports(tuning.mosaic, hi, di)
+    if tuning.backend == "mosaic":
+        if interpret:
+            raise ValueError("pool_scores: backend='mosaic' compiles for a Hopper GPU and has "
+                             "no interpret mode; use backend='triton' with interpret=True")
+        if why is not None:
+            raise ValueError(f"pool_scores: backend='mosaic' does not run {why}")
+        return "mosaic"
+    triton_args = dataclasses.replace(tuning, backend="triton", mosaic=PoolScoresTuning().mosaic)
+    if (tuning.backend == "triton" or interpret or why is not None
+            or triton_args != dataclasses.replace(PoolScoresTuning(), backend="triton")):
+        return "triton"
+    return "mosaic"
 _PRECISIONS = {"tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
                "bf16x6": lax.DotAlgorithmPreset.BF16_BF16_F32_X6}
 
@@ -271,7 +308,10 @@ def pool_scores_pallas(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand
     `tuning` by name (`block_p=32`).
     """
     b, r, hi, di = qi.shape
-    tuning = resolve_tuning(with_overrides(tuning, overrides), r)
+    tuning = with_overrides(tuning, overrides)
+    if pick_backend(tuning, hi, di, interpret) == "mosaic":
+        return mgpu_scores.pool_scores_mgpu(qi, w, pool_keys, n_cand, tuning=tuning.mosaic)
+    tuning = resolve_tuning(tuning, r)
     p = pool_keys.shape[1]
     rb = tuning.rows_per_program or default_rows_per_program(r)
     if rb & (rb - 1):

@@ -1,0 +1,437 @@
+"""Pooled indexer scores as a Pallas Mosaic GPU kernel (Hopper: bulk copies, wgmma).
+
+The same function as `pool_scores.pool_scores_xla` (the definition): `score[b, r, p] =
+sum_h w[b, r, h] * relu(qi[b, r, h] . K[b, p])`, -inf for `p >= n_cand[b, r]`, -0.0 -> 0.0.
+
+* one CTA per (query row, pool chunk); the chunk is `tiles` tiles of `block_p` pools;
+* warpgroup 2 (producer) streams the chunk's live key tiles [block_p, Dp] f32 by bulk (TMA)
+  copies into a ring of `stages` buffers; tiles past the row's candidates are never read;
+* warpgroups 0 and 1 (consumers; or only 0) take the tiles in turn. Each splits its tile in
+  registers into exact tf32 values, K = hi + lo + (dropped, <= 2^-20 |K|), writes hi back
+  in place and lo to its own buffer, and runs three wgmmas (tf32 operands from shared memory,
+  fp32 accumulator [block_p, Hp]): hi x qhi + lo x qhi + hi x qlo, the pool tile as M and the
+  heads as N (qi split the same way by `split_tf32`, in jnp, once per row). Every operand is
+  an exact tf32 value, so the result does not depend on whether the tensor core truncates or
+  rounds the low bits of an fp32 word (the bound is `testing.TF32X3_ROUNDOFF`, as for the
+  Triton kernel's tf32x3 dot). The epilogue applies relu, the head weights and the head sum in
+  registers and stores the tile's [block_p] scores;
+* or, with `precision="bf16x6"`, each consumer splits its tile into three bf16 parts in
+  registers and feeds them to the wgmma as its A operand straight from registers (six
+  products; see `MgpuScoresTuning.precision`), releasing the ring buffer as soon as it is read;
+* a pool's score depends only on its key, its row's qi and w and these fixed instructions, not
+  on the chunking, the grid or the other rows: a row scores the same bits alone or batched.
+
+Restrictions: Di is padded to a multiple of 32 (one 128-byte swizzle of f32) and Hi to a
+multiple of 8 (the wgmma N step); keys whose Di is not a multiple of 32 or whose P is not a
+multiple of 8 (the bulk copy's tiling of the pool axis) are copied padded (the GLM shapes,
+Di = 128 and P = context / 4 pools of a capacity in whole pages, need none). A partial last
+tile reads past P through the bulk copy's bounds check, which fills zeros. Compiled for a
+Hopper GPU only: there is no interpret mode (jax's GPU interpret mode cannot run bulk
+copies); tests/test_pool_scores_mgpu.py lowers it on the CPU and models its arithmetic; its
+parity runs on the GPU. Written for Lane semantics, named explicitly (jax 0.11 defaults to
+Warpgroup).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from dsa_jax.pallas.common import sm_count
+from dsa_jax.pallas.pool_scores_mgpu_dots import (
+    F32_SWIZZLE,
+    TF32_MASK,
+    dots_bf16x6,
+    dots_tf32x3,
+    split_bf16,
+    split_tf32,
+)
+
+__all__ = ["MgpuScoresTuning", "TF32_MASK", "fit", "pool_scores_mgpu", "split_bf16",
+           "split_tf32", "supports"]
+
+_PARTS = {"tf32x3": 2, "bf16x6": 3}  # parts qi is split into, per precision
+DECODE_ROWS = 4  # rows per sequence of a decode or verify step (max_verify), see default_chunks
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuScoresTuning:
+    """Tiles and pipeline of the Mosaic GPU scores kernel. The defaults are the fastest variant
+    measured on the H200 with a measured prompt too (benchmarks/notes.md, "Pool scores as a
+    Mosaic GPU kernel"): tf32x3, fuse_qlo, raw keys as hi, 4 stages for decode rows and 2 rows
+    per CTA for a prompt's (bf16x6 measured as fast at decode shapes, its prompt unmeasured).
+
+    block_p: pools per tile (the wgmma M): 64 or 128.
+    stages: key buffers in the ring, a multiple of `consumers` (consumer c owns the buffers
+      s = c mod consumers, so each of its barriers is waited on at every phase). None, and
+      rows and persistent None: chosen per call by `fit` (none of them changes a score's
+      bits: each pool's products and sums are the same instructions in any schedule).
+    consumers: compute warpgroups (1 or 2), taking the tiles in turn, each with its lo buffer.
+    chunks: CTAs per row, each taking a contiguous share of the tiles (None: about one CTA per
+      multiprocessor over all rows, at least one per row: `default_chunks`).
+    write_hi: write the truncated hi part of each key tile back before the dots (exact tf32
+      operands); False (the default) feeds the raw fp32 keys as hi: the H200's tensor core
+      ignores an fp32 word's low 13 bits, so both give the same bits there (checked on the
+      GPU: h200_pool_scores_mgpu.py's `write_hi_equal`; a rounding tensor core would fail the
+      parity tests' bound), without the 32 KiB write per tile.
+    fuse_qlo: the products with qhi and qlo of the hi keys as one wgmma of N = 2 Hp (the hi
+      tile read from shared memory once for both) and lo x qhi as a second accumulator, the
+      three summed in registers (the default); else three wgmmas into one accumulator (other
+      sums: other bits).
+    rows: rows of one sequence per CTA (a power of two), their heads side by side in the wgmma
+      N (rows x Hp, or 2 x rows x Hp with fuse_qlo, at most 256): one key split serves them
+      all; a sequence's rows are padded to a multiple with rows that have no candidate. A row's
+      bits are the same at any `rows` only if the tensor core computes each output column
+      independently of the others (checked on the GPU, benchmarks/h200_pool_scores_mgpu.py).
+    precision: "tf32x3" (above) or "bf16x6": keys and qi split into three bf16 parts each
+      (`split_bf16`), six products k1 q1 + k1 q2 + k2 q1 + k1 q3 + k2 q2 + k3 q1 with the key
+      parts as the wgmma's A straight from registers (no shared-memory write of split keys;
+      the ring buffer is released once read), qi's parts [q1 | q2 | q3] side by side in N;
+      what is dropped stays < 2^-19.5 relative per product, inside `TF32X3_ROUNDOFF`.
+      write_hi and fuse_qlo do not apply.
+    persistent: one CTA per multiprocessor, each taking a contiguous run of the (row group,
+      chunk) items with its ring running on across them (the next item's first keys load while
+      the last one computes; qi double-buffered, reloaded where the row group changes); for a
+      prompt's many rows, whose CTAs would otherwise each fill and drain the ring.
+    consumer_regs / producer_regs: per-thread register budgets (setmaxnreg) with 2 consumers.
+    """
+
+    block_p: int = 64
+    stages: int | None = None
+    consumers: int = 2
+    chunks: int | None = None
+    write_hi: bool = False
+    fuse_qlo: bool = True
+    rows: int | None = None
+    precision: str = "tf32x3"
+    persistent: bool | None = None
+    consumer_regs: int = 232
+    producer_regs: int = 40
+
+    def __post_init__(self):
+        if self.block_p not in (64, 128):
+            raise ValueError(f"block_p={self.block_p} must be 64 or 128 (wgmma M tiles)")
+        if self.consumers not in (1, 2):
+            raise ValueError(f"consumers={self.consumers} must be 1 or 2")
+        if self.stages is not None and (self.stages < self.consumers
+                                        or self.stages % self.consumers):
+            raise ValueError(f"stages={self.stages} must be a positive multiple of "
+                             f"consumers={self.consumers}")
+        if self.precision not in _PARTS:
+            raise ValueError(f"precision={self.precision!r} must be one of {sorted(_PARTS)}")
+        if self.rows is not None and (self.rows < 1 or self.rows & (self.rows - 1)):
+            raise ValueError(f"rows={self.rows} must be a power of two")
+        if self.chunks is not None and self.chunks < 1:
+            raise ValueError(f"chunks={self.chunks} must be >= 1")
+        regs = 128 * (self.consumers * self.consumer_regs + self.producer_regs)
+        if regs > 65536:
+            raise ValueError(f"registers 128 * ({self.consumers} * {self.consumer_regs} + "
+                             f"{self.producer_regs}) = {regs} exceed 65536")
+
+
+def padded_dims(hi: int, di: int, precision: str = "tf32x3") -> tuple[int, int]:
+    """(Hp, Dp): heads to a multiple of 8, dims to a multiple of one 128-byte swizzle of the
+    dot's operands (32 f32, 64 bf16)."""
+    step = 64 if precision == "bf16x6" else F32_SWIZZLE
+    return -(-hi // 8) * 8, -(-di // step) * step
+
+
+def smem_bytes(hp: int, dp: int, t: MgpuScoresTuning) -> int:
+    """Shared memory the kernel allocates (the H200 gives a CTA at most 227 KiB)."""
+    slots = 2 if t.persistent else 1  # qi buffers
+    if t.precision == "bf16x6":  # no lo buffers; qi in three bf16 parts
+        return 4 * dp * t.stages * t.block_p + slots * 2 * dp * 3 * t.rows * hp
+    return 4 * dp * (t.stages * t.block_p + t.consumers * t.block_p + slots * 2 * t.rows * hp)
+
+
+# `fit`'s choices where the tuning leaves them None, in order of preference (first that fits):
+# (rows, persistent, stages) for a prompt's rows (more than DECODE_ROWS per sequence), and for
+# decode and verify rows. See benchmarks/notes.md ("Pool scores as a Mosaic GPU kernel").
+PROMPT_PLANS = ((2, False, 2), (1, False, 4), (1, False, 2))
+DECODE_PLANS = ((1, False, 4), (1, False, 2))
+
+
+def fit(t: MgpuScoresTuning, hi: int, di: int, r: int) -> MgpuScoresTuning:
+    """t with its None fields (rows, persistent, stages) chosen for Hi, Di and r rows per
+    sequence: the first plan of PROMPT_PLANS (r > DECODE_ROWS) or DECODE_PLANS whose wgmma N
+    and shared memory fit, fields set in t kept. Raises (naming the limit) if none fits."""
+    plans = PROMPT_PLANS if r > DECODE_ROWS else DECODE_PLANS
+    last = None
+    for rows, persistent, stages in plans:
+        cand = dataclasses.replace(
+            t, rows=t.rows if t.rows is not None else rows,
+            persistent=t.persistent if t.persistent is not None else persistent,
+            stages=t.stages if t.stages is not None else max(stages, t.consumers))
+        last = why_not(cand, hi, di)
+        if last is None:
+            return cand
+    raise ValueError(f"pool_scores_mgpu: {last}")
+
+
+def why_not(t: MgpuScoresTuning, hi: int, di: int) -> str | None:
+    """None if the kernel runs tuning t (every field set) at Hi, Di; else why not."""
+    hp, dp = padded_dims(hi, di, t.precision)
+    n_max = {"bf16x6": 3, "tf32x3": 2 if t.fuse_qlo else 1}[t.precision] * t.rows * hp
+    if n_max > 256:
+        return (f"wgmma N = {n_max} > 256 (Hi {hi} padded to {hp}, rows {t.rows}, fuse_qlo "
+                f"{t.fuse_qlo}, precision {t.precision})")
+    if smem_bytes(hp, dp, t) > 227 * 1024:
+        return (f"shared memory {smem_bytes(hp, dp, t)} B > 227 KiB (Hi {hi}, Di {di}, "
+                f"block_p {t.block_p}, stages {t.stages}, rows {t.rows}, persistent "
+                f"{t.persistent})")
+    return None
+
+
+def supports(t: MgpuScoresTuning, hi: int, di: int) -> str | None:
+    """None if the kernel runs at Hi, Di with t's fixed fields (its None fields at their
+    smallest: one row per CTA, not persistent, one buffer per consumer); else why not."""
+    least = dataclasses.replace(
+        t, rows=1 if t.rows is None else t.rows,
+        persistent=False if t.persistent is None else t.persistent,
+        stages=t.consumers if t.stages is None else t.stages)
+    return why_not(least, hi, di)
+
+
+def default_chunks(b: int, r: int, tiles_all: int, sms: int) -> int:
+    """CTAs per row: about one CTA per multiprocessor in all (the kernel's shared memory
+    allows one per multiprocessor), at least one per row, at most one per tile. Decode and
+    verify rows (r <= `DECODE_ROWS`) count per sequence, since most of a padded decode's rows
+    have no candidate (their CTAs only store -inf); a prompt's rows count one by one."""
+    rows = b if r <= DECODE_ROWS else b * r
+    return max(1, min(tiles_all, sms // rows))
+
+
+def _kernel(ncand_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: int, tiles: int,
+            chunks: int, stages: int, consumers: int, groups_per_seq: int, rows: int, hp: int,
+            dp: int, write_hi: bool, fuse_qlo: bool, precision: str, consumer_regs: int,
+            producer_regs: int, programs: int, items: int):
+    """CTAs of consumers + 1 warpgroups; see the module docstring. An item is a (row group,
+    chunk) pair; with programs == 0 each CTA takes one item (grid index i: chunk fastest,
+    then sequence, then the row group within its sequence), else CTA p
+    takes the items [p items / programs, (p + 1) items / programs) in order (row groups
+    major), its ring and barrier phases running on across them, and qi reloaded (into the
+    other of two buffers) only where the row group changes.
+
+    ncand_ref [N] int32 (N = G * rows); q_ref [G, 2 rows Hp, Dp] f32 (the group's qi split:
+    every row's tf32 hi parts, then every row's lo parts; for bf16x6 [G, 3 rows Hp, Dp] bf16,
+    the three parts); w_ref [G, rows Hp] f32 (padded heads 0); keys_ref [B, P, Dp] f32;
+    out_ref [N, Pc] f32 with Pc = chunks * tiles * block_p >= P (every element written).
+    """
+    nq = rows * hp  # the wgmma N of one of qi's parts
+    tf32 = (plgpu.TilingTransform((8, F32_SWIZZLE)), plgpu.SwizzleTransform(128))
+    row_layout = plgpu.Layout.WGMMA.reduce(1)  # [block_p]: one value per accumulator row
+    q_slots = 2 if programs else 1
+
+    def item(i):  # -> (row group, first tile, live tiles, the rows' candidate counts)
+        if programs:  # row groups major: a CTA's run of items shares qi
+            group, chunk = i // chunks, lax.rem(i, chunks)
+        else:  # the first row group of every sequence first: in a padded decode the
+            # real rows (each sequence's first) start in the first wave
+            i = lax.axis_index("i")
+            chunk, rest = lax.rem(i, chunks), i // chunks
+            seqs = items // (chunks * groups_per_seq)
+            group = lax.rem(rest, seqs) * groups_per_seq + rest // seqs
+        first = chunk * tiles
+        n_cands = [ncand_ref[group * rows + r] for r in range(rows)]
+        most = functools.reduce(jnp.maximum, n_cands)
+        live = jnp.clip((most + block_p - 1) // block_p - first, 0, tiles)
+        return group, first, live, n_cands
+
+    def each_item(body):  # body(item, carry) -> carry; carry (tiles so far, qi loads, group)
+        init = (jnp.int32(0), jnp.int32(0), jnp.int32(-1))
+        if not programs:
+            body(item(None), init)
+            return
+        pid = lax.axis_index("p")
+        lax.fori_loop(pid * items // programs, (pid + 1) * items // programs,
+                      lambda i, carry: body(item(i), carry), init)
+
+    def scoped(kbuf, qbuf, q_full, q_free, full, free, lobuf=None):
+        wg = lax.axis_index("wg")
+
+        def store(group, first, r, t, scores):  # row r of the group; [block_p] row_layout
+            out_ref.at[group * rows + r, pl.ds((first + t) * block_p, block_p)][...] = scores
+
+        def consume(it, carry):
+            group, first, live, n_cands = it
+            gt, qc, last = carry
+            new_q = (live > 0) & (group != last)
+
+            @pl.when(new_q)
+            def _():
+                if programs:
+                    @pl.when(qc >= 1)
+                    def _():  # done with the last group's qi
+                        plgpu.barrier_arrive(q_free.at[lax.rem(qc - 1, q_slots)])
+
+                plgpu.barrier_wait(q_full.at[lax.rem(qc, q_slots)])
+
+            qc = qc + new_q.astype(jnp.int32)
+            qb = qbuf.at[lax.rem(qc + q_slots - 1, q_slots)]
+            lo_ref = lobuf.at[wg] if lobuf is not None else None
+            mine = lax.rem(wg - lax.rem(gt, consumers) + consumers, consumers)  # first own t
+
+            @pl.when(live > 0)
+            def _():
+                w = plgpu.load(w_ref.at[group], (), layout=plgpu.Layout.WGMMA.reduce(0),
+                               optimized=False)  # [rows Hp]
+
+                def tile(j, c):
+                    t = mine + consumers * j
+                    s = lax.rem(gt + t, stages)
+                    k_ref = kbuf.at[s]
+                    plgpu.barrier_wait(full.at[s])
+                    if precision == "bf16x6":
+                        acc = dots_bf16x6(k_ref, qb, free.at[s], block_p=block_p, nq=nq,
+                                           dp=dp)
+                    else:
+                        acc = dots_tf32x3(k_ref, lo_ref, qb, nq=nq, dp=dp, write_hi=write_hi,
+                                           fuse_qlo=fuse_qlo)
+                        plgpu.barrier_arrive(free.at[s])  # wgmmas done: refill the buffer
+                    heads = jnp.maximum(acc, 0.0) * lax.broadcast_in_dim(w, acc.shape, [1])
+                    pools = (first + t) * block_p + plgpu.broadcasted_iota(
+                        jnp.int32, (block_p,), 0, layout=row_layout)
+                    for r in range(rows):
+                        scores = heads[:, r * hp:(r + 1) * hp].sum(axis=1)  # [BP]
+                        scores = jnp.where(scores == 0, 0.0, scores)  # -0.0 -> 0.0
+                        store(group, first, r, t, jnp.where(pools < n_cands[r], scores,
+                                                            -jnp.inf))
+                    return c
+
+                lax.fori_loop(0, jnp.maximum(live - mine + consumers - 1, 0) // consumers,
+                              tile, 0)
+
+            def dead(j, c):  # tiles with no candidate: -inf, no key read
+                t = live + consumers * j + wg
+                for r in range(rows):
+                    store(group, first, r, t, plgpu.layout_cast(
+                        jnp.full((block_p,), -jnp.inf, jnp.float32), row_layout))
+                return c
+
+            lax.fori_loop(0, (tiles - live - wg + consumers - 1) // consumers, dead, 0)
+            return gt + live, qc, jnp.where(new_q, group, last)
+
+        def produce(it, carry):
+            group, first, live, _ = it
+            gt, qc, last = carry
+            new_q = (live > 0) & (group != last)
+
+            @pl.when(new_q)
+            def _():
+                slot = lax.rem(qc, q_slots)
+                if programs:
+                    @pl.when(qc >= q_slots)
+                    def _():  # the consumers are done with the qi loaded two groups ago
+                        plgpu.barrier_wait(q_free.at[slot])
+
+                plgpu.copy_gmem_to_smem(q_ref.at[group], qbuf.at[slot], q_full.at[slot])
+
+            def fill(t, c):
+                s = lax.rem(gt + t, stages)
+
+                @pl.when(gt + t >= stages)
+                def _():
+                    plgpu.barrier_wait(free.at[s])
+
+                plgpu.copy_gmem_to_smem(
+                    keys_ref.at[group // groups_per_seq, pl.ds((first + t) * block_p, block_p)],
+                    kbuf.at[s], full.at[s])
+                return c
+
+            lax.fori_loop(0, live, fill, 0)
+            return gt + live, qc + new_q.astype(jnp.int32), jnp.where(new_q, group, last)
+
+        @pl.when(wg < consumers)
+        def _consumer():
+            if consumers > 1:  # (two warpgroups in all start with enough registers)
+                plgpu.set_max_registers(consumer_regs, action="increase")
+            each_item(consume)
+
+        @pl.when(wg == consumers)
+        def _producer():
+            if consumers > 1:
+                plgpu.set_max_registers(producer_regs, action="decrease")
+            each_item(produce)
+
+    part = (jnp.bfloat16, (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+    if precision != "bf16x6":
+        part = (jnp.float32, tf32)
+    scratch = [
+        plgpu.SMEM((stages, block_p, dp), jnp.float32, transforms=tf32),  # key ring
+        plgpu.SMEM((q_slots, _PARTS[precision] * nq, dp), part[0], transforms=part[1]),  # qi
+        plgpu.Barrier(num_arrivals=1, num_barriers=q_slots),  # qi loaded
+        plgpu.Barrier(num_arrivals=consumers, num_barriers=q_slots),  # qi no longer read
+        plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # key buffer filled
+        plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # key buffer consumed
+    ]
+    if precision != "bf16x6":  # lo parts of the keys, per consumer
+        scratch.append(plgpu.SMEM((consumers, block_p, dp), jnp.float32, transforms=tf32))
+    pl.run_scoped(scoped, *scratch, collective_axes="wg")
+
+
+def pool_scores_mgpu(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: jax.Array, *,
+                     tuning: MgpuScoresTuning = MgpuScoresTuning(),
+                     sms: int | None = None) -> jax.Array:
+    """`pool_scores_xla` as a Mosaic GPU kernel; same arguments, the result within the tf32x3
+    bound (tests/test_pool_scores_mgpu.py). qi [B, R, Hi, Di] f32, w [B, R, Hi] f32,
+    pool_keys [B, P, Di] f32, n_cand [B, R] int32 -> [B, R, P] f32. sms: multiprocessors for
+    `default_chunks` (default `common.sm_count()`)."""
+    b, r, hi, di = qi.shape
+    p = pool_keys.shape[1]
+    if pool_keys.shape != (b, p, di) or w.shape != (b, r, hi) or n_cand.shape != (b, r):
+        raise ValueError(f"pool_scores_mgpu: shapes qi {qi.shape}, w {w.shape}, keys "
+                         f"{pool_keys.shape}, n_cand {n_cand.shape} do not agree")
+    t = fit(tuning, hi, di, r)
+    hp, dp = padded_dims(hi, di, t.precision)
+    rb = t.rows
+    rp = -(-r // rb) * rb  # rows per sequence, padded
+    groups = b * rp // rb
+    n = b * rp
+    tiles_all = pl.cdiv(p, t.block_p)
+    chunks = t.chunks or default_chunks(b, rp // rb, tiles_all, sms or sm_count())
+    chunks = min(chunks, tiles_all)
+    tiles = pl.cdiv(tiles_all, chunks)
+    chunks = pl.cdiv(tiles_all, tiles)  # no chunk without a tile
+    width = chunks * tiles * t.block_p  # >= P: whole tiles are stored
+    q = jnp.pad(qi.astype(jnp.float32), ((0, 0), (0, rp - r), (0, hp - hi), (0, dp - di)))
+    q = q.reshape(groups, rb * hp, dp)
+    if t.precision == "bf16x6":
+        q = jnp.concatenate(split_bf16(q), axis=1)  # [G, 3 rows Hp, Dp] bf16: q1, q2, q3
+    else:
+        q = jnp.concatenate(split_tf32(q), axis=1)  # [G, 2 rows Hp, Dp]: hi parts, lo parts
+    w_p = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, rp - r), (0, hp - hi)))
+    w_p = w_p.reshape(groups, rb * hp)  # [G, rows Hp]
+    ncand_p = jnp.pad(n_cand.astype(jnp.int32), ((0, 0), (0, rp - r))).reshape(n)  # pad: none
+    keys = pool_keys.astype(jnp.float32)
+    p8 = -(-p // 8) * 8  # the bulk copy tiles the pool axis by 8
+    if (p8, dp) != (p, di):  # odd P or Di: a padded copy (the GLM shapes need none)
+        keys = jnp.pad(keys, ((0, 0), (0, p8 - p), (0, dp - di)))
+    kernel = functools.partial(
+        _kernel, block_p=t.block_p, tiles=tiles, stages=t.stages, consumers=t.consumers,
+        groups_per_seq=rp // rb, rows=rb, hp=hp, dp=dp, write_hi=t.write_hi,
+        fuse_qlo=t.fuse_qlo, precision=t.precision, consumer_regs=t.consumer_regs,
+        producer_regs=t.producer_regs, chunks=chunks)
+    items = groups * chunks
+    programs = min(items, sms or sm_count()) if t.persistent else 0  # (else one CTA per item)
+    kernel = functools.partial(kernel, programs=programs, items=items)
+    out = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((n, width), jnp.float32),
+        grid=(programs or items,),  # the x axis (y and z allow 65535)
+        grid_names=("p",) if programs else ("i",),
+        num_threads=t.consumers + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            approx_math=False, unsafe_no_auto_barriers=True, reduction_scratch_bytes=0,
+            lowering_semantics=plgpu.LoweringSemantics.Lane),
+    )(ncand_p, q, w_p, keys)
+    out = out.reshape(b, rp, width)
+    if (rp, width) != (r, p):
+        out = out[:, :r, :p]
+    return out
