@@ -94,6 +94,26 @@ def test_pool_scores_seq_range_is_those_rows_of_the_whole_batch(impl, first, cou
     assert np.isfinite(whole[first:first + count]).any()  # the rows compared hold scores
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [4, 32])  # a decode padded to max_verify; a prompt chunk
+def test_pool_scores_seq_range_bits_at_glm53_flash_shapes(rows):
+    """The compiled kernel over a tp=2 rank's half of 64 sequences (first traced) against the
+    same rows of the whole batch's kernel, `==`: what `sharding.split_select` relies on for
+    `sel` to stay bitwise that of one device (GLM-5.3-Flash indexer, 16K context)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsa_jax.shapes import glm53_flash
+    cfg = glm53_flash()
+    qi, w, keys, n_cand = T.pool_inputs(23, 64, rows, cfg.index_n_heads, cfg.index_head_dim,
+                                        cfg.num_pools)
+    whole = np.asarray(jax.jit(ps.pool_scores_pallas)(qi, w, keys, n_cand))
+    ranged = jax.jit(lambda f, *a: ps.pool_scores_pallas(*a, seqs=(f, 32)))
+    for first in (0, 32, 17):
+        got = np.asarray(ranged(jnp.int32(first), qi, w, keys, n_cand))
+        np.testing.assert_array_equal(got, whole[first:first + 32])
+
+
 def test_pool_scores_seq_range_errors():
     qi, w, keys, n_cand = T.pool_inputs(13, 5, 2, 3, 12, 40)
     for fn in (ps.pool_scores_xla, ps.pool_scores_pallas):
