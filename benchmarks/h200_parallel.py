@@ -14,13 +14,17 @@ multicast can put them out of service; the device notes, KINDS.md).
    2 x n/2, 4 x n/4), for a prefill chunk, a K=3 verify and a decode: `sel` bitwise (and the
    share of rows that differ, if any), `y` against the bound of `dsa_jax.sharding.check`
    (worst error / bound); at TP=n also decode_k == K decodes.
+1b. sel_b64: `sel` of the timed B=64 loop at TP=n split (score kernel ranged and masked)
+   against TP=1, bitwise; the score kernel over a rank's range of sequences against the
+   whole batch's, `==` (`parallel_probes.score_range_bits`).
 2. times, 16K context: decode B=64 at TP=1 (one GPU), B=32 at TP=1 (what a DP=2 device
    runs), TP=2 as the library runs it now (selection split over the ranks, the Mosaic attend
    at 32 heads padded to its 64-row tile), TP=2 with the selection replicated, TP=2 as
    before (replicated, Triton attend at 32 heads), DP=2; B=8 at TP=2 split and replicated
-   (the split rule's threshold); B=1 at TP=1, TP=2 and TP=2 as before (--gpus n: TP=n,
-   DP=n; from n=4 also 256 sequences at TP=1 and DP=n). Each is T=16 decode steps in one
-   jitted `lax.scan` (state carried and donated, lengths reset to 16K - T at each call):
+   (the split rule's threshold); B=64 at TP=2 split with the score kernel as before
+   (`masked`: programs for the other rank's rows too); B=1 at TP=1, TP=2 and TP=2 as before
+   (--gpus n: TP=n, DP=n; from n=4 also 256 sequences at TP=1 and DP=n). Each is T=16
+   decode steps in one jitted `lax.scan` (state carried, donated, lengths reset to 16K - T):
    no host work between steps. Per step: the wall time, and from a profile the kernel time
    per GPU with the collectives' kernels apart (found through the compiled program's
    collective instructions: `parallel_probes.collective_names`).
@@ -58,14 +62,15 @@ def parity_meshes(n: int) -> list[tuple[int, int]]:
 
 
 def time_points(n: int, big: int) -> list[tuple[str, int, int, int, bool | None, bool]]:
-    """(key, dp, tp, sequences, split_selection, variant): variant "" (the library now) or
-    "before" (the attend rule as before). "b64" is the big
-    batch (64; 4 in --smoke), "b32" half of it, "b8" 8 (2 in --smoke)."""
+    """(key, dp, tp, sequences, split_selection, variant): variant "" (the library now),
+    "before" (the attend rule as before) or "masked" (the split's score kernel as before).
+    "b64" is the big batch (64; 4 in --smoke), "b32" half of it, "b8" 8 (2 in --smoke)."""
     small = 8 if big >= 64 else 2
     # The targets' points first: a run cut short by --budget-s keeps them.
     pts = [("b64_tp1", 1, 1, big, None, ""), (f"b64_tp{n}", 1, n, big, None, ""),
            (f"b64_dp{n}", n, 1, big, None, ""), ("b1_tp1", 1, 1, 1, None, ""),
            (f"b1_tp{n}", 1, n, 1, None, ""), ("b32_tp1", 1, 1, big // 2, None, ""),
+           (f"b64_tp{n}_masked", 1, n, big, True, "masked"),
            (f"b64_tp{n}_replicated", 1, n, big, False, ""),
            (f"b64_tp{n}_before", 1, n, big, False, "before"),
            (f"b1_tp{n}_before", 1, n, 1, False, "before"),
@@ -85,7 +90,7 @@ def parse(argv):
     p.add_argument("--gpus", type=int, default=2,
                    help="devices to spread over (2 on nvidia-h200-x2; 4, 8 on larger kinds)")
     p.add_argument("--steps", type=int, default=16, help="decode steps per timed loop")
-    p.add_argument("--only", default="parity,times,attend32,prefill_bits",
+    p.add_argument("--only", default="parity,sel_b64,times,attend32,prefill_bits",
                    help="parts to run")
     p.add_argument("--points", default="",
                    help="comma-separated time point keys (and 'prefill_bits') to run, in this "
@@ -202,7 +207,8 @@ class Loop:
     """T decode steps in one jitted lax.scan, compiled ahead of time (its HLO text kept for
     the collectives' names); the state lives here between calls."""
 
-    def __init__(self, cfg, m, weights, state, b, steps, l0, seed, split=None):
+    def __init__(self, cfg, m, weights, state, b, steps, l0, seed, split=None, masked=False,
+                 keep_sel=False):
         import functools
 
         import jax
@@ -224,14 +230,17 @@ class Loop:
                 m, jax.sharding.PartitionSpec(None, sharding.DP)))
             step = functools.partial(sharding.sharded_step, cfg, m, n_new=1, out_rows=1,
                                      split_selection=split)
+            if masked:  # the split selection before the ranged score kernel (issue 16)
+                from benchmarks.parallel_probes import masked_step
+                step = masked_step(cfg, m)
 
         def loop(w, s, xs):
             start = jnp.full_like(s.lengths, l0)
             s = s._replace(lengths=start, index_lengths=start)
 
             def body(s, x):
-                y, s, _ = step(w, s, x)
-                return s, y[:, 0]
+                y, s, sel = step(w, s, x)
+                return s, ((y[:, 0], sel[:, 0]) if keep_sel else y[:, 0])
             return jax.lax.scan(body, s, xs)
 
         self.fn = jax.jit(loop, donate_argnums=1).lower(weights, state, xs).compile()
@@ -248,8 +257,9 @@ class Loop:
 
 def time_point(cfg, hf, dp, tp, b, steps, smoke, split=None, variant="", hlo_path=None):
     """One timed point; `split`: split_selection; `variant`: "before" (the attend rule as
-    before: `parallel_probes.attend_rule`) or ""; `hlo_path`: write the compiled loop's HLO
-    there."""
+    before: `parallel_probes.attend_rule`), "masked" (the split selection before the ranged
+    score kernel: `parallel_probes.masked_step`) or ""; `hlo_path`: write the compiled loop's
+    HLO there."""
     import jax
 
     from benchmarks.harness import measure, profile_step
@@ -269,7 +279,8 @@ def time_point(cfg, hf, dp, tp, b, steps, smoke, split=None, variant="", hlo_pat
         state = sharding.shard_state(c, m, state)
     t0 = time.perf_counter()
     with attend_rule(variant == "before"):
-        loop = Loop(c, m, w, state, b, steps, l0, seed=3, split=split)
+        loop = Loop(c, m, w, state, b, steps, l0, seed=3, split=split,
+                    masked=variant == "masked")
     jax.block_until_ready(loop())
     row = {"dp": dp, "tp": tp, "num_seqs": b, "context": l0, "steps_per_call": steps,
            "split_selection": None if m is None else sharding.split_rule(c, b // dp, split),
@@ -300,6 +311,55 @@ def time_point(cfg, hf, dp, tp, b, steps, smoke, split=None, variant="", hlo_pat
     return row
 
 
+def sel_big(cfg, hf, n, b, steps, res) -> bool:
+    """Part 1b (module docstring): True if every comparison is equal."""
+    import jax
+    import numpy as np
+
+    from benchmarks.parallel_probes import score_range_bits
+    from benchmarks.workloads import random_state
+    from dsa_jax import sharding
+    from dsa_jax.weights import fold_weights
+
+    l0 = cfg.max_context - steps
+    got = {}
+    for name, tp, masked in (("tp1", 1, False), (f"tp{n}_split", n, False),
+                             (f"tp{n}_split_masked", n, True)):
+        c = cfg.replace(tp_degree=tp)
+        state = random_state(c, b, l0, seed=2)
+        if tp == 1:
+            m, w = None, jax.device_put(fold_weights(c, hf), jax.devices()[0])
+        else:
+            m = sharding.mesh(1, tp)
+            w = sharding.shard_weights(c, hf, m)
+            state = sharding.shard_state(c, m, state)
+        loop = Loop(c, m, w, state, b, steps, l0, seed=3, split=True if tp > 1 else None,
+                    masked=masked, keep_sel=True)
+        y, sel = loop()
+        got[name] = (np.asarray(y, np.float64), np.asarray(sel))  # [T, B, D], [T, B, W]
+        del loop, state, w
+    out = {"num_seqs": b, "steps": steps}
+    ok = True
+    pairs = [(f"tp{n}_split", "tp1"), (f"tp{n}_split_masked", "tp1"),
+             (f"tp{n}_split", f"tp{n}_split_masked")]
+    for a, ref in pairs:
+        (ya, sa), (yr, sr) = got[a], got[ref]
+        same = (sa == sr).all(axis=-1)  # [T, B]
+        out[f"{a}_vs_{ref}"] = {"sel_equal": bool(same.all()),
+                                "sel_rows_differing": float(1 - same.mean()),
+                                "y_max_rel_err": float(np.abs(ya - yr).max() / np.abs(yr).max())}
+        ok &= bool(same.all())
+    bits = score_range_bits(cfg, b, (cfg.max_verify, 32))
+    if cfg.implementation == "xla":  # --smoke: the kernel too, in interpret mode
+        bits.update({f"interpret/{k}": v for k, v in score_range_bits(
+            cfg.replace(implementation="pallas-interpret"), b, (cfg.max_verify, 12)).items()})
+    out["score_range_rows_differing"] = bits
+    ok &= not any(bits.values())
+    out["ok"] = ok
+    res["sel_b64"] = out
+    return ok
+
+
 def table(res) -> str:
     t, targets = res.get("times", {}), res.get("targets", {})
 
@@ -318,6 +378,13 @@ def table(res) -> str:
                      f"{'-' if mine is None else f'{mine:.1f}'} | {ratio} | "
                      f"{'-' if goal is None else f'<= {goal[1]:.2f}x'} | "
                      f"{'-' if ar is None else f'{ar:.1f}'} |")
+    for name, v in res.get("sel_b64", {}).items():
+        if isinstance(v, dict) and "sel_equal" in v:
+            lines.append(f"sel B=64 loop {name}: {'==' if v['sel_equal'] else '!='} "
+                         f"(rows differing {v['sel_rows_differing']:.3g})")
+    if "sel_b64" in res:
+        lines.append(f"score kernel ranges vs whole batch, rows differing: "
+                     f"{res['sel_b64']['score_range_rows_differing']}")
     for name, p in res.get("parity", {}).items():
         cells = [f"{step}: sel {'==' if v['sel_equal'] else '!='} "
                  f"y/bound {v['y_worst_err_over_bound']:.2g}"
@@ -377,6 +444,12 @@ def main(argv=None) -> int:
             nonlocal ok
             ok = parity(cfg, hf, sizes, n, res)
         guarded("parity", run_parity)
+    sel_ok = True
+    if "sel_b64" in parts:
+        def run_sel():
+            nonlocal sel_ok
+            sel_ok = sel_big(cfg, hf, n, sizes["big_b"], args.steps, res)
+        guarded("sel_b64", run_sel)
     attend_ok = True
     if "attend32" in parts and not args.smoke:  # the Mosaic kernel runs on a Hopper GPU only
         def run_attend32():
@@ -412,11 +485,12 @@ def main(argv=None) -> int:
         guarded(name, fn)
     res["parity_ok"] = ok and not any(e.startswith("parity") for e in res["errors"])
     res["attend32_ok"] = attend_ok and not any(e.startswith("attend32") for e in res["errors"])
+    res["sel_b64_ok"] = sel_ok and not any(e.startswith("sel_b64") for e in res["errors"])
     save()
     print(table(res))
     print(json.dumps({k: res.get(k) for k in ("prefill_bits", "errors", "skipped")}, indent=1,
                      default=str)[:6000])
-    return 0 if res["parity_ok"] and res["attend32_ok"] else 1
+    return 0 if res["parity_ok"] and res["attend32_ok"] and res["sel_b64_ok"] else 1
 
 
 if __name__ == "__main__":

@@ -8,6 +8,12 @@
 - `attend_rule(before=True)`: the gather-attend backend rule as it was before 32 heads per
   device took the Mosaic kernel (Triton unless the heads fill 64-row tiles), for an A/B of
   the whole step; it must span the program's compilation.
+- `masked_step`: the sharded decode step with the split selection as it was before the score
+  kernel took a range of sequences (issue 16): every rank scores the whole batch with the other
+  ranks' rows given no candidate (their programs launch and store -inf), then slices its rows.
+  A `shard_map` of its own (not a patched `split_select`: jax caches a mapped body's trace).
+- `score_range_bits`: the score kernel over a range of sequences against the same rows of the
+  whole batch's kernel, with `==`, at the step's shapes.
 - `attend32`: the Mosaic kernel at 32 heads (zero-padded to its 64-row tile) against the jnp
   twin, with the elementwise f16 bound of tests/test_attend_kernel.py (via h200_attend.py).
 - `prefill_bits`: where a prefill's selection picks up bits that depend on the batch or the
@@ -86,6 +92,79 @@ def attend_rule(before: bool):
         yield
     finally:
         sa.pick_backend = rule
+
+
+def masked_select(cfg, qi, w, pool_keys, pos, valid):
+    """`sharding.split_select` before the ranged score kernel (see the module docstring)."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    from dsa_jax.indexer import pool_scores
+    from dsa_jax.layer import candidate_pools
+    from dsa_jax.select import top_pools
+    from dsa_jax.sharding import TP
+
+    b = qi.shape[0]
+    n = b // cfg.tp_degree
+    rank = lax.axis_index(TP)
+    mine = (jnp.arange(b) // n == rank)[:, None]  # [B, 1]
+    scores = pool_scores(cfg, qi, w, pool_keys, candidate_pools(cfg, pos, valid & mine))
+    pools = top_pools(cfg, lax.dynamic_slice_in_dim(scores, rank * n, n, 0))  # [n, R, k]
+    return lax.all_gather(pools, TP, axis=0, tiled=True)  # [B, R, k]
+
+
+def masked_step(cfg, m):
+    """A decode step (one new row per sequence, `y` and `sel` of the first row) over mesh `m`
+    as `sharding.sharded_step(cfg, m, w, s, x, 1, out_rows=1, split_selection=True)` runs it,
+    with `masked_select` as the selection."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from dsa_jax import layer, sharding
+
+    def body(weights, state, x):
+        n_new = jnp.ones((x.shape[0],), jnp.int32)
+        y, state, sel = layer.step(cfg, sharding.rank_weights(weights), state, x, n_new,
+                                   select=masked_select)
+        y, sel = lax.optimization_barrier((y, sel))
+        return sharding.reduce_heads(cfg, y[:, :1]), state, sel[:, :1]
+
+    return jax.shard_map(body, mesh=m, in_specs=(sharding.WEIGHT_SPEC, sharding.STATE_SPECS,
+                                                 sharding.ROW_SPEC),
+                         out_specs=(sharding.ROW_SPEC, sharding.STATE_SPECS, sharding.ROW_SPEC),
+                         check_vma=False)
+
+
+def score_range_bits(cfg, b: int, rows=(4, 32), seed: int = 9) -> dict:
+    """The score kernel (cfg.implementation) over sequences [first, first + n) against rows
+    first .. first + n - 1 of the whole batch's kernel, `==`, first traced: a tp=2 rank's
+    halves and an odd range, for `rows` rows per sequence (a decode padded to max_verify: one
+    live row; a prompt chunk: causal counts, the bounded loop). {R/range: share of rows that
+    differ (0: equal)}."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsa_jax.indexer import pool_scores
+
+    rng = np.random.default_rng(seed)
+    hi, di, p = cfg.index_n_heads, cfg.index_head_dim, cfg.num_pools
+    out = {}
+    for r in rows:
+        qi = jnp.asarray(rng.standard_normal((b, r, hi, di), np.float32))
+        w = jnp.asarray(rng.standard_normal((b, r, hi), np.float32) * (hi * di) ** -0.5)
+        keys = jnp.asarray(rng.standard_normal((b, p, di), np.float32))
+        last = rng.integers(min(r, p), p + 1, (b, 1))  # [B, 1] the last row's candidates
+        n_cand = np.maximum(last - np.arange(r)[::-1], 0)  # [B, R] causal
+        if r <= 4:  # a decode: one live row, the rest padding
+            n_cand[:, 1:] = 0
+        n_cand = jnp.asarray(n_cand, jnp.int32)
+        whole = np.asarray(jax.jit(lambda *a: pool_scores(cfg, *a))(qi, w, keys, n_cand))
+        for first, n in ((0, b // 2), (b // 2, b // 2), (b // 3, b // 3 or 1)):
+            f = jax.jit(lambda f, *a, n=n: pool_scores(cfg, *a, seqs=(f, n)))
+            got = np.asarray(f(jnp.int32(first), qi, w, keys, n_cand))
+            out[f"R{r}/{first}+{n}"] = _rows_differing(got, whole[first:first + n])
+    return out
 
 
 ATTEND32_CASES = [  # (B, R, H, C, W, bs, blocks per seq, input kwargs, call kwargs)

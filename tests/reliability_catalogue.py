@@ -72,6 +72,15 @@ def _state_with(c, **fields):
     return c.state._replace(**{k: jnp.asarray(v) for k, v in fields.items()})
 
 
+def _out(deleted=False):
+    """Fresh (y, sel) buffers for a decode of 2 sequences; sel deleted if asked."""
+    y = jnp.zeros((2, ODD.hidden_size), jnp.float32)  # [B, D]
+    sel = jnp.zeros((2, ODD.sel_width), jnp.int32)  # [B, W]
+    if deleted:
+        sel.delete()
+    return y, sel
+
+
 def _engine(c, **kw):
     return Engine(MCFG, c.model, **{"max_seqs": 2, "num_blocks": 24, **kw})
 
@@ -356,6 +365,27 @@ CASES = [
      r"sequence 1: at length 27 the pool being filled needs the indexer rows 24\.\.26",
      lambda c: dsa_jax.decode(ODD, c.w, _state_with(c, lengths=[4, 27], index_lengths=[4, 40]),
                               x_rows(2))),
+    ("step.out-pair", "decode's out= that is not a pair (y, sel)", layer.StepError,
+     r"out must be a pair \(y, sel\) of arrays, got tuple of 1",
+     lambda c: dsa_jax.decode(ODD, c.w, c.state, x_rows(2), out=_out()[:1])),
+    ("step.out-array", "an out= buffer that is not a concrete jax.Array (a numpy array, or "
+     "traced under jit)", layer.StepError,
+     r"out y must be a concrete jax.Array \(it is donated: a call at the top level, not under "
+     r"jit\), got ndarray",
+     lambda c: dsa_jax.decode(ODD, c.w, c.state, x_rows(2),
+                              out=(np.zeros((2, ODD.hidden_size), np.float32), _out()[1]))),
+    ("step.out-shape", "an out= buffer of the wrong shape or dtype", layer.StepError,
+     r"out sel is float32\[2, 15\], expected int32\[2, 15\]",
+     lambda c: dsa_jax.decode(ODD, c.w, c.state, x_rows(2),
+                              out=(_out()[0], _out()[1].astype(jnp.float32)))),
+    ("step.out-deleted", "an out= buffer already donated (or deleted)", layer.StepError,
+     r"out sel was donated to a step \(or deleted\): pass a live array",
+     lambda c: dsa_jax.decode(ODD, c.w, c.state, x_rows(2), out=_out(deleted=True))),
+    ("step.out-alias", "out= buffers that are one another or an input (they are donated)",
+     layer.StepError, r"out y and sel must be two arrays of their own: neither one another nor "
+     r"the weights, the state, x or shared_sel",
+     lambda c: (lambda x: dsa_jax.decode(ODD, c.w, c.state, x, out=(x, _out()[1])))(
+         jnp.zeros((2, ODD.hidden_size)))),
     ("impl.pallas-off-gpu", "implementation 'pallas' off a GPU (CPU only)", ImplementationError,
      r"implementation='pallas' compiles the kernels for a GPU", lambda c: resolve("pallas")),
     ("sharding.degree", "a mesh degree that is not a positive integer", ShardingError,

@@ -25,7 +25,8 @@ def test_device_script_smoke(tmp_path):
     assert res["errors"] == [] and res["parity_ok"], res["errors"]
     assert res["env"]["NCCL_NVLS_ENABLE"] == "0"
     assert set(res["times"]) == {"b64_tp1", "b64_tp2", "b64_dp2", "b1_tp1", "b1_tp2", "b32_tp1",
-                                 "b64_tp2_replicated", "b64_tp2_before", "b1_tp2_before",
+                                 "b64_tp2_masked", "b64_tp2_replicated", "b64_tp2_before",
+                                 "b1_tp2_before",
                                  "b8_tp2_split", "b8_tp2_replicated"}
     assert all(r["wall_us_per_step"] > 0 for r in res["times"].values())
     times = res["times"]
@@ -40,6 +41,9 @@ def test_device_script_smoke(tmp_path):
     assert res["parity"]["tp2_split"]["split_selection"]
     assert res["parity"]["tp2"]["decode_k_equals_decodes"]
     assert res["parity"]["tp2_split"]["decode_k_equals_decodes"]
+    # The B=64 loop's sel: TP=2 split (ranged and masked score kernel) == TP=1, bitwise.
+    assert res["sel_b64_ok"] and res["sel_b64"]["tp2_split_vs_tp1"]["sel_equal"]
+    assert times["b64_tp2_masked"]["split_selection"]
     bits = res["prefill_bits"]
     assert bits["default"]["half_batch_sel"] == 0.0 and bits["default"]["tp2_rank0_sel"] == 0.0
     assert "| b64_tp2 (dp 1 x tp 2, 4 seqs) |" in out.stdout

@@ -65,6 +65,68 @@ def test_pool_scores_bf16x6_heads_as_m(kernel_impl):
     _scores(kernel_impl, (qi, w, keys, _n_cand()), block_p=32, precision="bf16x6")
 
 
+@pytest.mark.parametrize("first,count,kw", [
+    (0, 2, dict(block_p=16)),
+    (3, 2, dict(block_p=32, num_chunks=2)),  # a partial chunk; fewer programs than the batch's
+    (4, 1, dict(block_p=16, rows_per_program=2)),  # the last sequence, a padded row group
+    (1, 3, dict(block_p=16, rows_per_program=4, bounded_loop=True, target_programs=9)),
+])
+def test_pool_scores_seq_range_is_those_rows_of_the_whole_batch(impl, first, count, kw):
+    """`seqs=(first, count)` (a tp rank's share, `sharding.split_select`): `[count, R, P]`,
+    equal with `==` to rows first .. first + count - 1 of the whole batch's result, whether
+    first is static or traced (a rank's `axis_index * share`)."""
+    import jax
+    qi, w, keys, n_cand = T.pool_inputs(13, 5, 5, 3, 12, 100)
+    opts = None if impl == "xla" else kw
+    whole = np.asarray(T.run_op("pool_scores", impl, qi, w, keys, n_cand, kernel_options=opts))
+    got = T.run_op("pool_scores", impl, qi, w, keys, n_cand, kernel_options=opts,
+                   seqs=(first, count))
+    chex.assert_trees_all_equal(np.asarray(got), whole[first:first + count], strict=True)
+    if impl == "xla":
+        def traced(f, *args):  # operands as arguments: XLA would fold constants otherwise
+            return ps.pool_scores_xla(*args, seqs=(f, count))
+    else:
+        def traced(f, *args):
+            return ps.pool_scores_pallas(*args, seqs=(f, count),
+                                         interpret=impl == "pallas-interpret", **kw)
+    got = jax.jit(traced)(np.int32(first), qi, w, keys, n_cand)
+    chex.assert_trees_all_equal(np.asarray(got), whole[first:first + count], strict=True)
+    assert np.isfinite(whole[first:first + count]).any()  # the rows compared hold scores
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["auto", "triton"])  # auto: the Mosaic kernel on a GPU
+@pytest.mark.parametrize("rows", [4, 32])  # a decode padded to max_verify; a prompt chunk
+def test_pool_scores_seq_range_bits_at_glm53_flash_shapes(rows, backend):
+    """The compiled kernel over a tp=2 rank's half of 64 sequences (first traced) against the
+    same rows of the whole batch's kernel, `==`: what `sharding.split_select` relies on for
+    `sel` to stay bitwise that of one device (GLM-5.3-Flash indexer, 16K context)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsa_jax.shapes import glm53_flash
+    cfg = glm53_flash()
+    qi, w, keys, n_cand = T.pool_inputs(23, 64, rows, cfg.index_n_heads, cfg.index_head_dim,
+                                        cfg.num_pools)
+    tuning = ps.PoolScoresTuning(backend=backend)
+    whole = np.asarray(jax.jit(lambda *a: ps.pool_scores_pallas(*a, tuning=tuning))(
+        qi, w, keys, n_cand))
+    ranged = jax.jit(lambda f, *a: ps.pool_scores_pallas(*a, seqs=(f, 32), tuning=tuning))
+    for first in (0, 32, 17):
+        got = np.asarray(ranged(jnp.int32(first), qi, w, keys, n_cand))
+        np.testing.assert_array_equal(got, whole[first:first + 32])
+
+
+def test_pool_scores_seq_range_errors():
+    qi, w, keys, n_cand = T.pool_inputs(13, 5, 2, 3, 12, 40)
+    for fn in (ps.pool_scores_xla, ps.pool_scores_pallas):
+        with pytest.raises(ValueError, match=r"seqs count=6 must be a static int in \[1, B=5\]"):
+            fn(qi, w, keys, n_cand, seqs=(0, 6))
+        with pytest.raises(ValueError, match=r"seqs first=4 with count=2 must lie in "
+                                             r"\[0, B - count = 3\]"):
+            fn(qi, w, keys, n_cand, seqs=(4, 2))
+
+
 def test_pool_scores_unknown_precision_raises():
     qi, w, keys, n_cand = T.pool_inputs(*ARGS)
     with pytest.raises(ValueError, match="precision='tf32'"):
@@ -155,6 +217,7 @@ def test_pool_topk_default_rank_splits():
 
 @pytest.mark.parametrize("op,tuning", [
     ("scores", ps.PoolScoresTuning(backend="triton")),  # (auto: the Mosaic kernel)
+    ("scores-range", ps.PoolScoresTuning(backend="triton")),
     ("scores", ps.PoolScoresTuning(pools_as_m=True, bounded_loop=True, block_p=128,
                                    target_programs=528, precision="bf16x6")),
     ("topk", pt.PoolTopkTuning()),
@@ -171,10 +234,13 @@ def test_kernels_lower_for_cuda(op, tuning):
     import jax
     import jax.numpy as jnp
     f32, i32 = jnp.float32, jnp.int32
-    if op == "scores":
-        fn = functools.partial(ps.pool_scores_pallas, tuning=tuning)
-        args = (jax.ShapeDtypeStruct((2, 4, 32, 128), f32), jax.ShapeDtypeStruct((2, 4, 32), f32),
-                jax.ShapeDtypeStruct((2, 4096, 128), f32), jax.ShapeDtypeStruct((2, 4), i32))
+    if op in ("scores", "scores-range"):
+        def fn(qi, w, keys, n_cand, first):  # a traced first sequence, as a tp rank's
+            return ps.pool_scores_pallas(qi, w, keys, n_cand, tuning=tuning,
+                                         seqs=None if op == "scores" else (first, 2))
+        args = (jax.ShapeDtypeStruct((4, 4, 32, 128), f32), jax.ShapeDtypeStruct((4, 4, 32), f32),
+                jax.ShapeDtypeStruct((4, 4096, 128), f32), jax.ShapeDtypeStruct((4, 4), i32),
+                jax.ShapeDtypeStruct((), i32))
     elif op == "topk":
         fn = functools.partial(pt.pool_topk_pallas, k=512, tuning=tuning)
         args = (jax.ShapeDtypeStruct((4, 4096), f32),)

@@ -93,3 +93,14 @@ def test_split_rule():
     with pytest.raises(sharding.ShardingError, match=r"split_selection=True: a dp shard's 3 "
                                                      r"sequences do not split over tp=2"):
         sharding.split_rule(cfg, 3, True)
+
+
+def test_split_select_kernels_and_a_far_rewind_on_a_mesh():
+    """tests/mesh_rewind_select_check.py on 4 host devices: the split selection with the
+    kernels (the score kernel's first sequence traced from the rank) == one device, bitwise;
+    `sharding.rewind` to pool boundaries past Rr below the mark bounds the kept mark, and the
+    decodes after it give the bits of a state prefilled to those lengths."""
+    out = run_with_devices(os.path.join(HERE, "mesh_rewind_select_check.py"), 4)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "split select kernels: ok" in out.stdout
+    assert "sharded rewind far: ok" in out.stdout

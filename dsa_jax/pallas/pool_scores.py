@@ -4,6 +4,13 @@ The scales `Hi^-0.5 * Di^-0.5` are already folded into `w` (weights.py). Pools `
 (not yet complete at the row's position) score `-inf`; the kernel reads no key for a tile of
 such pools, so its cost follows the live length, not `P`. -0.0 is returned as 0.0 so the total
 order of the selection sees one zero.
+
+`seqs=(first, count)`: score only sequences `first .. first + count - 1` of the batch (a
+tensor-parallel rank's share of the rows, `sharding.split_select`); `first` may be traced
+(`axis_index * share` inside `shard_map`), `count` is static. The result `[count, R, P]` is
+bitwise those rows of the whole batch's result: the kernel launches programs for those
+sequences only, each computing its tiles as the whole-batch kernel does; the twin computes the
+whole batch and slices (its dots' last bits may depend on the batch shape).
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
@@ -34,13 +42,36 @@ def _score_row(qi, w, keys, n_cand):
     return jnp.where(jnp.arange(keys.shape[0]) < n_cand, scores, -jnp.inf)
 
 
-def pool_scores_xla(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: jax.Array
-                    ) -> jax.Array:
+def seq_range(num_seqs: int, seqs) -> tuple[jax.Array, int]:
+    """`seqs` (None: all; or `(first, count)`, first an int or a traced int32 scalar, count a
+    static int) -> (first as int32 [], count). A static first is checked; a traced one is
+    clamped to `[0, num_seqs - count]` as `lax.dynamic_slice` clamps."""
+    if seqs is None:
+        return jnp.int32(0), num_seqs
+    first, count = seqs
+    if not isinstance(count, int) or not 1 <= count <= num_seqs:
+        raise ValueError(f"pool_scores: seqs count={count!r} must be a static int in "
+                         f"[1, B={num_seqs}]")
+    if isinstance(first, (int, np.integer)) and not 0 <= first <= num_seqs - count:
+        raise ValueError(f"pool_scores: seqs first={first} with count={count} must lie in "
+                         f"[0, B - count = {num_seqs - count}]")
+    return jnp.clip(jnp.asarray(first).astype(jnp.int32), 0, num_seqs - count), count
+
+
+def pool_scores_xla(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: jax.Array, *,
+                    seqs=None) -> jax.Array:
     """The definition.
 
     qi: [B, R, Hi, Di] f32; w: [B, R, Hi] f32 (scales folded); pool_keys: [B, P, Di] f32;
-    n_cand: [B, R] int32 complete pools visible to each row. Returns [B, R, P] f32.
+    n_cand: [B, R] int32 complete pools visible to each row. Returns [B, R, P] f32, or with
+    `seqs=(first, count)` its rows `first .. first + count - 1`: [count, R, P] (computed at the
+    whole batch's shape, then sliced, so the bits are the whole batch's).
     """
+    if seqs is not None:
+        first, count = seq_range(qi.shape[0], seqs)
+        # The barrier keeps XLA from narrowing the dots to the slice (other bits).
+        whole = lax.optimization_barrier(pool_scores_xla(qi, w, pool_keys, n_cand))
+        return lax.dynamic_slice_in_dim(whole, first, count, 0)
     rows_of_seq = jax.vmap(_score_row, in_axes=(0, 0, None, 0))  # rows share the keys
     if qi.shape[1] <= XLA_ROW_CHUNK:
         return jax.vmap(rows_of_seq)(qi, w, pool_keys, n_cand)
@@ -143,11 +174,12 @@ _PRECISIONS = {"tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
                "bf16x6": lax.DotAlgorithmPreset.BF16_BF16_F32_X6}
 
 
-def _scores_kernel(ncand_ref, qi_ref, w_ref, keys_ref, out_ref, *, group_rows: int,
+def _scores_kernel(first_ref, ncand_ref, qi_ref, w_ref, keys_ref, out_ref, *, group_rows: int,
                    groups_per_seq: int, num_pools: int, width: int, block_p: int, tiles: int,
                    precision, pools_as_m: bool, bounded_loop: bool):
     """One (row group, pool chunk) program: `tiles` tiles of BP pools for RB rows.
 
+    first_ref: [1] int32, the first scored sequence (its keys are read at `first + seq`);
     ncand_ref: [Np] int32 (whole); qi_ref: [RB*Hp, Dp] f32; w_ref: [RB*Hp] f32 (padded heads
     and rows 0); keys_ref: [B, P, Di] f32 (whole); out_ref: [Np, P] f32 (whole, masked store).
     """
@@ -157,7 +189,7 @@ def _scores_kernel(ncand_ref, qi_ref, w_ref, keys_ref, out_ref, *, group_rows: i
     rows = group * group_rows + jnp.arange(group_rows, dtype=jnp.int32)  # [RB]
     n_cand = ncand_ref[pl.ds(group * group_rows, group_rows)]  # [RB]
     most = jnp.max(n_cand)
-    seq = group // groups_per_seq
+    seq = first_ref[0] + group // groups_per_seq
     dp = qi.shape[1]
     hp = qi.shape[0] // group_rows
     dims = jnp.arange(dp, dtype=jnp.int32)  # [Dp]
@@ -297,19 +329,30 @@ def default_rows_per_program(rows_per_seq: int) -> int:
 
 
 def pool_scores_pallas(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: jax.Array, *,
-                       interpret: bool = False, tuning: PoolScoresTuning = PoolScoresTuning(),
-                       **overrides) -> jax.Array:
+                       seqs=None, interpret: bool = False,
+                       tuning: PoolScoresTuning = PoolScoresTuning(), **overrides) -> jax.Array:
     """`pool_scores_xla` as a Pallas kernel; same arguments, same result within fp32 rounding
-    (tests/test_kernels.py). qi [B, R, Hi, Di] -> [B, R, P] f32.
+    (tests/test_kernels.py). qi [B, R, Hi, Di] -> [B, R, P] f32 ([count, R, P] with
+    `seqs=(first, count)`: programs for those sequences only, each row's bits those of the
+    whole batch's kernel; the Triton kernel reads the keys in place, the Mosaic one gets the
+    range's keys sliced).
 
     Hi and Di are padded to powers of two >= 16 (the smallest dot tile) with zeros, which add
     nothing: padded heads carry weight 0, padded dims multiply zero keys. R is padded to a
     multiple of `rows_per_program` with rows that have no candidate. `overrides`: fields of
     `tuning` by name (`block_p=32`).
     """
-    b, r, hi, di = qi.shape
+    first, b = seq_range(qi.shape[0], seqs)
+    if seqs is not None:  # the rank's rows: small slices, fused with the padding below
+        qi, w, n_cand = (lax.dynamic_slice_in_dim(a, first, b, 0) for a in (qi, w, n_cand))
+    _, r, hi, di = qi.shape
     tuning = with_overrides(tuning, overrides)
     if pick_backend(tuning, hi, di, interpret) == "mosaic":
+        if seqs is not None:
+            # The Mosaic kernel has no first-sequence operand yet: the range's keys are
+            # sliced (a copy); a row's scores do not depend on its batch (GPU tests), so the
+            # bits are those of the whole batch.
+            pool_keys = lax.dynamic_slice_in_dim(pool_keys, first, b, 0)
         return mgpu_scores.pool_scores_mgpu(qi, w, pool_keys, n_cand, tuning=tuning.mosaic)
     tuning = resolve_tuning(tuning, r)
     p = pool_keys.shape[1]
@@ -337,6 +380,7 @@ def pool_scores_pallas(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand
         kernel,
         grid=(groups, chunks),
         in_specs=[
+            pl.BlockSpec(),  # first [1]
             pl.BlockSpec(),  # n_cand [Np]
             pl.BlockSpec((None, rb * hp, dp), lambda g, t: (g, 0, 0)),  # qi [G, RB*Hp, Dp]
             pl.BlockSpec((None, rb * hp), lambda g, t: (g, 0)),  # w [G, RB*Hp]
@@ -348,6 +392,6 @@ def pool_scores_pallas(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand
                                            num_stages=tuning.num_stages),
         interpret=interpret,
         name="pool_scores",
-    )(ncand_p.reshape(b * rp), qi_p.reshape(groups, rb * hp, dp),
+    )(first.reshape(1), ncand_p.reshape(b * rp), qi_p.reshape(groups, rb * hp, dp),
       w_p.reshape(groups, rb * hp), pool_keys.astype(jnp.float32))
     return out.reshape(b, rp, p)[:, :r]

@@ -7,11 +7,12 @@ not depend on the tp degree (weights.py); the state's writes are the same on eve
 
 The selection (pool scores and top-k, per row) is either replicated (every rank selects for
 all the shard's sequences) or split (`split_selection`): rank i scores and top-k's only its
-1/tp of the shard's sequences (the others' rows get no candidate pool, so the score kernel
-reads no key for them), then one all-gather over tp of the chosen pool ids `[b, R, k]` gives
-every rank the whole selection. The scores are computed at the shard's full shape (so even
-XLA's twin, whose dots' last bits depend on the batch shape, gives the replicated scores) and
-a row's top-k depends on that row's scores only, so `sel` is bitwise the same either way.
+1/tp of the shard's sequences (the score kernel launches programs for those sequences only:
+`pool_scores(..., seqs=(first, count))`), then one all-gather over tp of the chosen pool ids
+`[b, R, k]` gives every rank the whole selection. A rank's rows get the bits of the whole
+shard's score program (XLA's twin, whose dots' last bits depend on the batch shape, computes
+at the shard's full shape and slices) and a row's top-k depends on that row's scores only, so
+`sel` is bitwise the same either way.
 
 Three levels:
 - `local_step`: the body of a `shard_map` (for a caller that maps its own function, e.g. a
@@ -67,10 +68,10 @@ def reduce_heads(cfg: DsaConfig, y: jax.Array) -> jax.Array:
 
 
 # Fewest sequences per tp rank for which the default rule splits the selection. On the H200
-# the pool scores grow with the batch (they halve under the split, less a fixed cost for the
-# other ranks' rows), the top-k barely does below 32 sequences (one program per row), and the
-# all-gather costs ~11 us: a clear gain at 32 per rank, about even near 8 (benchmarks/notes.md,
-# issue 16).
+# the pool scores grow with the batch (they halved under the split, less a fixed cost for the
+# other ranks' rows, which the ranged score kernel now skips: not yet re-measured), the top-k
+# barely does below 32 sequences (one program per row), and the all-gather costs ~11 us: a
+# clear gain at 32 per rank, about even near 8 (benchmarks/notes.md, issue 16).
 SPLIT_MIN_SEQS_PER_RANK = 16
 
 
@@ -91,15 +92,15 @@ def split_select(cfg: DsaConfig, qi: jax.Array, w: jax.Array, pool_keys: jax.Arr
                  pos: jax.Array, valid: jax.Array) -> jax.Array:
     """Inside `shard_map`: `layer.select_pools` with the rows split over tp by sequence
     (same arguments; `B` a multiple of tp). Returns every row's pool ids `[B, R, k]`, bitwise
-    those of `select_pools` (the same score program with other rows masked; a row's top-k
-    depends on its scores only)."""
+    those of `select_pools`: the score kernel runs for this rank's sequences only
+    (`seqs=(rank * n, n)`), each row's scores the bits of the whole batch's program, and a
+    row's top-k depends on its scores only."""
     b, tp = qi.shape[0], cfg.tp_degree
     n = b // tp
-    rank = lax.axis_index(TP)
-    mine = (jnp.arange(b) // n == rank)[:, None]  # [B, 1]
-    # Other ranks' rows have no candidate: the score kernel reads no key for them.
-    scores = pool_scores(cfg, qi, w, pool_keys, candidate_pools(cfg, pos, valid & mine))
-    pools = top_pools(cfg, lax.dynamic_slice_in_dim(scores, rank * n, n, 0))  # [n, R, k]
+    first = lax.axis_index(TP) * n
+    scores = pool_scores(cfg, qi, w, pool_keys, candidate_pools(cfg, pos, valid),
+                         seqs=(first, n))  # [n, R, P]
+    pools = top_pools(cfg, scores)  # [n, R, k]
     return lax.all_gather(pools, TP, axis=0, tiled=True)  # [B, R, k]
 
 
