@@ -1,0 +1,84 @@
+"""The raw Triton kernel of `pool_topk_triton` (imports triton: load it only where the caller
+asked for this kernel; `pool_topk_triton.py` does, lazily).
+
+One program per row, the row held in registers. Scores become unsigned 32-bit keys in
+`pool_topk.sortable_key`'s order (u = key ^ 0x80000000: -inf lowest, -0.0 just below +0.0).
+The winners are the k largest composite keys `(u << 32) | (0xFFFFFFFF - index)`: score
+descending, then index ascending (the tie rule of `lax.top_k`); the composite is unique per
+index, so its descending sort is the answer.
+
+METHOD 0 (radix): the k-th largest u by `32 / DIGIT_BITS` histogram passes (`tl.histogram`
+over the digit of the keys that share the prefix settled so far); the winners (u > kth, then
+the lowest-index ties u == kth) compacted into a per-row scratch at their prefix-sum position;
+after a barrier the k of them are loaded and sorted (`tl.sort` of the composite).
+METHOD 1 (topk): `tl.topk` of the whole row's composites (a bitonic sort of the row's first
+log2(KP) stages, then halving merges), no scratch. METHOD 2 (sort): `tl.sort` of the whole row's
+composites, the first K stored (Triton's interpreter runs this one; its `tl.topk` fails there).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def pool_topk_kernel(s_ptr, out_ptr, cu_ptr, ci_ptr, P: tl.constexpr, PP: tl.constexpr,
+                     K: tl.constexpr, KP: tl.constexpr, METHOD: tl.constexpr,
+                     DIGIT_BITS: tl.constexpr):
+    """s_ptr [N, P] f32 in; out_ptr [N, K] int32 out; cu_ptr, ci_ptr [N, KP] int32 scratch
+    (METHOD 0: the compacted winners' keys and indices). PP = next_pow2(P), KP =
+    next_pow2(K) <= PP."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, PP)  # [PP] pool index
+    valid = offs < P  # [PP]: lanes past P are never counted nor chosen
+    x = tl.load(s_ptr + row * P + offs, mask=valid, other=0.0)  # [PP] f32
+    bits = x.to(tl.int32, bitcast=True)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # [PP] signed sortable key
+    u = (key ^ (-2147483648)).to(tl.uint32, bitcast=True)  # [PP] the same order, unsigned
+    inv = (~offs).to(tl.uint32, bitcast=True)  # [PP] 0xFFFFFFFF - index: lower index, larger key
+    lane = tl.arange(0, KP)  # [KP]
+    if METHOD != 0:
+        comp = (u.to(tl.uint64) << 32) | inv.to(tl.uint64)  # [PP]
+        comp = tl.where(valid, comp, 0)  # real composites are > 0 (inv > 0)
+        if METHOD == 1:
+            top = tl.topk(comp, KP)  # [KP] descending
+            idx = ~(top.to(tl.uint32).to(tl.int32, bitcast=True))  # [KP] low word -> index
+            tl.store(out_ptr + row * K + lane, idx, mask=lane < K)
+        else:
+            top = tl.sort(comp, descending=True)  # [PP]
+            idx = ~(top.to(tl.uint32).to(tl.int32, bitcast=True))  # [PP]
+            tl.store(out_ptr + row * K + offs, idx, mask=offs < K)
+    else:
+        NB: tl.constexpr = 1 << DIGIT_BITS
+        bins = tl.arange(0, NB)  # [NB]
+        need = K + 0 * tl.program_id(0)  # [] keys still to take at or below the prefix
+        prefix = (0 * tl.program_id(0)).to(tl.uint32)  # [] the settled high bits of the kth
+        match = valid  # [PP] keys whose high bits equal the prefix
+        for p in tl.static_range(32 // DIGIT_BITS):
+            shift: tl.constexpr = 32 - DIGIT_BITS * (p + 1)
+            digit = ((u >> shift) & (NB - 1)).to(tl.int32)  # [PP]
+            hist = tl.histogram(digit, NB, mask=match)  # [NB]
+            # keys of the prefix with digit >= d: the largest d still holding `need` wins
+            ge = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # [NB]
+            d = tl.max(tl.where(ge >= need, bins, 0), axis=0)  # []
+            need = need - tl.sum(tl.where(bins > d, hist, 0), axis=0)
+            prefix = prefix | (d.to(tl.uint32) << shift)
+            match = match & (digit == d)
+        kth = prefix  # [] the k-th largest key
+        gt = valid & (u > kth)
+        eq = (valid & (u == kth)).to(tl.int32)  # [PP]
+        win = gt | ((eq == 1) & (tl.cumsum(eq, axis=0) - eq < need))  # need: ties to take
+        wi = win.to(tl.int32)
+        pos = tl.cumsum(wi, axis=0) - wi  # [PP] slot of each winner, in index order
+        base = row * KP
+        tl.store(cu_ptr + base + pos, u.to(tl.int32, bitcast=True), mask=win)
+        tl.store(ci_ptr + base + pos, offs, mask=win)
+        tl.debug_barrier()  # the slots were written by other threads of this program
+        wu = tl.load(cu_ptr + base + lane, mask=lane < K, other=0).to(tl.uint32, bitcast=True)
+        wi_ = tl.load(ci_ptr + base + lane, mask=lane < K, other=0)  # [KP]
+        comp = (wu.to(tl.uint64) << 32) | (~wi_).to(tl.uint32, bitcast=True).to(tl.uint64)  # [KP]
+        comp = tl.where(lane < K, comp, 0)
+        top = tl.sort(comp, descending=True)  # [KP]
+        idx = ~(top.to(tl.uint32).to(tl.int32, bitcast=True))  # [KP] low word -> index
+        tl.store(out_ptr + row * K + lane, idx, mask=lane < K)
