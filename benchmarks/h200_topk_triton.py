@@ -56,15 +56,22 @@ VARIANTS = {
     "pallas": K(),
     "triton-radix8-w4": _triton(method="radix", digit_bits=8, num_warps=4),
     "triton-radix8-w8": _triton(method="radix", digit_bits=8, num_warps=8),
-    "triton-topk-w4": _triton(method="topk", num_warps=4),
-    "triton-radix4-w4": _triton(method="radix", digit_bits=4, num_warps=4),
+    "triton-radix8-w16": _triton(method="radix", digit_bits=8, num_warps=16),
+    "triton-radix4-w8": _triton(method="radix", digit_bits=4, num_warps=8),
     "triton-topk-w8": _triton(method="topk", num_warps=8),
+    "triton-radix8-w8-noshort": _triton(method="radix", digit_bits=8, num_warps=8,
+                                        short_rows=False),
+    "triton-radix4-w4": _triton(method="radix", digit_bits=4, num_warps=4),
+    "triton-radix4-w16": _triton(method="radix", digit_bits=4, num_warps=16),
+    "triton-topk-w4": _triton(method="topk", num_warps=4),
     "triton-sort-w8": _triton(method="sort", num_warps=8),
-    "triton-radix8-w2": _triton(method="radix", digit_bits=8, num_warps=2),
 }
-FIRST = ["lax.top_k", "pallas", "triton-radix8-w4", "triton-radix8-w8", "triton-topk-w4"]
-LATER = ["triton-radix4-w4", "triton-topk-w8", "triton-sort-w8", "triton-radix8-w2"]
-ODD_VARIANTS = ["triton-radix8-w4", "triton-radix4-w4", "triton-topk-w4", "triton-sort-w8"]
+FIRST = ["lax.top_k", "pallas", "triton-radix8-w4", "triton-radix8-w8", "triton-radix8-w16",
+         "triton-radix4-w8", "triton-topk-w8"]
+LATER = ["triton-radix8-w8-noshort", "triton-radix4-w4", "triton-radix4-w16", "triton-topk-w4",
+         "triton-sort-w8"]
+ODD_VARIANTS = ["triton-radix8-w8", "triton-radix4-w8", "triton-topk-w8", "triton-sort-w8",
+                "triton-radix8-w8-noshort"]
 
 
 def _versions() -> dict:
@@ -121,9 +128,10 @@ def _run_topk(res, path, case, scores, heavy, names, k, smoke):
     ties = _ties(scores)
     xla = _topk_fn(None, smoke)
     ref, ref_ties = np.asarray(xla(scores, k)), np.asarray(xla(ties, k))
+    some = slice(None, None, 1 if scores.shape[0] <= 1024 else 17)  # the host sort is slow
     res.setdefault("xla_equals_definition", {})[case] = bool(
-        np.array_equal(ref, T.topk_definition(scores, k))
-        and np.array_equal(ref_ties, T.topk_definition(ties, k)))
+        np.array_equal(ref[some], T.topk_definition(scores[some], k))
+        and np.array_equal(ref_ties[some], T.topk_definition(ties[some], k)))
     for name in names:
         if name != "lax.top_k" and name != "pallas" and _late(res):
             continue
@@ -205,6 +213,7 @@ def _odd_cases():
         ("p1000-k200-short", T.topk_scores(3, 3, 1000, [1000, 511, 3], ties=True), 200),
         ("p64-k64", T.topk_scores(4, 2, 64, [64, 33], ties=True), 64),
         ("p70-k1", T.topk_scores(5, 2, 70, [70, 0], ties=False), 1),
+        ("p1-k1", T.topk_scores(6, 2, 1, [1, 0], ties=False), 1),
         ("signed-zeros-p96-k40", jnp.asarray(np.stack([z, z[::-1].copy()])), 40),
         ("all-equal-and-all-neginf-p4096-k512",
          jnp.asarray(np.stack([np.full(4096, 0.25, np.float32),

@@ -38,10 +38,13 @@ class TritonTopkTuning:
     method: "radix" (histogram select, the k winners compacted and sorted), "topk" (Triton's
     bitonic `tl.topk` over the whole row) or "sort" (`tl.sort` of the whole row).
     digit_bits: radix only: bits per histogram pass (8: 4 passes of 256 bins; 4: 8 passes
-    of 16). num_warps: Triton's."""
+    of 16). num_warps: Triton's. short_rows: radix only: a row with fewer than k scores
+    above -inf skips the passes (its kth is -inf); a row of only -inf (padding) stores
+    0..k-1 directly."""
     method: str = "radix"
     digit_bits: int = 8
-    num_warps: int = 4
+    num_warps: int = 8
+    short_rows: bool = True
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -110,12 +113,14 @@ def pool_topk_triton(scores: jax.Array, k: int, *,
 
 
 def kernel_constants(p: int, k: int, tuning: TritonTopkTuning) -> dict[str, int]:
-    """The kernel's constexpr arguments for rows of `p` pools and top `k`."""
-    return dict(P=p, PP=next_pow2(p), K=k, KP=next_pow2(k), METHOD=METHODS[tuning.method],
-                DIGIT_BITS=tuning.digit_bits)
+    """The kernel's constexpr arguments for rows of `p` pools and top `k` (blocks of at
+    least 2: `tl.topk` does not compile for 1)."""
+    return dict(P=p, PP=max(2, next_pow2(p)), K=k, KP=max(2, next_pow2(k)),
+                METHOD=METHODS[tuning.method], DIGIT_BITS=tuning.digit_bits,
+                SHORT_ROWS=tuning.short_rows)
 
 
 def scratch_shape(n: int, k: int, tuning: TritonTopkTuning) -> tuple[int, ...]:
     """Each of the two int32 scratch outputs: the radix method's compacted winners (keys,
     indices) per row; the other methods keep none (one element, never touched)."""
-    return (n, next_pow2(k)) if tuning.method == "radix" else (1,)
+    return (n, max(2, next_pow2(k))) if tuning.method == "radix" else (1,)

@@ -10,7 +10,9 @@ index, so its descending sort is the answer.
 METHOD 0 (radix): the k-th largest u by `32 / DIGIT_BITS` histogram passes (`tl.histogram`
 over the digit of the keys that share the prefix settled so far); the winners (u > kth, then
 the lowest-index ties u == kth) compacted into a per-row scratch at their prefix-sum position;
-after a barrier the k of them are loaded and sorted (`tl.sort` of the composite).
+after a barrier the k of them are loaded and sorted (`tl.sort` of the composite). With
+SHORT_ROWS, rows with fewer than k keys above -inf skip the passes (the kth is -inf) and rows
+of only -inf (padding) store 0..k-1 directly.
 METHOD 1 (topk): `tl.topk` of the whole row's composites (a bitonic sort of the row's first
 log2(KP) stages, then halving merges), no scratch. METHOD 2 (sort): `tl.sort` of the whole row's
 composites, the first K stored (Triton's interpreter runs this one; its `tl.topk` fails there).
@@ -21,14 +23,63 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# sortable u of -inf: ~0xFF800000
+NEG_INF_U = tl.constexpr(0x007FFFFF)
+
+
+@triton.jit
+def radix_kth(u, valid, K: tl.constexpr, DIGIT_BITS: tl.constexpr):
+    """u [PP] uint32 keys, valid [PP] -> (kth [] uint32, the K-th largest valid key; need []
+    int32, how many keys == kth belong to the top K)."""
+    NB: tl.constexpr = 1 << DIGIT_BITS
+    bins = tl.arange(0, NB)  # [NB]
+    need = K + 0 * tl.program_id(0)  # [] keys still to take at or below the prefix
+    prefix = (0 * tl.program_id(0)).to(tl.uint32)  # [] the settled high bits of the kth
+    match = valid  # [PP] keys whose high bits equal the prefix
+    for p in tl.static_range(32 // DIGIT_BITS):
+        shift = 32 - DIGIT_BITS * (p + 1)  # constexpr: p and DIGIT_BITS are
+        digit = ((u >> shift) & (NB - 1)).to(tl.int32)  # [PP]
+        hist = tl.histogram(digit, NB, mask=match)  # [NB]
+        # keys of the prefix with digit >= d: the largest d still holding `need` wins
+        ge = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # [NB]
+        d = tl.max(tl.where(ge >= need, bins, 0), axis=0)  # []
+        need = need - tl.sum(tl.where(bins > d, hist, 0), axis=0)
+        prefix = prefix | (d.to(tl.uint32) << shift)
+        match = match & (digit == d)
+    return prefix, need
+
+
+@triton.jit
+def store_winners(u, valid, offs, kth, need, out_ptr, cu_ptr, ci_ptr, row, K: tl.constexpr,
+                  KP: tl.constexpr):
+    """The keys > kth and the first `need` keys == kth (index order), compacted into the
+    row's scratch, sorted on the composite key, their indices stored at out_ptr's row."""
+    lane = tl.arange(0, KP)  # [KP]
+    gt = valid & (u > kth)
+    eq = (valid & (u == kth)).to(tl.int32)  # [PP]
+    win = gt | ((eq == 1) & (tl.cumsum(eq, axis=0) - eq < need))
+    wi = win.to(tl.int32)
+    pos = tl.cumsum(wi, axis=0) - wi  # [PP] slot of each winner, in index order
+    base = row * KP
+    tl.store(cu_ptr + base + pos, u.to(tl.int32, bitcast=True), mask=win)
+    tl.store(ci_ptr + base + pos, offs, mask=win)
+    tl.debug_barrier()  # the slots were written by other threads of this program
+    wu = tl.load(cu_ptr + base + lane, mask=lane < K, other=0).to(tl.uint32, bitcast=True)
+    inv = (~tl.load(ci_ptr + base + lane, mask=lane < K, other=0)).to(tl.uint32, bitcast=True)
+    comp = (wu.to(tl.uint64) << 32) | inv.to(tl.uint64)  # [KP]
+    top = tl.sort(tl.where(lane < K, comp, 0), descending=True)  # [KP]
+    idx = ~(top.to(tl.uint32).to(tl.int32, bitcast=True))  # [KP] low word -> index
+    tl.store(out_ptr + row * K + lane, idx, mask=lane < K)
+
 
 @triton.jit
 def pool_topk_kernel(s_ptr, out_ptr, cu_ptr, ci_ptr, P: tl.constexpr, PP: tl.constexpr,
                      K: tl.constexpr, KP: tl.constexpr, METHOD: tl.constexpr,
-                     DIGIT_BITS: tl.constexpr):
+                     DIGIT_BITS: tl.constexpr, SHORT_ROWS: tl.constexpr):
     """s_ptr [N, P] f32 in; out_ptr [N, K] int32 out; cu_ptr, ci_ptr [N, KP] int32 scratch
     (METHOD 0: the compacted winners' keys and indices). PP = next_pow2(P), KP =
-    next_pow2(K) <= PP."""
+    next_pow2(K) <= PP. SHORT_ROWS (METHOD 0): a row of only -inf stores 0..K-1 at once; a
+    row with fewer than K keys above -inf takes -inf as its kth without the radix passes."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, PP)  # [PP] pool index
     valid = offs < P  # [PP]: lanes past P are never counted nor chosen
@@ -36,9 +87,9 @@ def pool_topk_kernel(s_ptr, out_ptr, cu_ptr, ci_ptr, P: tl.constexpr, PP: tl.con
     bits = x.to(tl.int32, bitcast=True)
     key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # [PP] signed sortable key
     u = (key ^ (-2147483648)).to(tl.uint32, bitcast=True)  # [PP] the same order, unsigned
-    inv = (~offs).to(tl.uint32, bitcast=True)  # [PP] 0xFFFFFFFF - index: lower index, larger key
-    lane = tl.arange(0, KP)  # [KP]
     if METHOD != 0:
+        lane = tl.arange(0, KP)  # [KP]
+        inv = (~offs).to(tl.uint32, bitcast=True)  # [PP] 0xFFFFFFFF - index
         comp = (u.to(tl.uint64) << 32) | inv.to(tl.uint64)  # [PP]
         comp = tl.where(valid, comp, 0)  # real composites are > 0 (inv > 0)
         if METHOD == 1:
@@ -49,36 +100,19 @@ def pool_topk_kernel(s_ptr, out_ptr, cu_ptr, ci_ptr, P: tl.constexpr, PP: tl.con
             top = tl.sort(comp, descending=True)  # [PP]
             idx = ~(top.to(tl.uint32).to(tl.int32, bitcast=True))  # [PP]
             tl.store(out_ptr + row * K + offs, idx, mask=offs < K)
+    elif SHORT_ROWS:
+        n_gt = tl.sum((valid & (u > NEG_INF_U)).to(tl.int32), axis=0)  # [] above -inf
+        n_ge = tl.sum((valid & (u >= NEG_INF_U)).to(tl.int32), axis=0)  # [] at or above
+        if (n_gt == 0) & (n_ge == P):  # every score -inf: the index order
+            lane = tl.arange(0, KP)  # [KP]
+            tl.store(out_ptr + row * K + lane, lane, mask=lane < K)
+        else:
+            if (n_gt < K) & (n_ge >= K):  # the kth is -inf
+                kth = (n_gt * 0 + NEG_INF_U).to(tl.uint32)
+                need = K - n_gt
+            else:
+                kth, need = radix_kth(u, valid, K, DIGIT_BITS)
+            store_winners(u, valid, offs, kth, need, out_ptr, cu_ptr, ci_ptr, row, K, KP)
     else:
-        NB: tl.constexpr = 1 << DIGIT_BITS
-        bins = tl.arange(0, NB)  # [NB]
-        need = K + 0 * tl.program_id(0)  # [] keys still to take at or below the prefix
-        prefix = (0 * tl.program_id(0)).to(tl.uint32)  # [] the settled high bits of the kth
-        match = valid  # [PP] keys whose high bits equal the prefix
-        for p in tl.static_range(32 // DIGIT_BITS):
-            shift: tl.constexpr = 32 - DIGIT_BITS * (p + 1)
-            digit = ((u >> shift) & (NB - 1)).to(tl.int32)  # [PP]
-            hist = tl.histogram(digit, NB, mask=match)  # [NB]
-            # keys of the prefix with digit >= d: the largest d still holding `need` wins
-            ge = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # [NB]
-            d = tl.max(tl.where(ge >= need, bins, 0), axis=0)  # []
-            need = need - tl.sum(tl.where(bins > d, hist, 0), axis=0)
-            prefix = prefix | (d.to(tl.uint32) << shift)
-            match = match & (digit == d)
-        kth = prefix  # [] the k-th largest key
-        gt = valid & (u > kth)
-        eq = (valid & (u == kth)).to(tl.int32)  # [PP]
-        win = gt | ((eq == 1) & (tl.cumsum(eq, axis=0) - eq < need))  # need: ties to take
-        wi = win.to(tl.int32)
-        pos = tl.cumsum(wi, axis=0) - wi  # [PP] slot of each winner, in index order
-        base = row * KP
-        tl.store(cu_ptr + base + pos, u.to(tl.int32, bitcast=True), mask=win)
-        tl.store(ci_ptr + base + pos, offs, mask=win)
-        tl.debug_barrier()  # the slots were written by other threads of this program
-        wu = tl.load(cu_ptr + base + lane, mask=lane < K, other=0).to(tl.uint32, bitcast=True)
-        wi_ = tl.load(ci_ptr + base + lane, mask=lane < K, other=0)  # [KP]
-        comp = (wu.to(tl.uint64) << 32) | (~wi_).to(tl.uint32, bitcast=True).to(tl.uint64)  # [KP]
-        comp = tl.where(lane < K, comp, 0)
-        top = tl.sort(comp, descending=True)  # [KP]
-        idx = ~(top.to(tl.uint32).to(tl.int32, bitcast=True))  # [KP] low word -> index
-        tl.store(out_ptr + row * K + lane, idx, mask=lane < K)
+        kth, need = radix_kth(u, valid, K, DIGIT_BITS)
+        store_winners(u, valid, offs, kth, need, out_ptr, cu_ptr, ci_ptr, row, K, KP)
