@@ -64,7 +64,7 @@ def run(scores, k, tuning):
     n, p = scores.shape
     s = torch.from_numpy(np.array(scores, np.float32))
     out = torch.full((n, k), -7, dtype=torch.int32)
-    cu, ci = (torch.zeros(ptt.scratch_shape(n, k, tuning), dtype=torch.int32) for _ in "ab")
+    cu, ci = (torch.zeros(ptt.scratch_shape(n, p, k, tuning), dtype=torch.int32) for _ in "ab")
     tk.pool_topk_kernel[(n,)](s, out, cu, ci, **ptt.kernel_constants(p, k, tuning))
     return out.numpy()
 
@@ -72,13 +72,13 @@ inputs = [(name, np.asarray(T.topk_scores(seed, n, p, live, ties)), k)
           for name, seed, n, p, k, live, ties in CASES] + special_rows()
 results = []
 for method, bits, short in [("radix", 8, True), ("radix", 4, True), ("sort", 8, True),
-                           ("radix", 8, False)]:
+                           ("radix", 8, False), ("sample", 8, True)]:
     tuning = ptt.TritonTopkTuning(method=method, digit_bits=bits, short_rows=short)
     for name, scores, k in inputs:
         # the interpreter sorts slowly: the other methods on small inputs (and radix 4 on
         # the tied P 300 too)
         small = scores.shape[-1] <= 128 or (bits == 4 and name == "p300-k37-ties")
-        if (method, bits, short) != ("radix", 8, True) and not small:
+        if (method, bits, short) not in (("radix", 8, True), ("sample", 8, True)) and not small:
             continue
         ok = np.array_equal(run(scores, k, tuning), T.topk_definition(scores, k))
         results.append([method, bits, short, name, bool(ok)])
@@ -97,12 +97,13 @@ def test_kernel_in_triton_interpreter_equals_the_total_order():
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     n_inputs = len(CASES) + len(special_rows())
-    # radix 8 on every input; radix 4 on 5; sort and radix 8 without short rows on 4
-    assert len(results) == n_inputs + 5 + 4 + 4
+    # radix 8 and sample on every input; radix 4 on 5; sort and radix 8 without short rows on 4
+    assert len(results) == 2 * n_inputs + 5 + 4 + 4
     assert [r for r in results if not r[-1]] == []
 
 
-@pytest.mark.parametrize("p,k,kw", [(4096, 512, dict()), (300, 37, dict(method="topk")),
+@pytest.mark.parametrize("p,k,kw", [(4096, 512, dict()), (4096, 512, dict(method="sample")),
+                                    (300, 37, dict(method="topk")),
                                     (300, 37, dict(method="sort")), (1, 1, dict(digit_bits=4))])
 def test_kernel_compiles_for_hopper(p, k, kw):
     """The kernel compiled for sm_90 on the CPU (Triton's compiler and ptxas need no GPU):
@@ -190,7 +191,8 @@ def _gpu_topk(s, k, **kw):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kw", [dict(), dict(method="topk"), dict(short_rows=False)])
+@pytest.mark.parametrize("kw", [dict(), dict(method="sample"), dict(method="topk"),
+                                dict(short_rows=False)])
 def test_compiled_equals_the_total_order(kw):
     for name, seed, n, p, k, live, ties in CASES:
         s = T.topk_scores(seed, n, p, live, ties)
@@ -202,7 +204,7 @@ def test_compiled_equals_the_total_order(kw):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["radix", "topk"])
+@pytest.mark.parametrize("method", ["radix", "sample", "topk"])
 def test_compiled_at_glm53_flash_shapes(method):
     """k 512 of P 4096: a padded decode, a verify, short rows, ties; batch dims kept."""
     cfg = shapes.glm53_flash()

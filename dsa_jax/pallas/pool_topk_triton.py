@@ -23,7 +23,7 @@ from dsa_jax.pallas.common import next_pow2, with_overrides
 # The row is held in registers; the selection runs lax.top_k past this (as for the Pallas
 # kernel, `pool_topk.KERNEL_MAX_P`).
 KERNEL_MAX_P = 4096
-METHODS = {"radix": 0, "topk": 1, "sort": 2}
+METHODS = {"radix": 0, "topk": 1, "sort": 2, "sample": 3}
 JAX_TRITON_REQUIREMENT = "jax-triton==0.3.1"
 
 
@@ -35,8 +35,10 @@ class MissingDependencyError(ImportError):
 class TritonTopkTuning:
     """Launch parameters of `pool_topk_triton`.
 
-    method: "radix" (histogram select, the k winners compacted and sorted), "topk" (Triton's
-    bitonic `tl.topk` over the whole row) or "sort" (`tl.sort` of the whole row).
+    method: "radix" (histogram select, the k winners compacted and sorted), "sample" (a
+    threshold from the maxima of blocks of 4 keys, the candidates above it compacted and
+    sorted; radix where they do not fit), "topk" (Triton's bitonic `tl.topk` over the whole
+    row) or "sort" (`tl.sort` of the whole row).
     digit_bits: radix only: bits per histogram pass (8: 4 passes of 256 bins; 4: 8 passes
     of 16). num_warps: Triton's. short_rows: radix only: a row with fewer than k scores
     above -inf skips the passes (its kth is -inf); a row of only -inf (padding) stores
@@ -101,7 +103,7 @@ def pool_topk_triton(scores: jax.Array, k: int, *,
     if n == 0:
         return jnp.zeros((*lead, k), jnp.int32)
     x = scores.reshape(n, p).astype(jnp.float32)  # [N, P]
-    scratch = scratch_shape(n, k, tuning)
+    scratch = scratch_shape(n, p, k, tuning)
     out, _, _ = jt.triton_call(
         x, kernel=kernels.pool_topk_kernel,
         out_shape=[jax.ShapeDtypeStruct((n, k), jnp.int32),
@@ -114,13 +116,24 @@ def pool_topk_triton(scores: jax.Array, k: int, *,
 
 def kernel_constants(p: int, k: int, tuning: TritonTopkTuning) -> dict[str, int]:
     """The kernel's constexpr arguments for rows of `p` pools and top `k` (blocks of at
-    least 2: `tl.topk` does not compile for 1)."""
-    return dict(P=p, PP=max(2, next_pow2(p)), K=k, KP=max(2, next_pow2(k)),
-                METHOD=METHODS[tuning.method], DIGIT_BITS=tuning.digit_bits,
+    least 2: `tl.topk` does not compile for 1). "sample" runs as "radix" where a quarter of
+    the row holds fewer than next_pow2(k) blocks."""
+    pp, kp = max(2, next_pow2(p)), max(2, next_pow2(k))
+    method = tuning.method
+    if method == "sample" and 4 * kp > pp:
+        method = "radix"
+    return dict(P=p, PP=pp, K=k, KP=kp, SLOTS=scratch_slots(pp, kp, method),
+                METHOD=METHODS[method], DIGIT_BITS=tuning.digit_bits,
                 SHORT_ROWS=tuning.short_rows)
 
 
-def scratch_shape(n: int, k: int, tuning: TritonTopkTuning) -> tuple[int, ...]:
-    """Each of the two int32 scratch outputs: the radix method's compacted winners (keys,
-    indices) per row; the other methods keep none (one element, never touched)."""
-    return (n, max(2, next_pow2(k))) if tuning.method == "radix" else (1,)
+def scratch_slots(pp: int, kp: int, method: str) -> int:
+    """Scratch slots per row: the radix method's k winners, the sample method's candidates
+    (up to 2 * KP), none for the others (1, never touched)."""
+    return {"radix": kp, "sample": 2 * kp}.get(method, 1)
+
+
+def scratch_shape(n: int, p: int, k: int, tuning: TritonTopkTuning) -> tuple[int, int]:
+    """Each of the two int32 scratch outputs [N, SLOTS] (compacted keys, indices)."""
+    slots = kernel_constants(p, k, tuning)["SLOTS"]
+    return (n if slots > 1 else 1, slots)
