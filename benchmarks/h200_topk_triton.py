@@ -41,7 +41,11 @@ from dsa_jax import indexer, layer, select, shapes
 from dsa_jax import testing as T
 from dsa_jax.pallas import pool_scores as ps
 from dsa_jax.pallas import pool_topk as pt
-from dsa_jax.pallas.pool_topk_triton import TritonTopkTuning
+from dsa_jax.pallas.pool_topk_triton import (
+    MissingDependencyError,
+    TritonTopkTuning,
+    load_jax_triton,
+)
 
 K = pt.PoolTopkTuning
 
@@ -68,11 +72,16 @@ VARIANTS = {
     "triton-topk-w4": _triton(method="topk", num_warps=4),
     "triton-sort-w8": _triton(method="sort", num_warps=8),
 }
-FIRST = ["lax.top_k", "pallas", "triton-radix8-w8", "triton-radix8-w16", "triton-sample8-w8",
-         "triton-sample8-w16", "triton-radix4-w8", "triton-topk-w8"]
-LATER = ["triton-radix8-w4", "triton-radix8-w8-noshort", "triton-sample4-w8",
-         "triton-radix4-w16", "triton-topk-w4", "triton-sort-w8"]
-ODD_VARIANTS = ["triton-radix8-w8", "triton-sample8-w8", "triton-topk-w8", "triton-radix4-w8",
+# Round 1 measured lax.top_k and the Pallas kernel (h200-topk-triton-20261201-round1.json);
+# the final run re-times the Pallas kernel beside the Triton variants.
+FIRST = ["pallas", "triton-sample8-w8", "triton-radix8-w8"]
+SELECTION = ["pallas"]  # + the fastest checked Triton variant of the case
+SECOND = ["triton-sample8-w16", "triton-radix8-w16", "triton-topk-w8", "triton-radix4-w8",
+          "triton-sample4-w8"]
+PREFILL = ["triton-sample8-w8", "triton-radix8-w8", "pallas"]
+LATER = ["triton-radix8-w4", "triton-radix8-w8-noshort", "triton-radix4-w16",
+         "triton-topk-w4", "triton-sort-w8"]
+ODD_VARIANTS = ["triton-sample8-w8", "triton-radix8-w8", "triton-topk-w8", "triton-radix4-w8",
                 "triton-sort-w8", "triton-radix8-w8-noshort"]
 
 
@@ -84,6 +93,16 @@ def _versions() -> dict:
         except metadata.PackageNotFoundError:
             out[dist] = None
     return out
+
+
+def _jax_triton_status(smoke) -> str:
+    if smoke:
+        return "not loaded (smoke)"
+    try:
+        load_jax_triton()
+        return "loaded"
+    except MissingDependencyError as e:
+        return str(e)
 
 
 def _topk_fn(tuning, interpret):
@@ -101,22 +120,21 @@ def _late(res) -> bool:
     return time.monotonic() > res["deadline"]
 
 
-def _glm_cases(cfg, smoke):
-    """(name, scores [N, P], heavy): the top-k inputs of the bench's selection and the step."""
+def _glm_case(cfg, name, smoke):
+    """(scores [N, P], heavy): the top-k inputs of the bench's selection points (the default
+    pool-scores kernel's output), the batch-1 step and a prompt."""
     p, kp = cfg.num_pools, cfg.index_kpool
-    cases = []
-    for name, b, r in [("selection-b64", 64, 1), ("selection-b64-r4", 64, 4)]:
-        b = 3 if smoke else b
+    if name.startswith("selection"):
+        b, r = (3 if smoke else 64), (4 if name.endswith("r4") else 1)
         keys, pos, valid, sets = selection_inputs(cfg, b, r, cfg.max_context, 300 + r)
         qi, w = sets[0]
         scores = ps.pool_scores_pallas(qi, w, keys, layer.candidate_pools(cfg, pos, valid),
                                        interpret=smoke)  # [B, R, P]
-        cases.append((name, scores.reshape(b * r, p), False))
-    cases.append(("decode-b1-r4", T.topk_scores(5, 4, p, [p, 0, 0, 0], ties=False), False))
-    n = 40 if smoke else 9000
-    cases.append((f"prefill-{n}", T.topk_scores(9, n, p, (np.arange(n) + 1) // kp, ties=False),
-                  True))
-    return cases
+        return scores.reshape(b * r, p), False
+    if name == "decode-b1-r4":
+        return T.topk_scores(5, 4, p, [p, 0, 0, 0], ties=False), False
+    n = int(name.split("-")[1])  # prefill-N
+    return T.topk_scores(9, n, p, (np.arange(n) + 1) // kp, ties=False), True
 
 
 def _ties(scores):
@@ -135,9 +153,10 @@ def _run_topk(res, path, case, scores, heavy, names, k, smoke):
         np.array_equal(ref[some], T.topk_definition(scores[some], k))
         and np.array_equal(ref_ties[some], T.topk_definition(ties[some], k)))
     for name in names:
-        if name != "lax.top_k" and name != "pallas" and _late(res):
-            continue
+        if _late(res):
+            return
         row = {"part": "topk", "case": case, "rows": int(scores.shape[0]),
+               "t_s": round(time.monotonic() - res["t0"], 2),
                "P": int(scores.shape[1]), "k": k, "variant": name,
                "tuning": str(VARIANTS[name])}
         if _skip(name, smoke):
@@ -177,14 +196,16 @@ def _selection(cfg, tuning, qi, w, keys, pos, valid):
     return select.expand_selection(cfg, pools, pos, valid)  # [B, R, W]
 
 
-def _run_selection(res, path, cfg, case, b, r, smoke):
+def _run_selection(res, path, cfg, case, b, r, smoke, names):
     keys, pos, valid, sets = selection_inputs(cfg, b, r, cfg.max_context, 300 + r)
-    names = ["pallas", "lax.top_k"]
     best = _best_triton(res, case)
-    names += [best] if best else ["triton-radix8-w4"]
+    names = list(names) + ([best] if best else ["triton-sample8-w8"])
     base = {}
     for name in names:
-        row = {"part": "selection", "case": case, "B": b, "R": r, "variant": name}
+        if _late(res):
+            return
+        row = {"part": "selection", "case": case, "B": b, "R": r, "variant": name,
+               "t_s": round(time.monotonic() - res["t0"], 2)}
         if _skip(name, smoke):
             row["skipped"] = "smoke: jax-triton lowers for GPUs only"
             sweep_row(res, row, lambda row: None, path)
@@ -225,14 +246,16 @@ def _odd_cases():
 
 def _run_odd(res, path, names, smoke):
     for case, scores, k in _odd_cases():
+        if _late(res):
+            return
         ref = np.asarray(_topk_fn(None, smoke)(scores, k))
         defn = T.topk_definition(scores, k)
         res.setdefault("xla_equals_definition", {})[case] = bool(np.array_equal(ref, defn))
         for name in names:
-            if _late(res) and name not in names[:2]:  # the first two always
-                continue
+            if _late(res):
+                return
             row = {"part": "odd", "case": case, "P": int(scores.shape[-1]), "k": k,
-                   "variant": name}
+                   "variant": name, "t_s": round(time.monotonic() - res["t0"], 2)}
             if _skip(name, smoke):
                 row["skipped"] = "smoke: jax-triton lowers for GPUs only"
                 sweep_row(res, row, lambda row: None, path)
@@ -252,7 +275,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
     ap.add_argument("--budget-s", type=float, default=110.0,
-                    help="after this many seconds only lax.top_k and the Pallas kernel run")
+                    help="no new row starts after this many seconds")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "h200-topk-triton.json")
@@ -264,18 +287,34 @@ def main() -> int:
     res = {"command": "PYTHONPATH=. python3 benchmarks/h200_topk_triton.py "
                       + " ".join(sys.argv[1:]),
            "date": datetime.datetime.now(datetime.UTC).isoformat(),
-           "deadline": time.monotonic() + args.budget_s, "versions": _versions(),
+           "t0": time.monotonic(), "deadline": time.monotonic() + args.budget_s,
+           "versions": _versions(), "jax_triton": _jax_triton_status(smoke),
            "device": jax.devices()[0].device_kind,
            "shape": {"P": cfg.num_pools, "k": cfg.select_k}, "results": [], "errors": []}
     k = cfg.select_k
-    cases = _glm_cases(cfg, smoke)
-    for case, scores, heavy in cases:
-        _run_topk(res, path, case, scores, heavy, FIRST, k, smoke)
+    cases = {}
+
+    def topk(case, names):
+        if _late(res):
+            return
+        if case not in cases:
+            cases[case] = _glm_case(cfg, case, smoke)
+        scores, heavy = cases[case]
+        _run_topk(res, path, case, scores, heavy, names, k, smoke)
+
+    # In order of what matters, each row skipped past the deadline (--budget-s).
+    for case in ("selection-b64", "selection-b64-r4", "decode-b1-r4"):
+        topk(case, FIRST)
     for case, b, r in [("selection-b64", 64, 1), ("selection-b64-r4", 64, 4)]:
-        _run_selection(res, path, cfg, case, 3 if smoke else b, r, smoke)
-    _run_odd(res, path, ODD_VARIANTS, smoke)
-    for case, scores, heavy in cases:
-        _run_topk(res, path, case, scores, heavy, LATER, k, smoke)
+        if not _late(res):
+            _run_selection(res, path, cfg, case, 3 if smoke else b, r, smoke, SELECTION)
+    _run_odd(res, path, ODD_VARIANTS[:1], smoke)
+    for case in ("selection-b64", "decode-b1-r4"):
+        topk(case, SECOND)
+    topk("prefill-40" if smoke else "prefill-9000", PREFILL)
+    _run_odd(res, path, ODD_VARIANTS[1:], smoke)
+    for case in ("selection-b64-r4", "selection-b64", "decode-b1-r4"):
+        topk(case, LATER)
     print(f"errors: {len(res['errors'])}; wrote {path}", flush=True)
     return 0 if not res["errors"] else 1
 
