@@ -2,7 +2,8 @@
 
 Total order: score descending, then pool index ascending. `lax.top_k` documents that equal
 values keep the lower index first, and pool scores carry no -0.0 (pool_scores.py), so its
-order is exactly that one; the Pallas top-k (pallas/pool_topk.py) returns the same indices.
+order is exactly that one; the Pallas top-k (pallas/pool_topk.py) and the raw Triton one
+(pallas/pool_topk_triton.py, `PoolTopkTuning(backend="triton")`) return the same indices.
 """
 
 from __future__ import annotations
@@ -15,12 +16,16 @@ from dsa_jax.implementation import pool_topk_op, resolve
 from dsa_jax.pallas import pool_topk
 
 
-def top_pools(cfg: DsaConfig, scores: jax.Array) -> jax.Array:
+def top_pools(cfg: DsaConfig, scores: jax.Array,
+              tuning: pool_topk.PoolTopkTuning | None = None) -> jax.Array:
     """`scores [..., P]` -> the best `min(select_k, P)` pool indices `[..., k]`, best first.
-    Every implementation returns the same indices (the kernel is tested with `==`); the pallas
-    path runs the kernel for rows of at most `pallas.pool_topk.KERNEL_MAX_P` pools, lax.top_k
-    beyond (measured faster there)."""
-    return pool_topk_op(cfg, scores, min(cfg.select_k, scores.shape[-1]))
+    Every implementation returns the same indices (the kernels are tested with `==`); the
+    pallas path runs a kernel for rows of at most `pallas.pool_topk.KERNEL_MAX_P` pools,
+    lax.top_k beyond (measured faster there). tuning: the kernel's (None: its defaults;
+    `PoolTopkTuning(backend="triton")` picks the raw Triton kernel)."""
+    options = None if tuning is None else dict(tuning=tuning)
+    return pool_topk_op(cfg, scores, min(cfg.select_k, scores.shape[-1]),
+                        kernel_options=options)
 
 
 def expand_selection(cfg: DsaConfig, pools: jax.Array, pos: jax.Array, valid: jax.Array
@@ -49,13 +54,18 @@ def select_slots(cfg: DsaConfig, scores: jax.Array, pos: jax.Array, valid: jax.A
     """`expand_selection(cfg, top_pools(cfg, scores), pos, valid)`, the same slots bit for bit:
     scores [..., P], pos and valid [...] -> [..., W]. Where the pallas path runs the top-k
     kernel (rows of at most `pool_topk.KERNEL_MAX_P` pools) the kernel writes the slots
-    itself (`pool_topk.pool_topk_expand_pallas`: no separate expansion pass); `tuning`: the
-    kernel's (None: its defaults)."""
+    itself (`pool_topk.pool_topk_expand_pallas`: no separate expansion pass) unless `tuning`
+    names the raw Triton backend (its kernel returns the pools; the expansion runs apart);
+    `tuning`: the kernel's (None: its defaults)."""
     impl = resolve(cfg.implementation)
     k = min(cfg.select_k, scores.shape[-1])
+    tuning = tuning or pool_topk.PoolTopkTuning()
     if impl == "xla" or scores.shape[-1] > pool_topk.KERNEL_MAX_P:
         return expand_selection(cfg, top_pools(cfg, scores), pos, valid)
+    interpret = impl == "pallas-interpret"
+    if tuning.backend != "pallas":  # a kernel that writes no slots: the expansion apart
+        pools = pool_topk.pool_topk_pallas(scores, k, interpret=interpret, tuning=tuning)
+        return expand_selection(cfg, pools, pos, valid)
     expand = pool_topk.Expansion(cfg.index_kpool, cfg.sel_width, cfg.always_select_tail)
     return pool_topk.pool_topk_expand_pallas(scores, k, pos, valid, expand,
-                                             interpret=impl == "pallas-interpret",
-                                             tuning=tuning or pool_topk.PoolTopkTuning())
+                                             interpret=interpret, tuning=tuning)

@@ -19,6 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from dsa_jax.pallas.common import next_pow2, with_overrides
+from dsa_jax.pallas.pool_topk_triton import TritonTopkTuning, pool_topk_triton
 
 _INT_MIN = -(2 ** 31)
 # sortable_key(-inf): 0xFF800000 ^ 0x7FFFFFFF as int32.
@@ -29,6 +30,7 @@ _NEG_INF_KEY = -2139095041
 # P = 4096, and at P = 32768 (a 128K ceiling), where its passes stream the row from L2, it
 # was slower (benchmarks/results/h200-topk.json).
 KERNEL_MAX_P = 4096
+BACKENDS = ("pallas", "triton")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +51,9 @@ class PoolTopkTuning:
     order] (one compare per pair instead of the three of "greater, or equal and earlier");
     measured slower: 9000 prompt rows 1209 vs 1082 us (short_rows both).
     num_warps: Triton's (8 measured slower than 4 for one row).
+    backend: "pallas" (this file's kernel, the fields above) or "triton" (the raw Triton
+    kernel of `pool_topk_triton`, tuned by `triton`: compiled for a GPU only, needs the
+    jax-triton package; a missing package or interpret mode raises, nothing falls back).
     H200 sweeps: benchmarks/results/h200-topk.json, h200-selection.json."""
     chunk: int = 4096
     rank_block: int = 32
@@ -57,6 +62,13 @@ class PoolTopkTuning:
     short_rows: bool = True
     fused_compare: bool = False
     num_warps: int = 4
+    backend: str = "pallas"
+    triton: TritonTopkTuning = TritonTopkTuning()
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"PoolTopkTuning: backend={self.backend!r} must be one of "
+                             f"{BACKENDS}")
 
 
 def pool_topk_xla(scores: jax.Array, k: int) -> jax.Array:
@@ -300,9 +312,20 @@ def pool_topk_pallas(scores: jax.Array, k: int, *, interpret: bool = False,
     """`pool_topk_xla` as a Pallas kernel: the same indices, bit for bit.
 
     scores [..., P] f32 (no NaN) -> [..., k] int32, best first. `overrides`: fields of
-    `tuning` by name (`radix_bits=4`).
+    `tuning` by name (`radix_bits=4`). `tuning.backend="triton"` runs `pool_topk_triton`.
     """
-    return _topk_call(scores, k, None, None, interpret, with_overrides(tuning, overrides))[0]
+    tuning = with_overrides(tuning, overrides)
+    if tuning.backend == "triton":
+        _no_triton_interpret(interpret)
+        return pool_topk_triton(scores, k, tuning=tuning.triton)
+    return _topk_call(scores, k, None, None, interpret, tuning)[0]
+
+
+def _no_triton_interpret(interpret: bool) -> None:
+    if interpret:
+        raise ValueError("pool_topk: backend='triton' (the raw Triton kernel) has no Pallas "
+                         "interpret mode; use backend='pallas' with implementation "
+                         "'pallas-interpret'")
 
 
 def pool_topk_expand_pallas(scores: jax.Array, k: int, pos: jax.Array, valid: jax.Array,
@@ -314,8 +337,12 @@ def pool_topk_expand_pallas(scores: jax.Array, k: int, pos: jax.Array, valid: ja
     if scores.shape[:-1] != pos.shape or pos.shape != valid.shape:
         raise ValueError(f"pool_topk_expand: scores {scores.shape} need pos and valid of "
                          f"shape {scores.shape[:-1]}; got {pos.shape} and {valid.shape}")
+    tuning = with_overrides(tuning, overrides)
+    if tuning.backend != "pallas":
+        raise ValueError(f"pool_topk_expand: backend={tuning.backend!r} writes no token slots; "
+                         f"only backend='pallas' does (select.select_slots expands the other)")
     pv = jnp.where(valid, pos, -1).astype(jnp.int32).reshape(-1)  # [N]
-    return _topk_call(scores, k, expand, pv, interpret, with_overrides(tuning, overrides))[1]
+    return _topk_call(scores, k, expand, pv, interpret, tuning)[1]
 
 
 def _topk_call(scores, k, expand, pv, interpret, tuning):

@@ -1,0 +1,139 @@
+"""Top-k pool indices by a raw Triton kernel called through jax-triton: `pool_topk_xla`'s
+indices, bit for bit, with what the Pallas-Triton lowering lacks (`tl.histogram`, `tl.sort`).
+
+The kernel (`triton_topk_kernel.py`) runs one program per row with the row in registers: a
+radix select of the k-th largest key in 4 histogram passes of 8-bit digits, the k winners
+compacted and sorted on a composite key (score, then index). The Pallas kernel
+(`pool_topk.py`) needs 16 counting passes and a k^2 ranking for the same answer.
+
+jax-triton and triton are optional GPU dependencies (`pip install 'dsa_jax[gpu]'`): they are
+imported when this kernel is called, and their absence raises `MissingDependencyError` naming
+the package; nothing falls back to another kernel. The twin is `pool_topk.pool_topk_xla`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from dsa_jax.pallas.common import next_pow2, with_overrides
+
+# The row is held in registers; the selection runs lax.top_k past this (as for the Pallas
+# kernel, `pool_topk.KERNEL_MAX_P`).
+KERNEL_MAX_P = 4096
+METHODS = {"radix": 0, "topk": 1, "sort": 2, "sample": 3}
+JAX_TRITON_REQUIREMENT = "jax-triton==0.3.1"
+
+
+class MissingDependencyError(ImportError):
+    """The raw Triton top-k was asked for and jax-triton or triton is not installed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonTopkTuning:
+    """Launch parameters of `pool_topk_triton`.
+
+    method: "radix" (histogram select, the k winners compacted and sorted), "sample" (a
+    threshold from the maxima of blocks of 4 keys, the candidates above it compacted and
+    sorted; radix where they do not fit), "topk" (Triton's bitonic `tl.topk` over the whole
+    row) or "sort" (`tl.sort` of the whole row).
+    digit_bits: radix only: bits per histogram pass (8: 4 passes of 256 bins; 4: 8 passes
+    of 16). num_warps: Triton's. short_rows: radix only: a row with fewer than k scores
+    above -inf skips the passes (its kth is -inf); a row of only -inf (padding) stores
+    0..k-1 directly."""
+    method: str = "radix"
+    digit_bits: int = 8
+    num_warps: int = 8
+    short_rows: bool = True
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"method={self.method!r}: must be one of {sorted(METHODS)}")
+        if self.digit_bits not in (4, 8):
+            raise ValueError(f"digit_bits={self.digit_bits} must be 4 or 8")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps={self.num_warps} must be a power of two in [1, 16]")
+
+
+def load_jax_triton():
+    """(jax_triton, the kernel module), or `MissingDependencyError` naming what is missing."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        raise MissingDependencyError(
+            f"the raw Triton top-k (PoolTopkTuning(backend='triton')) needs the 'triton' "
+            f"package (>= 3.6, a GPU install), which cannot be imported here: {e}. Install "
+            f"'dsa_jax[gpu]' or use backend='pallas'") from e
+    try:
+        import jax_triton
+    except ImportError as e:
+        raise MissingDependencyError(
+            f"the raw Triton top-k (PoolTopkTuning(backend='triton')) needs the 'jax-triton' "
+            f"package ({JAX_TRITON_REQUIREMENT}), which cannot be imported here: {e}. Install "
+            f"'dsa_jax[gpu]' or use backend='pallas'") from e
+    from dsa_jax.pallas import triton_topk_kernel
+    return jax_triton, triton_topk_kernel
+
+
+def check_args(p: int, k: int) -> None:
+    """Raise ValueError, before anything runs, for a k or a row length the kernel refuses."""
+    if not 1 <= k <= p:
+        raise ValueError(f"pool_topk_triton: k={k} must be in [1, P={p}]")
+    if p > KERNEL_MAX_P:
+        raise ValueError(f"pool_topk_triton: rows of P={p} pools exceed the kernel's "
+                         f"KERNEL_MAX_P={KERNEL_MAX_P} (the row is held in registers); use "
+                         f"pool_topk_xla")
+
+
+def pool_topk_triton(scores: jax.Array, k: int, *,
+                     tuning: TritonTopkTuning = TritonTopkTuning(), **overrides) -> jax.Array:
+    """`pool_topk_xla` as a raw Triton kernel (GPU only): the same indices, bit for bit.
+
+    scores [..., P] f32 (no NaN), P <= KERNEL_MAX_P -> [..., k] int32, best first.
+    `overrides`: fields of `tuning` by name (`method="topk"`)."""
+    tuning = with_overrides(tuning, overrides)
+    *lead, p = scores.shape
+    check_args(p, k)
+    jt, kernels = load_jax_triton()
+    n = 1
+    for d in lead:
+        n *= d
+    if n == 0:
+        return jnp.zeros((*lead, k), jnp.int32)
+    x = scores.reshape(n, p).astype(jnp.float32)  # [N, P]
+    scratch = scratch_shape(n, p, k, tuning)
+    out, _, _ = jt.triton_call(
+        x, kernel=kernels.pool_topk_kernel,
+        out_shape=[jax.ShapeDtypeStruct((n, k), jnp.int32),
+                   jax.ShapeDtypeStruct(scratch, jnp.int32),
+                   jax.ShapeDtypeStruct(scratch, jnp.int32)],
+        grid=(n,), num_warps=tuning.num_warps, num_stages=1, name="pool_topk_triton",
+        **kernel_constants(p, k, tuning))
+    return out.reshape(*lead, k)
+
+
+def kernel_constants(p: int, k: int, tuning: TritonTopkTuning) -> dict[str, int]:
+    """The kernel's constexpr arguments for rows of `p` pools and top `k` (blocks of at
+    least 2: `tl.topk` does not compile for 1). "sample" runs as "radix" where a quarter of
+    the row holds fewer than next_pow2(k) blocks."""
+    pp, kp = max(2, next_pow2(p)), max(2, next_pow2(k))
+    method = tuning.method
+    if method == "sample" and 4 * kp > pp:
+        method = "radix"
+    return dict(P=p, PP=pp, K=k, KP=kp, SLOTS=scratch_slots(pp, kp, method),
+                METHOD=METHODS[method], DIGIT_BITS=tuning.digit_bits,
+                SHORT_ROWS=tuning.short_rows)
+
+
+def scratch_slots(pp: int, kp: int, method: str) -> int:
+    """Scratch slots per row: the radix method's k winners, the sample method's candidates
+    (up to 2 * KP), none for the others (1, never touched)."""
+    return {"radix": kp, "sample": 2 * kp}.get(method, 1)
+
+
+def scratch_shape(n: int, p: int, k: int, tuning: TritonTopkTuning) -> tuple[int, int]:
+    """Each of the two int32 scratch outputs [N, SLOTS] (compacted keys, indices)."""
+    slots = kernel_constants(p, k, tuning)["SLOTS"]
+    return (n if slots > 1 else 1, slots)

@@ -1,0 +1,234 @@
+"""The raw Triton top-k (`pallas/pool_topk_triton.py`, `PoolTopkTuning(backend="triton")`).
+
+On the CPU: the kernel's logic in Triton's interpreter (torch CPU tensors, in a subprocess:
+the interpreter is switched on by TRITON_INTERPRET before triton is imported, which must not
+leak into this process) against the selection's total order with `==`, on ties, -inf tails,
+rows with fewer finite scores than k, all -inf rows, -0.0 and odd P and k; then everything
+around the kernel: the backend choice, the errors where jax-triton is missing or interpret
+mode is asked for, the argument checks. On a GPU (`gpu` marker; needs jax-triton): the
+compiled kernel through jax-triton `==` lax.top_k at odd and GLM-5.3-Flash shapes, and in the
+selection.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+import chex
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsa_jax import select, shapes
+from dsa_jax import testing as T
+from dsa_jax.pallas import pool_topk as pt
+from dsa_jax.pallas import pool_topk_triton as ptt
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (name, seed, rows, P, k, live per row, ties): odd P and k, k == P, k == 1, short rows.
+CASES = [
+    ("p300-k37", 1, 3, 300, 37, [300, 150, 37], False),
+    ("p300-k37-ties", 2, 3, 300, 37, [300, 150, 37], True),
+    ("p1000-k200-short", 3, 3, 1000, 200, [1000, 511, 3], True),
+    ("p64-k64", 4, 2, 64, 64, [64, 33], True),
+    ("p70-k1", 5, 2, 70, 1, [70, 0], False),
+    ("p1-k1", 6, 2, 1, 1, [1, 0], False),
+]
+
+
+def special_rows() -> list[tuple[str, np.ndarray, int]]:
+    """(name, scores [N, P], k): +0.0 / -0.0 mixed with ties and -inf; all equal; all -inf."""
+    z = np.where(np.arange(96) % 2 == 0, 0.0, -0.0).astype(np.float32)  # [96]
+    z[::7] = 1.5
+    z[5::11] = -np.inf
+    return [("signed-zeros", np.stack([z, z[::-1].copy()]), 40),
+            ("all-equal-all-neginf", np.stack([np.full(200, 0.25, np.float32),
+                                               np.full(200, -np.inf, np.float32)]), 100)]
+
+
+# ------------------------------------------------------------------ the kernel, interpreted
+
+_INTERPRETED = r"""
+import json, sys
+import numpy as np
+import torch
+from dsa_jax import testing as T
+from dsa_jax.pallas import pool_topk_triton as ptt
+from dsa_jax.pallas import triton_topk_kernel as tk
+from tests.test_pool_topk_triton import CASES, special_rows
+
+def run(scores, k, tuning):
+    n, p = scores.shape
+    s = torch.from_numpy(np.array(scores, np.float32))
+    out = torch.full((n, k), -7, dtype=torch.int32)
+    cu, ci = (torch.zeros(ptt.scratch_shape(n, p, k, tuning), dtype=torch.int32) for _ in "ab")
+    tk.pool_topk_kernel[(n,)](s, out, cu, ci, **ptt.kernel_constants(p, k, tuning))
+    return out.numpy()
+
+inputs = [(name, np.asarray(T.topk_scores(seed, n, p, live, ties)), k)
+          for name, seed, n, p, k, live, ties in CASES] + special_rows()
+results = []
+for method, bits, short in [("radix", 8, True), ("radix", 4, True), ("sort", 8, True),
+                           ("radix", 8, False), ("sample", 8, True)]:
+    tuning = ptt.TritonTopkTuning(method=method, digit_bits=bits, short_rows=short)
+    for name, scores, k in inputs:
+        # the interpreter sorts slowly: the other methods on small inputs (and radix 4 on
+        # the tied P 300 too)
+        small = scores.shape[-1] <= 128 or (bits == 4 and name == "p300-k37-ties")
+        if (method, bits, short) not in (("radix", 8, True), ("sample", 8, True)) and not small:
+            continue
+        ok = np.array_equal(run(scores, k, tuning), T.topk_definition(scores, k))
+        results.append([method, bits, short, name, bool(ok)])
+print(json.dumps(results))
+"""
+
+
+def test_kernel_in_triton_interpreter_equals_the_total_order():
+    pytest.importorskip("triton", reason="the 'triton' package (test extra) runs the "
+                                         "kernel's logic in its interpreter")
+    pytest.importorskip("torch", reason="Triton's interpreter takes torch tensors")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETED], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    n_inputs = len(CASES) + len(special_rows())
+    # radix 8 and sample on every input; radix 4 on 5; sort and radix 8 without short rows on 4
+    assert len(results) == 2 * n_inputs + 5 + 4 + 4
+    assert [r for r in results if not r[-1]] == []
+
+
+@pytest.mark.parametrize("p,k,kw", [(4096, 512, dict()), (4096, 512, dict(method="sample")),
+                                    (300, 37, dict(method="topk")),
+                                    (300, 37, dict(method="sort")), (1, 1, dict(digit_bits=4))])
+def test_kernel_compiles_for_hopper(p, k, kw):
+    """The kernel compiled for sm_90 on the CPU (Triton's compiler and ptxas need no GPU):
+    what jax-triton compiles on the H200, so a lowering error shows here first."""
+    triton = pytest.importorskip("triton", reason="the 'triton' package (test extra)")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from dsa_jax.pallas import triton_topk_kernel as tk
+    tuning = ptt.TritonTopkTuning(**kw)
+    consts = ptt.kernel_constants(p, k, tuning)
+    sig = {"s_ptr": "*fp32", "out_ptr": "*i32", "cu_ptr": "*i32", "ci_ptr": "*i32",
+           **{name: "constexpr" for name in consts}}
+    compiled = triton.compile(ASTSource(fn=tk.pool_topk_kernel, signature=sig, constexprs=consts),
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": tuning.num_warps, "num_stages": 1})
+    assert "pool_topk_kernel" in compiled.asm["ptx"]
+
+
+# ------------------------------------------------------------------ around the kernel (CPU)
+
+
+def test_backend_and_tuning_are_checked():
+    with pytest.raises(ValueError, match="backend='cuda'"):
+        pt.PoolTopkTuning(backend="cuda")
+    with pytest.raises(ValueError, match="method='heap'"):
+        ptt.TritonTopkTuning(method="heap")
+    with pytest.raises(ValueError, match="digit_bits=5"):
+        ptt.TritonTopkTuning(digit_bits=5)
+    with pytest.raises(ValueError, match="num_warps=3"):
+        ptt.TritonTopkTuning(num_warps=3)
+    assert pt.PoolTopkTuning().backend == "pallas"  # the default until the H200 says otherwise
+
+
+def test_bad_k_and_long_rows_raise_before_any_import():
+    with pytest.raises(ValueError, match="k=51"):
+        ptt.pool_topk_triton(jnp.zeros((2, 50)), 51)
+    with pytest.raises(ValueError, match="KERNEL_MAX_P=4096"):
+        ptt.pool_topk_triton(jnp.zeros((1, 4097)), 8)
+
+
+@pytest.mark.parametrize("absent,named", [("triton", "'triton' package"),
+                                          ("jax_triton", "'jax-triton' package")])
+def test_missing_package_is_named(monkeypatch, absent, named):
+    """Asked for and not installed: MissingDependencyError naming the package; no fallback."""
+    if absent == "jax_triton":  # triton "present", jax-triton not
+        monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton"))
+    monkeypatch.setitem(sys.modules, absent, None)  # import raises ImportError
+    with pytest.raises(ptt.MissingDependencyError, match=named):
+        ptt.pool_topk_triton(jnp.zeros((2, 50)), 5)
+    with pytest.raises(ptt.MissingDependencyError, match=named):
+        pt.pool_topk_pallas(jnp.zeros((2, 50)), 5, backend="triton")
+
+
+def test_triton_backend_refuses_interpret_mode():
+    s = T.topk_scores(3, 2, 50, [50, 20], ties=True)
+    with pytest.raises(ValueError, match="no Pallas interpret mode"):
+        T.run_op("pool_topk", "pallas-interpret", s, 5, kernel_options=dict(backend="triton"))
+    cfg = shapes.ODD.replace(implementation="pallas-interpret")
+    with pytest.raises(ValueError, match="no Pallas interpret mode"):
+        select.top_pools(cfg, s, pt.PoolTopkTuning(backend="triton"))
+    with pytest.raises(ValueError, match="writes no token slots"):
+        pt.pool_topk_expand_pallas(s, 5, jnp.zeros(2, jnp.int32), jnp.ones(2, bool),
+                                   pt.Expansion(4, 23, True), interpret=True,
+                                   tuning=pt.PoolTopkTuning(backend="triton"))
+
+
+def test_xla_implementation_ignores_the_kernel_choice():
+    """implementation="xla" runs lax.top_k whatever the tuning names (no kernel runs)."""
+    cfg = shapes.ODD.replace(implementation="xla")
+    s = T.topk_scores(4, 3, 60, [60, 30, 0], ties=True)
+    k = min(cfg.select_k, 60)
+    got = select.top_pools(cfg, s, pt.PoolTopkTuning(backend="triton"))
+    chex.assert_trees_all_equal(np.asarray(got), T.topk_definition(s, k))
+
+
+# ------------------------------------------------------------------ compiled (GPU)
+
+
+def _gpu_topk(s, k, **kw):
+    pytest.importorskip("jax_triton", reason="the raw Triton top-k needs jax-triton "
+                                             "(gpu extra)")
+    return np.asarray(pt.pool_topk_pallas(s, k, tuning=pt.PoolTopkTuning(
+        backend="triton", triton=ptt.TritonTopkTuning(**kw))))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw", [dict(), dict(method="sample"), dict(method="topk"),
+                                dict(short_rows=False)])
+def test_compiled_equals_the_total_order(kw):
+    for name, seed, n, p, k, live, ties in CASES:
+        s = T.topk_scores(seed, n, p, live, ties)
+        chex.assert_trees_all_equal(_gpu_topk(s, k, **kw), T.topk_definition(s, k),
+                                    custom_message=name)
+    for name, s, k in special_rows():
+        chex.assert_trees_all_equal(_gpu_topk(jnp.asarray(s), k, **kw),
+                                    T.topk_definition(s, k), custom_message=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["radix", "sample", "topk"])
+def test_compiled_at_glm53_flash_shapes(method):
+    """k 512 of P 4096: a padded decode, a verify, short rows, ties; batch dims kept."""
+    cfg = shapes.glm53_flash()
+    p, k = cfg.num_pools, cfg.select_k
+    for ties in (False, True):
+        live = [p, 0, 0, 0, p, p, p, 0, p // 2 + 1, k, k - 1, 3]
+        s = T.topk_scores(11 + ties, len(live), p, live, ties).reshape(3, 4, p)
+        got = _gpu_topk(s, k, method=method)
+        chex.assert_shape(got, (3, 4, k))
+        chex.assert_trees_all_equal(got, T.topk_definition(s, k))
+
+
+@pytest.mark.gpu
+def test_selection_with_the_triton_top_k():
+    """`select_slots` and `top_pools` with the Triton backend: the xla selection, bit for bit."""
+    pytest.importorskip("jax_triton", reason="needs jax-triton (gpu extra)")
+    cfg = shapes.glm53_flash(max_context=4096).replace(implementation="pallas")
+    p = cfg.num_pools  # 1024, k 512
+    s = T.topk_scores(7, 6, p, [p, 0, 100, 3, p, 1], ties=True).reshape(2, 3, p)
+    pos = jnp.asarray([[4095, 4094, 400], [11, 4095, 5]], jnp.int32)
+    valid = jnp.asarray([[True, False, True], [True, True, True]])
+    tuning = pt.PoolTopkTuning(backend="triton")
+    want = select.expand_selection(cfg.replace(implementation="xla"),
+                                   pt.pool_topk_xla(s, cfg.select_k), pos, valid)
+    chex.assert_trees_all_equal(select.select_slots(cfg, s, pos, valid, tuning=tuning), want)
+    chex.assert_trees_all_equal(select.top_pools(cfg, s, tuning),
+                                pt.pool_topk_xla(s, cfg.select_k))
