@@ -54,6 +54,14 @@ PREP_VARIANTS = {
                                     prep_per_sm=1),
 }
 TARGET_US = {"a": 55.0, "b": 450.0}
+# MgpuTuning fields of the mosaic groups' variants beside the default (run 8: the producer
+# converts, `mgpu_gather`; run 4's q_in_kernel variant is in git history).
+MOSAIC_VARIANTS = {
+    "mosaic-producer": dict(convert="producer"),
+    "mosaic-producer-ahead": dict(convert="producer", gather_ahead=True),
+    "mosaic-producer-r64": dict(convert="producer", consumer_regs=224, producer_regs=64),
+}
+P_VARIANTS = ("triton-default", "mosaic-default", "mosaic-producer")  # also timed on "p"
 
 
 def variants(group: str):
@@ -70,8 +78,8 @@ def variants(group: str):
     mos = {"mosaic-default": mg.MgpuTuning()}
     if group == "prep":
         mos.update({k: mg.MgpuTuning(**v) for k, v in PREP_VARIANTS.items()})
-    if group == "mosaic":
-        mos.update({"mosaic-qk": mg.MgpuTuning(q_in_kernel=True)})
+    if group in ("mosaic", "mosaic-smoke"):
+        mos.update({k: mg.MgpuTuning(**v) for k, v in MOSAIC_VARIANTS.items()})
     return {k: (dict(tuning=sa.AttendTuning(backend="mosaic", mosaic=t)), "float16")
             for k, t in mos.items()}
 
@@ -345,8 +353,11 @@ def run_group(group: str, out_path: str, shapes: str):
     vs = variants(group)
     if group == "mosaic-smoke":  # one small case first: a hung kernel costs little here
         shapes = ""
-    shared = {i: {} for i in range(len(CHECK_CASES))} if group in ("prep", "smoke") else None
-    variant_major = group in ("prep", "smoke")
+    # Every variant on the same inputs, its output `==` the default's (the same f16 operands
+    # and fp32 sums in the same order), each checked then timed in turn.
+    shared_groups = ("prep", "smoke", "mosaic", "mosaic-smoke")
+    shared = {i: {} for i in range(len(CHECK_CASES))} if group in shared_groups else None
+    variant_major = group in shared_groups
 
     def time_row(name, kw, key):
         row = {"variant": name, "shape": SHAPES[key][0]}
@@ -365,8 +376,6 @@ def run_group(group: str, out_path: str, shapes: str):
             time_row(f"diag-{diag}", dict(diag=diag), key)
     for name, (kw, op) in vs.items():
         cases = CHECK_CASES if group in ("mosaic", "prep") else CHECK_CASES[:1]
-        if group == "mosaic" and name != "mosaic-default":
-            cases = CHECK_CASES[:3]
         if group in ("mosaic-smoke", "smoke"):
             cases = CHECK_CASES[2:3]
         for i, case in enumerate(cases):
@@ -397,10 +406,12 @@ def run_group(group: str, out_path: str, shapes: str):
             dump()
         if variant_major:  # checked, then timed: a later variant that hangs costs only itself
             for key in shapes:
+                if key == "p" and group == "mosaic" and name not in P_VARIANTS:
+                    continue
                 time_row(name, kw, key)
     for key in "" if variant_major else shapes:
         for name, (kw, _) in vs.items():
-            if key == "p" and name not in ("triton-default", "mosaic-default", "mosaic-qk"):
+            if key == "p" and name not in P_VARIANTS:
                 continue
             time_row(name, kw, key)
     dump()

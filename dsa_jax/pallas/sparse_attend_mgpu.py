@@ -38,6 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from dsa_jax.pallas import mgpu_gather
 from dsa_jax.pallas.common import sm_count
 
 HEADS_PER_CTA = 64  # the wgmma M of one warpgroup
@@ -74,6 +75,15 @@ class MgpuTuning:
     persistent: one CTA per multiprocessor, each looping over (row, split, head block) items
       with its pipeline running on across them (else one CTA per item). Measured slower
       (h200-attend-run6): an option, not the default.
+    convert: who converts the e4m3 rows to f16: "consumer" (the producer bulk-copies rows into
+      fp8 staging, `stages` deep, and each consumer converts its column half before its dots)
+      or "producer" (`mgpu_gather`: the producer loads the rows into registers, converts them
+      and writes f16 tiles, `stages` deep, in the staging's shared memory; the consumers only
+      wait, multiply and run the softmax). index_group, issue_warps and row_pad apply to
+      "consumer" only.
+    gather_ahead: with convert="producer", the producer issues tile t + 1's loads before it
+      converts and stores tile t (two tiles of rows in registers), so their latency overlaps
+      the conversion and the wait for a free tile.
     """
 
     block_w: int = 64
@@ -90,8 +100,14 @@ class MgpuTuning:
     prep_warps: int = 16
     prep_per_sm: int = 0
     persistent: bool = False
+    convert: str = "consumer"
+    gather_ahead: bool = False
 
     def __post_init__(self):
+        if self.convert not in ("consumer", "producer"):
+            raise ValueError(f"convert={self.convert!r} must be 'consumer' or 'producer'")
+        if self.gather_ahead and self.convert != "producer":
+            raise ValueError("gather_ahead=True needs convert='producer'")
         if self.prep not in ("jnp", "triton"):
             raise ValueError(f"prep={self.prep!r} must be 'jnp' or 'triton'")
         if self.prep_heads < 1 or self.prep_heads & (self.prep_heads - 1):
@@ -116,9 +132,11 @@ class MgpuTuning:
 def smem_bytes(c: int, t: MgpuTuning) -> int:
     """Shared memory the kernel allocates (the H200 gives a CTA at most 227 KiB)."""
     half = c // 2
+    tiles16 = t.stages if t.convert == "producer" else 1  # f16 tiles
+    staged = 0 if t.convert == "producer" else t.stages * t.block_w * (c + t.row_pad)
     return (2 * HEADS_PER_CTA * half * 2  # Q halves, f16
-            + t.stages * t.block_w * (c + t.row_pad)  # fp8 staging
-            + 2 * t.block_w * half * 2  # f16 tile halves
+            + staged  # fp8 staging
+            + tiles16 * 2 * t.block_w * half * 2  # f16 tile halves
             + 2 * HEADS_PER_CTA * t.block_w * 4)  # partial logits exchange
 
 
@@ -128,6 +146,8 @@ def supports(cache_dtype, c: int, t: MgpuTuning = MgpuTuning()) -> str | None:
         return f"cache dtype {jnp.dtype(cache_dtype).name} (the kernel stages fp8 e4m3 rows)"
     if c % 128 or c // 2 > 256:
         return f"C={c} (needs a multiple of 128 with C/2 <= 256)"
+    if t.convert == "producer" and (why := mgpu_gather.check_shapes(t.block_w, c)):
+        return why
     if smem_bytes(c, t) > 227 * 1024:
         return f"shared memory {smem_bytes(c, t)} B > 227 KiB"
     return None
@@ -165,7 +185,7 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
             o_ref, m_ref, l_ref, *, c: int, block_w: int, tiles: int, stages: int, row_pad: int,
             index_group: int, issue_warps: bool, q_in_kernel: bool, consumer_regs: int,
             producer_regs: int, drop: str, programs: int, head_blocks: int, splits: int,
-            rows: int):
+            rows: int, convert: str, gather_ahead: bool):
     """One (head block, split, row) CTA of 3 warpgroups; see the module docstring. With
     programs > 0 (persistent), CTA p handles the items p, p + programs, ... of the
     (row, split, head block) list (head block fastest), its barriers' stages and phases
@@ -211,7 +231,10 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
     def load(ref, layout):  # ref (GMEM, or SMEM read in a layout with no planned transfer)
         return plgpu.load(ref, (), layout=layout, optimized=False)
 
+    by_producer = convert == "producer"
+
     def scoped(q16, st8, kv16, xs, q_bar, full, free, x_full, x_free):
+        # by_producer: st8 is None and kv16 holds `stages` f16 tiles [stages, 2, BW, half].
         wg = lax.axis_index("wg")
 
         def consume(it, g):
@@ -234,18 +257,21 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
                 m, l, acc = carry  # [64] WGMMA_ROW, [64], [64, half] WGMMA
                 s = lax.rem(step(g, t), stages)
                 plgpu.barrier_wait(full.at[s])
-                plgpu.commit_smem()  # every warp's P @ V of tile t - 1 read kv16: now rewrite
-                for j in range(half // 64 if drop != "convert" else 0):
-                    x = load(st8.at[s, :, pl.ds(wg * half + j * 64, 64)], conv_layout)
-                    kv16.at[wg, :, pl.ds(j * 64, 64)][...] = x.astype(jnp.float16)
+                kv = kv16.at[s, wg] if by_producer else kv16.at[wg]  # [BW, half] f16
+                if not by_producer:
+                    plgpu.commit_smem()  # every warp's P @ V of tile t - 1 read kv16: rewrite
+                    for j in range(half // 64 if drop != "convert" else 0):
+                        x = load(st8.at[s, :, pl.ds(wg * half + j * 64, 64)], conv_layout)
+                        kv16.at[wg, :, pl.ds(j * 64, 64)][...] = x.astype(jnp.float16)
                 base = base0 + t * block_w
                 valid = load(slots_ref.at[row, pl.ds(base, block_w)],
                              plgpu.Layout.WGMMA.reduce(0)) >= 0  # [BW] per slot
-                plgpu.barrier_arrive(free.at[s])  # staging read: the producer may refill it
-                plgpu.commit_smem()  # f16 tile visible to wgmma
+                if not by_producer:
+                    plgpu.barrier_arrive(free.at[s])  # staging read: the producer may refill
+                    plgpu.commit_smem()  # f16 tile visible to wgmma
 
                 def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q16.at[wg], plgpu.transpose_ref(kv16.at[wg], (1, 0)))
+                    plgpu.wgmma(acc_ref, q16.at[wg], plgpu.transpose_ref(kv, (1, 0)))
                     return acc_ref[...]
 
                 part = pl.run_scoped(qk, plgpu.ACC((HEADS_PER_CTA, block_w), jnp.float32))
@@ -270,9 +296,11 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
                 p16 = p.astype(jnp.float16)
 
                 def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p16, kv16.at[wg])
+                    plgpu.wgmma(acc_ref, p16, kv)
 
-                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # waits for the wgmma
+                if by_producer:
+                    plgpu.barrier_arrive(free.at[s])  # f16 tile read: the producer may refill
                 return m_new, l, acc
 
             m0 = plgpu.layout_cast(jnp.full((HEADS_PER_CTA,), _M_INIT, jnp.float32),
@@ -321,6 +349,26 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
                         copy_row(slot, st8.at[s, pl.ds(first + g0 + i, 1), pl.ds(0, c)],
                                  full.at[s])
 
+            def gather_tile(t):  # t clamped into this item's tiles: always in bounds
+                t = jnp.clip(t, 0, tiles - 1)
+                return gather(slots_ref.at[row, pl.ds(base0 + t * block_w, block_w)], lat_ref)
+
+            def fill_f16(t, tile_rows):  # by_producer: gather, wait, convert, store
+                s = lax.rem(step(g, t), stages)
+                if gather_ahead:  # tile t came in the carry; t + 1's loads fly meanwhile
+                    ahead = gather_tile(t + 1)
+                else:  # loads in flight across the wait below
+                    tile_rows = gather_tile(t)
+
+                @pl.when(step(g, t) >= stages)
+                def _():
+                    plgpu.barrier_wait(free.at[s])
+
+                store(tile_rows, kv16.at[s])
+                plgpu.commit_smem()  # the f16 tile visible to the consumers' wgmma
+                plgpu.barrier_arrive(full.at[s])
+                return ahead if gather_ahead else ()
+
             def fill(t, _):
                 s = lax.rem(step(g, t), stages)
 
@@ -336,7 +384,10 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
                     copy_rows(s, base, 0, block_w)
                 return ()
 
-            lax.fori_loop(0, n_tiles, fill, ())
+            if by_producer and gather_ahead:
+                lax.fori_loop(0, n_tiles, fill_f16, gather_tile(0))
+            else:
+                lax.fori_loop(0, n_tiles, fill_f16 if by_producer else fill, ())
             return step(g, n_tiles)
 
         @pl.when(wg < 2)
@@ -349,17 +400,36 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
             plgpu.set_max_registers(producer_regs, action="decrease")
             each_item(produce)
 
+    if by_producer:
+        gather = mgpu_gather.make_gather(block_w, c)
+        store = mgpu_gather.make_store(block_w, c, swz)
+    q_smem = plgpu.SMEM((2, HEADS_PER_CTA, half), jnp.float16, transforms=swz)  # Q halves
+    xs_smem = plgpu.SMEM((2, HEADS_PER_CTA, block_w), jnp.float32, transforms=swz32)  # logits
+    exchange = (plgpu.Barrier(num_arrivals=2),  # partial logits written
+                plgpu.Barrier(num_arrivals=2))  # partial logits read
+    if by_producer:  # every producer thread arrives after its stores (count x 128)
+        pl.run_scoped(
+            lambda q16, kv16, xs, *bars: scoped(q16, None, kv16, xs, *bars),
+            q_smem,
+            plgpu.SMEM((stages, 2, block_w, half), jnp.float16, transforms=swz),  # f16 tiles
+            xs_smem,
+            plgpu.Barrier(num_barriers=2),  # Q loaded, per consumer
+            plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # tile written
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # tile consumed
+            *exchange,
+            collective_axes="wg",
+        )
+        return
     pl.run_scoped(
         scoped,
-        plgpu.SMEM((2, HEADS_PER_CTA, half), jnp.float16, transforms=swz),  # Q halves
+        q_smem,
         plgpu.SMEM((stages, block_w, c + row_pad), jnp.float8_e4m3fn),  # gathered rows
         plgpu.SMEM((2, block_w, half), jnp.float16, transforms=swz),  # f16 tile halves
-        plgpu.SMEM((2, HEADS_PER_CTA, block_w), jnp.float32, transforms=swz32),  # partial logits
+        xs_smem,
         plgpu.Barrier(num_barriers=2),  # Q loaded, per consumer
         plgpu.Barrier(num_arrivals=block_w, num_barriers=stages),  # stage filled
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # stage consumed
-        plgpu.Barrier(num_arrivals=2),  # partial logits written
-        plgpu.Barrier(num_arrivals=2),  # partial logits read
+        *exchange,
         collective_axes="wg",
     )
 
@@ -380,6 +450,8 @@ def sparse_attend_mgpu_partials(scales, q_scales, live, q, slots, latent_flat, *
         raise ValueError(f"sparse_attend_mgpu: q is {q.dtype}, want {jnp.dtype(want).name}")
     if drop not in ("", "convert", "copy"):
         raise ValueError(f"sparse_attend_mgpu: drop={drop!r} not in ('', 'convert', 'copy')")
+    if drop and tuning.convert == "producer":
+        raise ValueError(f"sparse_attend_mgpu: drop={drop!r} needs convert='consumer'")
     why = supports(latent_flat.dtype, c, tuning)
     if why is not None:
         raise ValueError(f"sparse_attend_mgpu: unsupported {why}")
@@ -393,7 +465,8 @@ def sparse_attend_mgpu_partials(scales, q_scales, live, q, slots, latent_flat, *
         _kernel, c=c, block_w=tuning.block_w, tiles=tiles, stages=tuning.stages,
         row_pad=tuning.row_pad, index_group=tuning.index_group,
         issue_warps=tuning.issue_warps, q_in_kernel=tuning.q_in_kernel,
-        consumer_regs=tuning.consumer_regs, producer_regs=tuning.producer_regs, drop=drop)
+        consumer_regs=tuning.consumer_regs, producer_regs=tuning.producer_regs, drop=drop,
+        convert=tuning.convert, gather_ahead=tuning.gather_ahead)
     head_blocks = hp // HEADS_PER_CTA
     programs = min(head_blocks * splits * n, sms or sm_count()) if tuning.persistent else 0
     kernel = functools.partial(kernel, programs=programs, head_blocks=head_blocks,
