@@ -130,7 +130,9 @@ def test_tuning_errors_name_the_value():
                        (dict(consumer_regs=256, producer_regs=64), "65536"),
                        (dict(index_group=0), "index_group=0"), (dict(stages=0), "stages=0"),
                        (dict(convert="tma"), "convert='tma'"),
-                       (dict(gather_ahead=True), "gather_ahead")):
+                       (dict(gather_ahead=True), "gather_ahead"),
+                       (dict(full_logits=True), "full_logits"),
+                       (dict(convert="producer", pingpong=True), "pingpong")):
         with pytest.raises(ValueError, match=match):
             mg.MgpuTuning(**bad)
 
@@ -150,6 +152,8 @@ def test_mosaic_plan_fits_the_h200():
     # The producer-converted plan: no fp8 staging, two f16 tiles in its place.
     prod = mg.MgpuTuning(convert="producer")
     assert mg.smem_bytes(512, prod) == 65536 + 2 * 65536 + 32768 <= 227 * 1024
+    full = mg.MgpuTuning(convert="producer", full_logits=True)
+    assert mg.smem_bytes(512, full) == 65536 + 2 * 65536  # no partial-logit exchange
     assert mg.supports(jnp.float8_e4m3fn, 384, prod) is None
     assert "shared memory" in mg.supports(jnp.float8_e4m3fn, 512,
                                           mg.MgpuTuning(convert="producer", stages=3))
@@ -263,7 +267,8 @@ def test_mosaic_arithmetic_meets_the_f16_bound(splits):
     mg.MgpuTuning(), mg.MgpuTuning(persistent=True), mg.MgpuTuning(prep="triton"),
     mg.MgpuTuning(prep="triton", prep_heads=64, prep_warps=16, persistent=True),
     mg.MgpuTuning(prep="triton", q_in_kernel=True), mg.MgpuTuning(convert="producer"),
-    mg.MgpuTuning(convert="producer", gather_ahead=True, persistent=True)])
+    mg.MgpuTuning(convert="producer", gather_ahead=True, persistent=True),
+    mg.MgpuTuning(convert="producer", full_logits=True, pingpong=True)])
 def test_mosaic_variants_lower_for_cuda(tuning):
     """The Mosaic kernel cannot run here, but it lowers (Pallas -> Mosaic GPU MLIR) on any
     host: each variant traces and lowers at odd shapes (5 heads padded to 64, C = 384, a

@@ -21,7 +21,7 @@ import numpy as np
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, memref, scf, vector
+from jaxlib.mlir.dialects import arith, llvm, memref, scf, vector
 
 VEC = 8  # fp8 elements per chunk: one 8-byte load, one 16-byte f16 store
 WG = 128  # threads of a warpgroup
@@ -74,6 +74,21 @@ def _idx(v):
     return arith.index_cast(ir.IndexType.get(), v)
 
 
+def _i64t():
+    return ir.IntegerType.get_signless(64)
+
+
+def _i64(v):  # an i32 index >= 0 -> i64 (byte offsets past 2^31 in a large cache)
+    return arith.extui(_i64t(), v)
+
+
+def _ptr(ref, elem_offset, elem_type):
+    """Pointer to element `elem_offset` (i64) of ref's flat storage, counted in elem_type.
+    Loads and stores go through llvm with their true alignment (vector.load assumes the
+    element's, which splits an 8-byte fp8 load into bytes)."""
+    return mgpu.utils.getelementptr(mgpu.utils.memref_ptr(ref), [elem_offset], elem_type)
+
+
 def _tid():
     return arith.remui(mgpu.utils.thread_idx(), _i32(WG))
 
@@ -104,7 +119,9 @@ def make_gather(block_w: int, c: int):
     def gather(ctx, slots, lat):
         del ctx
         f8 = ir.Float8E4M3FNType.get()
+        i8 = ir.IntegerType.get_signless(8)
         vty = ir.VectorType.get((VEC,), f8)
+        ity = ir.VectorType.get((VEC,), i8)  # fp8 moves as bytes (LLVM has no fp8 type)
         zero = ir.FloatAttr.get(f8, 0.0)
         zeros = arith.constant(vty, ir.DenseElementsAttr.get_splat(vty, zero))
         tid = _tid()
@@ -115,7 +132,9 @@ def make_gather(block_w: int, c: int):
             live = arith.cmpi(arith.CmpIPredicate.sge, slot, _i32(0))
             branch = scf.IfOp(live, [vty], has_else=True)
             with ir.InsertionPoint(branch.then_block):
-                scf.yield_([vector.load(vty, lat, [_idx(slot), _idx(col)])])
+                off = arith.addi(arith.muli(_i64(slot), arith.constant(_i64t(), c)), _i64(col))
+                raw = llvm.load(ity, _ptr(lat, off, i8), alignment=VEC)
+                scf.yield_([vector.bitcast(vty, raw)])
             with ir.InsertionPoint(branch.else_block):
                 scf.yield_([zeros])
             regs.append(branch.result)
@@ -138,9 +157,14 @@ def make_store(block_w: int, c: int, swz):
         tid = _tid()
         regs = list(y.registers.flat)
         assert len(regs) == chunks, (len(regs), chunks)
+        strides, _ = ir.MemRefType(dst.type).get_strides_and_offset()
+        f16 = ir.F16Type.get()
         for k, reg in enumerate(regs):
             row, col = chunk_source(_MlirOps, tid, k, c)
             place = chunk_place(_MlirOps, row, col, c)
-            vector.store(reg, dst, [_idx(i) for i in place])
+            off = _MlirOps.const(0)
+            for i, st in zip(place, strides, strict=True):
+                off = arith.addi(off, arith.muli(i, _MlirOps.const(st)))
+            llvm.store(reg, _ptr(dst, _i64(off), f16), alignment=2 * VEC)  # 16 bytes
 
     return store

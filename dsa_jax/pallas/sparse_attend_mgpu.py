@@ -84,6 +84,12 @@ class MgpuTuning:
     gather_ahead: with convert="producer", the producer issues tile t + 1's loads before it
       converts and stores tile t (two tiles of rows in registers), so their latency overlaps
       the conversion and the wait for a free tile.
+    full_logits: with convert="producer", each consumer computes the logits over all C (both
+      Q halves against both tile halves: the QK work twice, no exchange of partial logits, no
+      barrier between the consumers; the fp32 sum runs in another order than the exchange's,
+      so the output is not bitwise the default's, within the same bound).
+    pingpong: with full_logits, a schedule barrier alternates the consumers (as jax's
+      attention_mgpu): one's softmax runs while the other's wgmmas hold the tensor cores.
     """
 
     block_w: int = 64
@@ -102,12 +108,18 @@ class MgpuTuning:
     persistent: bool = False
     convert: str = "consumer"
     gather_ahead: bool = False
+    full_logits: bool = False
+    pingpong: bool = False
 
     def __post_init__(self):
         if self.convert not in ("consumer", "producer"):
             raise ValueError(f"convert={self.convert!r} must be 'consumer' or 'producer'")
         if self.gather_ahead and self.convert != "producer":
             raise ValueError("gather_ahead=True needs convert='producer'")
+        if self.full_logits and self.convert != "producer":
+            raise ValueError("full_logits=True needs convert='producer' (both tile halves)")
+        if self.pingpong and not self.full_logits:
+            raise ValueError("pingpong=True needs full_logits=True (independent consumers)")
         if self.prep not in ("jnp", "triton"):
             raise ValueError(f"prep={self.prep!r} must be 'jnp' or 'triton'")
         if self.prep_heads < 1 or self.prep_heads & (self.prep_heads - 1):
@@ -137,7 +149,7 @@ def smem_bytes(c: int, t: MgpuTuning) -> int:
     return (2 * HEADS_PER_CTA * half * 2  # Q halves, f16
             + staged  # fp8 staging
             + tiles16 * 2 * t.block_w * half * 2  # f16 tile halves
-            + 2 * HEADS_PER_CTA * t.block_w * 4)  # partial logits exchange
+            + (0 if t.full_logits else 2 * HEADS_PER_CTA * t.block_w * 4))  # partial logits
 
 
 def supports(cache_dtype, c: int, t: MgpuTuning = MgpuTuning()) -> str | None:
@@ -185,7 +197,7 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
             o_ref, m_ref, l_ref, *, c: int, block_w: int, tiles: int, stages: int, row_pad: int,
             index_group: int, issue_warps: bool, q_in_kernel: bool, consumer_regs: int,
             producer_regs: int, drop: str, programs: int, head_blocks: int, splits: int,
-            rows: int, convert: str, gather_ahead: bool):
+            rows: int, convert: str, gather_ahead: bool, full_logits: bool, pingpong: bool):
     """One (head block, split, row) CTA of 3 warpgroups; see the module docstring. With
     programs > 0 (persistent), CTA p handles the items p, p + programs, ... of the
     (row, split, head block) list (head block fastest), its barriers' stages and phases
@@ -233,9 +245,14 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
 
     by_producer = convert == "producer"
 
-    def scoped(q16, st8, kv16, xs, q_bar, full, free, x_full, x_free):
-        # by_producer: st8 is None and kv16 holds `stages` f16 tiles [stages, 2, BW, half].
+    def scoped(q16, st8, kv16, xs, q_bar, full, free, x_full, x_free, sched=None):
+        # by_producer: st8 is None and kv16 holds `stages` f16 tiles [stages, 2, BW, half];
+        # full_logits: xs, x_full and x_free are None; pingpong: sched the schedule barrier.
         wg = lax.axis_index("wg")
+
+        def rendezvous():  # pingpong: the consumers meet, alternating their phases
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(sched)
 
         def consume(it, g):
             hb, split, row, n_tiles, base0 = it
@@ -271,21 +288,30 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
                     plgpu.commit_smem()  # f16 tile visible to wgmma
 
                 def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q16.at[wg], plgpu.transpose_ref(kv, (1, 0)))
+                    if full_logits:  # all C: both halves, in the same order in both groups
+                        for hh in range(2):
+                            plgpu.wgmma(acc_ref, q16.at[hh],
+                                        plgpu.transpose_ref(kv16.at[s, hh], (1, 0)))
+                        if pingpong:
+                            rendezvous()  # our QK issued: the other group may run softmax
+                    else:
+                        plgpu.wgmma(acc_ref, q16.at[wg], plgpu.transpose_ref(kv, (1, 0)))
                     return acc_ref[...]
 
                 part = pl.run_scoped(qk, plgpu.ACC((HEADS_PER_CTA, block_w), jnp.float32))
+                if full_logits:
+                    logits = part * logit_scale  # [64, BW], same in both groups
+                else:
+                    @pl.when(step(g, t) > 0)
+                    def _():
+                        plgpu.barrier_wait(x_free)  # the other group read our last partial
 
-                @pl.when(step(g, t) > 0)
-                def _():
-                    plgpu.barrier_wait(x_free)  # the other warpgroup read our last partial
-
-                xs[wg] = part
-                plgpu.barrier_arrive(x_full)
-                plgpu.barrier_wait(x_full)
-                other = plgpu.layout_cast(xs[1 - wg], plgpu.Layout.WGMMA)
-                logits = (part + other) * logit_scale  # [64, BW], same in both groups
-                plgpu.barrier_arrive(x_free)
+                    xs[wg] = part
+                    plgpu.barrier_arrive(x_full)
+                    plgpu.barrier_wait(x_full)
+                    other = plgpu.layout_cast(xs[1 - wg], plgpu.Layout.WGMMA)
+                    logits = (part + other) * logit_scale  # [64, BW], same in both groups
+                    plgpu.barrier_arrive(x_free)
                 logits = jnp.where(lax.broadcast_in_dim(valid, logits.shape, [1]), logits,
                                    -jnp.inf)
                 m_new = jnp.maximum(m, logits.max(axis=1))
@@ -294,6 +320,8 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
                 l = l * alpha + p.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 p16 = p.astype(jnp.float16)
+                if pingpong:
+                    rendezvous()  # our softmax done; wait for the tensor cores' turn
 
                 def pv(acc_ref):
                     plgpu.wgmma(acc_ref, p16, kv)
@@ -393,7 +421,11 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
         @pl.when(wg < 2)
         def _consumer():
             plgpu.set_max_registers(consumer_regs, action="increase")
+            if pingpong:  # group 1 starts one phase behind, group 0 catches up at the end
+                pl.when(wg == 1)(rendezvous)
             each_item(consume)
+            if pingpong:
+                pl.when(wg == 0)(rendezvous)
 
         @pl.when(wg == 2)
         def _producer():
@@ -407,16 +439,23 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
     xs_smem = plgpu.SMEM((2, HEADS_PER_CTA, block_w), jnp.float32, transforms=swz32)  # logits
     exchange = (plgpu.Barrier(num_arrivals=2),  # partial logits written
                 plgpu.Barrier(num_arrivals=2))  # partial logits read
+    kv_tiles = plgpu.SMEM((stages, 2, block_w, half), jnp.float16, transforms=swz)  # f16
+    tile_bars = (plgpu.Barrier(num_barriers=2),  # Q loaded, per consumer
+                 plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # tile written (x 128)
+                 plgpu.Barrier(num_arrivals=2, num_barriers=stages))  # tile consumed
+    if by_producer and full_logits:
+        pl.run_scoped(
+            lambda q16, kv16, qb, fb, eb, sb: scoped(q16, None, kv16, None, qb, fb, eb,
+                                                     None, None, sb),
+            q_smem, kv_tiles, *tile_bars,
+            plgpu.Barrier(num_arrivals=2),  # schedule barrier (pingpong only)
+            collective_axes="wg",
+        )
+        return
     if by_producer:  # every producer thread arrives after its stores (count x 128)
         pl.run_scoped(
             lambda q16, kv16, xs, *bars: scoped(q16, None, kv16, xs, *bars),
-            q_smem,
-            plgpu.SMEM((stages, 2, block_w, half), jnp.float16, transforms=swz),  # f16 tiles
-            xs_smem,
-            plgpu.Barrier(num_barriers=2),  # Q loaded, per consumer
-            plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # tile written
-            plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # tile consumed
-            *exchange,
+            q_smem, kv_tiles, xs_smem, *tile_bars, *exchange,
             collective_axes="wg",
         )
         return
@@ -466,7 +505,8 @@ def sparse_attend_mgpu_partials(scales, q_scales, live, q, slots, latent_flat, *
         row_pad=tuning.row_pad, index_group=tuning.index_group,
         issue_warps=tuning.issue_warps, q_in_kernel=tuning.q_in_kernel,
         consumer_regs=tuning.consumer_regs, producer_regs=tuning.producer_regs, drop=drop,
-        convert=tuning.convert, gather_ahead=tuning.gather_ahead)
+        convert=tuning.convert, gather_ahead=tuning.gather_ahead,
+        full_logits=tuning.full_logits, pingpong=tuning.pingpong)
     head_blocks = hp // HEADS_PER_CTA
     programs = min(head_blocks * splits * n, sms or sm_count()) if tuning.persistent else 0
     kernel = functools.partial(kernel, programs=programs, head_blocks=head_blocks,
