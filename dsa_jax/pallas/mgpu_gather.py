@@ -122,22 +122,20 @@ def make_gather(block_w: int, c: int):
         i8 = ir.IntegerType.get_signless(8)
         vty = ir.VectorType.get((VEC,), f8)
         ity = ir.VectorType.get((VEC,), i8)  # fp8 moves as bytes (LLVM has no fp8 type)
-        zero = ir.FloatAttr.get(f8, 0.0)
-        zeros = arith.constant(vty, ir.DenseElementsAttr.get_splat(vty, zero))
+        zeros = arith.constant(ity, ir.DenseElementsAttr.get_splat(ity, ir.IntegerAttr.get(i8, 0)))
         tid = _tid()
         regs = []
         for k in range(chunks):
             row, col = chunk_source(_MlirOps, tid, k, c)
             slot = memref.load(slots, [_idx(row)])  # i32
             live = arith.cmpi(arith.CmpIPredicate.sge, slot, _i32(0))
-            branch = scf.IfOp(live, [vty], has_else=True)
+            branch = scf.IfOp(live, [ity], has_else=True)  # bytes through the branch
             with ir.InsertionPoint(branch.then_block):
                 off = arith.addi(arith.muli(_i64(slot), arith.constant(_i64t(), c)), _i64(col))
-                raw = llvm.load(ity, _ptr(lat, off, i8), alignment=VEC)
-                scf.yield_([vector.bitcast(vty, raw)])
+                scf.yield_([llvm.load(ity, _ptr(lat, off, i8), alignment=VEC)])
             with ir.InsertionPoint(branch.else_block):
                 scf.yield_([zeros])
-            regs.append(branch.result)
+            regs.append(vector.bitcast(vty, branch.result))
         return mgpu.FragmentedArray(_registers=np.array(regs, dtype=object).reshape(chunks),
                                     _layout=lay.to_mgpu(), _is_signed=None)
 
