@@ -132,6 +132,8 @@ def test_tuning_errors_name_the_value():
                        (dict(convert="tma"), "convert='tma'"),
                        (dict(gather_ahead=True), "gather_ahead"),
                        (dict(full_logits=True), "full_logits"),
+                       (dict(convert="producer", full_logits=True, persistent=True),
+                        "persistent=False"),
                        (dict(convert="producer", pingpong=True), "pingpong")):
         with pytest.raises(ValueError, match=match):
             mg.MgpuTuning(**bad)

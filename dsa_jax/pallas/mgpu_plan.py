@@ -85,6 +85,10 @@ class MgpuTuning:
             raise ValueError("gather_ahead=True needs convert='producer'")
         if self.full_logits and self.convert != "producer":
             raise ValueError("full_logits=True needs convert='producer' (both tile halves)")
+        if self.full_logits and (self.persistent or self.q_in_kernel):
+            # Each group reads both Q halves: a group rewriting its half for the next item
+            # (persistent) or from registers (q_in_kernel) would race the other's reads.
+            raise ValueError("full_logits=True needs persistent=False and q_in_kernel=False")
         if self.pingpong and not self.full_logits:
             raise ValueError("pingpong=True needs full_logits=True (independent consumers)")
         if self.prep not in ("jnp", "triton"):

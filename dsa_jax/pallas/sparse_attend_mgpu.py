@@ -126,6 +126,8 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
             else:
                 plgpu.copy_gmem_to_smem(q_ref.at[row, heads, cols], q16.at[wg], q_bar.at[wg])
                 plgpu.barrier_wait(q_bar.at[wg])
+                if full_logits:  # our QK reads the other group's Q half too
+                    plgpu.barrier_wait(q_bar.at[1 - wg])
             logit_scale = scales_ref[0] * rscale_ref[row] * _LOG2E  # log2 units: exp2
             out_scale = scales_ref[1]
 
