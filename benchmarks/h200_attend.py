@@ -63,12 +63,14 @@ MOSAIC_VARIANTS = {
     "mosaic-producer-full": dict(convert="producer", full_logits=True),
     "mosaic-producer-pingpong": dict(convert="producer", full_logits=True, pingpong=True),
     "mosaic-producer-ahead": dict(convert="producer", gather_ahead=True),
+    # The producer's 64 registers of rows exceed a setmaxnreg budget of 40, if ptxas keeps it.
+    "mosaic-producer-r80": dict(convert="producer", consumer_regs=216, producer_regs=80),
 }
 # Variants whose fp32 sums run in another order than the default's: checked against the
 # bound, their bitwise equality to the default recorded but not required.
 REORDERED = ("mosaic-producer-full", "mosaic-producer-pingpong")
 FULL_CHECKS = ("mosaic-default", "mosaic-producer", "mosaic-producer-pingpong")  # all cases
-ONE_CHECK = ("mosaic-producer-ahead",)  # a timing probe: the GLM case only
+ONE_CHECK = ("mosaic-producer-ahead", "mosaic-producer-r80")  # a timing probe: the GLM case only
 P_VARIANTS = ("triton-default", "mosaic-default", "mosaic-producer")  # also timed on "p"
 
 
