@@ -9,10 +9,11 @@ elementwise bound of tests/test_attend_kernel.py), then timed as the bench times
 `attend-kernel-*`: the jitted `sparse_attend_pallas` (kernel, slot arithmetic and split merge),
 median of groups of back-to-back calls over 3 input sets, plus the device kernel time of the
 attend kernel alone from a profiler trace. Variant groups run in child processes with a time
-limit, so a hung kernel costs only its group (`--groups`: mosaic-smoke, mosaic (the default
+limit, so a hung kernel costs only its group (`--groups`: mosaic-smoke, mosaic-all (the default
 and MOSAIC_VARIANTS on the same inputs, each checked then timed in turn, its output `==` the
-default's unless its fp32 sums run in another order), triton (run 1's Triton levers are in git
-history), and prep: the one-launch input prep
+default's unless its fp32 sums run in another order), mosaic (the same for QUICK on the GLM case
+only, ~90 s), triton (run 1's Triton levers are in git history), and prep: the one-launch input
+prep
 `attend_prep.prep_pallas` beside the jnp prep, each variant checked then timed in turn, its
 output `==` the default's on every check case and its prep outputs `==` the jnp twin's on rows
 of extreme magnitude). The table is printed last. `--smoke` runs the machinery on a CPU in
@@ -56,22 +57,29 @@ PREP_VARIANTS = {
                                     prep_per_sm=1),
 }
 TARGET_US = {"a": 55.0, "b": 450.0}
-# MgpuTuning fields of the mosaic groups' variants beside the default (run 8: the producer
-# converts, `mgpu_gather`; run 4's q_in_kernel variant is in git history).
+# MgpuTuning fields of the mosaic groups' variants beside the default (runs 8, 9: the producer
+# converts, `mgpu_gather`; run 4's q_in_kernel variant is in git history). Run 8's ptxas: the
+# producer-converted kernel at the default 232/40 split spills 256 bytes (a tile's 64 registers
+# of rows: ptxas keeps the producer's setmaxnreg budget of 40), hence the 216/80 variants.
+R80 = dict(consumer_regs=216, producer_regs=80)
 MOSAIC_VARIANTS = {
+    "mosaic-producer-r80": dict(convert="producer", **R80),
+    "mosaic-producer-pingpong-r80": dict(convert="producer", full_logits=True, pingpong=True,
+                                         **R80),
     "mosaic-producer": dict(convert="producer"),
     "mosaic-producer-full": dict(convert="producer", full_logits=True),
     "mosaic-producer-pingpong": dict(convert="producer", full_logits=True, pingpong=True),
     "mosaic-producer-ahead": dict(convert="producer", gather_ahead=True),
-    # The producer's 64 registers of rows exceed a setmaxnreg budget of 40, if ptxas keeps it.
-    "mosaic-producer-r80": dict(convert="producer", consumer_regs=216, producer_regs=80),
 }
+# `--group mosaic` (run 9, ~90 s in one process): the default and these, the GLM case each.
+QUICK = ("mosaic-producer-r80", "mosaic-producer-pingpong-r80")
 # Variants whose fp32 sums run in another order than the default's: checked against the
 # bound, their bitwise equality to the default recorded but not required.
-REORDERED = ("mosaic-producer-full", "mosaic-producer-pingpong")
-FULL_CHECKS = ("mosaic-default", "mosaic-producer", "mosaic-producer-pingpong")  # all cases
-ONE_CHECK = ("mosaic-producer-ahead", "mosaic-producer-r80")  # a timing probe: the GLM case only
-P_VARIANTS = ("triton-default", "mosaic-default", "mosaic-producer")  # also timed on "p"
+REORDERED = ("mosaic-producer-full", "mosaic-producer-pingpong", "mosaic-producer-pingpong-r80")
+# `--group mosaic-all`: these on every case, the others on 3 (ONE_CHECK: 1).
+FULL_CHECKS = ("mosaic-default", "mosaic-producer-r80", "mosaic-producer-pingpong-r80")
+ONE_CHECK = ("mosaic-producer-ahead",)
+P_VARIANTS = ("triton-default", "mosaic-default", "mosaic-producer-r80")  # also timed on "p"
 
 
 def variants(group: str):
@@ -88,8 +96,9 @@ def variants(group: str):
     mos = {"mosaic-default": mg.MgpuTuning()}
     if group == "prep":
         mos.update({k: mg.MgpuTuning(**v) for k, v in PREP_VARIANTS.items()})
-    if group in ("mosaic", "mosaic-smoke"):
-        mos.update({k: mg.MgpuTuning(**v) for k, v in MOSAIC_VARIANTS.items()})
+    if group in ("mosaic", "mosaic-all", "mosaic-smoke"):
+        mos.update({k: mg.MgpuTuning(**v) for k, v in MOSAIC_VARIANTS.items()
+                    if group != "mosaic" or k in QUICK})
     return {k: (dict(tuning=sa.AttendTuning(backend="mosaic", mosaic=t)), "float16")
             for k, t in mos.items()}
 
@@ -349,6 +358,8 @@ def time_inputs(b, r, h, w, ctx, n_sets=3):
 # ------------------------------------------------------------------------------ driver
 
 def run_group(group: str, out_path: str, shapes: str):
+    if group.startswith("mosaic"):  # ptxas' registers and spills of each Mosaic kernel, also
+        os.environ.setdefault("MOSAIC_GPU_DUMP_PTXAS", "1")  # when run in this process
     import jax
 
     from dsa_jax.pallas import sparse_attend_mgpu as mg
@@ -366,7 +377,7 @@ def run_group(group: str, out_path: str, shapes: str):
         shapes = ""
     # Every variant on the same inputs, its output `==` the default's (the same f16 operands
     # and fp32 sums in the same order), each checked then timed in turn.
-    shared_groups = ("prep", "smoke", "mosaic", "mosaic-smoke")
+    shared_groups = ("prep", "smoke", "mosaic", "mosaic-all", "mosaic-smoke")
     shared = {i: {} for i in range(len(CHECK_CASES))} if group in shared_groups else None
     variant_major = group in shared_groups
 
@@ -386,8 +397,8 @@ def run_group(group: str, out_path: str, shapes: str):
         for diag in diags:
             time_row(f"diag-{diag}", dict(diag=diag), key)
     for name, (kw, op) in vs.items():
-        cases = CHECK_CASES if group in ("mosaic", "prep") else CHECK_CASES[:1]
-        if group == "mosaic" and name not in FULL_CHECKS:
+        cases = CHECK_CASES if group in ("mosaic-all", "prep") else CHECK_CASES[:1]
+        if group == "mosaic-all" and name not in FULL_CHECKS:
             cases = CHECK_CASES[:1] if name in ONE_CHECK else CHECK_CASES[:3]
         if group in ("mosaic-smoke", "smoke"):
             cases = CHECK_CASES[2:3]
@@ -419,7 +430,7 @@ def run_group(group: str, out_path: str, shapes: str):
             dump()
         if variant_major:  # checked, then timed: a later variant that hangs costs only itself
             for key in shapes:
-                if key == "p" and group == "mosaic" and name not in P_VARIANTS:
+                if key == "p" and group.startswith("mosaic") and name not in P_VARIANTS:
                     continue
                 time_row(name, kw, key)
     for key in "" if variant_major else shapes:
@@ -456,7 +467,8 @@ def main():
     for gi, g in enumerate(a.groups.split(",")):
         part = os.path.join(outdir, f"part-{g}.json")
         log = os.path.join(outdir, f"log-{g}.txt")
-        if g == "mosaic" and res["groups"].get("mosaic-smoke", {}).get("rc") != 0:
+        if g in ("mosaic", "mosaic-all") and res["groups"].get(  # a smoke run that failed
+                "mosaic-smoke", {}).get("rc") not in (0, None):
             res["groups"][g] = {"skipped": "the smoke group did not finish"}
             continue
         env = dict(os.environ)
