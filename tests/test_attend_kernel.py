@@ -207,9 +207,10 @@ def test_row_scales_are_exact_powers_of_two():
     assert np.isfinite(back).all() and (np.abs(back - q) <= tol).all()
 
 
-def _mosaic_model(q, lat, kv, tables, sel, scale, splits, block_w=64):
+def _mosaic_model(q, lat, kv, tables, sel, scale, splits, block_w=64, full_logits=False):
     """The Mosaic kernel's arithmetic in numpy float32 (same rounding points), then the same
-    split merge: [B, R, H, C]."""
+    split merge: [B, R, H, C]. full_logits: one fp32 dot over all C (`MgpuTuning.full_logits`)
+    rather than two column halves added (the partial-logit exchange)."""
     b, r, h, c = q.shape
     n, w = b * r, sel.shape[-1]
     up, down = (np.asarray(x) for x in mg.row_scales(jnp.asarray(q.reshape(n, h, c))))
@@ -237,7 +238,8 @@ def _mosaic_model(q, lat, kv, tables, sel, scale, splits, block_w=64):
                 half = c // 2
                 parts = [q16[i][:, k * half:(k + 1) * half].astype(np.float32)
                          @ tile[:, k * half:(k + 1) * half].T for k in range(2)]
-                logits = np.where(sl[None] >= 0, (parts[0] + parts[1]) * ls, -np.inf)
+                dots = q16[i].astype(np.float32) @ tile.T if full_logits else parts[0] + parts[1]
+                logits = np.where(sl[None] >= 0, dots * ls, -np.inf)
                 m_new = np.maximum(m, logits.max(axis=1))
                 alpha = np.exp2(m - m_new)
                 p = np.exp2(logits - m_new[:, None]).astype(np.float32)
@@ -250,11 +252,11 @@ def _mosaic_model(q, lat, kv, tables, sel, scale, splits, block_w=64):
     return np.asarray(out).reshape(b, r, h, c), (2.0 ** -25) * down.reshape(b, r)
 
 
-@pytest.mark.parametrize("splits", [1, 3])
-def test_mosaic_arithmetic_meets_the_f16_bound(splits):
+@pytest.mark.parametrize("splits,full_logits", [(1, False), (3, False), (3, True)])
+def test_mosaic_arithmetic_meets_the_f16_bound(splits, full_logits):
     args = T.attend_inputs(11 + splits, 2, 2, 5, 256, 150, 16, 12, "float8_e4m3fn", kv_scale=1 / 64,
                    empty=[(1, 0)])
-    got, q_sub = _mosaic_model(*args, 0.0625, splits)
+    got, q_sub = _mosaic_model(*args, 0.0625, splits, full_logits=full_logits)
     ref = sa.sparse_attend_xla(*args, softmax_scale=0.0625)
     T.assert_attend_close(got, ref, _bound(*args, 0.0625, U_F16, splits, q_sub))
     assert (got[1, 0] == 0).all()
