@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 from dsa_jax import testing as T
+from dsa_jax.pallas import mgpu_gather
 from dsa_jax.pallas import sparse_attend as sa
 from dsa_jax.pallas import sparse_attend_mgpu as mg
 
@@ -127,7 +128,13 @@ def test_tuning_errors_name_the_value():
             sa.AttendTuning(**bad)
     for bad, match in ((dict(block_w=32), "block_w=32"), (dict(row_pad=8), "row_pad=8"),
                        (dict(consumer_regs=256, producer_regs=64), "65536"),
-                       (dict(index_group=0), "index_group=0"), (dict(stages=0), "stages=0")):
+                       (dict(index_group=0), "index_group=0"), (dict(stages=0), "stages=0"),
+                       (dict(convert="tma"), "convert='tma'"),
+                       (dict(gather_ahead=True), "gather_ahead"),
+                       (dict(full_logits=True), "full_logits"),
+                       (dict(convert="producer", full_logits=True, persistent=True),
+                        "persistent=False"),
+                       (dict(convert="producer", pingpong=True), "pingpong")):
         with pytest.raises(ValueError, match=match):
             mg.MgpuTuning(**bad)
 
@@ -144,6 +151,40 @@ def test_mosaic_plan_fits_the_h200():
     assert mg.num_splits(64, 33, 132, 16) == 2
     assert mg.num_splits(512, 32, 132, 16) == 1
     assert mg.num_splits(1, 33, 132, 16) == 16 and mg.num_splits(1, 3, 132, 16) == 3
+    # The producer-converted plan: no fp8 staging, two f16 tiles in its place.
+    prod = mg.MgpuTuning(convert="producer")
+    assert mg.smem_bytes(512, prod) == 65536 + 2 * 65536 + 32768 <= 227 * 1024
+    full = mg.MgpuTuning(convert="producer", full_logits=True)
+    assert mg.smem_bytes(512, full) == 65536 + 2 * 65536  # no partial-logit exchange
+    assert mg.supports(jnp.float8_e4m3fn, 384, prod) is None
+    assert "shared memory" in mg.supports(jnp.float8_e4m3fn, 512,
+                                          mg.MgpuTuning(convert="producer", stages=3))
+
+
+@pytest.mark.parametrize("c", [384, 512])
+def test_register_gather_places_every_element_once(c):
+    """The producer's register gather (`mgpu_gather`, the same index code evaluated on ints):
+    the 128 threads' chunks cover every element of a 64-row tile once, a warp's load is 256
+    contiguous bytes of the rows, and each chunk lands where the swizzled f16 tile holds that
+    (row, column): tiled (8, 64), the 16-byte chunk index XOR the row within its 8-row tile."""
+    bw, half, o, vec = 64, c // 2, mgpu_gather.IntOps, mgpu_gather.VEC
+    chunks = bw * c // (128 * vec)
+    seen = np.zeros((bw, c), int)
+    placed = np.zeros((2, bw // 8, half // 64, 8, 64), int)
+    for tid in range(128):
+        for k in range(chunks):
+            row, col = mgpu_gather.chunk_source(o, tid, k, c)
+            seen[row, col:col + vec] += 1
+            h, rb, cb, ri, x = mgpu_gather.chunk_place(o, row, col, c)
+            assert x % vec == 0 and rb == row // 8 and ri == row % 8 and h == col // half
+            assert cb == (col % half) // 64
+            assert x // vec == ((col % 64) // vec) ^ (row % 8)  # the 128-byte swizzle
+            placed[h, rb, cb, ri, x:x + vec] += 1
+            if tid % 32 == 0:  # the warp's 32 chunks: 256 contiguous bytes of the rows
+                ends = [mgpu_gather.chunk_source(o, tid + i, k, c) for i in (0, 31)]
+                flat = [r * c + x0 for r, x0 in ends]
+                assert flat[1] - flat[0] == 31 * vec
+    assert (seen == 1).all() and (placed == 1).all()
 
 
 # ------------------------------------------------------------------ Mosaic host side, math
@@ -166,9 +207,10 @@ def test_row_scales_are_exact_powers_of_two():
     assert np.isfinite(back).all() and (np.abs(back - q) <= tol).all()
 
 
-def _mosaic_model(q, lat, kv, tables, sel, scale, splits, block_w=64):
+def _mosaic_model(q, lat, kv, tables, sel, scale, splits, block_w=64, full_logits=False):
     """The Mosaic kernel's arithmetic in numpy float32 (same rounding points), then the same
-    split merge: [B, R, H, C]."""
+    split merge: [B, R, H, C]. full_logits: one fp32 dot over all C (`MgpuTuning.full_logits`)
+    rather than two column halves added (the partial-logit exchange)."""
     b, r, h, c = q.shape
     n, w = b * r, sel.shape[-1]
     up, down = (np.asarray(x) for x in mg.row_scales(jnp.asarray(q.reshape(n, h, c))))
@@ -196,7 +238,8 @@ def _mosaic_model(q, lat, kv, tables, sel, scale, splits, block_w=64):
                 half = c // 2
                 parts = [q16[i][:, k * half:(k + 1) * half].astype(np.float32)
                          @ tile[:, k * half:(k + 1) * half].T for k in range(2)]
-                logits = np.where(sl[None] >= 0, (parts[0] + parts[1]) * ls, -np.inf)
+                dots = q16[i].astype(np.float32) @ tile.T if full_logits else parts[0] + parts[1]
+                logits = np.where(sl[None] >= 0, dots * ls, -np.inf)
                 m_new = np.maximum(m, logits.max(axis=1))
                 alpha = np.exp2(m - m_new)
                 p = np.exp2(logits - m_new[:, None]).astype(np.float32)
@@ -209,11 +252,11 @@ def _mosaic_model(q, lat, kv, tables, sel, scale, splits, block_w=64):
     return np.asarray(out).reshape(b, r, h, c), (2.0 ** -25) * down.reshape(b, r)
 
 
-@pytest.mark.parametrize("splits", [1, 3])
-def test_mosaic_arithmetic_meets_the_f16_bound(splits):
+@pytest.mark.parametrize("splits,full_logits", [(1, False), (3, False), (3, True)])
+def test_mosaic_arithmetic_meets_the_f16_bound(splits, full_logits):
     args = T.attend_inputs(11 + splits, 2, 2, 5, 256, 150, 16, 12, "float8_e4m3fn", kv_scale=1 / 64,
                    empty=[(1, 0)])
-    got, q_sub = _mosaic_model(*args, 0.0625, splits)
+    got, q_sub = _mosaic_model(*args, 0.0625, splits, full_logits=full_logits)
     ref = sa.sparse_attend_xla(*args, softmax_scale=0.0625)
     T.assert_attend_close(got, ref, _bound(*args, 0.0625, U_F16, splits, q_sub))
     assert (got[1, 0] == 0).all()
@@ -227,7 +270,9 @@ def test_mosaic_arithmetic_meets_the_f16_bound(splits):
 @pytest.mark.parametrize("tuning", [
     mg.MgpuTuning(), mg.MgpuTuning(persistent=True), mg.MgpuTuning(prep="triton"),
     mg.MgpuTuning(prep="triton", prep_heads=64, prep_warps=16, persistent=True),
-    mg.MgpuTuning(prep="triton", q_in_kernel=True)])
+    mg.MgpuTuning(prep="triton", q_in_kernel=True), mg.MgpuTuning(convert="producer"),
+    mg.MgpuTuning(convert="producer", gather_ahead=True, persistent=True),
+    mg.MgpuTuning(convert="producer", full_logits=True, pingpong=True)])
 def test_mosaic_variants_lower_for_cuda(tuning):
     """The Mosaic kernel cannot run here, but it lowers (Pallas -> Mosaic GPU MLIR) on any
     host: each variant traces and lowers at odd shapes (5 heads padded to 64, C = 384, a

@@ -28,7 +28,6 @@ Written for Lane lowering semantics, named explicitly (jax 0.11 defaults to Warp
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -38,134 +37,26 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from dsa_jax.pallas import mgpu_gather
 from dsa_jax.pallas.common import sm_count
+from dsa_jax.pallas.mgpu_plan import HEADS_PER_CTA as HEADS_PER_CTA
+from dsa_jax.pallas.mgpu_plan import MgpuTuning as MgpuTuning
+from dsa_jax.pallas.mgpu_plan import num_splits as num_splits
+from dsa_jax.pallas.mgpu_plan import row_scales as row_scales
+from dsa_jax.pallas.mgpu_plan import scale_rows_f16 as scale_rows_f16
+from dsa_jax.pallas.mgpu_plan import smem_bytes as smem_bytes
+from dsa_jax.pallas.mgpu_plan import supports as supports
 
-HEADS_PER_CTA = 64  # the wgmma M of one warpgroup
+_DEFAULT = MgpuTuning()
 _M_INIT = -1e30  # running max before any slot: finite, so an all-empty tile rescales by 1
 _LOG2E = math.log2(math.e)
-
-
-@dataclasses.dataclass(frozen=True)
-class MgpuTuning:
-    """Tile shape, producer and register split of the Mosaic GPU kernel, and how its inputs are
-    made. The defaults are the fastest variant measured on the H200 (benchmarks/notes.md,
-    h200-attend-run3/4.json; the prep: run6/7).
-
-    block_w: slots per tile (wgmma N of the logits, K of P @ V); 64 as FlashMLA.
-    stages: fp8 staging buffers the producers may fill ahead of the consumers.
-    index_group: slot indices the producer reads before issuing their copies (one memory
-      latency per group of rows).
-    issue_warps: each of the producer's 4 warps issues a quarter of a tile's copies (else one
-      thread issues them all).
-    q_in_kernel: the consumers read q in fp32 and scale and convert it to f16 themselves (else
-      jnp converts q before the call, one more pass over q).
-    row_pad: bytes between staged rows beyond C (16: the rows one warp reads at once fall in
-      different banks, where a C = 512-byte stride puts them in the same ones).
-    consumer_regs / producer_regs: per-thread register budgets (setmaxnreg) of the two compute
-      warpgroups and the producer; 128 * (2 * consumer + producer) <= 65536.
-    max_splits: most programs one row's slots are split over (partials cost a merge).
-    prep: how the kernel's inputs (scaled f16 q, padded slots, live extents) are made: "jnp"
-      (~5 XLA passes, q read twice) or "triton" (`attend_prep.prep_pallas`: one launch, q read
-      once; bitwise the same inputs, so the same result; with q_in_kernel it makes all but q).
-    prep_heads / prep_warps: the "triton" prep's heads per load chunk and warps (64 / 16: a
-      64-head row stays in registers, read once).
-    prep_per_sm: the "triton" prep's programs per multiprocessor, each looping over rows
-      (0: one program per row).
-    persistent: one CTA per multiprocessor, each looping over (row, split, head block) items
-      with its pipeline running on across them (else one CTA per item). Measured slower
-      (h200-attend-run6): an option, not the default.
-    """
-
-    block_w: int = 64
-    stages: int = 2
-    index_group: int = 16
-    issue_warps: bool = True
-    q_in_kernel: bool = False
-    row_pad: int = 16
-    consumer_regs: int = 232
-    producer_regs: int = 40
-    max_splits: int = 16
-    prep: str = "triton"
-    prep_heads: int = 64
-    prep_warps: int = 16
-    prep_per_sm: int = 0
-    persistent: bool = False
-
-    def __post_init__(self):
-        if self.prep not in ("jnp", "triton"):
-            raise ValueError(f"prep={self.prep!r} must be 'jnp' or 'triton'")
-        if self.prep_heads < 1 or self.prep_heads & (self.prep_heads - 1):
-            raise ValueError(f"prep_heads={self.prep_heads} must be a power of two")
-        if self.prep_per_sm < 0:
-            raise ValueError(f"prep_per_sm={self.prep_per_sm} must be >= 0")
-        if self.block_w not in (64, 128):
-            raise ValueError(f"block_w={self.block_w} must be 64 or 128 (the conversion works "
-                             f"on 64-row tiles)")
-        if self.stages < 1:
-            raise ValueError(f"stages={self.stages} must be >= 1")
-        if self.row_pad % 16 or self.row_pad < 0:
-            raise ValueError(f"row_pad={self.row_pad} must be a multiple of 16 (bulk copies)")
-        if self.index_group < 1:
-            raise ValueError(f"index_group={self.index_group} must be >= 1")
-        regs = 128 * (2 * self.consumer_regs + self.producer_regs)
-        if regs > 65536:
-            raise ValueError(f"registers 128 * (2 * {self.consumer_regs} + "
-                             f"{self.producer_regs}) = {regs} exceed 65536")
-
-
-def smem_bytes(c: int, t: MgpuTuning) -> int:
-    """Shared memory the kernel allocates (the H200 gives a CTA at most 227 KiB)."""
-    half = c // 2
-    return (2 * HEADS_PER_CTA * half * 2  # Q halves, f16
-            + t.stages * t.block_w * (c + t.row_pad)  # fp8 staging
-            + 2 * t.block_w * half * 2  # f16 tile halves
-            + 2 * HEADS_PER_CTA * t.block_w * 4)  # partial logits exchange
-
-
-def supports(cache_dtype, c: int, t: MgpuTuning = MgpuTuning()) -> str | None:
-    """None if the kernel runs these shapes, else why not."""
-    if jnp.dtype(cache_dtype) != jnp.float8_e4m3fn:
-        return f"cache dtype {jnp.dtype(cache_dtype).name} (the kernel stages fp8 e4m3 rows)"
-    if c % 128 or c // 2 > 256:
-        return f"C={c} (needs a multiple of 128 with C/2 <= 256)"
-    if smem_bytes(c, t) > 227 * 1024:
-        return f"shared memory {smem_bytes(c, t)} B > 227 KiB"
-    return None
-
-
-def num_splits(programs_per_split: int, tiles: int, sm_count: int, max_splits: int) -> int:
-    """Splits per row and head block: enough CTAs (one per multiprocessor: the kernel takes
-    most of its shared memory) to fill the GPU once, at most max_splits and tiles."""
-    fit = sm_count // max(1, programs_per_split)
-    return max(1, min(max_splits, tiles, fit))
-
-
-def row_scales(q: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """q [N, H, C] f32 -> (2^k_n, 2^-k_n) [N] f32 each: the power of two that brings each
-    row's largest |q| into [2^13, 2^14) (see `scale_rows_f16`)."""
-    amax = jnp.max(jnp.abs(q), axis=(1, 2))  # [N]
-    _, e = jnp.frexp(jnp.where(amax > 0, amax, 1.0))  # amax = f * 2^e, f in [0.5, 1)
-    k = jnp.clip(14 - e, -126, 126).astype(jnp.int32)  # [N]
-    one = jnp.ones_like(amax)
-    return jnp.ldexp(one, k), jnp.ldexp(one, -k)
-
-
-def scale_rows_f16(q: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """q [N, H, C] f32 -> (q * 2^k_n as f16 [N, H, C], 2^-k_n [N] f32).
-
-    The kernel's dots take f16 operands (Hopper converts e4m3 to f16, not to bf16, in one
-    instruction; e4m3 values are exact in f16, which also rounds q and p 4x finer than bf16).
-    f16 has a narrow range, so every row is scaled by a power of two that brings its largest
-    |q| into [2^13, 2^14): exact, and undone in the logit scale."""
-    up, down = row_scales(q)
-    return (q * up[:, None, None]).astype(jnp.float16), down
 
 
 def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_ref, zero_ref,
             o_ref, m_ref, l_ref, *, c: int, block_w: int, tiles: int, stages: int, row_pad: int,
             index_group: int, issue_warps: bool, q_in_kernel: bool, consumer_regs: int,
             producer_regs: int, drop: str, programs: int, head_blocks: int, splits: int,
-            rows: int):
+            rows: int, convert: str, gather_ahead: bool, full_logits: bool, pingpong: bool):
     """One (head block, split, row) CTA of 3 warpgroups; see the module docstring. With
     programs > 0 (persistent), CTA p handles the items p, p + programs, ... of the
     (row, split, head block) list (head block fastest), its barriers' stages and phases
@@ -211,8 +102,16 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
     def load(ref, layout):  # ref (GMEM, or SMEM read in a layout with no planned transfer)
         return plgpu.load(ref, (), layout=layout, optimized=False)
 
-    def scoped(q16, st8, kv16, xs, q_bar, full, free, x_full, x_free):
+    by_producer = convert == "producer"
+
+    def scoped(q16, st8, kv16, xs, q_bar, full, free, x_full, x_free, sched=None):
+        # by_producer: st8 is None and kv16 holds `stages` f16 tiles [stages, 2, BW, half];
+        # full_logits: xs, x_full and x_free are None; pingpong: sched the schedule barrier.
         wg = lax.axis_index("wg")
+
+        def rendezvous():  # pingpong: the consumers meet, alternating their phases
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(sched)
 
         def consume(it, g):
             hb, split, row, n_tiles, base0 = it
@@ -227,6 +126,8 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
             else:
                 plgpu.copy_gmem_to_smem(q_ref.at[row, heads, cols], q16.at[wg], q_bar.at[wg])
                 plgpu.barrier_wait(q_bar.at[wg])
+                if full_logits:  # our QK reads the other group's Q half too
+                    plgpu.barrier_wait(q_bar.at[1 - wg])
             logit_scale = scales_ref[0] * rscale_ref[row] * _LOG2E  # log2 units: exp2
             out_scale = scales_ref[1]
 
@@ -234,32 +135,44 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
                 m, l, acc = carry  # [64] WGMMA_ROW, [64], [64, half] WGMMA
                 s = lax.rem(step(g, t), stages)
                 plgpu.barrier_wait(full.at[s])
-                plgpu.commit_smem()  # every warp's P @ V of tile t - 1 read kv16: now rewrite
-                for j in range(half // 64 if drop != "convert" else 0):
-                    x = load(st8.at[s, :, pl.ds(wg * half + j * 64, 64)], conv_layout)
-                    kv16.at[wg, :, pl.ds(j * 64, 64)][...] = x.astype(jnp.float16)
+                kv = kv16.at[s, wg] if by_producer else kv16.at[wg]  # [BW, half] f16
+                if not by_producer:
+                    plgpu.commit_smem()  # every warp's P @ V of tile t - 1 read kv16: rewrite
+                    for j in range(half // 64 if drop != "convert" else 0):
+                        x = load(st8.at[s, :, pl.ds(wg * half + j * 64, 64)], conv_layout)
+                        kv16.at[wg, :, pl.ds(j * 64, 64)][...] = x.astype(jnp.float16)
                 base = base0 + t * block_w
                 valid = load(slots_ref.at[row, pl.ds(base, block_w)],
                              plgpu.Layout.WGMMA.reduce(0)) >= 0  # [BW] per slot
-                plgpu.barrier_arrive(free.at[s])  # staging read: the producer may refill it
-                plgpu.commit_smem()  # f16 tile visible to wgmma
+                if not by_producer:
+                    plgpu.barrier_arrive(free.at[s])  # staging read: the producer may refill
+                    plgpu.commit_smem()  # f16 tile visible to wgmma
 
                 def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q16.at[wg], plgpu.transpose_ref(kv16.at[wg], (1, 0)))
+                    if full_logits:  # all C: both halves, in the same order in both groups
+                        for hh in range(2):
+                            plgpu.wgmma(acc_ref, q16.at[hh],
+                                        plgpu.transpose_ref(kv16.at[s, hh], (1, 0)))
+                        if pingpong:
+                            rendezvous()  # our QK issued: the other group may run softmax
+                    else:
+                        plgpu.wgmma(acc_ref, q16.at[wg], plgpu.transpose_ref(kv, (1, 0)))
                     return acc_ref[...]
 
                 part = pl.run_scoped(qk, plgpu.ACC((HEADS_PER_CTA, block_w), jnp.float32))
+                if full_logits:
+                    logits = part * logit_scale  # [64, BW], same in both groups
+                else:
+                    @pl.when(step(g, t) > 0)
+                    def _():
+                        plgpu.barrier_wait(x_free)  # the other group read our last partial
 
-                @pl.when(step(g, t) > 0)
-                def _():
-                    plgpu.barrier_wait(x_free)  # the other warpgroup read our last partial
-
-                xs[wg] = part
-                plgpu.barrier_arrive(x_full)
-                plgpu.barrier_wait(x_full)
-                other = plgpu.layout_cast(xs[1 - wg], plgpu.Layout.WGMMA)
-                logits = (part + other) * logit_scale  # [64, BW], same in both groups
-                plgpu.barrier_arrive(x_free)
+                    xs[wg] = part
+                    plgpu.barrier_arrive(x_full)
+                    plgpu.barrier_wait(x_full)
+                    other = plgpu.layout_cast(xs[1 - wg], plgpu.Layout.WGMMA)
+                    logits = (part + other) * logit_scale  # [64, BW], same in both groups
+                    plgpu.barrier_arrive(x_free)
                 logits = jnp.where(lax.broadcast_in_dim(valid, logits.shape, [1]), logits,
                                    -jnp.inf)
                 m_new = jnp.maximum(m, logits.max(axis=1))
@@ -268,11 +181,15 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
                 l = l * alpha + p.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 p16 = p.astype(jnp.float16)
+                if pingpong:
+                    rendezvous()  # our softmax done; wait for the tensor cores' turn
 
                 def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p16, kv16.at[wg])
+                    plgpu.wgmma(acc_ref, p16, kv)
 
-                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # waits for the wgmma
+                if by_producer:
+                    plgpu.barrier_arrive(free.at[s])  # f16 tile read: the producer may refill
                 return m_new, l, acc
 
             m0 = plgpu.layout_cast(jnp.full((HEADS_PER_CTA,), _M_INIT, jnp.float32),
@@ -321,6 +238,26 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
                         copy_row(slot, st8.at[s, pl.ds(first + g0 + i, 1), pl.ds(0, c)],
                                  full.at[s])
 
+            def gather_tile(t):  # t clamped into this item's tiles: always in bounds
+                t = jnp.clip(t, 0, tiles - 1)
+                return gather(slots_ref.at[row, pl.ds(base0 + t * block_w, block_w)], lat_ref)
+
+            def fill_f16(t, tile_rows):  # by_producer: gather, wait, convert, store
+                s = lax.rem(step(g, t), stages)
+                if gather_ahead:  # tile t came in the carry; t + 1's loads fly meanwhile
+                    ahead = gather_tile(t + 1)
+                else:  # loads in flight across the wait below
+                    tile_rows = gather_tile(t)
+
+                @pl.when(step(g, t) >= stages)
+                def _():
+                    plgpu.barrier_wait(free.at[s])
+
+                store(tile_rows, kv16.at[s])
+                plgpu.commit_smem()  # the f16 tile visible to the consumers' wgmma
+                plgpu.barrier_arrive(full.at[s])
+                return ahead if gather_ahead else ()
+
             def fill(t, _):
                 s = lax.rem(step(g, t), stages)
 
@@ -336,36 +273,69 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
                     copy_rows(s, base, 0, block_w)
                 return ()
 
-            lax.fori_loop(0, n_tiles, fill, ())
+            if by_producer and gather_ahead:
+                lax.fori_loop(0, n_tiles, fill_f16, gather_tile(0))
+            else:
+                lax.fori_loop(0, n_tiles, fill_f16 if by_producer else fill, ())
             return step(g, n_tiles)
 
         @pl.when(wg < 2)
         def _consumer():
             plgpu.set_max_registers(consumer_regs, action="increase")
+            if pingpong:  # group 1 starts one phase behind, group 0 catches up at the end
+                pl.when(wg == 1)(rendezvous)
             each_item(consume)
+            if pingpong:
+                pl.when(wg == 0)(rendezvous)
 
         @pl.when(wg == 2)
         def _producer():
             plgpu.set_max_registers(producer_regs, action="decrease")
             each_item(produce)
 
+    if by_producer:
+        gather = mgpu_gather.make_gather(block_w, c)
+        store = mgpu_gather.make_store(block_w, c, swz)
+    q_smem = plgpu.SMEM((2, HEADS_PER_CTA, half), jnp.float16, transforms=swz)  # Q halves
+    xs_smem = plgpu.SMEM((2, HEADS_PER_CTA, block_w), jnp.float32, transforms=swz32)  # logits
+    exchange = (plgpu.Barrier(num_arrivals=2),  # partial logits written
+                plgpu.Barrier(num_arrivals=2))  # partial logits read
+    kv_tiles = plgpu.SMEM((stages, 2, block_w, half), jnp.float16, transforms=swz)  # f16
+    tile_bars = (plgpu.Barrier(num_barriers=2),  # Q loaded, per consumer
+                 plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # tile written (x 128)
+                 plgpu.Barrier(num_arrivals=2, num_barriers=stages))  # tile consumed
+    if by_producer and full_logits:
+        pl.run_scoped(
+            lambda q16, kv16, qb, fb, eb, sb: scoped(q16, None, kv16, None, qb, fb, eb,
+                                                     None, None, sb),
+            q_smem, kv_tiles, *tile_bars,
+            plgpu.Barrier(num_arrivals=2),  # schedule barrier (pingpong only)
+            collective_axes="wg",
+        )
+        return
+    if by_producer:  # every producer thread arrives after its stores (count x 128)
+        pl.run_scoped(
+            lambda q16, kv16, xs, *bars: scoped(q16, None, kv16, xs, *bars),
+            q_smem, kv_tiles, xs_smem, *tile_bars, *exchange,
+            collective_axes="wg",
+        )
+        return
     pl.run_scoped(
         scoped,
-        plgpu.SMEM((2, HEADS_PER_CTA, half), jnp.float16, transforms=swz),  # Q halves
+        q_smem,
         plgpu.SMEM((stages, block_w, c + row_pad), jnp.float8_e4m3fn),  # gathered rows
         plgpu.SMEM((2, block_w, half), jnp.float16, transforms=swz),  # f16 tile halves
-        plgpu.SMEM((2, HEADS_PER_CTA, block_w), jnp.float32, transforms=swz32),  # partial logits
+        xs_smem,
         plgpu.Barrier(num_barriers=2),  # Q loaded, per consumer
         plgpu.Barrier(num_arrivals=block_w, num_barriers=stages),  # stage filled
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # stage consumed
-        plgpu.Barrier(num_arrivals=2),  # partial logits written
-        plgpu.Barrier(num_arrivals=2),  # partial logits read
+        *exchange,
         collective_axes="wg",
     )
 
 
 def sparse_attend_mgpu_partials(scales, q_scales, live, q, slots, latent_flat, *, splits: int,
-                                tiles: int, tuning: MgpuTuning = MgpuTuning(), drop: str = "",
+                                tiles: int, tuning: MgpuTuning = _DEFAULT, drop: str = "",
                                 sms: int | None = None):
     """The kernel call: q [N, Hp, C] (Hp a multiple of 64): f32 if tuning.q_in_kernel, else
     f16 already scaled (`scale_rows_f16`); q_scales: (2^k, 2^-k) [N] each (`row_scales`);
@@ -380,6 +350,8 @@ def sparse_attend_mgpu_partials(scales, q_scales, live, q, slots, latent_flat, *
         raise ValueError(f"sparse_attend_mgpu: q is {q.dtype}, want {jnp.dtype(want).name}")
     if drop not in ("", "convert", "copy"):
         raise ValueError(f"sparse_attend_mgpu: drop={drop!r} not in ('', 'convert', 'copy')")
+    if drop and tuning.convert == "producer":
+        raise ValueError(f"sparse_attend_mgpu: drop={drop!r} needs convert='consumer'")
     why = supports(latent_flat.dtype, c, tuning)
     if why is not None:
         raise ValueError(f"sparse_attend_mgpu: unsupported {why}")
@@ -393,7 +365,9 @@ def sparse_attend_mgpu_partials(scales, q_scales, live, q, slots, latent_flat, *
         _kernel, c=c, block_w=tuning.block_w, tiles=tiles, stages=tuning.stages,
         row_pad=tuning.row_pad, index_group=tuning.index_group,
         issue_warps=tuning.issue_warps, q_in_kernel=tuning.q_in_kernel,
-        consumer_regs=tuning.consumer_regs, producer_regs=tuning.producer_regs, drop=drop)
+        consumer_regs=tuning.consumer_regs, producer_regs=tuning.producer_regs, drop=drop,
+        convert=tuning.convert, gather_ahead=tuning.gather_ahead,
+        full_logits=tuning.full_logits, pingpong=tuning.pingpong)
     head_blocks = hp // HEADS_PER_CTA
     programs = min(head_blocks * splits * n, sms or sm_count()) if tuning.persistent else 0
     kernel = functools.partial(kernel, programs=programs, head_blocks=head_blocks,

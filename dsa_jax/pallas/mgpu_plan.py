@@ -1,0 +1,164 @@
+"""The Mosaic GPU attend kernel's plan: its tuning, shared memory, shape support, split
+count and the per-row q scaling into f16 (`sparse_attend_mgpu` runs the kernel)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from dsa_jax.pallas import mgpu_gather
+
+HEADS_PER_CTA = 64  # the wgmma M of one warpgroup
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuTuning:
+    """Tile shape, producer and register split of the Mosaic GPU kernel, and how its inputs are
+    made. The defaults are the fastest variant measured on the H200 (benchmarks/notes.md,
+    h200-attend-run3/4.json; the prep: run6/7).
+
+    block_w: slots per tile (wgmma N of the logits, K of P @ V); 64 as FlashMLA.
+    stages: fp8 staging buffers the producers may fill ahead of the consumers.
+    index_group: slot indices the producer reads before issuing their copies (one memory
+      latency per group of rows).
+    issue_warps: each of the producer's 4 warps issues a quarter of a tile's copies (else one
+      thread issues them all).
+    q_in_kernel: the consumers read q in fp32 and scale and convert it to f16 themselves (else
+      jnp converts q before the call, one more pass over q).
+    row_pad: bytes between staged rows beyond C (16: the rows one warp reads at once fall in
+      different banks, where a C = 512-byte stride puts them in the same ones).
+    consumer_regs / producer_regs: per-thread register budgets (setmaxnreg) of the two compute
+      warpgroups and the producer; 128 * (2 * consumer + producer) <= 65536.
+    max_splits: most programs one row's slots are split over (partials cost a merge).
+    prep: how the kernel's inputs (scaled f16 q, padded slots, live extents) are made: "jnp"
+      (~5 XLA passes, q read twice) or "triton" (`attend_prep.prep_pallas`: one launch, q read
+      once; bitwise the same inputs, so the same result; with q_in_kernel it makes all but q).
+    prep_heads / prep_warps: the "triton" prep's heads per load chunk and warps (64 / 16: a
+      64-head row stays in registers, read once).
+    prep_per_sm: the "triton" prep's programs per multiprocessor, each looping over rows
+      (0: one program per row).
+    persistent: one CTA per multiprocessor, each looping over (row, split, head block) items
+      with its pipeline running on across them (else one CTA per item). Measured slower
+      (h200-attend-run6): an option, not the default.
+    convert: who converts the e4m3 rows to f16: "consumer" (the producer bulk-copies rows into
+      fp8 staging, `stages` deep, and each consumer converts its column half before its dots)
+      or "producer" (`mgpu_gather`: the producer loads the rows into registers, converts them
+      and writes f16 tiles, `stages` deep, in the staging's shared memory; the consumers only
+      wait, multiply and run the softmax). index_group, issue_warps and row_pad apply to
+      "consumer" only.
+    gather_ahead: with convert="producer", the producer issues tile t + 1's loads before it
+      converts and stores tile t (two tiles of rows in registers), so their latency overlaps
+      the conversion and the wait for a free tile.
+    full_logits: with convert="producer", each consumer computes the logits over all C (both
+      Q halves against both tile halves: the QK work twice, no exchange of partial logits, no
+      barrier between the consumers; the fp32 sum runs in another order than the exchange's,
+      so the output is not bitwise the default's, within the same bound).
+    pingpong: with full_logits, a schedule barrier alternates the consumers (as jax's
+      attention_mgpu): one's softmax runs while the other's wgmmas hold the tensor cores.
+    """
+
+    block_w: int = 64
+    stages: int = 2
+    index_group: int = 16
+    issue_warps: bool = True
+    q_in_kernel: bool = False
+    row_pad: int = 16
+    consumer_regs: int = 232
+    producer_regs: int = 40
+    max_splits: int = 16
+    prep: str = "triton"
+    prep_heads: int = 64
+    prep_warps: int = 16
+    prep_per_sm: int = 0
+    persistent: bool = False
+    convert: str = "consumer"
+    gather_ahead: bool = False
+    full_logits: bool = False
+    pingpong: bool = False
+
+    def __post_init__(self):
+        if self.convert not in ("consumer", "producer"):
+            raise ValueError(f"convert={self.convert!r} must be 'consumer' or 'producer'")
+        if self.gather_ahead and self.convert != "producer":
+            raise ValueError("gather_ahead=True needs convert='producer'")
+        if self.full_logits and self.convert != "producer":
+            raise ValueError("full_logits=True needs convert='producer' (both tile halves)")
+        if self.full_logits and (self.persistent or self.q_in_kernel):
+            # Each group reads both Q halves: a group rewriting its half for the next item
+            # (persistent) or from registers (q_in_kernel) would race the other's reads.
+            raise ValueError("full_logits=True needs persistent=False and q_in_kernel=False")
+        if self.pingpong and not self.full_logits:
+            raise ValueError("pingpong=True needs full_logits=True (independent consumers)")
+        if self.prep not in ("jnp", "triton"):
+            raise ValueError(f"prep={self.prep!r} must be 'jnp' or 'triton'")
+        if self.prep_heads < 1 or self.prep_heads & (self.prep_heads - 1):
+            raise ValueError(f"prep_heads={self.prep_heads} must be a power of two")
+        if self.prep_per_sm < 0:
+            raise ValueError(f"prep_per_sm={self.prep_per_sm} must be >= 0")
+        if self.block_w not in (64, 128):
+            raise ValueError(f"block_w={self.block_w} must be 64 or 128 (the conversion works "
+                             f"on 64-row tiles)")
+        if self.stages < 1:
+            raise ValueError(f"stages={self.stages} must be >= 1")
+        if self.row_pad % 16 or self.row_pad < 0:
+            raise ValueError(f"row_pad={self.row_pad} must be a multiple of 16 (bulk copies)")
+        if self.index_group < 1:
+            raise ValueError(f"index_group={self.index_group} must be >= 1")
+        regs = 128 * (2 * self.consumer_regs + self.producer_regs)
+        if regs > 65536:
+            raise ValueError(f"registers 128 * (2 * {self.consumer_regs} + "
+                             f"{self.producer_regs}) = {regs} exceed 65536")
+
+
+def smem_bytes(c: int, t: MgpuTuning) -> int:
+    """Shared memory the kernel allocates (the H200 gives a CTA at most 227 KiB)."""
+    half = c // 2
+    tiles16 = t.stages if t.convert == "producer" else 1  # f16 tiles
+    staged = 0 if t.convert == "producer" else t.stages * t.block_w * (c + t.row_pad)
+    return (2 * HEADS_PER_CTA * half * 2  # Q halves, f16
+            + staged  # fp8 staging
+            + tiles16 * 2 * t.block_w * half * 2  # f16 tile halves
+            + (0 if t.full_logits else 2 * HEADS_PER_CTA * t.block_w * 4))  # partial logits
+
+
+def supports(cache_dtype, c: int, t: MgpuTuning = MgpuTuning()) -> str | None:
+    """None if the kernel runs these shapes, else why not."""
+    if jnp.dtype(cache_dtype) != jnp.float8_e4m3fn:
+        return f"cache dtype {jnp.dtype(cache_dtype).name} (the kernel stages fp8 e4m3 rows)"
+    if c % 128 or c // 2 > 256:
+        return f"C={c} (needs a multiple of 128 with C/2 <= 256)"
+    if t.convert == "producer" and (why := mgpu_gather.check_shapes(t.block_w, c)):
+        return why
+    if smem_bytes(c, t) > 227 * 1024:
+        return f"shared memory {smem_bytes(c, t)} B > 227 KiB"
+    return None
+
+
+def num_splits(programs_per_split: int, tiles: int, sm_count: int, max_splits: int) -> int:
+    """Splits per row and head block: enough CTAs (one per multiprocessor: the kernel takes
+    most of its shared memory) to fill the GPU once, at most max_splits and tiles."""
+    fit = sm_count // max(1, programs_per_split)
+    return max(1, min(max_splits, tiles, fit))
+
+
+def row_scales(q: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """q [N, H, C] f32 -> (2^k_n, 2^-k_n) [N] f32 each: the power of two that brings each
+    row's largest |q| into [2^13, 2^14) (see `scale_rows_f16`)."""
+    amax = jnp.max(jnp.abs(q), axis=(1, 2))  # [N]
+    _, e = jnp.frexp(jnp.where(amax > 0, amax, 1.0))  # amax = f * 2^e, f in [0.5, 1)
+    k = jnp.clip(14 - e, -126, 126).astype(jnp.int32)  # [N]
+    one = jnp.ones_like(amax)
+    return jnp.ldexp(one, k), jnp.ldexp(one, -k)
+
+
+def scale_rows_f16(q: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """q [N, H, C] f32 -> (q * 2^k_n as f16 [N, H, C], 2^-k_n [N] f32).
+
+    The kernel's dots take f16 operands (Hopper converts e4m3 to f16, not to bf16, in one
+    instruction; e4m3 values are exact in f16, which also rounds q and p 4x finer than bf16).
+    f16 has a narrow range, so every row is scaled by a power of two that brings its largest
+    |q| into [2^13, 2^14): exact, and undone in the logit scale."""
+    up, down = row_scales(q)
+    return (q * up[:, None, None]).astype(jnp.float16), down
