@@ -102,7 +102,7 @@ def test_kernel_in_triton_interpreter_equals_the_total_order():
     assert [r for r in results if not r[-1]] == []
 
 
-@pytest.mark.parametrize("p,k,kw", [(4096, 512, dict()), (4096, 512, dict(method="sample")),
+@pytest.mark.parametrize("p,k,kw", [(4096, 512, dict()), (4096, 512, dict(method="radix")),
                                     (300, 37, dict(method="topk")),
                                     (300, 37, dict(method="sort")), (1, 1, dict(digit_bits=4))])
 def test_kernel_compiles_for_hopper(p, k, kw):
@@ -191,8 +191,8 @@ def _gpu_topk(s, k, **kw):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kw", [dict(), dict(method="sample"), dict(method="topk"),
-                                dict(short_rows=False)])
+@pytest.mark.parametrize("kw", [dict(), dict(method="radix"), dict(method="topk"),
+                                dict(method="radix", short_rows=False)])
 def test_compiled_equals_the_total_order(kw):
     for name, seed, n, p, k, live, ties in CASES:
         s = T.topk_scores(seed, n, p, live, ties)

@@ -40,10 +40,13 @@ class TritonTopkTuning:
     sorted; radix where they do not fit), "topk" (Triton's bitonic `tl.topk` over the whole
     row) or "sort" (`tl.sort` of the whole row).
     digit_bits: radix only: bits per histogram pass (8: 4 passes of 256 bins; 4: 8 passes
-    of 16). num_warps: Triton's. short_rows: radix only: a row with fewer than k scores
-    above -inf skips the passes (its kth is -inf); a row of only -inf (padding) stores
-    0..k-1 directly."""
-    method: str = "radix"
+    of 16). num_warps: Triton's. short_rows: radix and sample: a row with fewer than k
+    scores above -inf skips the passes (its kth is -inf); a row of only -inf (padding)
+    stores 0..k-1 directly. Defaults: "sample" at 8 warps was faster than "radix" in every
+    decode case measured on the H200 (64 rows, the padded 256, batch 1; k 512 of 4096:
+    benchmarks/results/h200-topk-triton-20261201-final.json, benchmarks/notes.md); the
+    other methods, digit widths and warp counts were not reached in that run."""
+    method: str = "sample"
     digit_bits: int = 8
     num_warps: int = 8
     short_rows: bool = True
