@@ -127,7 +127,9 @@ def test_tuning_errors_name_the_value():
         with pytest.raises(ValueError, match=match):
             sa.AttendTuning(**bad)
     for bad, match in ((dict(block_w=32), "block_w=32"), (dict(row_pad=8), "row_pad=8"),
-                       (dict(consumer_regs=256, producer_regs=64), "65536"),
+                       (dict(consumer_regs=256, producer_regs=64), "3 \\* 168"),
+                       (dict(consumer_regs=216, producer_regs=80), "wait forever"),
+                       (dict(producer_regs=44), "multiple of 8"),
                        (dict(index_group=0), "index_group=0"), (dict(stages=0), "stages=0"),
                        (dict(convert="tma"), "convert='tma'"),
                        (dict(gather_ahead=True), "gather_ahead"),

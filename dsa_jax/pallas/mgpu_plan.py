@@ -11,6 +11,9 @@ import jax.numpy as jnp
 from dsa_jax.pallas import mgpu_gather
 
 HEADS_PER_CTA = 64  # the wgmma M of one warpgroup
+# Registers a thread of the 384-thread CTA is launched with (65536 / 384, rounded down to a
+# multiple of 8): setmaxnreg only moves registers within the CTA's 3 * 128 * 168.
+LAUNCH_REGS = 168
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +33,8 @@ class MgpuTuning:
     row_pad: bytes between staged rows beyond C (16: the rows one warp reads at once fall in
       different banks, where a C = 512-byte stride puts them in the same ones).
     consumer_regs / producer_regs: per-thread register budgets (setmaxnreg) of the two compute
-      warpgroups and the producer; 128 * (2 * consumer + producer) <= 65536.
+      warpgroups and the producer, multiples of 8 with 2 * consumer + producer <= 3 * 168
+      (the CTA's registers at launch: a consumer's setmaxnreg.inc beyond them waits forever).
     max_splits: most programs one row's slots are split over (partials cost a merge).
     prep: how the kernel's inputs (scaled f16 q, padded slots, live extents) are made: "jnp"
       (~5 XLA passes, q read twice) or "triton" (`attend_prep.prep_pallas`: one launch, q read
@@ -106,10 +110,16 @@ class MgpuTuning:
             raise ValueError(f"row_pad={self.row_pad} must be a multiple of 16 (bulk copies)")
         if self.index_group < 1:
             raise ValueError(f"index_group={self.index_group} must be >= 1")
-        regs = 128 * (2 * self.consumer_regs + self.producer_regs)
-        if regs > 65536:
-            raise ValueError(f"registers 128 * (2 * {self.consumer_regs} + "
-                             f"{self.producer_regs}) = {regs} exceed 65536")
+        for name in ("consumer_regs", "producer_regs"):
+            v = getattr(self, name)
+            if v % 8 or not 24 <= v <= 256:
+                raise ValueError(f"{name}={v} must be a multiple of 8 in [24, 256] (setmaxnreg)")
+        regs = 2 * self.consumer_regs + self.producer_regs
+        if regs > 3 * LAUNCH_REGS:
+            # h200-attend-run9: 216 / 80 (512) hung, the consumers' increase never granted.
+            raise ValueError(f"registers 2 * {self.consumer_regs} + {self.producer_regs} = "
+                             f"{regs} per thread triple exceed the CTA's 3 * {LAUNCH_REGS}: "
+                             f"setmaxnreg.inc would wait forever")
 
 
 def smem_bytes(c: int, t: MgpuTuning) -> int:
