@@ -3,12 +3,12 @@
 `h200_scan_check.py` found the scanned model (`model.forward`) and the unrolled stack
 (`model.forward_unrolled`) bitwise apart on the H200 at GLM shapes, from one layer's output on,
 with that layer's inputs and caches equal. This script taps, in both programs, each layer's
-norm input, projections (q_abs, kv_raw, qi, k_raw, g, w), pool scores, top pools, attend output
-and output projection through host callbacks tagged with the layer index, and reports the first
-layer and tap that differ (and, for the scores and the selection, by how much: a near tie that
-flips a pool, or a program-dependent GEMM). The taps change both programs (each tapped value is
-materialized), so the untapped programs are compared as well: if they differ and the tapped
-ones do not, the difference lives in a fusion that a tap breaks.
+input rows, projections (every GEMM and norm; q_abs, kv_raw, qi, k_raw, g, w), pool scores,
+top pools, attend output and output projection through ordered host callbacks (the k-th value
+of a tap is the k-th layer that computes it), and reports the first layer and the taps that
+differ there. The taps change both programs (each tapped value is materialized), so the
+untapped programs are compared as well: if they differ and the tapped ones do not, the
+difference lives in a fusion that a tap breaks.
 
     PYTHONPATH=. python3 benchmarks/h200_scan_taps.py --out $OUT/taps.json [--configs glm8 glm8b64]
 """
@@ -34,76 +34,50 @@ from dsa_jax import projection as proj_mod
 from dsa_jax.bitwise import BITWISE_OPTIONS
 from dsa_jax.model import forward, forward_unrolled, unfold_state
 
-# module -> names of the functions tapped (each returns arrays or a NamedTuple of them)
+# The model's and layer.step's callees tapped (each returns arrays or a NamedTuple of them);
+# inside the projections every GEMM and norm too. Only the layers call them.
 TAPPED = ("project", "pool_scores", "top_pools", "attend", "output_projection")
+PROJECTION_TAPPED = ("matmul", "rms_norm", "per_head")
 _records: dict = {}
-_layer = [None]  # the traced layer index of the block being traced
 
 
-def _tap(name: str, fn):
+def _tap(name: str, fn, with_input: bool = False):
+    """`fn` whose outputs (and with `with_input` its third argument, `project`'s rows) go to
+    the host in execution order: the k-th value of a tap is the k-th layer that computes it
+    (scanned and unrolled programs run their layers in the same order)."""
     def run(*args, **kwargs):
         out = fn(*args, **kwargs)
-        if _layer[0] is None:  # outside a block (the LM head's norm)
-            return out
         leaves = {f"{name}.{k}": v for k, v in
                   (out._asdict().items() if hasattr(out, "_asdict") else [("out", out)])
                   if v is not None}
+        if with_input:
+            leaves[f"{name}.x"] = args[2]
 
-        def record(layer, **vals):
+        def record(**vals):
             for k, v in vals.items():
                 _records.setdefault(_records["__program__"], {}).setdefault(
-                    (int(layer), k), []).append(np.asarray(v))
-        jax.debug.callback(record, _layer[0], **leaves)
+                    k, []).append(np.asarray(v))
+        jax.debug.callback(record, ordered=True, **leaves)
         return out
     return run
 
 
 @contextlib.contextmanager
 def tapped():
-    """Patch the functions `model._block` and `model.step` call, and both of them to set the
-    layer index the taps carry."""
-    saved = {n: getattr(model_mod, n) for n in TAPPED + ("_block", "step")}
-    lsaved, psaved = {}, {}
-    block, step = saved["_block"], saved["step"]
-    counter = [0]
-
-    def tapped_block(cfg, w, caches, rows, layer, full, x, shared_sel):
-        _layer[0] = layer
-        x = _tap("x", lambda v: v)(x)
-        try:
-            return block(cfg, w, caches, rows, layer, full, x, shared_sel)
-        finally:
-            _layer[0] = None
-
-    def tapped_step(*args, **kwargs):
-        _layer[0] = jnp.int32(counter[0])
-        counter[0] += 1
-        args = (*args[:3], _tap("x", lambda v: v)(args[3]), *args[4:])
-        try:
-            return step(*args, **kwargs)
-        finally:
-            _layer[0] = None
-
+    """Tap the functions the scanned model's blocks and `layer.step` call (TAPPED) and the
+    projections' GEMMs and norms."""
+    mods = {m: {n: getattr(m, n) for n in TAPPED if hasattr(m, n)}
+            for m in (model_mod, layer_mod)}
+    mods[proj_mod] = {n: getattr(proj_mod, n) for n in PROJECTION_TAPPED}
     try:
-        for n in TAPPED:
-            setattr(model_mod, n, _tap(n, saved[n]))
-        model_mod._block, model_mod.step = tapped_block, tapped_step
-        # layer.step's own callees too (forward_unrolled runs layer.step), and inside the
-        # projections every GEMM and norm
-        lsaved = {n: getattr(layer_mod, n) for n in TAPPED if hasattr(layer_mod, n)}
-        for n, f in lsaved.items():
-            setattr(layer_mod, n, _tap(n, f))
-        psaved = {n: getattr(proj_mod, n) for n in ("matmul", "rms_norm", "per_head")}
-        for n, f in psaved.items():
-            setattr(proj_mod, n, _tap(n, f))
+        for m, fns in mods.items():
+            for n, f in fns.items():
+                setattr(m, n, _tap(n, f, with_input=n == "project"))
         yield
     finally:
-        for n, f in saved.items():
-            setattr(model_mod, n, f)
-        for n, f in lsaved.items():
-            setattr(layer_mod, n, f)
-        for n, f in psaved.items():
-            setattr(proj_mod, n, f)
+        for m, fns in mods.items():
+            for n, f in fns.items():
+                setattr(m, n, f)
 
 
 def _fence(f):
@@ -137,20 +111,23 @@ CANDIDATES = tuple(FENCES)
 
 
 def first_difference(got: dict, want: dict) -> dict | None:
-    """got/want: (layer, tap) -> [values, one per call of that tap in the layer]. The taps
-    apart in the first layer with any."""
+    """got/want: tap -> [values in execution order, one per layer that computes it]. The taps
+    apart at the first occurrence (layer order) with any."""
     diffs = []
     for k in sorted(set(got) & set(want)):
-        for c, (a, b) in enumerate(zip(got[k], want[k], strict=False)):
+        for i, (a, b) in enumerate(zip(got[k], want[k], strict=False)):
             if (d := leaf_diff(a, b)) is not None:
-                diffs.append({"layer": k[0], "tap": k[1], "call": c, **d})
+                diffs.append({"tap": k, "occurrence": i, **d})
+                break
     if not diffs:
         return None
-    first_layer = min(d["layer"] for d in diffs)
-    return {"first_layer": first_layer,
-            "taps_apart_in_that_layer": [d for d in diffs if d["layer"] == first_layer],
-            "layers_apart": sorted({d["layer"] for d in diffs}),
-            "only_in_one": sorted(str(k) for k in set(got) ^ set(want))[:20]}
+    first = min(d["occurrence"] for d in diffs)
+    return {"first_occurrence": first,
+            "taps_apart_there": [d for d in diffs if d["occurrence"] == first],
+            "later": sorted((d["tap"], d["occurrence"]) for d in diffs
+                            if d["occurrence"] != first)[:40],
+            "counts": {k: (len(got[k]), len(want.get(k, []))) for k in sorted(got)},
+            "only_in_one": sorted(set(got) ^ set(want))[:20]}
 
 
 def run(cfg, vocab: int, b: int, steps: int, cand: str = "none") -> dict:

@@ -194,3 +194,34 @@ def test_scanned_equals_unrolled_bitwise_at_glm_shapes():
     cfg = glm53_flash(implementation="pallas", max_context=1024,
                       indexer_types=("full", "shared") * 4)
     assert check_scan_equals_unrolled(cfg, 256)
+
+
+def test_scan_taps_come_back_in_layer_order_and_find_the_first_difference():
+    """benchmarks/h200_scan_taps.py: every tap of the scanned model comes back once per layer
+    that computes it (the indexer's only from full layers), and a difference is reported at the
+    first layer it appears in."""
+    import jax.numpy as jnp
+
+    from benchmarks import h200_scan_taps as taps
+    from benchmarks.h200_scan_check import setup
+    from dsa_jax.shapes import tiny
+    cfg = tiny(implementation="xla", max_context=64, indexer_types=("full", "shared") * 2)
+    mcfg, _, stacked, ms = setup(cfg, 64, 2)
+    r = cfg.max_verify
+    taps._records.clear()
+    taps._records["__program__"] = "scan"
+    with taps.tapped():
+        fwd = jax.jit(lambda w, s, t, n: M.forward(mcfg, w, s, t, n))
+        jax.block_until_ready(fwd(stacked, ms, jnp.ones((2, r), jnp.int32),
+                                  jnp.ones((2,), jnp.int32)))
+    jax.effects_barrier()
+    got = taps._records["scan"]
+    assert len(got["project.q_abs"]) == 4 and len(got["project.x"]) == 4
+    assert len(got["project.qi"]) == 2 and len(got["pool_scores.out"]) == 2
+    want = {k: [v.copy() for v in vs] for k, vs in got.items()}
+    want["attend.out"][2] = want["attend.out"][2] + 1.0  # layer 2's attention apart
+    want["output_projection.out"][3] = want["output_projection.out"][3] * 2.0
+    d = taps.first_difference(got, want)
+    assert d["first_occurrence"] == 2
+    assert [t["tap"] for t in d["taps_apart_there"]] == ["attend.out"]
+    assert taps.first_difference(got, got) is None

@@ -136,6 +136,14 @@ def test_bad_tunings_raise():
         pm.pool_scores_mgpu(qi, w, keys, n_cand, tuning=M(fuse_qlo=True))
     with pytest.raises(ValueError, match="rows=3"):
         M(rows=3)
+    # setmaxnreg budgets beyond the CTA's registers at launch hang (h200-attend-run9)
+    with pytest.raises(ValueError, match=r"2 \* 240 \+ 40 = 520 .* 3 \* 168 at launch"):
+        M(consumer_regs=240)
+    with pytest.raises(ValueError, match=r"1 \* 256 \+ 248 = 504 .* 2 \* 248 at launch"):
+        M(consumers=1, consumer_regs=256, producer_regs=248)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        M(producer_regs=44)
+    M(consumers=1, consumer_regs=248, producer_regs=248)  # exactly the launch pool
 
 
 def test_fit_chooses_the_schedule():

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reliability_catalogue import CASES, MCFG, x_rows
+from reliability_catalogue import CASES, x_rows
+from reliability_catalogue_serving import MCFG
 
 import dsa_jax
 from dsa_jax import checkpoint

@@ -92,3 +92,22 @@ def with_overrides(tuning: T, overrides: dict[str, Any]) -> T:
         raise TypeError(f"{type(tuning).__name__} has no field(s) {unknown}; its fields are "
                         f"{names}")
     return dataclasses.replace(tuning, **overrides)
+
+
+def check_register_budgets(consumers: int, consumer_regs: int, producer_regs: int) -> None:
+    """Refuse `setmaxnreg` budgets a warp-specialized Mosaic GPU kernel (`consumers` compute
+    warpgroups and one producer, 128 threads each) cannot be granted: each a multiple of 8 in
+    [24, 256], and together within the registers the CTA is launched with (65536 over its
+    threads, at most 255 each, rounded down to a multiple of 8): `setmaxnreg` only moves
+    registers within that pool, so a consumer's increase beyond it waits forever (a 216 / 80
+    split of 3 x 168 hung on the H200: benchmarks/results/h200-attend-run9.json)."""
+    for name, v in (("consumer_regs", consumer_regs), ("producer_regs", producer_regs)):
+        if v % 8 or not 24 <= v <= 256:
+            raise ValueError(f"{name}={v} must be a multiple of 8 in [24, 256] (setmaxnreg)")
+    warpgroups = consumers + 1
+    launch = min(255, 65536 // (128 * warpgroups)) // 8 * 8  # registers per thread at launch
+    total = consumers * consumer_regs + producer_regs
+    if total > warpgroups * launch:
+        raise ValueError(f"registers {consumers} * {consumer_regs} + {producer_regs} = {total} "
+                         f"per thread exceed the CTA's {warpgroups} * {launch} at launch: "
+                         f"setmaxnreg.inc would wait forever")

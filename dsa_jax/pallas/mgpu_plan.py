@@ -9,11 +9,9 @@ import jax
 import jax.numpy as jnp
 
 from dsa_jax.pallas import mgpu_gather
+from dsa_jax.pallas.common import check_register_budgets
 
 HEADS_PER_CTA = 64  # the wgmma M of one warpgroup
-# Registers a thread of the 384-thread CTA is launched with (65536 / 384, rounded down to a
-# multiple of 8): setmaxnreg only moves registers within the CTA's 3 * 128 * 168.
-LAUNCH_REGS = 168
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,16 +108,8 @@ class MgpuTuning:
             raise ValueError(f"row_pad={self.row_pad} must be a multiple of 16 (bulk copies)")
         if self.index_group < 1:
             raise ValueError(f"index_group={self.index_group} must be >= 1")
-        for name in ("consumer_regs", "producer_regs"):
-            v = getattr(self, name)
-            if v % 8 or not 24 <= v <= 256:
-                raise ValueError(f"{name}={v} must be a multiple of 8 in [24, 256] (setmaxnreg)")
-        regs = 2 * self.consumer_regs + self.producer_regs
-        if regs > 3 * LAUNCH_REGS:
-            # h200-attend-run9: 216 / 80 (512) hung, the consumers' increase never granted.
-            raise ValueError(f"registers 2 * {self.consumer_regs} + {self.producer_regs} = "
-                             f"{regs} per thread triple exceed the CTA's 3 * {LAUNCH_REGS}: "
-                             f"setmaxnreg.inc would wait forever")
+        # h200-attend-run9: 216 / 80 hung, the consumers' increase never granted.
+        check_register_budgets(2, self.consumer_regs, self.producer_regs)
 
 
 def smem_bytes(c: int, t: MgpuTuning) -> int:

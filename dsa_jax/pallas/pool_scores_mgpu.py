@@ -43,7 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from dsa_jax.pallas.common import sm_count
+from dsa_jax.pallas.common import check_register_budgets, sm_count
 from dsa_jax.pallas.pool_scores_mgpu_dots import (
     F32_SWIZZLE,
     TF32_MASK,
@@ -99,7 +99,8 @@ class MgpuScoresTuning:
       chunk) items with its ring running on across them (the next item's first keys load while
       the last one computes; qi double-buffered, reloaded where the row group changes); for a
       prompt's many rows, whose CTAs would otherwise each fill and drain the ring.
-    consumer_regs / producer_regs: per-thread register budgets (setmaxnreg) with 2 consumers.
+    consumer_regs / producer_regs: per-thread register budgets (setmaxnreg), within the CTA's
+      registers at launch (`common.check_register_budgets`).
     """
 
     block_p: int = 64
@@ -129,10 +130,7 @@ class MgpuScoresTuning:
             raise ValueError(f"rows={self.rows} must be a power of two")
         if self.chunks is not None and self.chunks < 1:
             raise ValueError(f"chunks={self.chunks} must be >= 1")
-        regs = 128 * (self.consumers * self.consumer_regs + self.producer_regs)
-        if regs > 65536:
-            raise ValueError(f"registers 128 * ({self.consumers} * {self.consumer_regs} + "
-                             f"{self.producer_regs}) = {regs} exceed 65536")
+        check_register_budgets(self.consumers, self.consumer_regs, self.producer_regs)
 
 
 def padded_dims(hi: int, di: int, precision: str = "tf32x3") -> tuple[int, int]:
