@@ -291,3 +291,23 @@ def test_mosaic_variants_lower_for_cuda(tuning):
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 1
     assert ("custom_call @__gpu$xla.gpu.triton" in text) == (tuning.prep == "triton")
+
+
+def test_auto_takes_triton_on_a_gpu_that_is_not_hopper(monkeypatch):
+    """The Mosaic GPU kernels compile for sm_90a only: "auto" picks them on a Hopper GPU (or a
+    device reporting no compute capability, as the CPU), the Triton kernels elsewhere;
+    "mosaic" asked for stays mosaic (its compile then fails loudly)."""
+    import types
+
+    import jax
+
+    from dsa_jax.pallas import common
+    from dsa_jax.pallas import pool_scores as ps
+    fp8 = jnp.float8_e4m3fn
+    for cc, want in (("8.0", "triton"), ("10.0", "triton"), ("9.0", "mosaic"), (None, "mosaic")):
+        dev = types.SimpleNamespace(compute_capability=cc)
+        monkeypatch.setattr(jax, "devices", lambda *a, dev=dev: [dev])
+        assert common.gpu_is_not_hopper() == (want == "triton")
+        assert sa.pick_backend(sa.AttendTuning(), fp8, 64, 512, False, False) == want
+        assert ps.pick_backend(ps.PoolScoresTuning(), 32, 128, False) == want
+        assert sa.pick_backend(sa.AttendTuning("mosaic"), fp8, 64, 512, False, False) == "mosaic"

@@ -81,6 +81,17 @@ def sm_count(device: jax.Device | None = None) -> int:
     return int(count) if count else DEFAULT_SM_COUNT
 
 
+def gpu_is_not_hopper(device: jax.Device | None = None) -> bool:
+    """True where `device` (default: the first device) reports a CUDA compute capability whose
+    major version is not 9: the Mosaic GPU kernels compile for sm_90a only, so the `auto`
+    backend rules take the Triton kernels there. A device reporting none (a CPU) counts as
+    Hopper, so the rule stays the one measured on the H200 wherever the attribute is missing
+    (jax's CUDA devices carry it as a string such as "9.0")."""
+    device = jax.devices()[0] if device is None else device
+    cc = getattr(device, "compute_capability", None)
+    return bool(cc) and str(cc).split(".")[0] != "9"
+
+
 def with_overrides(tuning: T, overrides: dict[str, Any]) -> T:
     """`tuning` (a frozen dataclass) with the fields named in `overrides` replaced: the kernels'
     individual tuning keywords. An unknown name raises, naming the fields there are."""

@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from dsa_jax.pallas import pool_scores_mgpu as mgpu_scores
-from dsa_jax.pallas.common import next_pow2, sm_count, with_overrides
+from dsa_jax.pallas.common import gpu_is_not_hopper, next_pow2, sm_count, with_overrides
 
 # Query rows per lax.map step of the XLA twin: bounds the [rows, Hi, P] fp32 block.
 XLA_ROW_CHUNK = 256
@@ -128,10 +128,11 @@ class PoolScoresTuning:
     1.7-1.9x faster at 64 decode rows with or without padding rows, 1.6x for a 9000-row prompt,
     equal at batch 1, benchmarks/results/h200-pool-scores-mgpu-20261201-r1/r2.json, and its
     bits independent of the batch, checked there): mosaic where it runs these Hi and
-    Di (`pool_scores_mgpu.supports`), not in interpret mode, and no field above is set away from
-    its default (an explicit Triton tile is a request for this kernel), triton otherwise. The
-    rule depends on Hi and Di only, never on the rows or the batch, so a decode and a prompt
-    of one model run the same kernel and a row scores the same bits in both. mosaic: that
+    Di (`pool_scores_mgpu.supports`) on a Hopper GPU (`common.gpu_is_not_hopper`), not in
+    interpret mode, and no field above is set away from its default (an explicit Triton tile
+    is a request for this kernel), triton otherwise. The rule depends on Hi, Di and the GPU's
+    generation only, never on the rows or the batch, so a decode and a prompt of one model run
+    the same kernel and a row scores the same bits in both. mosaic: that
     kernel's tuning (`MgpuScoresTuning`; its schedule per shape from `fit`)."""
     block_p: int = 64
     num_chunks: int | None = None
@@ -166,7 +167,7 @@ def pick_backend(tuning: PoolScoresTuning, hi: int, di: int, interpret: bool) ->
             raise ValueError(f"pool_scores: backend='mosaic' does not run {why}")
         return "mosaic"
     triton_args = dataclasses.replace(tuning, backend="triton", mosaic=PoolScoresTuning().mosaic)
-    if (tuning.backend == "triton" or interpret or why is not None
+    if (tuning.backend == "triton" or interpret or why is not None or gpu_is_not_hopper()
             or triton_args != dataclasses.replace(PoolScoresTuning(), backend="triton")):
         return "triton"
     return "mosaic"

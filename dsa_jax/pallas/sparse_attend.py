@@ -25,7 +25,12 @@ from jax.experimental.pallas import triton as plt
 
 from dsa_jax.pallas import attend_prep
 from dsa_jax.pallas import sparse_attend_mgpu as mgpu_op
-from dsa_jax.pallas.common import check_triton_addressable, next_pow2, sm_count
+from dsa_jax.pallas.common import (
+    check_triton_addressable,
+    gpu_is_not_hopper,
+    next_pow2,
+    sm_count,
+)
 
 # Rows per lax.map step of the XLA twin: bounds the gathered [rows, W, C] fp32 block.
 XLA_ROW_CHUNK = 64
@@ -43,9 +48,9 @@ class AttendTuning:
       supported C, at least half of every 64-row head tile real heads (`mosaic_fills`: 64 per
       device at TP 1, 32 at TP 2 padded with zero rows; the tile's cost is mostly the latents'
       gather and conversion, shared by its rows), not interpret mode, no explicit Triton tile
-      or dtype argument), triton otherwise (e.g. 8 heads per device at TP 8: unmeasured, and
-      56 of every 64 tile rows would be padding). The rule is fixed; nothing depends on the
-      environment.
+      or dtype argument, a Hopper GPU: `common.gpu_is_not_hopper`), triton otherwise (e.g. 8
+      heads per device at TP 8: unmeasured, and 56 of every 64 tile rows would be padding).
+      The rule is fixed; nothing depends on the environment but the GPU's generation.
     col_blocks: Triton only: the output columns split over this many programs, each of which
       recomputes the logits over all of C but accumulates only its C / col_blocks columns
       (smaller accumulator, more programs per multiprocessor).
@@ -277,7 +282,7 @@ def pick_backend(tuning: AttendTuning, cache_dtype, heads: int, c: int, interpre
             raise ValueError(f"backend='mosaic' does not run {why}; use backend='triton'")
         return "mosaic"
     if (tuning.backend == "triton" or interpret or triton_args or why is not None
-            or not mosaic_fills(heads)):
+            or not mosaic_fills(heads) or gpu_is_not_hopper()):
         return "triton"
     return "mosaic"
 
