@@ -17,7 +17,14 @@ from typing import Any
 
 import jax
 
-from dsa_jax.pallas import index_write, latent_write, pool_scores, pool_topk, sparse_attend
+from dsa_jax.pallas import (
+    index_write,
+    latent_write,
+    pool_scores,
+    pool_topk,
+    rms_norm,
+    sparse_attend,
+)
 
 
 class ImplementationError(RuntimeError):
@@ -60,9 +67,10 @@ pool_topk_op = Op("pool_topk", pool_topk.pool_topk_xla, pool_topk.pool_topk_pall
                   kernel_covers=lambda scores, k: scores.shape[-1] <= pool_topk.KERNEL_MAX_P)
 sparse_attend_op = Op("sparse_attend", sparse_attend.sparse_attend_xla,
                       sparse_attend.sparse_attend_pallas)
+rms_norm_op = Op("rms_norm", rms_norm.rms_norm_xla, rms_norm.rms_norm_pallas)
 
 OPS: dict[str, Op] = {op.name: op for op in (latent_write_op, index_write_op, pool_scores_op,
-                                             pool_topk_op, sparse_attend_op)}
+                                             pool_topk_op, sparse_attend_op, rms_norm_op)}
 
 
 def pallas_kernels_present() -> bool:

@@ -43,9 +43,10 @@ from jax import lax
 
 from dsa_jax.attend import attend, write_latents
 from dsa_jax.config import DsaConfig
+from dsa_jax.implementation import rms_norm_op
 from dsa_jax.indexer import pool_scores, write_index_rows
 from dsa_jax.layer import candidate_pools, live_rows, step
-from dsa_jax.projection import output_projection, project, rms_norm
+from dsa_jax.projection import output_projection, project
 from dsa_jax.select import expand_selection, top_pools
 from dsa_jax.state import DsaState, init_state, ring_guard
 from dsa_jax.weights import DsaWeights, init_random_weights
@@ -337,7 +338,7 @@ def _segment(cfg: DsaConfig, seg: Segment, stack: Stack, h, caches: _Caches, row
         h = _island(h, barrier)
         h_in = h
         y, caches, sel = _block(cfg, wf, caches, rows, layer, full,
-                                rms_norm(h, norms[0], eps), None)
+                                rms_norm_op(cfg, h, norms[0], eps), None)
         h = h + y
         hs = h_in[None] if hidden else None  # [1, B, R, D]
         if g > 1:
@@ -345,8 +346,8 @@ def _segment(cfg: DsaConfig, seg: Segment, stack: Stack, h, caches: _Caches, row
                 h, caches = carry
                 w, norm, l = xs
                 h = _island(h, barrier)
-                y, caches, _ = _block(cfg, w, caches, rows, l, None, rms_norm(h, norm, eps),
-                                      sel)
+                y, caches, _ = _block(cfg, w, caches, rows, l, None,
+                                      rms_norm_op(cfg, h, norm, eps), sel)
                 return (h + y, caches), h if hidden else None
 
             (h, caches), shared_hs = lax.scan(shared, (h, caches),
@@ -367,7 +368,7 @@ def _segment(cfg: DsaConfig, seg: Segment, stack: Stack, h, caches: _Caches, row
 def lm_head(mcfg: ModelConfig, final_norm: jax.Array, head: jax.Array, h: jax.Array
             ) -> jax.Array:
     """Hidden rows `h [B, R, D]` -> logits `[B, R, V]` f32."""
-    h = rms_norm(h, final_norm, mcfg.dsa.rms_norm_eps)
+    h = rms_norm_op(mcfg.dsa, h, final_norm, mcfg.dsa.rms_norm_eps)
     return jnp.einsum("brd,vd->brv", h.astype(head.dtype), head,
                       preferred_element_type=jnp.float32)
 
@@ -423,7 +424,7 @@ def forward_unrolled(mcfg: ModelConfig, weights: ModelWeights, states, tokens: j
         shared = None if lw.has_indexer else sel
         h = _island(h, layer_barrier)
         hs.append(h)
-        y, st, sel = step(cfg, lw, st, rms_norm(h, weights.norms[i], cfg.rms_norm_eps),
+        y, st, sel = step(cfg, lw, st, rms_norm_op(cfg, h, weights.norms[i], cfg.rms_norm_eps),
                           n_new, shared)
         sel0 = sel if sel0 is None else sel0
         h = h + y

@@ -15,7 +15,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from dsa_jax.config import DsaConfig
+from dsa_jax.implementation import rms_norm_op
+from dsa_jax.pallas.rms_norm import rms_norm_xla as rms_norm  # the definition (public)
 from dsa_jax.weights import DsaWeights
+
+__all__ = ["Projections", "matmul", "output_projection", "per_head", "project", "project_kv",
+           "rms_norm"]
 
 
 class Projections(NamedTuple):
@@ -25,20 +30,6 @@ class Projections(NamedTuple):
     k_raw: jax.Array | None  # [..., Di] f32: W_k x (the indexer write applies k_norm)
     g: jax.Array | None  # [..., Di] f32: gate W_gate x
     w: jax.Array | None  # [..., Hi] f32: head weights, scales folded
-
-
-def rms_norm(v: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """Plain RMSNorm in fp32: `w * v / sqrt(mean(v^2) + eps)`, as an island of its own.
-
-    The barriers on its input and output keep XLA from fusing the norm's reduction or its
-    elementwise part with what surrounds it. Fused differently in two programs (the scanned
-    model and the unrolled stack), the norm came out a last bit apart on a few rows on the
-    H200, which then rounded the next GEMM's bf16 operand differently and moved the whole row
-    (benchmarks/results/h200-scan-taps-20261201-*.json). As an island it compiles to the same
-    code wherever it appears."""
-    v = lax.optimization_barrier(v.astype(jnp.float32))
-    return lax.optimization_barrier(
-        w * v * lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps))
 
 
 # fp32 weights mean fp32 arithmetic: without HIGHEST a GPU runs fp32 dots as tf32 (~1e-3).
@@ -73,7 +64,7 @@ def project(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> Projections:
     R, C, Hl, Dn = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.local_heads, cfg.qk_nope_head_dim
     Hi, Di = cfg.index_n_heads, cfg.index_head_dim
     xw = matmul(x, weights.x_proj)  # [..., Nx]
-    q_resid = rms_norm(xw[..., :R], weights.q_a_norm, cfg.rms_norm_eps)  # [..., R_q]
+    q_resid = rms_norm_op(cfg, xw[..., :R], weights.q_a_norm, cfg.rms_norm_eps)  # [..., R_q]
     kv_raw = xw[..., R:R + C]  # [..., C]
     q = matmul(q_resid, weights.q_proj).reshape(*xw.shape[:-1], Hl, Dn)  # [..., Hl, Dn]
     q_abs = per_head(q, weights.u_k, 1)  # [..., Hl, C]

@@ -1,0 +1,74 @@
+"""RMSNorm: `w * v / sqrt(mean(v^2) + eps)` in fp32, and the same as one Pallas launch.
+
+Why a kernel for a norm: XLA picks a reduction's order (how it tiles and vectorizes the row
+sum) per program, from the fusion around it, and barriers on the norm's input and output do
+not pin it. The q_a norm of the scanned model and of the unrolled stack came out a last bit
+apart on a few dozen of 256 rows at 64 sequences on the H200 with equal inputs
+(benchmarks/results/h200-scan-taps-20261201-b64.json), which then moved whole rows of the
+next GEMM. A Pallas kernel compiles as written wherever it appears: the same code, the same
+sum order, in every program that calls it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from dsa_jax.pallas.common import next_pow2, with_overrides
+
+
+@dataclasses.dataclass(frozen=True)
+class RmsNormTuning:
+    """Launch parameters of `rms_norm_pallas` (one program per row).
+
+    num_warps: warps per program, each program normalizing one row held in registers."""
+    num_warps: int = 4
+
+
+def rms_norm_xla(v: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """The definition: `v [..., n]`, `w [n]` -> `[..., n]` f32, as an island of its own.
+
+    The barriers on its input and output keep XLA from fusing the norm with what surrounds it
+    (fused differently in two programs it rounded differently on the H200:
+    benchmarks/results/h200-scan-taps-20261201-r*.json); they do not pin the reduction's
+    order, which the Pallas kernel does."""
+    v = lax.optimization_barrier(v.astype(jnp.float32))
+    return lax.optimization_barrier(
+        w * v * lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps))
+
+
+def _norm_kernel(v_ref, w_ref, out_ref, *, width: int, eps: float):
+    """One row: v_ref [N, n] f32, w_ref [n] f32 (whole arrays); out_ref [N, n] f32."""
+    i = pl.program_id(0)
+    cols = jnp.arange(next_pow2(width), dtype=jnp.int32)  # [np2]
+    in_width = cols < width
+    v = plt.load(v_ref.at[i, cols], mask=in_width, other=0.0)  # [np2], zero padding
+    w = plt.load(w_ref.at[cols], mask=in_width, other=0.0)  # [np2]
+    out = w * v * lax.rsqrt(jnp.sum(v * v) / width + eps)  # [np2]
+    plt.store(out_ref.at[i, cols], out, mask=in_width)
+
+
+def rms_norm_pallas(v: jax.Array, w: jax.Array, eps: float, *, interpret: bool = False,
+                    tuning: RmsNormTuning = RmsNormTuning(), **overrides) -> jax.Array:
+    """`rms_norm_xla` as one Pallas launch, a program per row. `overrides`: fields of `tuning`
+    by name (`num_warps=8`)."""
+    tuning = with_overrides(tuning, overrides)
+    width = v.shape[-1]
+    rows = v.reshape(-1, width).astype(jnp.float32)  # [N, n]
+    out = pl.pallas_call(
+        functools.partial(_norm_kernel, width=width, eps=eps),
+        grid=(rows.shape[0],),
+        in_specs=[pl.BlockSpec()] * 2,  # v [N, n], w [n]
+        out_specs=pl.BlockSpec(),
+        out_shape=jax.ShapeDtypeStruct(rows.shape, jnp.float32),
+        compiler_params=plt.CompilerParams(num_warps=tuning.num_warps, num_stages=1),
+        interpret=interpret,
+        name="rms_norm",
+    )(rows, w.astype(jnp.float32))  # [N, n]
+    return out.reshape(v.shape)

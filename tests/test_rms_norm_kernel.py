@@ -1,0 +1,87 @@
+"""The RMSNorm kernel (`dsa_jax/pallas/rms_norm.py`) against its jnp definition and a float64
+one ("pallas-interpret", and "pallas" under the `gpu` marker), and the property it exists for:
+the same bits in every program that calls it.
+
+Tolerance, relative to |w v| / rms: the fp32 sum of n squares carries at most (n - 1) roundings
+of u = 2^-24 relative to the sum (positive terms), the mean and eps one each, rsqrt halves
+the argument's relative error and adds its own (a few ulps on a GPU: 4 u allowed), the two
+products one each: |err| <= ((n + 1) / 2 + 7) u. Between two fp32 implementations: twice that.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from dsa_jax import testing as T
+from dsa_jax.implementation import rms_norm_op
+from dsa_jax.pallas.rms_norm import RmsNormTuning, rms_norm_pallas
+from dsa_jax.shapes import tiny
+
+U = 2.0 ** -24
+EPS = 1e-5
+
+
+def _inputs(lead, n, seed):
+    rng = np.random.default_rng(seed)
+    v = jnp.asarray(rng.standard_normal((*lead, n)) * 3.0, jnp.float32)  # [..., n]
+    w = jnp.asarray(1.0 + 0.5 * rng.standard_normal(n), jnp.float32)  # [n]
+    return v, w
+
+
+def _exact(v, w):
+    v64, w64 = np.asarray(v, np.float64), np.asarray(w, np.float64)
+    inv = 1.0 / np.sqrt(np.mean(v64 * v64, axis=-1, keepdims=True) + EPS)
+    return w64 * v64 * inv, np.abs(w64 * v64) * inv  # value, scale of its error
+
+
+@pytest.mark.parametrize("lead,n", [((1,), 12), ((3, 5), 33), ((2, 4), 128), ((7,), 1536)])
+def test_rms_norm_kernel_matches_definition(kernel_impl, lead, n):
+    v, w = _inputs(lead, n, seed=n)
+    got = np.asarray(T.run_op("rms_norm", kernel_impl, v, w, eps=EPS))
+    want = np.asarray(T.run_op("rms_norm", "xla", v, w, eps=EPS))
+    exact, scale = _exact(v, w)
+    bound = ((n + 1) / 2 + 7) * U
+    assert got.shape == v.shape and got.dtype == np.float32
+    assert np.all(np.abs(got - exact) <= bound * scale + 1e-30)
+    assert np.all(np.abs(want - exact) <= bound * scale + 1e-30)
+    assert np.all(np.abs(got - want) <= 2 * bound * scale + 1e-30)
+
+
+def test_rms_norm_kernel_takes_bf16_rows_and_tuning(kernel_impl):
+    v, w = _inputs((3,), 40, seed=3)
+    vb = v.astype(jnp.bfloat16)
+    got = rms_norm_pallas(vb, w, EPS, interpret=kernel_impl == "pallas-interpret",
+                          tuning=RmsNormTuning(num_warps=2))
+    want = rms_norm_pallas(vb.astype(jnp.float32), w, EPS,
+                           interpret=kernel_impl == "pallas-interpret", num_warps=2)
+    T.assert_trees_bitwise_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(TypeError, match="no field"):
+        rms_norm_pallas(v, w, EPS, interpret=True, warps=2)
+
+
+def test_rms_norm_op_follows_the_implementation():
+    v, w = _inputs((2, 3), 16, seed=5)
+    for impl, fn in (("xla", "rms_norm_xla"), ("pallas-interpret", "rms_norm_pallas")):
+        jaxpr = str(jax.make_jaxpr(lambda v, w, i=impl: rms_norm_op(
+            tiny().replace(implementation=i), v, w, EPS))(v, w))
+        assert ("pallas_call" in jaxpr) == (fn == "rms_norm_pallas")
+
+
+@pytest.mark.gpu
+def test_rms_norm_kernel_same_bits_in_any_program():
+    """The q_a norm's rows at 64 sequences x 4 rows, normalized in a scan's body (weights
+    sliced from a stack, as the scanned model does) and in a plain program: `==` row for row,
+    which XLA's own fused reduction did not give (pallas/rms_norm.py)."""
+    v, w = _inputs((256,), 1536, seed=11)
+    ws = jnp.stack([w * 0.5, w])  # [2, n]
+
+    def scanned(v, ws):
+        def body(h, wl):
+            return h, rms_norm_pallas(h * 1.0, wl, EPS)
+        return lax.scan(body, v, ws)[1][1]
+
+    a = jax.jit(scanned)(v, ws)
+    b = jax.jit(lambda v, w: rms_norm_pallas(v, w, EPS))(v, w)
+    T.assert_trees_bitwise_equal(np.asarray(a), np.asarray(b))
