@@ -57,7 +57,7 @@ def _triton(**kw) -> pt.PoolTopkTuning:
 # name -> tuning (None: lax.top_k). "pallas": today's default kernel.
 VARIANTS = {
     "lax.top_k": None,
-    "pallas": K(),
+    "pallas": K(backend="pallas"),
     "triton-radix8-w8": _triton(method="radix", digit_bits=8, num_warps=8),
     "triton-radix8-w16": _triton(method="radix", digit_bits=8, num_warps=16),
     "triton-sample8-w8": _triton(method="sample", digit_bits=8, num_warps=8),

@@ -3,10 +3,12 @@
 Total order: score descending, then pool index ascending. `lax.top_k` documents that equal
 values keep the lower index first, and pool scores carry no -0.0 (pool_scores.py), so its
 order is exactly that one; the Pallas top-k (pallas/pool_topk.py) and the raw Triton one
-(pallas/pool_topk_triton.py, `PoolTopkTuning(backend="triton")`) return the same indices.
+(pallas/pool_topk_triton.py, the compiled default) return the same indices.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +24,8 @@ def top_pools(cfg: DsaConfig, scores: jax.Array,
     Every implementation returns the same indices (the kernels are tested with `==`); the
     pallas path runs a kernel for rows of at most `pallas.pool_topk.KERNEL_MAX_P` pools,
     lax.top_k beyond (measured faster there). tuning: the kernel's (None: its defaults;
-    `PoolTopkTuning(backend="triton")` picks the raw Triton kernel)."""
+    `pallas.pool_topk.runs_triton` says which kernel; `PoolTopkTuning(backend="pallas")`
+    always the Pallas one)."""
     options = None if tuning is None else dict(tuning=tuning)
     return pool_topk_op(cfg, scores, min(cfg.select_k, scores.shape[-1]),
                         kernel_options=options)
@@ -54,8 +57,9 @@ def select_slots(cfg: DsaConfig, scores: jax.Array, pos: jax.Array, valid: jax.A
     """`expand_selection(cfg, top_pools(cfg, scores), pos, valid)`, the same slots bit for bit:
     scores [..., P], pos and valid [...] -> [..., W]. Where the pallas path runs the top-k
     kernel (rows of at most `pool_topk.KERNEL_MAX_P` pools) the kernel writes the slots
-    itself (`pool_topk.pool_topk_expand_pallas`: no separate expansion pass) unless `tuning`
-    names the raw Triton backend (its kernel returns the pools; the expansion runs apart);
+    itself (`pool_topk.pool_topk_expand_pallas`: no separate expansion pass) unless the raw
+    Triton kernel runs (`pool_topk.runs_triton`: it returns the pools, the expansion runs
+    apart);
     `tuning`: the kernel's (None: its defaults)."""
     impl = resolve(cfg.implementation)
     k = min(cfg.select_k, scores.shape[-1])
@@ -63,7 +67,8 @@ def select_slots(cfg: DsaConfig, scores: jax.Array, pos: jax.Array, valid: jax.A
     if impl == "xla" or scores.shape[-1] > pool_topk.KERNEL_MAX_P:
         return expand_selection(cfg, top_pools(cfg, scores), pos, valid)
     interpret = impl == "pallas-interpret"
-    if tuning.backend != "pallas":  # a kernel that writes no slots: the expansion apart
+    if pool_topk.runs_triton(tuning, math.prod(scores.shape[:-1]), interpret):
+        # a kernel that writes no slots: the expansion apart
         pools = pool_topk.pool_topk_pallas(scores, k, interpret=interpret, tuning=tuning)
         return expand_selection(cfg, pools, pos, valid)
     expand = pool_topk.Expansion(cfg.index_kpool, cfg.sel_width, cfg.always_select_tail)

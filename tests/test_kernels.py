@@ -233,6 +233,8 @@ def test_pool_scores_negative_zero_is_normalized(impl):
 # ---------------------------------------------------------------------------------- pool top-k
 
 def _check_topk(impl, s, k, **kernel_options):
+    if kernel_options:  # the Pallas kernel's fields (compiled, the default is the Triton one)
+        kernel_options = {"backend": "pallas", **kernel_options}
     out = np.asarray(T.run_op("pool_topk", impl, s, k, kernel_options=kernel_options))
     chex.assert_trees_all_equal(out, T.topk_definition(s, k), strict=True)
     assert all(len(set(row)) == k for row in out.reshape(-1, k))  # distinct pools

@@ -17,6 +17,7 @@ import sys
 import types
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -72,7 +73,7 @@ inputs = [(name, np.asarray(T.topk_scores(seed, n, p, live, ties)), k)
           for name, seed, n, p, k, live, ties in CASES] + special_rows()
 results = []
 for method, bits, short in [("radix", 8, True), ("radix", 4, True), ("sort", 8, True),
-                           ("radix", 8, False), ("sample", 8, True)]:
+                           ("radix", 8, False), ("sample", 8, True), ("sample", 4, True)]:
     tuning = ptt.TritonTopkTuning(method=method, digit_bits=bits, short_rows=short)
     for name, scores, k in inputs:
         # the interpreter sorts slowly: the other methods on small inputs (and radix 4 on
@@ -97,8 +98,9 @@ def test_kernel_in_triton_interpreter_equals_the_total_order():
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     n_inputs = len(CASES) + len(special_rows())
-    # radix 8 and sample on every input; radix 4 on 5; sort and radix 8 without short rows on 4
-    assert len(results) == 2 * n_inputs + 5 + 4 + 4
+    # radix 8 and sample 8 on every input; radix 4 and sample 4 (the decode's "auto") on 5;
+    # sort and radix 8 without short rows on 4
+    assert len(results) == 2 * n_inputs + 5 + 5 + 4 + 4
     assert [r for r in results if not r[-1]] == []
 
 
@@ -135,7 +137,32 @@ def test_backend_and_tuning_are_checked():
         ptt.TritonTopkTuning(digit_bits=5)
     with pytest.raises(ValueError, match="num_warps=3"):
         ptt.TritonTopkTuning(num_warps=3)
-    assert pt.PoolTopkTuning().backend == "pallas"  # the default until the H200 says otherwise
+    assert pt.PoolTopkTuning().backend == "auto"  # compiled: triton; interpret: pallas
+
+
+def test_auto_picks_sample_for_decode_rows_and_radix_for_prompts():
+    """The "auto" rule is static on the row count (AUTO_SAMPLE_MAX_ROWS); explicit fields
+    stay as given; the compiled default backend is the Triton kernel, interpret mode's the
+    Pallas one."""
+    auto = ptt.TritonTopkTuning()
+    n = ptt.AUTO_SAMPLE_MAX_ROWS
+    assert (auto.resolved(4).method, auto.resolved(4).digit_bits) == ("sample", 4)
+    assert (auto.resolved(n).method, auto.resolved(n).digit_bits) == ("sample", 4)
+    assert (auto.resolved(n + 1).method, auto.resolved(n + 1).digit_bits) == ("radix", 8)
+    assert ptt.TritonTopkTuning(method="sample").resolved(4).digit_bits == 8
+    assert ptt.TritonTopkTuning(digit_bits=8).resolved(4).method == "sample"
+    assert ptt.TritonTopkTuning(method="radix", digit_bits=4).resolved(9000).digit_bits == 4
+    assert ptt.kernel_constants(4096, 512, auto, rows=9000)["METHOD"] == ptt.METHODS["radix"]
+    assert ptt.kernel_constants(4096, 512, auto, rows=64)["METHOD"] == ptt.METHODS["sample"]
+    k = pt.PoolTopkTuning()
+    m = pt.AUTO_TRITON_MIN_ROWS
+    assert pt.runs_triton(k, m, interpret=False) and not pt.runs_triton(k, m - 1, False)
+    assert not pt.runs_triton(k, m, interpret=True)
+    assert not pt.runs_triton(pt.PoolTopkTuning(backend="pallas"), 9000, False)
+    assert pt.runs_triton(pt.PoolTopkTuning(backend="triton"), 1, False)
+    s = T.topk_scores(5, 2, 50, [50, 20], ties=True)
+    jaxpr = str(jax.make_jaxpr(lambda s: pt.pool_topk_pallas(s, 5, interpret=True))(s))
+    assert "pallas_call" in jaxpr
 
 
 def test_bad_k_and_long_rows_raise_before_any_import():

@@ -190,7 +190,8 @@ def test_pool_topk_variants_equal_the_total_order(kernel_impl, kw):
     for i, (n, p, k, live) in enumerate(TOPK_CASES):
         for ties in ((False, True) if i == 0 else (True,)):  # rounded scores: many ties
             s = T.topk_scores(7 * i + ties, n, p, live, ties)
-            out = np.asarray(T.run_op("pool_topk", kernel_impl, s, k, kernel_options=kw))
+            out = np.asarray(T.run_op("pool_topk", kernel_impl, s, k,
+                                      kernel_options=dict(backend="pallas", **kw)))
             chex.assert_trees_all_equal(out, T.topk_definition(s, k), strict=True)
 
 
@@ -199,14 +200,15 @@ def test_pool_topk_chunked_row_with_splits(kernel_impl):
     s = T.topk_scores(5, 3, 1000, [1000, 700, 0], ties=True)
     out = T.run_op("pool_topk", kernel_impl, s, 200,
                    kernel_options=dict(chunk=256, rank_splits=2, short_rows=True,
-                                       fused_compare=True))
+                                       fused_compare=True, backend="pallas"))
     chex.assert_trees_all_equal(np.asarray(out), T.topk_definition(s, 200), strict=True)
 
 
 def test_pool_topk_bad_radix_bits(kernel_impl):
     s = T.topk_scores(3, 2, 50, [50, 10], ties=False)
     with pytest.raises(ValueError, match="radix_bits=5"):
-        T.run_op("pool_topk", kernel_impl, s, 20, kernel_options=dict(radix_bits=5))
+        T.run_op("pool_topk", kernel_impl, s, 20,
+                 kernel_options=dict(radix_bits=5, backend="pallas"))
 
 
 def test_pool_topk_default_rank_splits():
@@ -220,9 +222,9 @@ def test_pool_topk_default_rank_splits():
     ("scores-range", ps.PoolScoresTuning(backend="triton")),
     ("scores", ps.PoolScoresTuning(pools_as_m=True, bounded_loop=True, block_p=128,
                                    target_programs=528, precision="bf16x6")),
-    ("topk", pt.PoolTopkTuning()),
+    ("topk", pt.PoolTopkTuning(backend="pallas")),  # (auto, compiled: the raw Triton kernel)
     ("topk", pt.PoolTopkTuning(short_rows=True, rank_splits=8, fused_compare=True,
-                               radix_bits=3, num_warps=16)),
+                               radix_bits=3, num_warps=16, backend="pallas")),
     ("expand", pt.PoolTopkTuning(short_rows=True, rank_splits=4)),
 ])
 def test_kernels_lower_for_cuda(op, tuning):
@@ -274,6 +276,8 @@ def test_select_slots_equal_the_expanded_top_k(impl, tail, kw):
                                    pt.pool_topk_xla(scores, cfg.select_k), jnp.asarray(pos),
                                    jnp.asarray(valid))
     got = select.select_slots(cfg.replace(implementation=impl), scores, jnp.asarray(pos),
-                              jnp.asarray(valid), tuning=pt.PoolTopkTuning(**kw))
+                              jnp.asarray(valid),
+                              tuning=pt.PoolTopkTuning(**kw, **(dict(backend="pallas") if kw
+                                                               else {})))
     chex.assert_trees_all_equal(np.asarray(got), np.asarray(want), strict=True)
     assert (np.asarray(got)[1, 0] == -1).all()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,12 @@ _NEG_INF_KEY = -2139095041
 # P = 4096, and at P = 32768 (a 128K ceiling), where its passes stream the row from L2, it
 # was slower (benchmarks/results/h200-topk.json).
 KERNEL_MAX_P = 4096
-BACKENDS = ("pallas", "triton")
+BACKENDS = ("auto", "pallas", "triton")
+# "auto" runs the raw Triton kernel for at least this many rows. Below, at a batch of one
+# (4 padded rows), it measured only 0.7 us faster (12.9 vs 13.6 us), and its custom call is a
+# legacy one that XLA may leave out of the step's command buffer: at batch 1 the host paces
+# the step, so the Pallas kernel stays there.
+AUTO_TRITON_MIN_ROWS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,9 +57,13 @@ class PoolTopkTuning:
     order] (one compare per pair instead of the three of "greater, or equal and earlier");
     measured slower: 9000 prompt rows 1209 vs 1082 us (short_rows both).
     num_warps: Triton's (8 measured slower than 4 for one row).
-    backend: "pallas" (this file's kernel, the fields above) or "triton" (the raw Triton
+    backend: "pallas" (this file's kernel, the fields above), "triton" (the raw Triton
     kernel of `pool_topk_triton`, tuned by `triton`: compiled for a GPU only, needs the
-    jax-triton package; a missing package or interpret mode raises, nothing falls back).
+    jax-triton package of the `gpu` extra; a missing package or interpret mode raises,
+    nothing falls back), or "auto" (the default): "triton" when compiled for at least
+    `AUTO_TRITON_MIN_ROWS` rows, else "pallas" (`runs_triton`; interpret mode has no raw
+    Triton). The H200 measured the Triton kernel faster at 64 and 256 decode rows and at a
+    9000-row prompt (benchmarks/results/h200-topk-triton-20261201-s3.json).
     H200 sweeps: benchmarks/results/h200-topk.json, h200-selection.json."""
     chunk: int = 4096
     rank_block: int = 32
@@ -62,7 +72,7 @@ class PoolTopkTuning:
     short_rows: bool = True
     fused_compare: bool = False
     num_warps: int = 4
-    backend: str = "pallas"
+    backend: str = "auto"
     triton: TritonTopkTuning = TritonTopkTuning()
 
     def __post_init__(self):
@@ -315,10 +325,18 @@ def pool_topk_pallas(scores: jax.Array, k: int, *, interpret: bool = False,
     `tuning` by name (`radix_bits=4`). `tuning.backend="triton"` runs `pool_topk_triton`.
     """
     tuning = with_overrides(tuning, overrides)
-    if tuning.backend == "triton":
+    if runs_triton(tuning, math.prod(scores.shape[:-1]), interpret):
         _no_triton_interpret(interpret)
         return pool_topk_triton(scores, k, tuning=tuning.triton)
     return _topk_call(scores, k, None, None, interpret, tuning)[0]
+
+
+def runs_triton(tuning: PoolTopkTuning, rows: int, interpret: bool) -> bool:
+    """Whether `tuning` runs the raw Triton kernel for `rows` rows (`PoolTopkTuning.backend`;
+    in interpret mode "triton" is refused by the caller)."""
+    if tuning.backend == "auto":
+        return not interpret and rows >= AUTO_TRITON_MIN_ROWS
+    return tuning.backend == "triton"
 
 
 def _no_triton_interpret(interpret: bool) -> None:
@@ -338,7 +356,7 @@ def pool_topk_expand_pallas(scores: jax.Array, k: int, pos: jax.Array, valid: ja
         raise ValueError(f"pool_topk_expand: scores {scores.shape} need pos and valid of "
                          f"shape {scores.shape[:-1]}; got {pos.shape} and {valid.shape}")
     tuning = with_overrides(tuning, overrides)
-    if tuning.backend != "pallas":
+    if tuning.backend == "triton":  # "auto" runs this file's kernel: it writes the slots
         raise ValueError(f"pool_topk_expand: backend={tuning.backend!r} writes no token slots; "
                          f"only backend='pallas' does (select.select_slots expands the other)")
     pv = jnp.where(valid, pos, -1).astype(jnp.int32).reshape(-1)  # [N]

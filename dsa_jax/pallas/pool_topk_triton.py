@@ -31,6 +31,13 @@ class MissingDependencyError(ImportError):
     """The raw Triton top-k was asked for and jax-triton or triton is not installed."""
 
 
+# "auto" runs "sample" with 4-bit digits up to this many rows (a decode's 4 to 256 rows:
+# fastest measured there) and "radix" with 8-bit digits beyond (a 9000-row prompt: fastest
+# there; benchmarks/results/h200-topk-triton-20261201-s3.json). Nothing was measured between
+# 256 and 9000 rows: the threshold sits at a decode batch of 256 sequences x 4 rows.
+AUTO_SAMPLE_MAX_ROWS = 1024
+
+
 @dataclasses.dataclass(frozen=True)
 class TritonTopkTuning:
     """Launch parameters of `pool_topk_triton`.
@@ -38,44 +45,56 @@ class TritonTopkTuning:
     method: "radix" (histogram select, the k winners compacted and sorted), "sample" (a
     threshold from the maxima of blocks of 4 keys, the candidates above it compacted and
     sorted; radix where they do not fit), "topk" (Triton's bitonic `tl.topk` over the whole
-    row) or "sort" (`tl.sort` of the whole row).
-    digit_bits: radix only: bits per histogram pass (8: 4 passes of 256 bins; 4: 8 passes
-    of 16). num_warps: Triton's. short_rows: radix and sample: a row with fewer than k
-    scores above -inf skips the passes (its kth is -inf); a row of only -inf (padding)
-    stores 0..k-1 directly. Defaults: "sample" at 8 warps was faster than "radix" in every
-    decode case measured on the H200 (64 rows, the padded 256, batch 1; k 512 of 4096:
-    benchmarks/results/h200-topk-triton-20261201-final.json, benchmarks/notes.md); the
-    other methods, digit widths and warp counts were not reached in that run."""
-    method: str = "sample"
-    digit_bits: int = 8
+    row), "sort" (`tl.sort` of the whole row), or "auto" (the default): "sample" with 4-bit
+    digits for up to `AUTO_SAMPLE_MAX_ROWS` rows, "radix" with 8-bit digits beyond, a static
+    rule on the row count (`resolved`).
+    digit_bits: radix (and sample's radix passes): bits per histogram pass (8: 4 passes of
+    256 bins; 4: 8 passes of 16); None: 4 where "auto" picks "sample", else 8.
+    num_warps: Triton's. short_rows: radix and sample: a row with fewer than k scores above
+    -inf skips the passes (its kth is -inf); a row of only -inf (padding) stores 0..k-1
+    directly. H200 sweeps: benchmarks/results/h200-topk-triton-20261201-*.json."""
+    method: str = "auto"
+    digit_bits: int | None = None
     num_warps: int = 8
     short_rows: bool = True
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise ValueError(f"method={self.method!r}: must be one of {sorted(METHODS)}")
-        if self.digit_bits not in (4, 8):
-            raise ValueError(f"digit_bits={self.digit_bits} must be 4 or 8")
+        if self.method not in METHODS and self.method != "auto":
+            raise ValueError(f"method={self.method!r}: must be 'auto' or one of "
+                             f"{sorted(METHODS)}")
+        if self.digit_bits not in (None, 4, 8):
+            raise ValueError(f"digit_bits={self.digit_bits} must be 4 or 8 (or None)")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps={self.num_warps} must be a power of two in [1, 16]")
+
+    def resolved(self, rows: int) -> TritonTopkTuning:
+        """This tuning for `rows` rows, "auto" and a None digit width decided."""
+        method = self.method
+        if method == "auto":
+            method = "sample" if rows <= AUTO_SAMPLE_MAX_ROWS else "radix"
+        bits = self.digit_bits
+        if bits is None:
+            bits = 4 if self.method == "auto" and method == "sample" else 8
+        return dataclasses.replace(self, method=method, digit_bits=bits)
 
 
 def load_jax_triton():
     """(jax_triton, the kernel module), or `MissingDependencyError` naming what is missing."""
+    what = ("the raw Triton top-k (the compiled default, PoolTopkTuning(backend='auto'), or "
+            "backend='triton')")
+    fix = "Install 'dsa_jax[gpu]', or pass PoolTopkTuning(backend='pallas')"
     try:
         import triton  # noqa: F401
     except ImportError as e:
         raise MissingDependencyError(
-            f"the raw Triton top-k (PoolTopkTuning(backend='triton')) needs the 'triton' "
-            f"package (>= 3.6, a GPU install), which cannot be imported here: {e}. Install "
-            f"'dsa_jax[gpu]' or use backend='pallas'") from e
+            f"{what} needs the 'triton' package (>= 3.6, a GPU install), which cannot be "
+            f"imported here: {e}. {fix}") from e
     try:
         import jax_triton
     except ImportError as e:
         raise MissingDependencyError(
-            f"the raw Triton top-k (PoolTopkTuning(backend='triton')) needs the 'jax-triton' "
-            f"package ({JAX_TRITON_REQUIREMENT}), which cannot be imported here: {e}. Install "
-            f"'dsa_jax[gpu]' or use backend='pallas'") from e
+            f"{what} needs the 'jax-triton' package ({JAX_TRITON_REQUIREMENT}), which cannot be "
+            f"imported here: {e}. {fix}") from e
     from dsa_jax.pallas import triton_topk_kernel
     return jax_triton, triton_topk_kernel
 
@@ -106,6 +125,7 @@ def pool_topk_triton(scores: jax.Array, k: int, *,
     if n == 0:
         return jnp.zeros((*lead, k), jnp.int32)
     x = scores.reshape(n, p).astype(jnp.float32)  # [N, P]
+    tuning = tuning.resolved(n)
     scratch = scratch_shape(n, p, k, tuning)
     out, _, _ = jt.triton_call(
         x, kernel=kernels.pool_topk_kernel,
@@ -117,10 +137,12 @@ def pool_topk_triton(scores: jax.Array, k: int, *,
     return out.reshape(*lead, k)
 
 
-def kernel_constants(p: int, k: int, tuning: TritonTopkTuning) -> dict[str, int]:
-    """The kernel's constexpr arguments for rows of `p` pools and top `k` (blocks of at
-    least 2: `tl.topk` does not compile for 1). "sample" runs as "radix" where a quarter of
-    the row holds fewer than next_pow2(k) blocks."""
+def kernel_constants(p: int, k: int, tuning: TritonTopkTuning, rows: int = 1
+                     ) -> dict[str, int]:
+    """The kernel's constexpr arguments for `rows` rows of `p` pools and top `k` (blocks of
+    at least 2: `tl.topk` does not compile for 1). "sample" runs as "radix" where a quarter
+    of the row holds fewer than next_pow2(k) blocks."""
+    tuning = tuning.resolved(rows)
     pp, kp = max(2, next_pow2(p)), max(2, next_pow2(k))
     method = tuning.method
     if method == "sample" and 4 * kp > pp:
@@ -138,5 +160,5 @@ def scratch_slots(pp: int, kp: int, method: str) -> int:
 
 def scratch_shape(n: int, p: int, k: int, tuning: TritonTopkTuning) -> tuple[int, int]:
     """Each of the two int32 scratch outputs [N, SLOTS] (compacted keys, indices)."""
-    slots = kernel_constants(p, k, tuning)["SLOTS"]
+    slots = kernel_constants(p, k, tuning, n)["SLOTS"]
     return (n if slots > 1 else 1, slots)
