@@ -31,25 +31,6 @@ import numpy as np
 
 from dsa_jax.config import DsaConfig
 
-ATTENTION_TENSORS = (
-    "q_a_proj.weight",
-    "q_a_layernorm.weight",
-    "q_b_proj.weight",
-    "kv_a_proj_with_mqa.weight",
-    "kv_a_layernorm.weight",
-    "kv_b_proj.weight",
-    "o_proj.weight",
-)
-INDEXER_TENSORS = (
-    "indexer.wq_b.weight",
-    "indexer.wk.weight",
-    "indexer.k_norm.weight",
-    "indexer.k_norm.bias",
-    "indexer.weights_proj.weight",
-    "indexer.index_kpool_compress_gate",
-    "indexer.index_kpool_compress_ape",
-)
-
 
 class WeightError(ValueError):
     """A checkpoint tensor is missing or has the wrong shape or dtype."""

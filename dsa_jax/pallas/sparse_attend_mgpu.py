@@ -55,7 +55,7 @@ _LOG2E = math.log2(math.e)
 def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_ref, zero_ref,
             o_ref, m_ref, l_ref, *, c: int, block_w: int, tiles: int, stages: int, row_pad: int,
             index_group: int, issue_warps: bool, q_in_kernel: bool, consumer_regs: int,
-            producer_regs: int, drop: str, programs: int, head_blocks: int, splits: int,
+            producer_regs: int, programs: int, head_blocks: int, splits: int,
             rows: int, convert: str, gather_ahead: bool, full_logits: bool, pingpong: bool):
     """One (head block, split, row) CTA of 3 warpgroups; see the module docstring. With
     programs > 0 (persistent), CTA p handles the items p, p + programs, ... of the
@@ -138,7 +138,7 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
                 kv = kv16.at[s, wg] if by_producer else kv16.at[wg]  # [BW, half] f16
                 if not by_producer:
                     plgpu.commit_smem()  # every warp's P @ V of tile t - 1 read kv16: rewrite
-                    for j in range(half // 64 if drop != "convert" else 0):
+                    for j in range(half // 64):
                         x = load(st8.at[s, :, pl.ds(wg * half + j * 64, 64)], conv_layout)
                         kv16.at[wg, :, pl.ds(j * 64, 64)][...] = x.astype(jnp.float16)
                 base = base0 + t * block_w
@@ -215,10 +215,6 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
             promise = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
 
             def copy_row(slot, dst, bar):  # one C-byte row; an empty slot copies zeros
-                if drop == "copy":  # timing experiment: arrive as a copy would, move nothing
-                    plgpu.barrier_arrive(bar)
-                    return
-
                 @pl.when(slot >= 0)
                 def _():
                     plgpu.copy_gmem_to_smem(lat_ref.at[pl.ds(slot, 1)], dst, bar,
@@ -335,23 +331,17 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
 
 
 def sparse_attend_mgpu_partials(scales, q_scales, live, q, slots, latent_flat, *, splits: int,
-                                tiles: int, tuning: MgpuTuning = _DEFAULT, drop: str = "",
-                                sms: int | None = None):
+                                tiles: int, tuning: MgpuTuning = _DEFAULT, sms: int | None = None):
     """The kernel call: q [N, Hp, C] (Hp a multiple of 64): f32 if tuning.q_in_kernel, else
     f16 already scaled (`scale_rows_f16`); q_scales: (2^k, 2^-k) [N] each (`row_scales`);
     slots [N, Wp] int32 flat cache slots with Wp = splits * tiles * block_w; latent_flat
     [NS, C] fp8; scales [2] (logit, output); live [N] (`live_extent`). sms: multiprocessors
-    for tuning.persistent (default `common.sm_count()`). drop: "" (always, but
-    for timing experiments: "convert" or "copy" skips that stage and the result is wrong) ->
+    for tuning.persistent (default `common.sm_count()`) ->
     (o [N, S, Hp, C] f32, m [N, S, Hp], l [N, S, Hp])."""
     n, hp, c = q.shape
     want = jnp.float32 if tuning.q_in_kernel else jnp.float16
     if q.dtype != want:
         raise ValueError(f"sparse_attend_mgpu: q is {q.dtype}, want {jnp.dtype(want).name}")
-    if drop not in ("", "convert", "copy"):
-        raise ValueError(f"sparse_attend_mgpu: drop={drop!r} not in ('', 'convert', 'copy')")
-    if drop and tuning.convert == "producer":
-        raise ValueError(f"sparse_attend_mgpu: drop={drop!r} needs convert='consumer'")
     why = supports(latent_flat.dtype, c, tuning)
     if why is not None:
         raise ValueError(f"sparse_attend_mgpu: unsupported {why}")
@@ -365,7 +355,7 @@ def sparse_attend_mgpu_partials(scales, q_scales, live, q, slots, latent_flat, *
         _kernel, c=c, block_w=tuning.block_w, tiles=tiles, stages=tuning.stages,
         row_pad=tuning.row_pad, index_group=tuning.index_group,
         issue_warps=tuning.issue_warps, q_in_kernel=tuning.q_in_kernel,
-        consumer_regs=tuning.consumer_regs, producer_regs=tuning.producer_regs, drop=drop,
+        consumer_regs=tuning.consumer_regs, producer_regs=tuning.producer_regs,
         convert=tuning.convert, gather_ahead=tuning.gather_ahead,
         full_logits=tuning.full_logits, pingpong=tuning.pingpong)
     head_blocks = hp // HEADS_PER_CTA
