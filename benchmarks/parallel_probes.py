@@ -15,7 +15,7 @@
 - `score_range_bits`: the score kernel over a range of sequences against the same rows of the
   whole batch's kernel, with `==`, at the step's shapes.
 - `attend32`: the Mosaic kernel at 32 heads (zero-padded to its 64-row tile) against the jnp
-  twin, with the elementwise f16 bound of tests/test_attend_kernel.py (via h200_attend.py).
+  twin, with the elementwise f16 bound of tests/test_attend_kernel.py (via attend_checks.py).
 - `prefill_bits`: where a prefill's selection picks up bits that depend on the batch or the
   program: each piece of the selection's input chain alone (x_proj GEMM, q_a RMSNorm, the
   indexer's query GEMM, pool scores, top-k) at B and at B/2 sequences on the same inputs;
@@ -179,7 +179,7 @@ def attend32(res: dict) -> bool:
     case is within its bound."""
     import jax.numpy as jnp
 
-    from benchmarks.h200_attend import check_case
+    from benchmarks.attend_checks import check_case
     from dsa_jax.pallas import sparse_attend as sa
 
     out = {"backend_at_32_heads": sa.pick_backend(sa.AttendTuning(), jnp.float8_e4m3fn, 32,
