@@ -36,20 +36,15 @@ and the chain programs (`host_events_*`: where the host spends a call, e.g.
 
 from __future__ import annotations
 
-import argparse
 import collections
-import datetime
-import json
-import os
 import sys
-import time
-import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import dsa_jax
+from benchmarks.device_script import header, json_parser, run_section, write_json
 from benchmarks.harness import host_time_us, measure, profile, trace_events
 from benchmarks.loop_checks import copy_tree, wall_us
 from benchmarks.measures import host_checks_us, time_public_decode
@@ -349,7 +344,7 @@ def section_times(ctx, res):
         for name, call in triv.items():
             rnd[name] = times(call, None, groups, inner)
         res["rounds"].append(rnd)
-        write(res, a.out)
+        write_json(res, a.out)
     scalars = ("host_checks_us", "full_check_us")
     names = [k for k in res["rounds"][0] if k not in ("round",) + scalars]
     res["median"] = {n: {m: float(np.median([rd[n][m] for rd in res["rounds"]]))
@@ -388,12 +383,6 @@ def section_profile(ctx, res):
         res[f"host_events_chain-30-{'donated' if d else 'fresh'}_synced"] = host_events(call, 10)
 
 
-def write(res, path):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1, default=str)
-
-
 def table(res) -> str:
     med = res.get("median", {})
     dev = res.get("device_step_us")
@@ -410,9 +399,7 @@ def table(res) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, help="JSON results path")
-    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, xla")
+    ap = json_parser(__doc__)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--groups", type=int, default=150, help="synced calls per measurement")
     ap.add_argument("--inner", type=int, default=8, help="back-to-back calls per group")
@@ -422,24 +409,14 @@ def main(argv=None) -> int:
     ctx = {"args": a, "setup": setup(a.smoke), "calls": {},
            "compiled": {"new-compiled": {}} if a.smoke else
            {"new-compiled": {}, "new-cb-off": CB_OFF}}
-    res = {"command": "PYTHONPATH=. python3 benchmarks/h200_dispatch.py " + " ".join(
-               sys.argv[1:] if argv is None else argv),
-           "date": datetime.datetime.now(datetime.UTC).isoformat(),
-           "jax_version": jax.__version__, "backend": jax.default_backend(),
-           "device": str(jax.devices()[0].device_kind),
+    res = {**header("h200_dispatch.py", argv),
            "config": {"context": ctx["setup"][0].max_context, "start": ctx["setup"][4],
                       "implementation": ctx["setup"][0].implementation},
            "checks": {}, "rounds": [], "errors": []}
     for name, fn in [("checks", section_checks), ("times", section_times),
                      ("profile", section_profile)]:
-        t0 = time.perf_counter()
-        try:
-            fn(ctx, res)
-        except Exception as e:  # recorded; the other sections still run
-            res["errors"].append({"section": name, "error": f"{type(e).__name__}: {e}"[:500],
-                                  "traceback": traceback.format_exc()[-3000:]})
-        res.setdefault("section_s", {})[name] = time.perf_counter() - t0
-        write(res, a.out)
+        run_section(res, name, lambda fn=fn: fn(ctx, res))
+        write_json(res, a.out)
     print(table(res))
     ok = all(v is True for v in res["checks"].values())
     return 0 if ok and not res["errors"] else 1

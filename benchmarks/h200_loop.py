@@ -25,20 +25,17 @@ some sections. The short table is printed last.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import datetime
-import json
 import os
 import sys
 import time
-import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import dsa_jax
+from benchmarks.device_script import header, json_parser, run_section, write_json
 from benchmarks.harness import CompileLog
 from benchmarks.loop_checks import (
     FORWARD_JITS,
@@ -432,9 +429,7 @@ def table(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, help="JSON results path")
-    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, xla")
+    ap = json_parser(__doc__)
     ap.add_argument("--only", nargs="*", choices=SECTIONS, default=list(SECTIONS))
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=32, help="tokens per dispatch")
@@ -444,11 +439,7 @@ def main(argv=None) -> int:
                     default=list(LOOP_VARIANTS), help="compiler options of the loop section")
     args = ap.parse_args(argv)
     s = make_setup(args)
-    res = {"command": "PYTHONPATH=. python3 benchmarks/h200_loop.py " + " ".join(
-               sys.argv[1:] if argv is None else argv),
-           "date": datetime.datetime.now(datetime.UTC).isoformat(),
-           "jax_version": jax.__version__, "backend": jax.default_backend(),
-           "device": str(jax.devices()[0].device_kind),
+    res = {**header("h200_loop.py", argv),
            "setup": {"bench_layers": list(s.bench_cfg.indexer_types), "vocab": s.vocab,
                      "context": s.bench_cfg.max_context, "tokens_per_dispatch": s.n,
                      "implementation": s.bench_cfg.implementation,
@@ -461,16 +452,8 @@ def main(argv=None) -> int:
     for name in SECTIONS:
         if name not in args.only:
             continue
-        t0 = time.perf_counter()
-        try:
-            sections[name](s, res)
-        except Exception as e:  # recorded; the other sections still run
-            res["errors"].append({"section": name, "error": f"{type(e).__name__}: {e}"[:500],
-                                  "traceback": traceback.format_exc()[-3000:]})
-        res.setdefault("section_s", {})[name] = time.perf_counter() - t0
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1, default=str)
+        run_section(res, name, lambda name=name: sections[name](s, res))
+        write_json(res, args.out)
     print(table(res))
     ok = all(v is True for v in res["checks"].values())
     return 0 if ok and not res["errors"] else 1

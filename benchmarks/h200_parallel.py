@@ -40,13 +40,14 @@ in a second call with --only).
 from __future__ import annotations
 
 import argparse
-import datetime
 import gzip
 import json
 import os
 import sys
 import time
 import traceback
+
+from benchmarks.device_script import command, utc_now, write_json
 
 # Targets (issues 16 and 17) as {point: (the one-GPU point it is compared with, max ratio of
 # the per-step times)}; DP=8 at 256 sequences >= 6x one GPU's tokens/s is a ratio <= 1/6.
@@ -402,9 +403,7 @@ def main(argv=None) -> int:
 
     n = args.gpus
     cfg, sizes = configs(args.smoke, n)
-    res = {"command": "PYTHONPATH=. python3 benchmarks/h200_parallel.py " + " ".join(
-               sys.argv[1:] if argv is None else argv),
-           "date": datetime.datetime.now(datetime.UTC).isoformat(),
+    res = {"command": command("h200_parallel.py", argv), "date": utc_now(),
            "jax_version": jax.__version__, "devices": [d.device_kind for d in jax.devices()],
            "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS",
                                                   "XLA_FLAGS")},
@@ -417,11 +416,8 @@ def main(argv=None) -> int:
     parts = args.only.split(",")
     ok = True
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-
     def save():
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1, default=str)
+        write_json(res, args.out)
 
     start = time.perf_counter()
 

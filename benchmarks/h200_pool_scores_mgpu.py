@@ -21,13 +21,10 @@ the Triton ones run in interpret mode at tiny shapes. JSON: <out>/h200-pool-scor
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import datetime
 import functools
 import json
 import os
-import sys
 import threading
 import time
 
@@ -35,9 +32,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.device_script import (
+    command,
+    index_config,
+    results_path,
+    sweep_parser,
+    utc_now,
+    write_json,
+)
 from benchmarks.harness import sweep_row, sweep_times
-from benchmarks.workloads import selection_inputs
-from dsa_jax import layer, shapes
+from benchmarks.workloads import prompt_selection_inputs, selection_inputs
+from dsa_jax import layer
 from dsa_jax import testing as T
 from dsa_jax.pallas import pool_scores as ps
 from dsa_jax.pallas import pool_scores_mgpu as pm
@@ -269,25 +274,17 @@ def _independence(res, path, args, smoke, prompt, base="mosaic"):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes; Mosaic only lowered (CPU)")
-    ap.add_argument("--budget-s", type=float, default=100.0,
-                    help="after this many seconds only the CORE variants run")
+    ap = sweep_parser("tiny shapes; Mosaic only lowered (CPU)", 100.0,
+                      "after this many seconds only the CORE variants run")
     ap.add_argument("--row-timeout-s", type=float, default=30.0,
                     help="a row running longer is recorded as hung and the run exits (3)")
     ap.add_argument("--resume", action="store_true",
                     help="keep the rows of an earlier run's JSON and skip them")
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "h200-pool-scores-mgpu.json")
+    path = results_path(args.out, "h200-pool-scores-mgpu.json")
     smoke = args.smoke
-    cfg = (shapes.glm53_flash() if not smoke else
-           shapes.glm53_flash(max_context=448, index_n_heads=3, index_head_dim=12,
-                              index_topk=80))
-    res = {"command": "PYTHONPATH=. python3 benchmarks/h200_pool_scores_mgpu.py "
-                      + " ".join(sys.argv[1:]),
-           "date": datetime.datetime.now(datetime.UTC).isoformat(),
+    cfg = index_config(smoke)
+    res = {"command": command("h200_pool_scores_mgpu.py"), "date": utc_now(),
            "deadline": time.monotonic() + args.budget_s, "jax_version": jax.__version__,
            "device": jax.devices()[0].device_kind,
            "shape": {"Hi": cfg.index_n_heads, "Di": cfg.index_head_dim, "P": cfg.num_pools},
@@ -306,13 +303,7 @@ def main() -> int:
         ("b64", 3, 1), ("b64-r4", 2, 4), ("b1-r4", 1, 4)]
     # the prompt: rows share one sequence's keys; checked on every 97th row
     n = 9000 if not smoke else 50
-    rng = np.random.default_rng(9)
-    hi, di, p = cfg.index_n_heads, cfg.index_head_dim, cfg.num_pools
-    pq = jnp.asarray(rng.standard_normal((1, n, hi, di), np.float32))
-    pw = jnp.asarray(rng.standard_normal((1, n, hi), np.float32) * np.float32((hi * di) ** -0.5))
-    pk = jnp.asarray(0.3 * rng.standard_normal((1, p, di), np.float32))
-    pn = jnp.asarray(((np.arange(n) + 1) // cfg.index_kpool)[None, :].astype(np.int32))
-    prompt = (pq, pw, pk, pn)
+    prompt = prompt_selection_inputs(cfg, n)
     for i, (name, b, r) in enumerate(cases):
         keys, pos, valid, sets = selection_inputs(cfg, b, r, cfg.max_context, 300 + r)
         qi, w = sets[0]
@@ -329,8 +320,7 @@ def main() -> int:
     _run_case(res, path, "prefill", prompt, smoke, check_rows=np.arange(0, n, 97), heavy=True)
     res.pop("done")
     res.pop("hung")
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1, default=str)
+    write_json(res, path)
     print(f"errors: {len(res['errors'])}; wrote {path}", flush=True)
     return 0 if not res["errors"] else 1
 

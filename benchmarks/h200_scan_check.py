@@ -38,12 +38,8 @@ refused records the error. The JSON is written after every candidate; the table 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
-import datetime
-import json
-import os
 import sys
 import time
 
@@ -54,6 +50,7 @@ import numpy as np
 import dsa_jax.attend
 import dsa_jax.indexer
 import dsa_jax.select
+from benchmarks.device_script import header, json_parser, write_json
 from benchmarks.workloads import random_caches
 from dsa_jax.layer import step
 from dsa_jax.model import (
@@ -371,9 +368,7 @@ def table(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, help="JSON results path")
-    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, xla")
+    ap = json_parser(__doc__)
     ap.add_argument("--impls", nargs="*", default=["pallas", "xla"])
     ap.add_argument("--candidates", nargs="*", choices=candidate_names(),
                     default=list(CANDIDATES))
@@ -382,16 +377,11 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=256)
     args = ap.parse_args(argv)
-    res = {"command": "PYTHONPATH=. python3 benchmarks/h200_scan_check.py " + " ".join(
-               sys.argv[1:] if argv is None else argv),
-           "date": datetime.datetime.now(datetime.UTC).isoformat(),
-           "jax_version": jax.__version__, "backend": jax.default_backend(),
-           "device": str(jax.devices()[0].device_kind),
+    res = {**header("h200_scan_check.py", argv),
            "candidates": {k: {"layer_barrier": v[0], "reference": v[1], "options": v[2],
                               "glue": v[3]}
                           for k, v in CANDIDATES.items()},
            "results": {}}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     for cfg_name, cfg in configs(args.smoke, args.impls).items():
         if not args.smoke and cfg_name.split("-")[0] not in args.configs:
             continue
@@ -402,8 +392,7 @@ def main(argv=None) -> int:
             except Exception as e:  # recorded (a refused compiler option); the rest still run
                 r = {"error": f"{type(e).__name__}: {e}"[:500]}
             res["results"].setdefault(cfg_name, {})[name] = r
-            with open(args.out, "w") as f:
-                json.dump(res, f, indent=1, default=str)
+            write_json(res, args.out)
     print(table(res))
     ok = all(r.get("equal") for c in res["results"].values()
              for n, r in c.items() if n in ("repeat", "barrier"))

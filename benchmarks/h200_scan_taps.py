@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
-import os
 import sys
 
 import jax
@@ -27,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from benchmarks.device_script import header, write_json
 from benchmarks.h200_scan_check import configs, leaf_diff, setup
 from dsa_jax import layer as layer_mod
 from dsa_jax import model as model_mod
@@ -192,12 +191,8 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--candidates", nargs="*", default=["none"], choices=CANDIDATES)
     args = ap.parse_args(argv)
-    res = {"command": "PYTHONPATH=. python3 benchmarks/h200_scan_taps.py " + " ".join(
-               sys.argv[1:] if argv is None else argv),
-           "date": datetime.datetime.now(datetime.UTC).isoformat(),
-           "jax_version": jax.__version__, "device": str(jax.devices()[0].device_kind),
+    res = {**header("h200_scan_taps.py", argv, backend=False),
            "options": BITWISE_OPTIONS, "results": {}}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     for name, cfg in configs(args.smoke, ["pallas"] if not args.smoke else []).items():
         if not args.smoke and name.split("-")[0] not in args.configs:
             continue
@@ -209,8 +204,7 @@ def main(argv=None) -> int:
                 r = {"error": f"{type(e).__name__}: {e}"[:800]}
             res["results"].setdefault(name, {})[cand] = r
             print(name, cand, json.dumps(r, default=str)[:3000], flush=True)
-            with open(args.out, "w") as f:
-                json.dump(res, f, indent=1, default=str)
+            write_json(res, args.out)
     return 0
 
 

@@ -25,20 +25,17 @@ from a profiler trace), as `benchmarks.harness.sweep_times`. JSON: <out>/h200-se
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import functools
-import os
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.device_script import command, index_config, results_path, sweep_parser, utc_now
 from benchmarks.harness import profile, sweep_row, sweep_times
-from benchmarks.workloads import Cycle, selection_inputs
-from dsa_jax import layer, select, shapes
+from benchmarks.workloads import Cycle, prompt_selection_inputs, selection_inputs
+from dsa_jax import layer, select
 from dsa_jax import testing as T
 from dsa_jax.pallas import pool_scores as ps
 from dsa_jax.pallas import pool_topk as pt
@@ -256,12 +253,7 @@ def _run_prefill_scores(res, path, cfg, smoke, score_variants):
     candidates; the rows share their sequence's keys): the variants must not cost the
     prefill what they save the decode. Checked on every 97th row against the definition."""
     n = 9000 if not smoke else 50
-    rng = np.random.default_rng(9)
-    hi, di, p = cfg.index_n_heads, cfg.index_head_dim, cfg.num_pools
-    qi = jnp.asarray(rng.standard_normal((1, n, hi, di), np.float32))
-    w = jnp.asarray(rng.standard_normal((1, n, hi), np.float32) * np.float32((hi * di) ** -0.5))
-    keys = jnp.asarray(0.3 * rng.standard_normal((1, p, di), np.float32))
-    n_cand = jnp.asarray(((np.arange(n) + 1) // cfg.index_kpool)[None, :].astype(np.int32))
+    qi, w, keys, n_cand = prompt_selection_inputs(cfg, n)
     some = np.arange(0, n, 97)  # rows checked against the float64 definition
     sub = (np.asarray(qi)[:, some], np.asarray(w)[:, some], np.asarray(keys),
            np.asarray(n_cand)[:, some])
@@ -315,20 +307,12 @@ def _run_prefill_topk(res, path, cfg, smoke, topk_variants):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
-    ap.add_argument("--budget-s", type=float, default=85.0,
-                    help="after this many seconds only the default variants run")
-    args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "h200-selection.json")
+    args = sweep_parser("tiny shapes in interpret mode (CPU)", 85.0,
+                        "after this many seconds only the default variants run").parse_args()
+    path = results_path(args.out, "h200-selection.json")
     smoke = args.smoke
-    cfg = (shapes.glm53_flash() if not smoke else
-           shapes.glm53_flash(max_context=448, index_n_heads=3, index_head_dim=12,
-                              index_topk=80))
-    res = {"command": "PYTHONPATH=. python3 benchmarks/h200_selection.py " + " ".join(sys.argv[1:]),
-           "date": datetime.datetime.now(datetime.UTC).isoformat(),
+    cfg = index_config(smoke)
+    res = {"command": command("h200_selection.py"), "date": utc_now(),
            "deadline": time.monotonic() + args.budget_s, "jax_version": jax.__version__,
            "device": jax.devices()[0].device_kind,
            "shape": {"Hi": cfg.index_n_heads, "Di": cfg.index_head_dim, "P": cfg.num_pools,

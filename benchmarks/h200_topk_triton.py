@@ -23,11 +23,7 @@ recorded as skipped (jax-triton lowers for GPUs only). JSON: <out>/h200-topk-tri
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import functools
-import os
-import sys
 import time
 from importlib import metadata
 
@@ -35,9 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.device_script import command, index_config, results_path, sweep_parser, utc_now
 from benchmarks.harness import profile, sweep_row, sweep_times
 from benchmarks.workloads import Cycle, selection_inputs
-from dsa_jax import indexer, layer, select, shapes
+from dsa_jax import indexer, layer, select
 from dsa_jax import testing as T
 from dsa_jax.pallas import pool_scores as ps
 from dsa_jax.pallas import pool_topk as pt
@@ -271,22 +268,13 @@ def _run_odd(res, path, names, smoke):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
-    ap.add_argument("--budget-s", type=float, default=110.0,
-                    help="no new row starts after this many seconds")
-    args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "h200-topk-triton.json")
+    args = sweep_parser("tiny shapes, interpret mode (CPU)", 110.0,
+                        "no new row starts after this many seconds").parse_args()
+    path = results_path(args.out, "h200-topk-triton.json")
     smoke = args.smoke
-    cfg = (shapes.glm53_flash() if not smoke else
-           shapes.glm53_flash(max_context=448, index_n_heads=3, index_head_dim=12,
-                              index_topk=80))
+    cfg = index_config(smoke)
     cfg = cfg.replace(implementation="pallas-interpret" if smoke else "pallas")
-    res = {"command": "PYTHONPATH=. python3 benchmarks/h200_topk_triton.py "
-                      + " ".join(sys.argv[1:]),
-           "date": datetime.datetime.now(datetime.UTC).isoformat(),
+    res = {"command": command("h200_topk_triton.py"), "date": utc_now(),
            "t0": time.monotonic(), "deadline": time.monotonic() + args.budget_s,
            "versions": _versions(), "jax_triton": _jax_triton_status(smoke),
            "device": jax.devices()[0].device_kind,

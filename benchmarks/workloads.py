@@ -164,6 +164,19 @@ def selection_inputs(cfg, b: int, r: int, ctx: int, seed: int, n_sets: int = 3):
     return keys, pos, valid, sets
 
 
+def prompt_selection_inputs(cfg, n: int, seed: int = 9):
+    """A prompt's pool-score inputs from an empty context: n rows of one sequence sharing its
+    keys, row t with (t + 1) // KP candidate pools -> (qi [1, n, Hi, Di], w [1, n, Hi],
+    keys [1, P, Di], n_cand [1, n] int32)."""
+    rng = np.random.default_rng(seed)
+    hi, di, p = cfg.index_n_heads, cfg.index_head_dim, cfg.num_pools
+    qi = jnp.asarray(rng.standard_normal((1, n, hi, di), np.float32))
+    w = jnp.asarray(rng.standard_normal((1, n, hi), np.float32) * np.float32((hi * di) ** -0.5))
+    keys = jnp.asarray(0.3 * rng.standard_normal((1, p, di), np.float32))
+    n_cand = jnp.asarray(((np.arange(n) + 1) // cfg.index_kpool)[None, :].astype(np.int32))
+    return qi, w, keys, n_cand
+
+
 class Cycle:
     """A call over input sets taken in turn: `fn(*sets[i % n])`."""
 
