@@ -8,5 +8,7 @@ each kind of point is measured), `suite` (runs the groups, writes the JSON), `ha
 kernel time from traces, compile counts, ceilings, machine info), `roofline` (byte and FLOP
 counts), `workloads` (random weights, states and inputs; the timed step), `levers`,
 `breakdown`, `hf_baseline`, `schema` (the JSON's fields), `render` (the tables), and the device
-scripts `h200_*.py`. Only the public API of dsa_jax is used.
+scripts `h200_*.py` with what they share in `device_script` (options, results header, JSON
+writes, sections) and their helpers (`attend_checks`, `loop_checks`, `parallel_probes`, ...).
+Only the public API of dsa_jax is used.
 """
