@@ -93,8 +93,8 @@ def select_pools(cfg: DsaConfig, qi: jax.Array, w: jax.Array, pool_keys: jax.Arr
 
 
 def step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, n_new: jax.Array,
-         shared_sel: jax.Array | None = None, *, select=select_pools
-         ) -> tuple[jax.Array, DsaState, jax.Array]:
+         shared_sel: jax.Array | None = None, *, select=select_pools,
+         attend_rows: int | None = None) -> tuple[jax.Array, DsaState, jax.Array]:
     """The block's step: append rows `x [B, R, D]` to every sequence; pure and traceable.
 
     n_new: [B] int32, the first `n_new[b]` rows of sequence b are real (the rest padding:
@@ -103,7 +103,10 @@ def step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, n_n
     here (see `prepare_step`); writes past the caches are dropped. Call it inside your own
     `jax.jit` (donate the state) to serve; `decode`, `decode_k` and `prefill` wrap it.
     select: `select_pools` or a function with its arguments and result (the sharded step
-    splits the rows' selection over tensor-parallel ranks with it).
+    splits the rows' selection over tensor-parallel ranks with it). attend_rows: static; the
+    gather-attend runs on the first `attend_rows` rows only (a promise: `n_new <= attend_rows`
+    for every sequence; a real row past it gets NaN outputs, never a silent zero). A decode
+    padded to `max_verify` rows passes 1: its padded rows then cost the attend nothing.
 
     Order within the step: every latent and indexer write, then one selection over all rows
     (row r sees only pools complete at its own position), then one gather-attend. Row r's
@@ -117,9 +120,26 @@ def step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, n_n
         sel = expand_selection(cfg, pools, pos, valid)  # [B, R, W]
     else:
         sel = jnp.where(valid[..., None], shared_sel, -1)
-    o_latent = attend(cfg, state, proj.q_abs, sel, live_rows(cfg, x))  # [B, R, Hl, C]
+    o_latent = attend_first_rows(cfg, state, proj.q_abs, sel, valid, live_rows(cfg, x),
+                                 attend_rows)  # [B, R, Hl, C]
     y = output_projection(weights, o_latent)  # [B, R, D]
     return y, _advance(cfg, state, n_new), sel
+
+
+def attend_first_rows(cfg: DsaConfig, state: DsaState, q_abs: jax.Array, sel: jax.Array,
+                      valid: jax.Array, live: int, rows: int | None) -> jax.Array:
+    """`attend` of the first `rows` rows of `q_abs [B, R, Hl, C]` and `sel [B, R, W]`; the
+    other rows' outputs are 0 (padding) or NaN where `valid [B, R]` says the row is real (a
+    broken `attend_rows` promise). Every attend kernel works per row (its split plan comes
+    from `live`, not from the row count), so a row's output is the same bits whether 1 or R
+    rows are attended: a decode and a K-row verify still agree bit for bit."""
+    r = q_abs.shape[1]
+    if rows is None or rows >= r:
+        return attend(cfg, state, q_abs, sel, live)
+    o = attend(cfg, state, q_abs[:, :rows], sel[:, :rows], live)  # [B, rows, Hl, C]
+    rest = jnp.where(valid[:, rows:, None, None], jnp.nan, 0.0).astype(o.dtype)  # [B, R-rows]
+    rest = jnp.broadcast_to(rest, (o.shape[0], r - rows, *o.shape[2:]))  # [B, R-rows, Hl, C]
+    return jnp.concatenate([o, rest], axis=1)
 
 
 def live_rows(cfg: DsaConfig, x: jax.Array) -> int:
@@ -222,9 +242,10 @@ def _layout_step(cfg: DsaConfig, layout: RowLayout, weights: DsaWeights, state: 
     dispatch after `prepare_step`). The step sits between optimization barriers,
     so XLA neither sees that the padded rows are zero nor moves the unpad into the step: the
     step compiles to the same code in the decode program and in every K-row verify program
-    (the bit-identity guarantee, tested with `==`)."""
+    (the bit-identity guarantee, tested with `==`), but for the gather-attend, which runs on
+    the call's k rows only (`attend_first_rows`: per-row kernels, the same bits per row)."""
     x, shared_sel = lax.optimization_barrier(layout.pad(x, shared_sel))
-    y, state, sel = step(cfg, weights, state, x, n_new, shared_sel)
+    y, state, sel = step(cfg, weights, state, x, n_new, shared_sel, attend_rows=layout.k)
     y, sel = layout.unpad(*lax.optimization_barrier((y, sel)))
     return y, state, sel
 

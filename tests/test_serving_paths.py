@@ -229,3 +229,22 @@ def test_serving_errors_name_value_and_limit_and_leave_state_usable():
     y, state, _ = dsa_jax.decode_k(cfg, weights, state, random_rows(5, 2, 4, cfg.hidden_size))
     assert np.isfinite(np.asarray(y)).all()
     assert np.asarray(state.lengths).tolist() == [14, 14]
+
+
+def test_attend_on_the_first_rows_keeps_every_bit_and_poisons_a_broken_promise(kernel_impl):
+    """`layer.step(..., attend_rows=1)` (what a decode runs: its padded rows skip the
+    gather-attend) returns the bits of the step attending every row, for the Pallas kernels;
+    a sequence with more real rows than promised gets NaN in those rows' outputs."""
+    cfg = ODD.replace(implementation=kernel_impl)
+    weights = _weights(cfg, 3)
+    base = random_state(cfg, weights, 3, 21, 21)
+    x = random_rows(5, 3, cfg.max_verify, cfg.hidden_size)  # [B, R, D]
+
+    def run(n_new, rows):
+        f = jax.jit(lambda w, s, x, n: layer.step(cfg, w, s, x, n, attend_rows=rows))
+        return f(weights, copy_tree(base), x, jnp.asarray(n_new, jnp.int32))
+
+    assert_trees_bitwise_equal(run([1, 1, 0], 1), run([1, 1, 0], None))
+    y = np.asarray(run([2, 1, 0], 1)[0])  # [B, R, D]
+    assert np.isnan(y[0, 1]).all()
+    assert np.isfinite(y[0, 0]).all() and np.isfinite(y[1:]).all()
