@@ -1,7 +1,7 @@
 """H200: the decode step (`decode-b64-k1-tp1`, `decode-b1-k1-tp1` shapes) with this session's
 two changes on and off, timed and profiled side by side in one process: the gather-attend on
 the call's rows only (`layer.step(..., attend_rows=1)`) and the raw Triton top-k for 16+ rows
-(`pallas.pool_topk.AUTO_TRITON_MIN_ROWS`; set past any row count, the Pallas kernel runs).
+(`PoolTopkTuning(backend="auto")` in the layer's `top_pools`; else the default Pallas one).
 
     PYTHONPATH=. python3 benchmarks/h200_decode_variants.py --out $OUT/variants.json
     PYTHONPATH=. python3 benchmarks/h200_decode_variants.py --smoke --out /tmp/v.json  # CPU
@@ -10,6 +10,7 @@ the call's rows only (`layer.step(..., attend_rows=1)`) and the raw Triton top-k
 from __future__ import annotations
 
 import argparse
+import functools
 
 import jax
 import numpy as np
@@ -17,7 +18,7 @@ import numpy as np
 from benchmarks.device_script import command, utc_now, write_json
 from benchmarks.harness import measure, profile_step
 from benchmarks.workloads import StepRunner, random_hf_tensors, random_weights
-from dsa_jax import bitwise_jit, layer
+from dsa_jax import bitwise_jit, layer, select
 from dsa_jax.pallas import pool_topk
 from dsa_jax.shapes import glm53_flash, tiny
 
@@ -28,7 +29,8 @@ VARIANTS = {"now": (True, True), "before": (False, False), "cut-only": (True, Fa
 
 def run(cfg, weights, b: int, ctx: int, name: str, smoke: bool) -> dict:
     cut, triton = VARIANTS[name]
-    pool_topk.AUTO_TRITON_MIN_ROWS = 16 if triton else 1 << 30
+    layer.top_pools = functools.partial(select.top_pools, tuning=pool_topk.PoolTopkTuning(
+        backend="auto" if triton else "pallas"))
     # a fresh jit per variant: the top-k rule is read when the step is traced
     step = bitwise_jit(layer.step, static_argnames=("cfg", "attend_rows"),
                        donate_argnames=("state",))

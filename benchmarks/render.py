@@ -6,10 +6,10 @@ the README's marked bench block.
 
 Every point shows its latest result: the newest full (non-smoke) run that measured it (or, when
 none did, the newest that holds it); results of superseded runs leave the tables, their files
-stay in results/. The breakdown, levers, Hugging Face baseline and scaling plot come from the
-newest run that has them. Points of the current plan (benchmarks/points.py) that no result
-holds yet are listed with their targets. The hand-written analysis, benchmarks/notes.md, is
-linked, not copied.
+stay in results/, as do runs marked `superseded` (of defaults since reverted). The breakdown,
+levers, Hugging Face baseline and scaling plot come from the newest run that has them. Points
+of the current plan (benchmarks/points.py) that no result holds yet are listed with their
+targets. The hand-written analysis, benchmarks/notes.md, is linked, not copied.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ README_END = "<!-- end of bench table -->"
 
 
 def full_runs(runs: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
-    """The non-smoke runs, newest first."""
-    return sorted((r for r in runs if not r[1].get("smoke")),
+    """The non-smoke runs, newest first, without those marked `superseded` (a run of defaults
+    reverted since: its file stays for the analysis in benchmarks/notes.md, which says why)."""
+    return sorted((r for r in runs if not r[1].get("smoke") and not r[1].get("superseded")),
                   key=lambda r: r[1].get("date", ""), reverse=True)
 
 

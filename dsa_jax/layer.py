@@ -36,6 +36,7 @@ from jax import lax
 from dsa_jax.attend import attend, write_latents
 from dsa_jax.bitwise import bitwise_jit
 from dsa_jax.config import DsaConfig
+from dsa_jax.implementation import resolve
 from dsa_jax.indexer import pool_scores, write_index_rows
 from dsa_jax.mirror import host_numbers, known, remember
 from dsa_jax.projection import output_projection, project, project_kv
@@ -105,8 +106,9 @@ def step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, n_n
     select: `select_pools` or a function with its arguments and result (the sharded step
     splits the rows' selection over tensor-parallel ranks with it). attend_rows: static; the
     gather-attend runs on the first `attend_rows` rows only (a promise: `n_new <= attend_rows`
-    for every sequence; a real row past it gets NaN outputs, never a silent zero). A decode
-    padded to `max_verify` rows passes 1: its padded rows then cost the attend nothing.
+    for every sequence; a real row past it gets NaN outputs, never a silent zero), so that a
+    decode padded to `max_verify` rows can skip its padded rows' attend. Opt-in, and not
+    what `decode` runs: its GPU bits and time are not measured yet (benchmarks/notes.md).
 
     Order within the step: every latent and indexer write, then one selection over all rows
     (row r sees only pools complete at its own position), then one gather-attend. Row r's
@@ -132,9 +134,11 @@ def attend_first_rows(cfg: DsaConfig, state: DsaState, q_abs: jax.Array, sel: ja
     other rows' outputs are 0 (padding) or NaN where `valid [B, R]` says the row is real (a
     broken `attend_rows` promise). Every attend kernel works per row (its split plan comes
     from `live`, not from the row count), so a row's output is the same bits whether 1 or R
-    rows are attended: a decode and a K-row verify still agree bit for bit."""
+    rows are attended. The "xla" implementation attends every row: XLA compiles the dots of
+    another row count in another order (on the H200 a 1-row decode and a K-row verify then
+    differed in their last bits)."""
     r = q_abs.shape[1]
-    if rows is None or rows >= r:
+    if rows is None or rows >= r or resolve(cfg.implementation) == "xla":
         return attend(cfg, state, q_abs, sel, live)
     o = attend(cfg, state, q_abs[:, :rows], sel[:, :rows], live)  # [B, rows, Hl, C]
     rest = jnp.where(valid[:, rows:, None, None], jnp.nan, 0.0).astype(o.dtype)  # [B, R-rows]
@@ -242,10 +246,9 @@ def _layout_step(cfg: DsaConfig, layout: RowLayout, weights: DsaWeights, state: 
     dispatch after `prepare_step`). The step sits between optimization barriers,
     so XLA neither sees that the padded rows are zero nor moves the unpad into the step: the
     step compiles to the same code in the decode program and in every K-row verify program
-    (the bit-identity guarantee, tested with `==`), but for the gather-attend, which runs on
-    the call's k rows only (`attend_first_rows`: per-row kernels, the same bits per row)."""
+    (the bit-identity guarantee, tested with `==`)."""
     x, shared_sel = lax.optimization_barrier(layout.pad(x, shared_sel))
-    y, state, sel = step(cfg, weights, state, x, n_new, shared_sel, attend_rows=layout.k)
+    y, state, sel = step(cfg, weights, state, x, n_new, shared_sel)
     y, sel = layout.unpad(*lax.optimization_barrier((y, sel)))
     return y, state, sel
 

@@ -3,7 +3,7 @@
 Total order: score descending, then pool index ascending. `lax.top_k` documents that equal
 values keep the lower index first, and pool scores carry no -0.0 (pool_scores.py), so its
 order is exactly that one; the Pallas top-k (pallas/pool_topk.py) and the raw Triton one
-(pallas/pool_topk_triton.py, the compiled default) return the same indices.
+(pallas/pool_topk_triton.py, `PoolTopkTuning(backend="triton")`) return the same indices.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ def top_pools(cfg: DsaConfig, scores: jax.Array,
     Every implementation returns the same indices (the kernels are tested with `==`); the
     pallas path runs a kernel for rows of at most `pallas.pool_topk.KERNEL_MAX_P` pools,
     lax.top_k beyond (measured faster there). tuning: the kernel's (None: its defaults;
-    `pallas.pool_topk.runs_triton` says which kernel; `PoolTopkTuning(backend="pallas")`
-    always the Pallas one)."""
+    `PoolTopkTuning(backend="triton")` picks the raw Triton kernel; `pool_topk.runs_triton`
+    says which one runs)."""
     options = None if tuning is None else dict(tuning=tuning)
     return pool_topk_op(cfg, scores, min(cfg.select_k, scores.shape[-1]),
                         kernel_options=options)
@@ -59,7 +59,7 @@ def select_slots(cfg: DsaConfig, scores: jax.Array, pos: jax.Array, valid: jax.A
     kernel (rows of at most `pool_topk.KERNEL_MAX_P` pools) the kernel writes the slots
     itself (`pool_topk.pool_topk_expand_pallas`: no separate expansion pass) unless the raw
     Triton kernel runs (`pool_topk.runs_triton`: it returns the pools, the expansion runs
-    apart);
+    apart; not by default);
     `tuning`: the kernel's (None: its defaults)."""
     impl = resolve(cfg.implementation)
     k = min(cfg.select_k, scores.shape[-1])

@@ -19,7 +19,7 @@ from dsa_jax.checkpoint import CheckpointError
 from dsa_jax.config import ConfigError, DsaConfig
 from dsa_jax.implementation import ImplementationError, resolve
 from dsa_jax.pallas.common import KernelLimitError
-from dsa_jax.pallas.pool_topk import pool_topk_pallas
+from dsa_jax.pallas.pool_topk import PoolTopkTuning, pool_topk_pallas
 from dsa_jax.pallas.pool_topk_triton import MissingDependencyError
 from dsa_jax.pallas.sparse_attend import sparse_attend_pallas
 from dsa_jax.shapes import ODD
@@ -133,11 +133,12 @@ def _donated(c):
 
 # (id, condition, type, message regex, call)
 def without_jax_triton(c):
-    """The compiled top-k (default tuning: the raw Triton kernel) where jax-triton cannot be
-    imported (as on a machine without the `gpu` extra; hidden here so that the case holds
+    """The compiled top-k with backend "auto" (16+ rows: the raw Triton kernel) where jax-triton
+    cannot be imported (as on a machine without the `gpu` extra; hidden here so that the case holds
     where it is installed)."""
     with mock.patch.dict(sys.modules, {"jax_triton": None}):
-        return pool_topk_pallas(jnp.zeros((16, 64)), 8)  # AUTO_TRITON_MIN_ROWS
+        return pool_topk_pallas(jnp.zeros((16, 64)), 8,  # 16 rows: AUTO_TRITON_MIN_ROWS
+                                tuning=PoolTopkTuning(backend="auto"))
 
 
 CASES = [
@@ -277,7 +278,8 @@ CASES = [
          jnp.ones((1, 1, 8, 512)), lat, jnp.float32(1.0), jnp.zeros((1, 1), jnp.int32),
          jnp.zeros((1, 1, 4), jnp.int32), softmax_scale=0.1, interpret=True),
          jax.ShapeDtypeStruct((65536, 64, 512), jnp.float8_e4m3fn))),
-    ("kernel.triton-topk-missing", "the compiled top-k (the raw Triton kernel, the default) "
+    ("kernel.triton-topk-missing", "the raw Triton top-k (PoolTopkTuning backend 'auto' or "
+     "'triton') "
      "without jax-triton installed", MissingDependencyError,
      r"needs the 'jax-triton' package \(jax-triton==0.3.1\)", without_jax_triton),
     ("step.kind", "prepare_step with an unknown kind", layer.StepError,

@@ -292,6 +292,8 @@ def test_render_shows_the_latest_result_of_each_point(tmp_path):
     row = next(r for r in table.splitlines() if r.startswith("| decode-b1-k1-tp8 |"))
     assert "| 148.0 us |" in row
     assert "h200-bench-20261130-040257" not in text  # an early, superseded run
+    # a run of defaults reverted since (marked `superseded`) leaves the tables, not results/
+    assert "h200-bench-20261201-s3" not in table
     assert "notes.md" in text and "### Changes (prediction" not in text  # linked, not copied
     # Today's targets are applied to the stored results (the run's own verdict stays in it).
     assert "context 16384: <= 250 us | **no** |" in table

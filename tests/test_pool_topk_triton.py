@@ -137,13 +137,13 @@ def test_backend_and_tuning_are_checked():
         ptt.TritonTopkTuning(digit_bits=5)
     with pytest.raises(ValueError, match="num_warps=3"):
         ptt.TritonTopkTuning(num_warps=3)
-    assert pt.PoolTopkTuning().backend == "auto"  # compiled: triton; interpret: pallas
+    assert pt.PoolTopkTuning().backend == "pallas"  # see PoolTopkTuning.backend
 
 
 def test_auto_picks_sample_for_decode_rows_and_radix_for_prompts():
-    """The "auto" rule is static on the row count (AUTO_SAMPLE_MAX_ROWS); explicit fields
-    stay as given; the compiled default backend is the Triton kernel, interpret mode's the
-    Pallas one."""
+    """The "auto" rules are static on the row count (AUTO_SAMPLE_MAX_ROWS for the method,
+    AUTO_TRITON_MIN_ROWS for the backend); explicit fields stay as given; interpret mode runs
+    the Pallas kernel under backend "auto"."""
     auto = ptt.TritonTopkTuning()
     n = ptt.AUTO_SAMPLE_MAX_ROWS
     assert (auto.resolved(4).method, auto.resolved(4).digit_bits) == ("sample", 4)
@@ -154,14 +154,15 @@ def test_auto_picks_sample_for_decode_rows_and_radix_for_prompts():
     assert ptt.TritonTopkTuning(method="radix", digit_bits=4).resolved(9000).digit_bits == 4
     assert ptt.kernel_constants(4096, 512, auto, rows=9000)["METHOD"] == ptt.METHODS["radix"]
     assert ptt.kernel_constants(4096, 512, auto, rows=64)["METHOD"] == ptt.METHODS["sample"]
-    k = pt.PoolTopkTuning()
+    k = pt.PoolTopkTuning(backend="auto")
     m = pt.AUTO_TRITON_MIN_ROWS
     assert pt.runs_triton(k, m, interpret=False) and not pt.runs_triton(k, m - 1, False)
     assert not pt.runs_triton(k, m, interpret=True)
     assert not pt.runs_triton(pt.PoolTopkTuning(backend="pallas"), 9000, False)
     assert pt.runs_triton(pt.PoolTopkTuning(backend="triton"), 1, False)
     s = T.topk_scores(5, 2, 50, [50, 20], ties=True)
-    jaxpr = str(jax.make_jaxpr(lambda s: pt.pool_topk_pallas(s, 5, interpret=True))(s))
+    jaxpr = str(jax.make_jaxpr(lambda s: pt.pool_topk_pallas(s, 5, interpret=True,
+                                                             backend="auto"))(s))
     assert "pallas_call" in jaxpr
 
 

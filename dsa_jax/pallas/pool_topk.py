@@ -32,10 +32,9 @@ _NEG_INF_KEY = -2139095041
 # was slower (benchmarks/results/h200-topk.json).
 KERNEL_MAX_P = 4096
 BACKENDS = ("auto", "pallas", "triton")
-# "auto" runs the raw Triton kernel for at least this many rows. Below, at a batch of one
-# (4 padded rows), it measured only 0.7 us faster (12.9 vs 13.6 us), and its custom call is a
-# legacy one that XLA may leave out of the step's command buffer: at batch 1 the host paces
-# the step, so the Pallas kernel stays there.
+# backend "auto" runs the raw Triton kernel for at least this many rows. Below, at a batch of
+# one (4 padded rows), it measured only 0.7 us faster (12.9 vs 13.6 us), and its custom call
+# is a legacy one that XLA may leave out of the step's command buffer.
 AUTO_TRITON_MIN_ROWS = 16
 
 
@@ -57,13 +56,16 @@ class PoolTopkTuning:
     order] (one compare per pair instead of the three of "greater, or equal and earlier");
     measured slower: 9000 prompt rows 1209 vs 1082 us (short_rows both).
     num_warps: Triton's (8 measured slower than 4 for one row).
-    backend: "pallas" (this file's kernel, the fields above), "triton" (the raw Triton
-    kernel of `pool_topk_triton`, tuned by `triton`: compiled for a GPU only, needs the
+    backend: "pallas" (the default: this file's kernel, the fields above), "triton" (the raw
+    Triton kernel of `pool_topk_triton`, tuned by `triton`: compiled for a GPU only, needs the
     jax-triton package of the `gpu` extra; a missing package or interpret mode raises,
-    nothing falls back), or "auto" (the default): "triton" when compiled for at least
-    `AUTO_TRITON_MIN_ROWS` rows, else "pallas" (`runs_triton`; interpret mode has no raw
-    Triton). The H200 measured the Triton kernel faster at 64 and 256 decode rows and at a
-    9000-row prompt (benchmarks/results/h200-topk-triton-20261201-s3.json).
+    nothing falls back), or "auto": "triton" when compiled for at least
+    `AUTO_TRITON_MIN_ROWS` rows, else "pallas" (`runs_triton`). The Triton kernel is faster
+    alone (benchmarks/results/h200-topk-triton-20261201-s3.json), but as the default for 16+
+    rows the decode-b64 step's wall time rose 430 -> 565 us (h200-bench-20261201-s3.json):
+    jax-triton's custom call is a legacy one, likely outside XLA's command buffer, so the
+    step's graph is launched in pieces by a host that already paces it. Not the default
+    until that is measured apart (benchmarks/h200_decode_variants.py).
     H200 sweeps: benchmarks/results/h200-topk.json, h200-selection.json."""
     chunk: int = 4096
     rank_block: int = 32
@@ -72,7 +74,7 @@ class PoolTopkTuning:
     short_rows: bool = True
     fused_compare: bool = False
     num_warps: int = 4
-    backend: str = "auto"
+    backend: str = "pallas"
     triton: TritonTopkTuning = TritonTopkTuning()
 
     def __post_init__(self):

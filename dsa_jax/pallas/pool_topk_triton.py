@@ -80,8 +80,8 @@ class TritonTopkTuning:
 
 def load_jax_triton():
     """(jax_triton, the kernel module), or `MissingDependencyError` naming what is missing."""
-    what = ("the raw Triton top-k (the compiled default, PoolTopkTuning(backend='auto'), or "
-            "backend='triton')")
+    what = ("the raw Triton top-k (PoolTopkTuning(backend='triton'), or 'auto' at 16+ rows "
+            "compiled)")
     fix = "Install 'dsa_jax[gpu]', or pass PoolTopkTuning(backend='pallas')"
     try:
         import triton  # noqa: F401
