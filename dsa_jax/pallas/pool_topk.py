@@ -62,10 +62,11 @@ class PoolTopkTuning:
     nothing falls back), or "auto": "triton" when compiled for at least
     `AUTO_TRITON_MIN_ROWS` rows, else "pallas" (`runs_triton`). The Triton kernel is faster
     alone (benchmarks/results/h200-topk-triton-20261201-s3.json), but as the default for 16+
-    rows the decode-b64 step's wall time rose 430 -> 565 us (h200-bench-20261201-s3.json):
-    jax-triton's custom call is a legacy one, likely outside XLA's command buffer, so the
-    step's graph is launched in pieces by a host that already paces it. Not the default
-    until that is measured apart (benchmarks/h200_decode_variants.py).
+    rows (with another change, since reverted too) the decode-b64 step's wall time rose
+    430 -> 565 us (h200-bench-20261201-s3.json). A suspect: jax-triton's custom call is a
+    legacy one, likely outside XLA's command buffer, so the step's graph would be launched in
+    pieces by a host that already paces it. Not the default until the two are measured apart
+    (benchmarks/h200_decode_variants.py).
     H200 sweeps: benchmarks/results/h200-topk.json, h200-selection.json."""
     chunk: int = 4096
     rank_block: int = 32
