@@ -1,7 +1,8 @@
 """H200: the decode step (`decode-b64-k1-tp1`, `decode-b1-k1-tp1` shapes) with this session's
 two changes on and off, timed and profiled side by side in one process: the gather-attend on
 the call's rows only (`layer.step(..., attend_rows=1)`) and the raw Triton top-k for 16+ rows
-(`PoolTopkTuning(backend="auto")` in the layer's `top_pools`; else the default Pallas one).
+(`PoolTopkTuning(backend="auto")` in the layer's `top_pools`; else the default Pallas one);
+and every GEMM through cuBLAS (`xla_gpu_enable_triton_gemm=False`) alone and with both.
 
     PYTHONPATH=. python3 benchmarks/h200_decode_variants.py --out $OUT/variants.json
     PYTHONPATH=. python3 benchmarks/h200_decode_variants.py --smoke --out /tmp/v.json  # CPU
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 
 import jax
 import numpy as np
@@ -22,18 +24,26 @@ from dsa_jax import bitwise_jit, layer, select
 from dsa_jax.pallas import pool_topk
 from dsa_jax.shapes import glm53_flash, tiny
 
-# name -> (attend_rows cut, Triton top-k for 16+ rows)
-VARIANTS = {"now": (True, True), "before": (False, False), "cut-only": (True, False),
-            "topk-only": (False, True)}
+# name -> (attend_rows cut, Triton top-k for 16+ rows, extra compile options)
+NO_TRITON_GEMM = {"xla_gpu_enable_triton_gemm": False}  # every GEMM through cuBLAS
+VARIANTS = {"now": (True, True, None), "before": (False, False, None),
+            "cut-only": (True, False, None), "topk-only": (False, True, None),
+            "cublas": (False, False, NO_TRITON_GEMM), "all": (True, True, NO_TRITON_GEMM)}
 
 
 def run(cfg, weights, b: int, ctx: int, name: str, smoke: bool) -> dict:
-    cut, triton = VARIANTS[name]
+    cut, triton, options = VARIANTS[name]
     layer.top_pools = functools.partial(select.top_pools, tuning=pool_topk.PoolTopkTuning(
         backend="auto" if triton else "pallas"))
-    # a fresh jit per variant: the top-k rule is read when the step is traced
-    step = bitwise_jit(layer.step, static_argnames=("cfg", "attend_rows"),
-                       donate_argnames=("state",))
+    # A fresh function per variant: the top-k rule is read when the step is traced, and jax
+    # reuses one function's trace across jit wrappers (the 20261201-s4 run wrapped layer.step
+    # itself: "cut-only" then ran the Triton top-k of "now", "topk-only" the Pallas one).
+    @functools.wraps(layer.step)  # its signature, for the static argument names
+    def fresh(*args, **kwargs):
+        return layer.step(*args, **kwargs)
+
+    step = bitwise_jit(fresh, static_argnames=("cfg", "attend_rows"),
+                       donate_argnames=("state",), compiler_options=options)
     runner = StepRunner(cfg, weights, b, 1, cfg.max_verify, ctx - 40, 4242 + b, step=step)
     runner.kwargs = dict(attend_rows=1) if cut else {}
     jax.block_until_ready(runner())
@@ -43,7 +53,10 @@ def run(cfg, weights, b: int, ctx: int, name: str, smoke: bool) -> dict:
     return {"variant": name, "batch": b, "median_us": t["median_us"], "p10_us": t["p10_us"],
             "p90_us": t["p90_us"], "kernel_us": prof.get("kernel_us_per_step"),
             "launches": prof.get("launches_per_step"), "top": prof.get("top_kernels"),
-            "finite": bool(np.isfinite(np.asarray(runner.last[0], np.float32)).all())}
+            "finite": bool(np.isfinite(np.asarray(runner.last[0], np.float32)).all()),
+            # the same inputs every call (reset): equal digests = equal bits across variants
+            "y_sel_sha1": hashlib.sha1(np.asarray(runner.last[0]).tobytes()
+                                       + np.asarray(runner.last[1]).tobytes()).hexdigest()}
 
 
 def main() -> int:

@@ -19,8 +19,10 @@ from dsa_jax import bitwise_jit, layer
 from dsa_jax.state import DsaState, quantize_latent, ring_rows
 from dsa_jax.weights import fold_weights, init_random_hf_tensors
 
-STEP = bitwise_jit(layer.step, static_argnames=("cfg",), donate_argnames=("state",))
-STEP_WHAT = "dsa_jax.bitwise_jit(dsa_jax.layer.step, state donated), rows padded to cfg.max_verify"
+STEP = bitwise_jit(layer.step, static_argnames=("cfg", "attend_rows"), donate_argnames=("state",))
+STEP_WHAT = ("dsa_jax.bitwise_jit(dsa_jax.layer.step, state donated), rows padded to "
+             "cfg.max_verify, the gather-attend on the call's k rows (attend_rows=k, as "
+             "decode/decode_k run it)")
 
 
 def random_hf_tensors(cfg, seed: int) -> dict:
@@ -104,7 +106,8 @@ class StepRunner:
         self.n_new = jax.device_put(np.full((num_seqs,), k, np.int32))  # [B]
         self.i = 0
         self.last = None
-        self.kwargs: dict = {}  # more keywords of the step (e.g. attend_rows)
+        # as decode / decode_k run the step: the gather-attend on the call's k rows only
+        self.kwargs = dict(attend_rows=k) if step is STEP else {}
 
     def __call__(self):
         x = self.xs[self.i % len(self.xs)]

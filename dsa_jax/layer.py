@@ -107,8 +107,9 @@ def step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, n_n
     splits the rows' selection over tensor-parallel ranks with it). attend_rows: static; the
     gather-attend runs on the first `attend_rows` rows only (a promise: `n_new <= attend_rows`
     for every sequence; a real row past it gets NaN outputs, never a silent zero), so that a
-    decode padded to `max_verify` rows can skip its padded rows' attend. Opt-in, and not
-    what `decode` runs: its GPU bits and time are not measured yet (benchmarks/notes.md).
+    decode padded to `max_verify` rows skips its padded rows' attend: `decode`, `decode_k`,
+    `prefill` and the sharded steps pass their call's row count (the same bits, measured on
+    the H200: benchmarks/results/h200-decode-variants-20261201-s4.json).
 
     Order within the step: every latent and indexer write, then one selection over all rows
     (row r sees only pools complete at its own position), then one gather-attend. Row r's
@@ -123,24 +124,27 @@ def step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, n_n
     else:
         sel = jnp.where(valid[..., None], shared_sel, -1)
     o_latent = attend_first_rows(cfg, state, proj.q_abs, sel, valid, live_rows(cfg, x),
-                                 attend_rows)  # [B, R, Hl, C]
+                                 attend_rows, weights.u_v.dtype)  # [B, R, Hl, C]
     y = output_projection(weights, o_latent)  # [B, R, D]
     return y, _advance(cfg, state, n_new), sel
 
 
 def attend_first_rows(cfg: DsaConfig, state: DsaState, q_abs: jax.Array, sel: jax.Array,
-                      valid: jax.Array, live: int, rows: int | None) -> jax.Array:
-    """`attend` of the first `rows` rows of `q_abs [B, R, Hl, C]` and `sel [B, R, W]`; the
-    other rows' outputs are 0 (padding) or NaN where `valid [B, R]` says the row is real (a
-    broken `attend_rows` promise). Every attend kernel works per row (its split plan comes
-    from `live`, not from the row count), so a row's output is the same bits whether 1 or R
-    rows are attended. The "xla" implementation attends every row: XLA compiles the dots of
-    another row count in another order (on the H200 a 1-row decode and a K-row verify then
-    differed in their last bits)."""
+                      valid: jax.Array, live: int, rows: int | None, dtype=jnp.float32
+                      ) -> jax.Array:
+    """`attend` of the first `rows` rows of `q_abs [B, R, Hl, C]` and `sel [B, R, W]`, cast to
+    `dtype` (the output projection's operand dtype: the cast it would make anyway, made before
+    the padding so that the padded rows are written at its width); the other rows' outputs
+    are 0 (padding) or NaN where `valid [B, R]` says the row is real (a broken `attend_rows`
+    promise). Every attend kernel works per row (its split plan comes from `live`, not from the
+    row count), so a row's output is the same bits whether 1 or R rows are attended. The "xla"
+    implementation attends every row: XLA compiles the dots of another row count in another
+    order (on the H200 a 1-row decode and a K-row verify then differed in their last bits)."""
     r = q_abs.shape[1]
     if rows is None or rows >= r or resolve(cfg.implementation) == "xla":
-        return attend(cfg, state, q_abs, sel, live)
-    o = attend(cfg, state, q_abs[:, :rows], sel[:, :rows], live)  # [B, rows, Hl, C]
+        return attend(cfg, state, q_abs, sel, live).astype(dtype)
+    o = attend(cfg, state, q_abs[:, :rows], sel[:, :rows], live)  # [B, rows, Hl, C] f32
+    o = o.astype(dtype)  # [B, rows, Hl, C]
     rest = jnp.where(valid[:, rows:, None, None], jnp.nan, 0.0).astype(o.dtype)  # [B, R-rows]
     rest = jnp.broadcast_to(rest, (o.shape[0], r - rows, *o.shape[2:]))  # [B, R-rows, Hl, C]
     return jnp.concatenate([o, rest], axis=1)
@@ -246,9 +250,10 @@ def _layout_step(cfg: DsaConfig, layout: RowLayout, weights: DsaWeights, state: 
     dispatch after `prepare_step`). The step sits between optimization barriers,
     so XLA neither sees that the padded rows are zero nor moves the unpad into the step: the
     step compiles to the same code in the decode program and in every K-row verify program
-    (the bit-identity guarantee, tested with `==`)."""
+    (the bit-identity guarantee, tested with `==`), but for the gather-attend, which runs on
+    the call's k rows only (`attend_first_rows`: per-row kernels, the same bits per row)."""
     x, shared_sel = lax.optimization_barrier(layout.pad(x, shared_sel))
-    y, state, sel = step(cfg, weights, state, x, n_new, shared_sel)
+    y, state, sel = step(cfg, weights, state, x, n_new, shared_sel, attend_rows=layout.k)
     y, sel = layout.unpad(*lax.optimization_barrier((y, sel)))
     return y, state, sel
 

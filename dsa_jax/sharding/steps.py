@@ -114,8 +114,10 @@ def local_step(cfg: DsaConfig, weights_block: DsaWeights, state: DsaState, x: ja
     x: [b, R, D] this shard's rows (padded as for `layer.step`); n_new: [b] int32, or an int
     for every sequence (built on the device), default R; shared_sel: [b, R, W].
     out_rows: keep only the first rows of `y` and `sel` (a decode's 1 of max_verify): the psum
-    then moves only those. The step before it is the same program whatever out_rows is (a
-    barrier keeps XLA from narrowing it), so a decode and a K-row verify keep their bits.
+    then moves only those, and the gather-attend runs on those rows only (`layer.step`'s
+    attend_rows: a promise, n_new <= out_rows; its kernels work per row). The rest of the
+    step is the same program whatever out_rows is (a barrier keeps XLA from narrowing it), so
+    a decode and a K-row verify keep their bits.
     split_selection: split the rows' selection over the tp ranks (`split_rule`; None: its
     default rule); `sel` is the same either way.
     Returns `y [b, out_rows, D]` (summed over tp), the new state and `sel [b, out_rows, W]`.
@@ -125,7 +127,7 @@ def local_step(cfg: DsaConfig, weights_block: DsaWeights, state: DsaState, x: ja
     select = (split_select if split_rule(cfg, x.shape[0], split_selection)
               else layer.select_pools)
     y, state, sel = layer.step(cfg, rank_weights(weights_block), state, x, n_new, shared_sel,
-                               select=select)
+                               select=select, attend_rows=out_rows)
     if out_rows is not None and out_rows < x.shape[1]:
         y, sel = lax.optimization_barrier((y, sel))
         y, sel = y[:, :out_rows], sel[:, :out_rows]
