@@ -1,8 +1,10 @@
-"""H200: the decode step (`decode-b64-k1-tp1`, `decode-b1-k1-tp1` shapes) with this session's
-two changes on and off, timed and profiled side by side in one process: the gather-attend on
-the call's rows only (`layer.step(..., attend_rows=1)`) and the raw Triton top-k for 16+ rows
-(`PoolTopkTuning(backend="auto")` in the layer's `top_pools`; else the default Pallas one);
-and every GEMM through cuBLAS (`xla_gpu_enable_triton_gemm=False`) alone and with both.
+"""H200: the decode step (`decode-b64-k1-tp1`, `decode-b1-k1-tp1` shapes) in variants, timed
+and profiled side by side in one process, each traced afresh: "now" (the library: the
+gather-attend on the call's rows, `attend_rows=1`), "before" (every padded row attended),
+"topk" (now + the raw Triton top-k for 16+ rows, `PoolTopkTuning(backend="auto")`), "cublas"
+(now + every GEMM through cuBLAS, `xla_gpu_enable_triton_gemm=False`), "headmajor" (now with
+the attended latents laid out head-major for the `U_v` GEMM: a lever under test, below).
+A digest of y and sel per variant: equal digests are equal bits.
 
     PYTHONPATH=. python3 benchmarks/h200_decode_variants.py --out $OUT/variants.json
     PYTHONPATH=. python3 benchmarks/h200_decode_variants.py --smoke --out /tmp/v.json  # CPU
@@ -13,26 +15,59 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
+import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
+import dsa_jax.attend
 from benchmarks.device_script import command, utc_now, write_json
 from benchmarks.harness import measure, profile_step
 from benchmarks.workloads import StepRunner, random_hf_tensors, random_weights
-from dsa_jax import bitwise_jit, layer, select
+from dsa_jax import bitwise_jit, layer, projection, select
 from dsa_jax.pallas import pool_topk
 from dsa_jax.shapes import glm53_flash, tiny
 
-# name -> (attend_rows cut, Triton top-k for 16+ rows, extra compile options)
+# name -> (attend_rows cut, Triton top-k for 16+ rows, extra compile options, head-major)
 NO_TRITON_GEMM = {"xla_gpu_enable_triton_gemm": False}  # every GEMM through cuBLAS
-VARIANTS = {"now": (True, True, None), "before": (False, False, None),
-            "cut-only": (True, False, None), "topk-only": (False, True, None),
-            "cublas": (False, False, NO_TRITON_GEMM), "all": (True, True, NO_TRITON_GEMM)}
+VARIANTS = {"now": (True, False, None, False), "before": (False, False, None, False),
+            "topk": (True, True, None, False), "cublas": (True, False, NO_TRITON_GEMM, False),
+            "headmajor": (True, False, None, True)}
 
 
-def run(cfg, weights, b: int, ctx: int, name: str, smoke: bool) -> dict:
-    cut, triton, options = VARIANTS[name]
+def attend_first_rows_head_major(cfg, state, q_abs, sel, valid, live, rows, dtype=jnp.float32):
+    """Lever under test: `layer.attend_first_rows` laid out `[Hl, B, R, C]`, the layout the
+    per-head `U_v` GEMM batches over, so that the padding needs no transposing copy (the
+    default's pad fusion: 30.6 us at b64, h200-decode-variants-20261201-s4.json)."""
+    r = q_abs.shape[1]
+    o = dsa_jax.attend.attend(cfg, state, q_abs[:, :rows], sel[:, :rows], live)  # [B, k, Hl, C]
+    o = jnp.transpose(o.astype(dtype), (2, 0, 1, 3))  # [Hl, B, k, C]
+    rest = jnp.where(valid[None, :, rows:, None], jnp.nan, 0.0).astype(dtype)  # [1, B, R-k, 1]
+    rest = jnp.broadcast_to(rest, (o.shape[0], o.shape[1], r - rows, o.shape[3]))
+    return jnp.concatenate([o, rest], axis=2)  # [Hl, B, R, C]
+
+
+def output_projection_head_major(weights, o):
+    """`projection.output_projection` of `o [Hl, B, R, C]`: the same dots."""
+    h, b, r, c = o.shape
+    out = lax.dot_general(o.reshape(h, b * r, c).astype(weights.u_v.dtype), weights.u_v,
+                          (((2,), (2,)), ((0,), (0,))), precision=lax.Precision.HIGHEST,
+                          preferred_element_type=jnp.float32)  # [Hl, B*R, Dv]
+    o = jnp.swapaxes(out, 0, 1).reshape(b, r, -1)  # [B, R, Hl*Dv]
+    return projection.matmul(o, weights.o_proj)  # [B, R, D]
+
+
+DEFAULTS = (layer.attend_first_rows, layer.output_projection)
+
+
+def run(cfg, weights, b: int, ctx: int, name: str, smoke: bool,
+        hlo_dir: str | None = None) -> dict:
+    cut, triton, options, head_major = VARIANTS[name]
+    layer.attend_first_rows, layer.output_projection = (
+        (attend_first_rows_head_major, output_projection_head_major) if head_major
+        else DEFAULTS)
     layer.top_pools = functools.partial(select.top_pools, tuning=pool_topk.PoolTopkTuning(
         backend="auto" if triton else "pallas"))
     # A fresh function per variant: the top-k rule is read when the step is traced, and jax
@@ -50,6 +85,11 @@ def run(cfg, weights, b: int, ctx: int, name: str, smoke: bool) -> dict:
     t = measure(runner, warmup=2, groups=3 if smoke else 10, inner=2 if smoke else 10,
                 reset=runner.reset)
     prof = profile_step(runner, 2 if smoke else 8, top=12)
+    if hlo_dir:  # the compiled program, to read its fusions
+        args = (cfg, weights, runner.state, runner.xs[0], runner.n_new, None)
+        text = step.lower(*args, **runner.kwargs).compile().as_text()
+        with open(os.path.join(hlo_dir, f"{name}-b{b}.hlo.txt"), "w") as f:
+            f.write(text)
     return {"variant": name, "batch": b, "median_us": t["median_us"], "p10_us": t["p10_us"],
             "p90_us": t["p90_us"], "kernel_us": prof.get("kernel_us_per_step"),
             "launches": prof.get("launches_per_step"), "top": prof.get("top_kernels"),
@@ -64,6 +104,8 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--batches", type=int, nargs="*", default=[64, 1])
+    ap.add_argument("--variants", nargs="*", choices=list(VARIANTS), default=list(VARIANTS))
+    ap.add_argument("--hlo-dir", help="write each variant's compiled HLO (first batch) here")
     a = ap.parse_args()
     cfg = (tiny() if a.smoke else glm53_flash()).replace(
         implementation="xla" if a.smoke else "pallas")
@@ -71,9 +113,10 @@ def main() -> int:
     res = {"command": command("h200_decode_variants.py"), "date": utc_now(),
            "device": jax.devices()[0].device_kind, "results": [], "errors": []}
     for b in a.batches:
-        for name in VARIANTS:
+        for name in a.variants:
             try:
-                row = run(cfg, weights, 2 if a.smoke else b, cfg.max_context, name, a.smoke)
+                row = run(cfg, weights, 2 if a.smoke else b, cfg.max_context, name, a.smoke,
+                          a.hlo_dir if b == a.batches[0] else None)
             except Exception as e:  # recorded, the next variant runs
                 row = {"variant": name, "batch": b, "error": f"{type(e).__name__}: {e}"[:500]}
                 res["errors"].append(row["error"])
