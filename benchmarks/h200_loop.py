@@ -83,19 +83,20 @@ class Setup:
     acceptance: float
     loop_variants: tuple[str, ...] = ("default",)
     hlo_dir: str | None = None  # where the B=1 loop programs' optimized HLO is written
+    in_place: bool = False  # the checks also under `Program(weights_in_place=True)`
 
 
 def make_setup(args) -> Setup:
     if args.smoke:  # one small 2-layer model everywhere, so the sections share programs
         small = tiny(implementation="xla", max_context=64, indexer_types=("full", "shared"))
         return Setup(True, small, None, small, 64, 2, 3, 1, args.acceptance,
-                     tuple(args.loop_variants), _hlo_dir(args))
+                     tuple(args.loop_variants), _hlo_dir(args), args.weights_in_place)
     impl = "pallas"
     return Setup(False, tiny(implementation=impl, indexer_types=("full", "shared") * 2),
                  glm53_flash(implementation=impl, max_context=1024, indexer_types=ALTERNATING8),
                  glm53_flash(implementation=impl, indexer_types=ALTERNATING8), args.vocab,
                  args.tokens, 64, args.reps, args.acceptance, tuple(args.loop_variants),
-                 _hlo_dir(args))
+                 _hlo_dir(args), args.weights_in_place)
 
 
 def _hlo_dir(args) -> str:
@@ -105,6 +106,15 @@ def _hlo_dir(args) -> str:
 def section_checks(s: Setup, res: dict) -> None:
     checks = res["checks"]
     checks["scan_equals_unrolled[tiny]"] = check_scan_equals_unrolled(s.check_cfg, s.vocab)
+    if s.in_place:  # the same checks under `Program(weights_in_place=True)`'s options
+        checks["scan_equals_unrolled[tiny,in_place]"] = check_scan_equals_unrolled(
+            s.check_cfg, s.vocab, in_place=True)
+        checks.update({f"{k}[in_place]": v for k, v in check_loops(
+            s.check_cfg, s.vocab, ("sample",) if s.smoke else ("greedy", "sample"),
+            in_place=True).items()})
+        if s.glm_check_cfg is not None:
+            checks["scan_equals_unrolled[glm8,ctx1024,in_place]"] = check_scan_equals_unrolled(
+                s.glm_check_cfg, s.vocab, in_place=True)
     # Under --smoke the greedy loop checks run only through the draft model (their twins
     # are in the CPU tests); on the device, everything.
     checks.update(check_loops(s.check_cfg, s.vocab, ("sample",) if s.smoke else
@@ -431,6 +441,8 @@ def table(res: dict) -> str:
 def main(argv=None) -> int:
     ap = json_parser(__doc__)
     ap.add_argument("--only", nargs="*", choices=SECTIONS, default=list(SECTIONS))
+    ap.add_argument("--weights-in-place", action="store_true",
+                    help="the checks also under Program(weights_in_place=True)'s options")
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=32, help="tokens per dispatch")
     ap.add_argument("--reps", type=int, default=5)

@@ -54,6 +54,10 @@ def memcpy_share(top_kernels: list, tokens: int) -> dict:
 # compile options of every library program.
 FORWARD_JITS = (bitwise_jit(forward, static_argnums=0, donate_argnums=2),
                 bitwise_jit(forward_unrolled, static_argnums=0, donate_argnums=2))
+# The same under the options of a `Program(weights_in_place=True)`.
+FORWARD_JITS_IN_PLACE = tuple(
+    bitwise_jit(f, static_argnums=0, donate_argnums=2, compiler_options=serve.IN_PLACE_WEIGHTS)
+    for f in (forward, forward_unrolled))
 
 
 def bits_equal(a, b) -> bool:
@@ -125,7 +129,7 @@ def random_serving(prog: serve.Program, b: int, ctx: int, key) -> serve.Serving:
 
 # ------------------------------------------------------------------------------ checks
 
-def check_scan_equals_unrolled(cfg, vocab: int, b: int = 2) -> bool:
+def check_scan_equals_unrolled(cfg, vocab: int, b: int = 2, in_place: bool = False) -> bool:
     mcfg, weights, stacked = model(cfg, vocab, 1)
     nb = b * cfg.blocks_per_seq
     rng = np.random.default_rng(0)
@@ -133,7 +137,7 @@ def check_scan_equals_unrolled(cfg, vocab: int, b: int = 2) -> bool:
     tables = rng.permutation(nb)[:b * cfg.blocks_per_seq].reshape(b, cfg.blocks_per_seq)
     ms = init_model_state(mcfg, b, nb, tables.astype(np.int32))
     states = tuple(unfold_state(mcfg, ms))
-    scanned, unrolled = FORWARD_JITS
+    scanned, unrolled = FORWARD_JITS_IN_PLACE if in_place else FORWARD_JITS
     ok = True
     r = cfg.max_verify
     for rows, n_new in ((2 * r, [2 * r, r + 1]), (r, [1, r]), (r, [r - 1, 0]), (r, [1, 1])):
@@ -153,16 +157,17 @@ def _prompts(b: int, vocab: int, seed: int):
     return [np.resize(m, int(rng.integers(9, 30))).tolist() for m in motif]
 
 
-def check_loops(cfg, vocab: int, modes=("greedy", "sample")) -> dict:
+def check_loops(cfg, vocab: int, modes=("greedy", "sample"), in_place: bool = False) -> dict:
     """Device loop == Python loop and speculative == plain, per sampling mode; a draft model
-    (the target itself) drafting for greedy decoding."""
+    (the target itself) drafting for greedy decoding. in_place: every Program with
+    `weights_in_place=True`."""
     mcfg, weights, stacked = model(cfg, vocab, 2)
     prompts = _prompts(3, vocab, 3)
     limits = [23, 9, 30]
     out, plain_tokens = {}, {}
     for name in modes:
         sampling = Sampling() if name == "greedy" else Sampling("sample", 0.8, 0.9)
-        plain = serve.Program(mcfg, sampling)
+        plain = serve.Program(mcfg, sampling, weights_in_place=in_place)
         want = serve.generate(plain, stacked, None, prompts, limits, tokens_per_dispatch=8)
         plain_tokens[name] = want
         sv, first = serve.start(plain, stacked, None, prompts, limits)
@@ -170,11 +175,12 @@ def check_loops(cfg, vocab: int, modes=("greedy", "sample")) -> dict:
         py = [[int(f)] + t for f, t in zip(np.asarray(first), serve.emitted_tokens(outs),
                                           strict=True)]
         out[f"device_loop_equals_python_loop[{name}]"] = want == py
-        spec = serve.Program(mcfg, sampling, speculate=3)
+        spec = serve.Program(mcfg, sampling, speculate=3, weights_in_place=in_place)
         got = serve.generate(spec, stacked, None, prompts, limits, tokens_per_dispatch=8)
         out[f"speculative_equals_plain[ngram,{name}]"] = got == want
     if "greedy" in plain_tokens:
-        prog = serve.Program(mcfg, Sampling(), speculate=3, drafter=ModelDrafter(mcfg))
+        prog = serve.Program(mcfg, Sampling(), speculate=3, drafter=ModelDrafter(mcfg),
+                             weights_in_place=in_place)
         got = serve.generate(prog, stacked, stacked, prompts, limits, tokens_per_dispatch=8)
         out["speculative_equals_plain[draft_model,greedy]"] = got == plain_tokens["greedy"]
     return out

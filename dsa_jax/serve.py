@@ -59,11 +59,12 @@ class Emitted(NamedTuple):
 # XLA options of the programs of a `Program(weights_in_place=True)`: each scanned layer's GEMMs
 # read that layer's slice of the stacked weights in place (dynamic-slice fusion, which serves
 # cuBLAS GEMMs, so XLA's Triton GEMMs are off) instead of a copy of it per layer and token.
-# On the H200 (benchmarks/notes.md, #15): 288 -> 178 us per token per layer at B=1, 574 -> 465
-# at B=64; the bits differ from the default programs (other GEMM kernels), and under these
-# options the scanned model did not equal its unrolled stack bit for bit at GLM-5.3 shapes.
+# Autotuning off: each GEMM takes cuBLAS's heuristic algorithm for its shape, the same in every
+# program and every compile (timed autotuning picks by measured speed, so two programs, or two
+# compiles of one, may sum in other orders). Measured on the H200: benchmarks/notes.md (#15).
 IN_PLACE_WEIGHTS = {"xla_gpu_enable_dynamic_slice_fusion": True,
-                    "xla_gpu_enable_triton_gemm": False}
+                    "xla_gpu_enable_triton_gemm": False,
+                    "xla_gpu_autotune_level": 0}
 
 
 @dataclasses.dataclass(frozen=True)
