@@ -29,9 +29,11 @@ from dsa_jax.sampling import Sampling
 # Compiler options of the loop program, side by side (issue 15: the scan's per-layer weight
 # slices were copied, `memcpy128`, before the GEMMs): XLA's dynamic-slice fusion lets a GEMM
 # or custom call read a slice of the stacked weights in place (cuBLAS GEMMs only, so also with
-# XLA's Triton GEMMs off).
+# XLA's Triton GEMMs off). "default" is `serve.Program`'s default (`IN_PLACE_WEIGHTS`);
+# "copied" and the rest compile `Program(weights_in_place=False)`, the rest with these options.
 LOOP_VARIANTS = {
     "default": None,
+    "copied": None,
     "dsfusion": {"xla_gpu_enable_dynamic_slice_fusion": True},
     "dsfusion+cublas": {"xla_gpu_enable_dynamic_slice_fusion": True,
                         "xla_gpu_enable_triton_gemm": False},
@@ -54,7 +56,7 @@ def memcpy_share(top_kernels: list, tokens: int) -> dict:
 # compile options of every library program.
 FORWARD_JITS = (bitwise_jit(forward, static_argnums=0, donate_argnums=2),
                 bitwise_jit(forward_unrolled, static_argnums=0, donate_argnums=2))
-# The same under the options of a `Program(weights_in_place=True)`.
+# The same under the options of a `Program(weights_in_place=True)` (the default Program's).
 FORWARD_JITS_IN_PLACE = tuple(
     bitwise_jit(f, static_argnums=0, donate_argnums=2, compiler_options=serve.IN_PLACE_WEIGHTS)
     for f in (forward, forward_unrolled))
@@ -129,7 +131,7 @@ def random_serving(prog: serve.Program, b: int, ctx: int, key) -> serve.Serving:
 
 # ------------------------------------------------------------------------------ checks
 
-def check_scan_equals_unrolled(cfg, vocab: int, b: int = 2, in_place: bool = False) -> bool:
+def check_scan_equals_unrolled(cfg, vocab: int, b: int = 2, in_place: bool = True) -> bool:
     mcfg, weights, stacked = model(cfg, vocab, 1)
     nb = b * cfg.blocks_per_seq
     rng = np.random.default_rng(0)
@@ -157,10 +159,10 @@ def _prompts(b: int, vocab: int, seed: int):
     return [np.resize(m, int(rng.integers(9, 30))).tolist() for m in motif]
 
 
-def check_loops(cfg, vocab: int, modes=("greedy", "sample"), in_place: bool = False) -> dict:
+def check_loops(cfg, vocab: int, modes=("greedy", "sample"), in_place: bool = True) -> dict:
     """Device loop == Python loop and speculative == plain, per sampling mode; a draft model
-    (the target itself) drafting for greedy decoding. in_place: every Program with
-    `weights_in_place=True`."""
+    (the target itself) drafting for greedy decoding. in_place: every Program's
+    `weights_in_place` (True: the default)."""
     mcfg, weights, stacked = model(cfg, vocab, 2)
     prompts = _prompts(3, vocab, 3)
     limits = [23, 9, 30]

@@ -105,10 +105,10 @@ def test_ngram_draft():
 def test_snapshot_restores_and_continues_identically(weights, tmp_path):
     prompts = _prompts(4, seed=3)
     max_new = [14, 6, 18, 9]
-    # One round per step: the snapshot falls mid-run. weights_in_place: the snapshot keeps it
-    # (on the CPU its programs compute the default's bits).
+    # One round per step: the snapshot falls mid-run. weights_in_place off (not the default):
+    # the snapshot keeps it (on the CPU its programs compute the default's bits).
     eng = Engine(MCFG, weights, max_seqs=2, num_blocks=24, speculate=2, prefill_chunk=8,
-                 tokens_per_dispatch=1, weights_in_place=True)
+                 tokens_per_dispatch=1, weights_in_place=False)
     reqs = [eng.submit(p, m) for p, m in zip(prompts, max_new, strict=True)]
     for _ in range(4):
         eng.step()
@@ -117,7 +117,7 @@ def test_snapshot_restores_and_continues_identically(weights, tmp_path):
     want = {tuple(r.prompt): r.output for r in reqs}
 
     again = Engine.restore(tmp_path / "snap", MCFG, weights)
-    assert again.program.weights_in_place is True
+    assert again.program.weights_in_place is False
     live = [r for r in again.slots if r is not None] + list(again.queue)
     assert live and all(len(r.output) < r.max_new_tokens for r in live)
     again.run_until_done()

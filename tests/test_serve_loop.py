@@ -180,10 +180,12 @@ def test_bad_input_is_refused_before_anything_runs():
 
 
 def test_weights_in_place_programs(stacked, plain):
-    """`Program(weights_in_place=True)`: its own compiled programs (with `IN_PLACE_WEIGHTS`),
-    the same loop; on the CPU the GPU options change nothing, so the same tokens, and its
-    device loop equals its Python loop and its speculation its plain decoding."""
-    prog = serve.Program(MCFG, SAMPLED, weights_in_place=True)
+    """`Program(weights_in_place=False)`: its own compiled programs (without
+    `IN_PLACE_WEIGHTS`, the default's options), the same loop; on the CPU the GPU options change
+    nothing, so the same tokens, and its device loop equals its Python loop and its
+    speculation its plain decoding."""
+    assert serve.Program(MCFG).weights_in_place is True  # the default
+    prog = serve.Program(MCFG, SAMPLED, weights_in_place=False)
     assert serve.run_jit(prog) is not serve.run_jit(serve.Program(MCFG, SAMPLED))
     assert serve.IN_PLACE_WEIGHTS["xla_gpu_enable_dynamic_slice_fusion"] is True
     got = serve.generate(prog, stacked, None, PROMPTS, LIMITS, tokens_per_dispatch=8)
@@ -192,5 +194,5 @@ def test_weights_in_place_programs(stacked, plain):
     sv, outs, _ = serve.run_python(prog, stacked, None, sv, 100)
     assert [[int(f)] + t for f, t in zip(np.asarray(first), serve.emitted_tokens(outs),
                                          strict=True)] == got
-    spec = serve.Program(MCFG, SAMPLED, speculate=3, weights_in_place=True)
+    spec = serve.Program(MCFG, SAMPLED, speculate=3, weights_in_place=False)
     assert serve.generate(spec, stacked, None, PROMPTS, LIMITS, tokens_per_dispatch=8) == got
