@@ -60,13 +60,11 @@ class PoolTopkTuning:
     Triton kernel of `pool_topk_triton`, tuned by `triton`: compiled for a GPU only, needs the
     jax-triton package of the `gpu` extra; a missing package or interpret mode raises,
     nothing falls back), or "auto": "triton" when compiled for at least
-    `AUTO_TRITON_MIN_ROWS` rows, else "pallas" (`runs_triton`). The Triton kernel is faster
-    alone (benchmarks/results/h200-topk-triton-20261201-s3.json), but as the default for 16+
-    rows (with another change, since reverted too) the decode-b64 step's wall time rose
-    430 -> 565 us (h200-bench-20261201-s3.json). A suspect: jax-triton's custom call is a
-    legacy one, likely outside XLA's command buffer, so the step's graph would be launched in
-    pieces by a host that already paces it. Not the default until the two are measured apart
-    (benchmarks/h200_decode_variants.py).
+    `AUTO_TRITON_MIN_ROWS` rows, else "pallas" (`runs_triton`). Measured apart in the
+    decode-b64 step (benchmarks/results/h200-decode-variants-20261201-s4.json): 23 vs 32 us of
+    top-k, the step's kernels -10 us, its wall time within the noise (the 430 -> 565 us of an
+    earlier run, with the attend cut, did not recur). Opt-in all the same: as the default it
+    would make jax-triton a requirement of every GPU install for ~3% of that step.
     H200 sweeps: benchmarks/results/h200-topk.json, h200-selection.json."""
     chunk: int = 4096
     rank_block: int = 32
