@@ -24,17 +24,25 @@ from jax import lax
 
 import dsa_jax.attend
 from benchmarks.device_script import command, utc_now, write_json
+from benchmarks.h200_scan_check import glue_patch
 from benchmarks.harness import measure, profile_step
 from benchmarks.workloads import StepRunner, random_hf_tensors, random_weights
 from dsa_jax import bitwise_jit, layer, projection, select
 from dsa_jax.pallas import pool_topk
 from dsa_jax.shapes import glm53_flash, tiny
 
-# name -> (attend_rows cut, Triton top-k for 16+ rows, extra compile options, head-major)
+# name -> (attend_rows cut, Triton top-k for 16+ rows, extra compile options, head-major,
+#          glue patch of benchmarks/h200_scan_check.py or None)
 NO_TRITON_GEMM = {"xla_gpu_enable_triton_gemm": False}  # every GEMM through cuBLAS
-VARIANTS = {"now": (True, False, None, False), "before": (False, False, None, False),
-            "topk": (True, True, None, False), "cublas": (True, False, NO_TRITON_GEMM, False),
-            "headmajor": (True, False, None, True)}
+VARIANTS = {"now": (True, False, None, False, None), "before": (False, False, None, False, None),
+            "topk": (True, True, None, False, None),
+            "cublas": (True, False, NO_TRITON_GEMM, False, None),
+            "headmajor": (True, False, None, True, None),
+            # Lever: the Mosaic attend's split merge, which XLA fused into the pad's
+            # concatenate (30.6 us at b64, h200-decode-variants-20261201-s4-headmajor.json),
+            # kept a fusion of its own (barriers) or run as the Pallas merge kernel.
+            "mergebarrier": (True, False, None, False, "merge_barrier"),
+            "mergepallas": (True, False, None, False, "merge_pallas")}
 
 
 def attend_first_rows_head_major(cfg, state, q_abs, sel, valid, live, rows, dtype=jnp.float32):
@@ -64,7 +72,12 @@ DEFAULTS = (layer.attend_first_rows, layer.output_projection)
 
 def run(cfg, weights, b: int, ctx: int, name: str, smoke: bool,
         hlo_dir: str | None = None) -> dict:
-    cut, triton, options, head_major = VARIANTS[name]
+    with glue_patch(VARIANTS[name][4]):  # traced (and lowered) inside the patch
+        return _run(cfg, weights, b, ctx, name, smoke, hlo_dir)
+
+
+def _run(cfg, weights, b: int, ctx: int, name: str, smoke: bool, hlo_dir: str | None) -> dict:
+    cut, triton, options, head_major, _ = VARIANTS[name]
     layer.attend_first_rows, layer.output_projection = (
         (attend_first_rows_head_major, output_projection_head_major) if head_major
         else DEFAULTS)
