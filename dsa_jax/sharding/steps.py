@@ -115,7 +115,7 @@ def local_step(cfg: DsaConfig, weights_block: DsaWeights, state: DsaState, x: ja
     for every sequence (built on the device), default R; shared_sel: [b, R, W].
     out_rows: keep only the first rows of `y` and `sel` (a decode's 1 of max_verify): the psum
     then moves only those, and the gather-attend runs on those rows only (`layer.step`'s
-    attend_rows: a promise, n_new <= out_rows; its kernels work per row). The rest of the
+    attend_rows; the rows past them are dropped anyway, their writes still made). The rest of the
     step is the same program whatever out_rows is (a barrier keeps XLA from narrowing it), so
     a decode and a K-row verify keep their bits.
     split_selection: split the rows' selection over the tp ranks (`split_rule`; None: its
