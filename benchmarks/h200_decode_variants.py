@@ -31,18 +31,23 @@ from dsa_jax import bitwise_jit, layer, projection, select
 from dsa_jax.pallas import pool_topk
 from dsa_jax.shapes import glm53_flash, tiny
 
-# name -> (attend_rows cut, Triton top-k for 16+ rows, extra compile options, head-major,
+# name -> (attend_rows cut, Triton top-k for 16+ rows, extra compile options, the
+#          `layer.attend_first_rows` / `layer.output_projection` pair (None: the library's),
 #          glue patch of benchmarks/h200_scan_check.py or None)
 NO_TRITON_GEMM = {"xla_gpu_enable_triton_gemm": False}  # every GEMM through cuBLAS
-VARIANTS = {"now": (True, False, None, False, None), "before": (False, False, None, False, None),
-            "topk": (True, True, None, False, None),
-            "cublas": (True, False, NO_TRITON_GEMM, False, None),
-            "headmajor": (True, False, None, True, None),
-            # Lever: the Mosaic attend's split merge, which XLA fused into the pad's
-            # concatenate (30.6 us at b64, h200-decode-variants-20261201-s4-headmajor.json),
-            # kept a fusion of its own (barriers) or run as the Pallas merge kernel.
-            "mergebarrier": (True, False, None, False, "merge_barrier"),
-            "mergepallas": (True, False, None, False, "merge_pallas")}
+VARIANTS = {"now": (True, False, None, None, None), "before": (False, False, None, None, None),
+            "topk": (True, True, None, None, None),
+            "cublas": (True, False, NO_TRITON_GEMM, None, None),
+            "headmajor": (True, False, None, "head_major", None),
+            # The Mosaic attend's split merge, which XLA fused into the pad's concatenate (30.6
+            # us at b64, h200-decode-variants-20261201-s4-headmajor.json), kept a fusion of its
+            # own (barriers) or run as the Pallas merge kernel: the merge then took ~5 us and
+            # the pad alone still 30.6 (h200-decode-variants-20261201-s4-merge.json).
+            "mergebarrier": (True, False, None, None, "merge_barrier"),
+            "mergepallas": (True, False, None, None, "merge_pallas"),
+            # Lever: the pad as a fill of the whole block and an in-place update of its first rows
+            # instead of a concatenate.
+            "padfill": (True, False, None, "pad_fill", None)}
 
 
 def attend_first_rows_head_major(cfg, state, q_abs, sel, valid, live, rows, dtype=jnp.float32):
@@ -67,7 +72,21 @@ def output_projection_head_major(weights, o):
     return projection.matmul(o, weights.o_proj)  # [B, R, D]
 
 
-DEFAULTS = (layer.attend_first_rows, layer.output_projection)
+def attend_first_rows_pad_fill(cfg, state, q_abs, sel, valid, live, rows, dtype=jnp.float32):
+    """Lever under test: `layer.attend_first_rows` with its padding written as a fill of the
+    whole `[B, R, Hl, C]` block (0, or NaN for a real row past the promise) and the attended
+    rows put in place by a dynamic-update-slice, instead of a concatenate."""
+    r = q_abs.shape[1]
+    o = dsa_jax.attend.attend(cfg, state, q_abs[:, :rows], sel[:, :rows], live)  # [B, k, Hl, C]
+    past = valid & (jnp.arange(r) >= rows)  # [B, R]
+    fill = jnp.where(past[:, :, None, None], jnp.nan, 0.0).astype(dtype)  # [B, R, 1, 1]
+    block = jnp.broadcast_to(fill, (o.shape[0], r, *o.shape[2:]))  # [B, R, Hl, C]
+    return lax.dynamic_update_slice(block, o.astype(dtype), (0, 0, 0, 0))
+
+
+PAIRS = {None: (layer.attend_first_rows, layer.output_projection),
+         "head_major": (attend_first_rows_head_major, output_projection_head_major),
+         "pad_fill": (attend_first_rows_pad_fill, layer.output_projection)}
 
 
 def run(cfg, weights, b: int, ctx: int, name: str, smoke: bool,
@@ -77,10 +96,8 @@ def run(cfg, weights, b: int, ctx: int, name: str, smoke: bool,
 
 
 def _run(cfg, weights, b: int, ctx: int, name: str, smoke: bool, hlo_dir: str | None) -> dict:
-    cut, triton, options, head_major, _ = VARIANTS[name]
-    layer.attend_first_rows, layer.output_projection = (
-        (attend_first_rows_head_major, output_projection_head_major) if head_major
-        else DEFAULTS)
+    cut, triton, options, pair, _ = VARIANTS[name]
+    layer.attend_first_rows, layer.output_projection = PAIRS[pair]
     layer.top_pools = functools.partial(select.top_pools, tuning=pool_topk.PoolTopkTuning(
         backend="auto" if triton else "pallas"))
     # A fresh function per variant: the top-k rule is read when the step is traced, and jax
