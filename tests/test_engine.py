@@ -85,6 +85,7 @@ def test_block_allocator_errors():
 
 def test_bad_requests_are_refused(weights):
     eng = Engine(MCFG, weights, max_seqs=2, num_blocks=24, speculate=1)
+    assert eng.program.weights_in_place is True  # the default: the stacked weights in place
     with pytest.raises(EngineError, match=r"exceeds max_context 96"):
         eng.submit([1] * 90, 10)
     with pytest.raises(EngineError, match=r"outside the vocabulary \[0, 37\)"):
