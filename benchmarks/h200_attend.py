@@ -75,8 +75,9 @@ ONE_CHECK = ("mosaic-producer-ahead",)
 P_VARIANTS = ("triton-default", "mosaic-default", "mosaic-producer-r88")  # also timed on "p"
 
 
-def variants(group: str):
-    """name -> (sparse_attend_pallas kwargs, operand dtype for the bound)."""
+def variants(group: str, only: tuple[str, ...] = ()):
+    """name -> (sparse_attend_pallas kwargs, operand dtype for the bound); `only`: the
+    default and these of the group's variants (all when empty)."""
     from dsa_jax.pallas import sparse_attend as sa
     from dsa_jax.pallas import sparse_attend_mgpu as mg
 
@@ -91,14 +92,14 @@ def variants(group: str):
         mos.update({k: mg.MgpuTuning(**v) for k, v in PREP_VARIANTS.items()})
     if group in ("mosaic", "mosaic-all", "mosaic-smoke"):
         mos.update({k: mg.MgpuTuning(**v) for k, v in MOSAIC_VARIANTS.items()
-                    if group != "mosaic" or k in QUICK})
+                    if (group != "mosaic" or k in QUICK) and (not only or k in only)})
     return {k: (dict(tuning=sa.AttendTuning(backend="mosaic", mosaic=t)), "float16")
             for k, t in mos.items()}
 
 
 # ------------------------------------------------------------------------------ driver
 
-def run_group(group: str, out_path: str, shapes: str):
+def run_group(group: str, out_path: str, shapes: str, only: tuple[str, ...] = ()):
     if group.startswith("mosaic"):  # ptxas' registers and spills of each Mosaic kernel, also
         os.environ.setdefault("MOSAIC_GPU_DUMP_PTXAS", "1")  # when run in this process
     import jax
@@ -113,7 +114,7 @@ def run_group(group: str, out_path: str, shapes: str):
         with open(out_path, "w") as f:
             json.dump(res, f, indent=1, default=str)
 
-    vs = variants(group)
+    vs = variants(group, only)
     if group == "mosaic-smoke":  # one small case first: a hung kernel costs little here
         shapes = ""
     # Every variant on the same inputs, its output `==` the default's (the same f16 operands
@@ -194,6 +195,8 @@ def main():
     ap.add_argument("--shapes", default="abp")
     ap.add_argument("--limit-s", default="80,260", help="time limit per group, in order")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, in this process")
+    ap.add_argument("--variants", default="", help="comma list: only these of the mosaic "
+                    "groups' variants beside the default (run 10: the pingpong ones hung)")
     a = ap.parse_args()
     if a.smoke:
         run_group("smoke", a.out, "s")
@@ -202,8 +205,9 @@ def main():
         print_table(res)
         bad = [c for c in res["groups"]["smoke"]["checks"] if not c.get("ok")]
         sys.exit(1 if bad or res["groups"]["smoke"]["errors"] else 0)
+    only = tuple(v for v in a.variants.split(",") if v)
     if a.group:
-        run_group(a.group, a.out, a.shapes)
+        run_group(a.group, a.out, a.shapes, only)
         return
     t_start = time.time()
     res = {"command": " ".join(sys.argv), "groups": {}}
@@ -223,7 +227,8 @@ def main():
         with open(log, "w") as lf:
             try:
                 p = subprocess.run([sys.executable, __file__, "--out", part, "--group", g,
-                                    "--shapes", a.shapes], env=env, stdout=lf,
+                                    "--shapes", a.shapes, "--variants", a.variants],
+                                   env=env, stdout=lf,
                                    stderr=subprocess.STDOUT,
                                    timeout=limits[min(gi, len(limits) - 1)])
                 rc = p.returncode

@@ -45,9 +45,10 @@ VARIANTS = {"now": (True, False, None, None, None), "before": (False, False, Non
             # the pad alone still 30.6 (h200-decode-variants-20261201-s4-merge.json).
             "mergebarrier": (True, False, None, None, "merge_barrier"),
             "mergepallas": (True, False, None, None, "merge_pallas"),
-            # Lever: the pad as a fill of the whole block and an in-place update of its first rows
-            # instead of a concatenate.
-            "padfill": (True, False, None, "pad_fill", None)}
+            # The pad as a concatenate (the default before 20261201-s5: the fill and in-place
+            # update of "now" took 14 us less at b64, the same bits,
+            # h200-decode-variants-20261201-s5-padfill.json).
+            "padconcat": (True, False, None, "pad_concat", None)}
 
 
 def attend_first_rows_head_major(cfg, state, q_abs, sel, valid, live, rows, dtype=jnp.float32):
@@ -72,21 +73,20 @@ def output_projection_head_major(weights, o):
     return projection.matmul(o, weights.o_proj)  # [B, R, D]
 
 
-def attend_first_rows_pad_fill(cfg, state, q_abs, sel, valid, live, rows, dtype=jnp.float32):
-    """Lever under test: `layer.attend_first_rows` with its padding written as a fill of the
-    whole `[B, R, Hl, C]` block (0, or NaN for a real row past the promise) and the attended
-    rows put in place by a dynamic-update-slice, instead of a concatenate."""
+def attend_first_rows_pad_concat(cfg, state, q_abs, sel, valid, live, rows, dtype=jnp.float32):
+    """`layer.attend_first_rows` before 20261201-s5: the padding concatenated after the attended
+    rows (0, or NaN for a real row past the promise)."""
     r = q_abs.shape[1]
     o = dsa_jax.attend.attend(cfg, state, q_abs[:, :rows], sel[:, :rows], live)  # [B, k, Hl, C]
-    past = valid & (jnp.arange(r) >= rows)  # [B, R]
-    fill = jnp.where(past[:, :, None, None], jnp.nan, 0.0).astype(dtype)  # [B, R, 1, 1]
-    block = jnp.broadcast_to(fill, (o.shape[0], r, *o.shape[2:]))  # [B, R, Hl, C]
-    return lax.dynamic_update_slice(block, o.astype(dtype), (0, 0, 0, 0))
+    o = o.astype(dtype)
+    rest = jnp.where(valid[:, rows:, None, None], jnp.nan, 0.0).astype(dtype)  # [B, R-k, 1, 1]
+    rest = jnp.broadcast_to(rest, (o.shape[0], r - rows, *o.shape[2:]))  # [B, R-k, Hl, C]
+    return jnp.concatenate([o, rest], axis=1)
 
 
 PAIRS = {None: (layer.attend_first_rows, layer.output_projection),
          "head_major": (attend_first_rows_head_major, output_projection_head_major),
-         "pad_fill": (attend_first_rows_pad_fill, layer.output_projection)}
+         "pad_concat": (attend_first_rows_pad_concat, layer.output_projection)}
 
 
 def run(cfg, weights, b: int, ctx: int, name: str, smoke: bool,

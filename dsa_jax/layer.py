@@ -144,10 +144,12 @@ def attend_first_rows(cfg: DsaConfig, state: DsaState, q_abs: jax.Array, sel: ja
     if rows is None or rows >= r or resolve(cfg.implementation) == "xla":
         return attend(cfg, state, q_abs, sel, live).astype(dtype)
     o = attend(cfg, state, q_abs[:, :rows], sel[:, :rows], live)  # [B, rows, Hl, C] f32
-    o = o.astype(dtype)  # [B, rows, Hl, C]
-    rest = jnp.where(valid[:, rows:, None, None], jnp.nan, 0.0).astype(o.dtype)  # [B, R-rows]
-    rest = jnp.broadcast_to(rest, (o.shape[0], r - rows, *o.shape[2:]))  # [B, R-rows, Hl, C]
-    return jnp.concatenate([o, rest], axis=1)
+    # A fill of the whole block and the attended rows put in place, not a concatenate: XLA
+    # then writes the block once instead of copying it (decode-b64, benchmarks/notes.md).
+    past = valid & (jnp.arange(r) >= rows)  # [B, R]: real rows past the promise
+    fill = jnp.where(past[:, :, None, None], jnp.nan, 0.0).astype(dtype)  # [B, R, 1, 1]
+    block = jnp.broadcast_to(fill, (o.shape[0], r, *o.shape[2:]))  # [B, R, Hl, C]
+    return lax.dynamic_update_slice(block, o.astype(dtype), (0, 0, 0, 0))
 
 
 def live_rows(cfg: DsaConfig, x: jax.Array) -> int:
