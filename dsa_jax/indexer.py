@@ -31,11 +31,12 @@ def write_index_rows(cfg: DsaConfig, weights: DsaWeights, state: DsaState, k_raw
 
 
 def pool_scores(cfg: DsaConfig, qi: jax.Array, w: jax.Array, pool_keys: jax.Array,
-                n_cand: jax.Array, seqs: tuple[jax.Array | int, int] | None = None
-                ) -> jax.Array:
+                n_cand: jax.Array, seqs: tuple[jax.Array | int, int] | None = None,
+                pools: tuple[jax.Array | int, int] | None = None) -> jax.Array:
     """`qi [B, R, Hi, Di]`, `w [B, R, Hi]`, keys `[B, P, Di]`, `n_cand [B, R]` -> `[B, R, P]`;
     with `seqs=(first, count)` (first may be traced, count static) only those sequences' rows,
-    `[count, R, P]`, bitwise the same rows of the whole result (pallas/pool_scores.py)."""
-    if seqs is None:
-        return pool_scores_op(cfg, qi, w, pool_keys, n_cand)
-    return pool_scores_op(cfg, qi, w, pool_keys, n_cand, seqs=seqs)
+    `[count, R, P]`, bitwise the same rows of the whole result; with `pools=(base, P)` (base
+    may be traced) the keys are `pool_keys[:, base:base + P]` of a stacked `[B, L * P, Di]`,
+    read in place by the kernels (pallas/pool_scores.py)."""
+    kwargs = {k: v for k, v in (("seqs", seqs), ("pools", pools)) if v is not None}
+    return pool_scores_op(cfg, qi, w, pool_keys, n_cand, **kwargs)

@@ -64,7 +64,11 @@ def project(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> Projections:
     R, C, Hl, Dn = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.local_heads, cfg.qk_nope_head_dim
     Hi, Di = cfg.index_n_heads, cfg.index_head_dim
     xw = matmul(x, weights.x_proj)  # [..., Nx]
-    q_resid = rms_norm_op(cfg, xw[..., :R], weights.q_a_norm, cfg.rms_norm_eps)  # [..., R_q]
+    # The norm reads its columns of xw in place and writes the q GEMMs' operand dtype (the
+    # rounding they would apply): no slice, no conversion pass. fp32 where the two differ.
+    dt = {w.dtype for w in (weights.q_proj, weights.qi_proj) if w is not None}
+    q_resid = rms_norm_op(cfg, xw, weights.q_a_norm, cfg.rms_norm_eps, cols=(0, R),
+                          dtype=dt.pop() if len(dt) == 1 else jnp.float32)  # [..., R_q]
     kv_raw = xw[..., R:R + C]  # [..., C]
     q = matmul(q_resid, weights.q_proj).reshape(*xw.shape[:-1], Hl, Dn)  # [..., Hl, Dn]
     q_abs = per_head(q, weights.u_k, 1)  # [..., Hl, C]

@@ -61,6 +61,27 @@ def test_rms_norm_kernel_takes_bf16_rows_and_tuning(kernel_impl):
         rms_norm_pallas(v, w, EPS, interpret=True, warps=2)
 
 
+@pytest.mark.parametrize("cols,dtype", [((0, 24), jnp.bfloat16), ((7, 33), jnp.float32),
+                                        ((40, 1), jnp.bfloat16), ((0, 41), jnp.float16)])
+def test_rms_norm_reads_its_columns_in_place_and_writes_the_dtype(impl, cols, dtype):
+    """`cols=(start, n)` of a wider v and `dtype=`: `==` the norm of the sliced columns, then
+    converted (round to nearest even), for the definition and the kernel alike."""
+    v, _ = _inputs((3, 5), 41, seed=9)
+    _, w = _inputs((1,), cols[1], seed=10)
+    got = T.run_op("rms_norm", impl, v, w, eps=EPS, cols=cols, dtype=dtype)
+    want = T.run_op("rms_norm", impl, v[..., cols[0]:cols[0] + cols[1]], w, eps=EPS)
+    assert got.dtype == dtype and got.shape == (3, 5, cols[1])
+    T.assert_trees_bitwise_equal(np.asarray(got), np.asarray(want.astype(dtype)))
+
+
+def test_rms_norm_kernel_refuses_columns_outside_v():
+    v, w = _inputs((2,), 16, seed=4)
+    with pytest.raises(ValueError, match=r"cols=\(10, 8\) must lie within v's last axis of 16"):
+        rms_norm_pallas(v, w[:8], EPS, cols=(10, 8), interpret=True)
+    with pytest.raises(ValueError, match=r"w has shape \(16,\), expected \(8,\)"):
+        rms_norm_pallas(v, w, EPS, cols=(0, 8), interpret=True)
+
+
 def test_rms_norm_op_follows_the_implementation():
     v, w = _inputs((2, 3), 16, seed=5)
     for impl, fn in (("xla", "rms_norm_xla"), ("pallas-interpret", "rms_norm_pallas")):

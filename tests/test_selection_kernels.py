@@ -8,6 +8,8 @@ row's candidates; a variant that runs the same dots and sums in the same order a
 order with `==`, ties, -inf tails, rows with fewer candidates than k and rows with none.
 """
 
+import functools
+
 import chex
 import numpy as np
 import pytest
@@ -115,6 +117,75 @@ def test_pool_scores_seq_range_bits_at_glm53_flash_shapes(rows, backend):
     for first in (0, 32, 17):
         got = np.asarray(ranged(jnp.int32(first), qi, w, keys, n_cand))
         np.testing.assert_array_equal(got, whole[first:first + 32])
+
+
+def _stacked(keys, layers, seed):
+    """`keys [B, P, Di]` as layer 1 of `layers` stacked along the pool axis (the model's
+    `[B, L*P, Di]`), every other layer's keys random: a read off the range shows."""
+    rng = np.random.default_rng(seed)
+    b, p, di = keys.shape
+    stack = rng.standard_normal((b, layers, p, di)).astype(np.float32) * 3.0
+    stack[:, 1] = np.asarray(keys)
+    return stack.reshape(b, layers * p, di)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(block_p=16),
+    dict(block_p=32, num_chunks=2),  # a partial last tile: its pools past P are the next layer's
+    dict(block_p=16, rows_per_program=4, bounded_loop=True, target_programs=9),
+])
+def test_pool_scores_pool_range_is_the_layers_keys(impl, kw):
+    """`pools=(base, P)` on keys stacked along the pool axis (the scanned model's full layers)
+    gives, with `==`, the scores of that layer's keys alone, base static or traced, for every
+    implementation; with `seqs` too."""
+    import jax
+    qi, w, keys, n_cand = T.pool_inputs(17, 3, 5, 3, 12, 100)
+    stack = _stacked(keys, 3, 5)
+    opts = None if impl == "xla" else kw
+    alone = np.asarray(T.run_op("pool_scores", impl, qi, w, keys, n_cand, kernel_options=opts))
+    got = T.run_op("pool_scores", impl, qi, w, stack, n_cand, kernel_options=opts,
+                   pools=(100, 100))
+    chex.assert_trees_all_equal(np.asarray(got), alone, strict=True)
+    fn = (ps.pool_scores_xla if impl == "xla" else functools.partial(
+        ps.pool_scores_pallas, interpret=impl == "pallas-interpret", **kw))
+    traced = jax.jit(lambda base, *a: fn(*a, pools=(base, 100)))
+    chex.assert_trees_all_equal(np.asarray(traced(np.int32(100), qi, w, stack, n_cand)),
+                                alone, strict=True)
+    both = jax.jit(lambda base, *a: fn(*a, pools=(base, 100), seqs=(1, 2)))
+    chex.assert_trees_all_equal(np.asarray(both(np.int32(100), qi, w, stack, n_cand)),
+                                alone[1:3], strict=True)
+    assert np.isfinite(alone).any() and np.isneginf(alone).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["auto", "triton"])  # auto: the Mosaic kernel on a GPU
+@pytest.mark.parametrize("rows", [4, 32])
+def test_pool_scores_pool_range_bits_at_glm53_flash_shapes(rows, backend):
+    """The compiled kernels reading full layer 1's keys in place from a stack of 3 (the scanned
+    model's `[B, Lf*P, Di]`, base traced) against the same layer's keys alone, `==`."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsa_jax.shapes import glm53_flash
+    cfg = glm53_flash()
+    p = cfg.num_pools
+    qi, w, keys, n_cand = T.pool_inputs(29, 8, rows, cfg.index_n_heads, cfg.index_head_dim, p)
+    stack = jnp.asarray(_stacked(keys, 3, 7))
+    tuning = ps.PoolScoresTuning(backend=backend)
+    alone = np.asarray(jax.jit(lambda *a: ps.pool_scores_pallas(*a, tuning=tuning))(
+        qi, w, keys, n_cand))
+    ranged = jax.jit(lambda base, *a: ps.pool_scores_pallas(*a, pools=(base, p), tuning=tuning))
+    np.testing.assert_array_equal(np.asarray(ranged(jnp.int32(p), qi, w, stack, n_cand)), alone)
+
+
+def test_pool_scores_pool_range_errors():
+    qi, w, keys, n_cand = T.pool_inputs(13, 2, 2, 3, 12, 40)
+    for fn in (ps.pool_scores_xla, ps.pool_scores_pallas):
+        with pytest.raises(ValueError, match=r"pools count=41 must be a static int in \[1, 40\]"):
+            fn(qi, w, keys, n_cand, pools=(0, 41))
+        with pytest.raises(ValueError, match=r"pools base=30 with count=20 must lie in "
+                                             r"\[0, 20\] \(the keys' pool axis holds 40\)"):
+            fn(qi, w, keys, n_cand, pools=(30, 20))
 
 
 def test_pool_scores_seq_range_errors():

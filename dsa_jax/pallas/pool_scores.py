@@ -11,6 +11,11 @@ tensor-parallel rank's share of the rows, `sharding.split_select`); `first` may 
 bitwise those rows of the whole batch's result: the kernel launches programs for those
 sequences only, each computing its tiles as the whole-batch kernel does; the twin computes the
 whole batch and slices (its dots' last bits may depend on the batch shape).
+
+`pools=(base, count)`: the keys are pools `base .. base + count - 1` of `pool_keys`' pool axis
+(a full layer's keys in the model's stacked cache `[B, Lf * P, Di]`, `base = f * P`); `base`
+may be traced, `count` is static. The kernels read them in place (a copy of the layer's keys
+was 134 MB per layer and token at 64 sequences x 16K); the twin slices them.
 """
 
 from __future__ import annotations
@@ -58,15 +63,34 @@ def seq_range(num_seqs: int, seqs) -> tuple[jax.Array, int]:
     return jnp.clip(jnp.asarray(first).astype(jnp.int32), 0, num_seqs - count), count
 
 
+def pool_range(total: int, pools) -> tuple[jax.Array, int]:
+    """`pools` (None: all `total`; or `(base, count)`, base an int or a traced int32 scalar,
+    count a static int) -> (base as int32 [], count), as `seq_range` checks and clamps."""
+    if pools is None:
+        return jnp.int32(0), total
+    base, count = pools
+    if not isinstance(count, int) or not 1 <= count <= total:
+        raise ValueError(f"pool_scores: pools count={count!r} must be a static int in "
+                         f"[1, {total}] (the keys' pool axis)")
+    if isinstance(base, (int, np.integer)) and not 0 <= base <= total - count:
+        raise ValueError(f"pool_scores: pools base={base} with count={count} must lie in "
+                         f"[0, {total - count}] (the keys' pool axis holds {total})")
+    return jnp.clip(jnp.asarray(base).astype(jnp.int32), 0, total - count), count
+
+
 def pool_scores_xla(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: jax.Array, *,
-                    seqs=None) -> jax.Array:
+                    seqs=None, pools=None) -> jax.Array:
     """The definition.
 
     qi: [B, R, Hi, Di] f32; w: [B, R, Hi] f32 (scales folded); pool_keys: [B, P, Di] f32;
     n_cand: [B, R] int32 complete pools visible to each row. Returns [B, R, P] f32, or with
     `seqs=(first, count)` its rows `first .. first + count - 1`: [count, R, P] (computed at the
-    whole batch's shape, then sliced, so the bits are the whole batch's).
+    whole batch's shape, then sliced, so the bits are the whole batch's). With
+    `pools=(base, P)` the keys are `pool_keys[:, base:base + P]` (the module docstring).
     """
+    if pools is not None:
+        base, count = pool_range(pool_keys.shape[1], pools)
+        pool_keys = lax.dynamic_slice_in_dim(pool_keys, base, count, 1)  # [B, P, Di]
     if seqs is not None:
         first, count = seq_range(qi.shape[0], seqs)
         # The barrier keeps XLA from narrowing the dots to the slice (other bits).
@@ -180,9 +204,10 @@ def _scores_kernel(first_ref, ncand_ref, qi_ref, w_ref, keys_ref, out_ref, *, gr
                    precision, pools_as_m: bool, bounded_loop: bool):
     """One (row group, pool chunk) program: `tiles` tiles of BP pools for RB rows.
 
-    first_ref: [1] int32, the first scored sequence (its keys are read at `first + seq`);
-    ncand_ref: [Np] int32 (whole); qi_ref: [RB*Hp, Dp] f32; w_ref: [RB*Hp] f32 (padded heads
-    and rows 0); keys_ref: [B, P, Di] f32 (whole); out_ref: [Np, P] f32 (whole, masked store).
+    first_ref: [2] int32, the first scored sequence (its keys are read at `first + seq`) and
+    the first pool (pool p's key at `base + p`); ncand_ref: [Np] int32 (whole); qi_ref:
+    [RB*Hp, Dp] f32; w_ref: [RB*Hp] f32 (padded heads and rows 0); keys_ref: [B, Pk, Di] f32
+    (whole, Pk >= base + P); out_ref: [Np, P] f32 (whole, masked store).
     """
     group, chunk = pl.program_id(0), pl.program_id(1)
     qi = qi_ref[...]  # [RB*Hp, Dp]
@@ -191,6 +216,7 @@ def _scores_kernel(first_ref, ncand_ref, qi_ref, w_ref, keys_ref, out_ref, *, gr
     n_cand = ncand_ref[pl.ds(group * group_rows, group_rows)]  # [RB]
     most = jnp.max(n_cand)
     seq = first_ref[0] + group // groups_per_seq
+    base = first_ref[1]
     dp = qi.shape[1]
     hp = qi.shape[0] // group_rows
     dims = jnp.arange(dp, dtype=jnp.int32)  # [Dp]
@@ -199,7 +225,7 @@ def _scores_kernel(first_ref, ncand_ref, qi_ref, w_ref, keys_ref, out_ref, *, gr
     def load_keys(pools, in_range):
         mask = in_range[:, None] if width == dp else in_range[:, None] & dims_ok
         mask = jnp.broadcast_to(mask, (block_p, dp))  # Triton wants the pointer's shape
-        return plt.load(keys_ref.at[seq, pools[:, None], dims[None, :]], mask=mask,
+        return plt.load(keys_ref.at[seq, base + pools[:, None], dims[None, :]], mask=mask,
                         other=0.0)  # [BP, Dp]
 
     def score_tile(pools, in_range):  # -> [RB, BP] (heads as M) or [BP, RB] (pools as M)
@@ -330,13 +356,14 @@ def default_rows_per_program(rows_per_seq: int) -> int:
 
 
 def pool_scores_pallas(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: jax.Array, *,
-                       seqs=None, interpret: bool = False,
+                       seqs=None, pools=None, interpret: bool = False,
                        tuning: PoolScoresTuning = PoolScoresTuning(), **overrides) -> jax.Array:
     """`pool_scores_xla` as a Pallas kernel; same arguments, same result within fp32 rounding
     (tests/test_kernels.py). qi [B, R, Hi, Di] -> [B, R, P] f32 ([count, R, P] with
     `seqs=(first, count)`: programs for those sequences only, each row's bits those of the
     whole batch's kernel; the Triton kernel reads the keys in place, the Mosaic one gets the
-    range's keys sliced).
+    range's keys sliced). `pools=(base, P)`: the keys `pool_keys[:, base:base + P]`, read in
+    place by both kernels (the Mosaic one slices where P or Di needs padding).
 
     Hi and Di are padded to powers of two >= 16 (the smallest dot tile) with zeros, which add
     nothing: padded heads carry weight 0, padded dims multiply zero keys. R is padded to a
@@ -344,6 +371,7 @@ def pool_scores_pallas(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand
     `tuning` by name (`block_p=32`).
     """
     first, b = seq_range(qi.shape[0], seqs)
+    base, p = pool_range(pool_keys.shape[1], pools)
     if seqs is not None:  # the rank's rows: small slices, fused with the padding below
         qi, w, n_cand = (lax.dynamic_slice_in_dim(a, first, b, 0) for a in (qi, w, n_cand))
     _, r, hi, di = qi.shape
@@ -354,9 +382,9 @@ def pool_scores_pallas(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand
             # sliced (a copy); a row's scores do not depend on its batch (GPU tests), so the
             # bits are those of the whole batch.
             pool_keys = lax.dynamic_slice_in_dim(pool_keys, first, b, 0)
-        return mgpu_scores.pool_scores_mgpu(qi, w, pool_keys, n_cand, tuning=tuning.mosaic)
+        return mgpu_scores.pool_scores_mgpu(qi, w, pool_keys, n_cand, tuning=tuning.mosaic,
+                                            pools=None if pools is None else (base, p))
     tuning = resolve_tuning(tuning, r)
-    p = pool_keys.shape[1]
     rb = tuning.rows_per_program or default_rows_per_program(r)
     if rb & (rb - 1):
         raise ValueError(f"rows_per_program {rb} must be a power of two")
@@ -381,11 +409,11 @@ def pool_scores_pallas(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand
         kernel,
         grid=(groups, chunks),
         in_specs=[
-            pl.BlockSpec(),  # first [1]
+            pl.BlockSpec(),  # first sequence, first pool [2]
             pl.BlockSpec(),  # n_cand [Np]
             pl.BlockSpec((None, rb * hp, dp), lambda g, t: (g, 0, 0)),  # qi [G, RB*Hp, Dp]
             pl.BlockSpec((None, rb * hp), lambda g, t: (g, 0)),  # w [G, RB*Hp]
-            pl.BlockSpec(),  # keys [B, P, Di]
+            pl.BlockSpec(),  # keys [B, Pk, Di]
         ],
         out_specs=pl.BlockSpec(),  # [Np, P], stored with a mask
         out_shape=jax.ShapeDtypeStruct((b * rp, p), jnp.float32),
@@ -393,6 +421,6 @@ def pool_scores_pallas(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand
                                            num_stages=tuning.num_stages),
         interpret=interpret,
         name="pool_scores",
-    )(first.reshape(1), ncand_p.reshape(b * rp), qi_p.reshape(groups, rb * hp, dp),
+    )(jnp.stack([first, base]), ncand_p.reshape(b * rp), qi_p.reshape(groups, rb * hp, dp),
       w_p.reshape(groups, rb * hp), pool_keys.astype(jnp.float32))
     return out.reshape(b, rp, p)[:, :r]

@@ -205,7 +205,7 @@ def default_chunks(b: int, r: int, tiles_all: int, sms: int) -> int:
     return max(1, min(tiles_all, sms // rows))
 
 
-def _kernel(ncand_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: int, tiles: int,
+def _kernel(ncand_ref, base_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: int, tiles: int,
             chunks: int, stages: int, consumers: int, groups_per_seq: int, rows: int, hp: int,
             dp: int, write_hi: bool, fuse_qlo: bool, precision: str, consumer_regs: int,
             producer_regs: int, programs: int, items: int):
@@ -216,9 +216,10 @@ def _kernel(ncand_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: int, tiles: 
     major), its ring and barrier phases running on across them, and qi reloaded (into the
     other of two buffers) only where the row group changes.
 
-    ncand_ref [N] int32 (N = G * rows); q_ref [G, 2 rows Hp, Dp] f32 (the group's qi split:
+    ncand_ref [N] int32 (N = G * rows); base_ref [1] int32: pool p's key is read at pool
+    `base + p` of keys_ref's pool axis; q_ref [G, 2 rows Hp, Dp] f32 (the group's qi split:
     every row's tf32 hi parts, then every row's lo parts; for bf16x6 [G, 3 rows Hp, Dp] bf16,
-    the three parts); w_ref [G, rows Hp] f32 (padded heads 0); keys_ref [B, P, Dp] f32;
+    the three parts); w_ref [G, rows Hp] f32 (padded heads 0); keys_ref [B, Pk, Dp] f32;
     out_ref [N, Pc] f32 with Pc = chunks * tiles * block_p >= P (every element written).
     """
     nq = rows * hp  # the wgmma N of one of qi's parts
@@ -338,7 +339,8 @@ def _kernel(ncand_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: int, tiles: 
                     plgpu.barrier_wait(free.at[s])
 
                 plgpu.copy_gmem_to_smem(
-                    keys_ref.at[group // groups_per_seq, pl.ds((first + t) * block_p, block_p)],
+                    keys_ref.at[group // groups_per_seq,
+                                pl.ds(base_ref[0] + (first + t) * block_p, block_p)],
                     kbuf.at[s], full.at[s])
                 return c
 
@@ -375,14 +377,16 @@ def _kernel(ncand_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: int, tiles: 
 
 def pool_scores_mgpu(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: jax.Array, *,
                      tuning: MgpuScoresTuning = MgpuScoresTuning(),
-                     sms: int | None = None) -> jax.Array:
+                     sms: int | None = None, pools=None) -> jax.Array:
     """`pool_scores_xla` as a Mosaic GPU kernel; same arguments, the result within the tf32x3
     bound (tests/test_pool_scores_mgpu.py). qi [B, R, Hi, Di] f32, w [B, R, Hi] f32,
     pool_keys [B, P, Di] f32, n_cand [B, R] int32 -> [B, R, P] f32. sms: multiprocessors for
-    `default_chunks` (default `common.sm_count()`)."""
+    `default_chunks` (default `common.sm_count()`). pools: `(base, P)` with base an int32
+    scalar (checked by the caller, `pool_scores.pool_range`): the keys are pools base .. base
+    + P - 1 of `pool_keys`' pool axis, read in place where P and Di need no padding."""
     b, r, hi, di = qi.shape
-    p = pool_keys.shape[1]
-    if pool_keys.shape != (b, p, di) or w.shape != (b, r, hi) or n_cand.shape != (b, r):
+    base, p = (jnp.int32(0), pool_keys.shape[1]) if pools is None else pools
+    if pool_keys.shape[::2] != (b, di) or w.shape != (b, r, hi) or n_cand.shape != (b, r):
         raise ValueError(f"pool_scores_mgpu: shapes qi {qi.shape}, w {w.shape}, keys "
                          f"{pool_keys.shape}, n_cand {n_cand.shape} do not agree")
     t = fit(tuning, hi, di, r)
@@ -409,6 +413,9 @@ def pool_scores_mgpu(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: 
     keys = pool_keys.astype(jnp.float32)
     p8 = -(-p // 8) * 8  # the bulk copy tiles the pool axis by 8
     if (p8, dp) != (p, di):  # odd P or Di: a padded copy (the GLM shapes need none)
+        if keys.shape[1] != p:
+            keys = lax.dynamic_slice_in_dim(keys, base, p, 1)
+        base = jnp.int32(0)
         keys = jnp.pad(keys, ((0, 0), (0, p8 - p), (0, dp - di)))
     kernel = functools.partial(
         _kernel, block_p=t.block_p, tiles=tiles, stages=t.stages, consumers=t.consumers,
@@ -428,7 +435,7 @@ def pool_scores_mgpu(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: 
         compiler_params=plgpu.CompilerParams(
             approx_math=False, unsafe_no_auto_barriers=True, reduction_scratch_bytes=0,
             lowering_semantics=plgpu.LoweringSemantics.Lane),
-    )(ncand_p, q, w_p, keys)
+    )(ncand_p, jnp.asarray(base, jnp.int32).reshape(1), q, w_p, keys)
     out = out.reshape(b, rp, width)
     if (rp, width) != (r, p):
         out = out[:, :r, :p]

@@ -31,44 +31,61 @@ class RmsNormTuning:
     num_warps: int = 4
 
 
-def rms_norm_xla(v: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+def rms_norm_xla(v: jax.Array, w: jax.Array, eps: float, *, cols: tuple[int, int] | None = None,
+                 dtype=jnp.float32) -> jax.Array:
     """The definition: `v [..., n]`, `w [n]` -> `[..., n]` f32, as an island of its own.
+
+    cols: `(start, n)` static: normalize columns `start .. start + n - 1` of a wider `v`
+    (a GEMM's output holding several projections: the kernel reads them in place, no slice
+    copy). dtype: the result's, rounded from the fp32 norm (the next GEMM's operand dtype: the
+    kernel then writes it directly, no conversion pass).
 
     The barriers on its input and output keep XLA from fusing the norm with what surrounds it
     (fused differently in two programs it rounded differently on the H200:
     benchmarks/results/h200-scan-taps-20261201-r*.json); they do not pin the reduction's
     order, which the Pallas kernel does."""
+    if cols is not None:
+        v = v[..., cols[0]:cols[0] + cols[1]]
     v = lax.optimization_barrier(v.astype(jnp.float32))
-    return lax.optimization_barrier(
+    out = lax.optimization_barrier(
         w * v * lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps))
+    return out.astype(dtype)
 
 
-def _norm_kernel(v_ref, w_ref, out_ref, *, width: int, eps: float):
-    """One row: v_ref [N, n] f32, w_ref [n] f32 (whole arrays); out_ref [N, n] f32."""
+def _norm_kernel(v_ref, w_ref, out_ref, *, start: int, width: int, eps: float):
+    """One row: v_ref [N, >= start + n] f32, w_ref [n] f32 (whole arrays); out_ref [N, n] in
+    the result's dtype (rounded to nearest even, as XLA's conversion)."""
     i = pl.program_id(0)
     cols = jnp.arange(next_pow2(width), dtype=jnp.int32)  # [np2]
     in_width = cols < width
-    v = plt.load(v_ref.at[i, cols], mask=in_width, other=0.0)  # [np2], zero padding
+    v = plt.load(v_ref.at[i, start + cols], mask=in_width, other=0.0)  # [np2], zero padding
     w = plt.load(w_ref.at[cols], mask=in_width, other=0.0)  # [np2]
     out = w * v * lax.rsqrt(jnp.sum(v * v) / width + eps)  # [np2]
-    plt.store(out_ref.at[i, cols], out, mask=in_width)
+    plt.store(out_ref.at[i, cols], out.astype(out_ref.dtype), mask=in_width)
 
 
-def rms_norm_pallas(v: jax.Array, w: jax.Array, eps: float, *, interpret: bool = False,
+def rms_norm_pallas(v: jax.Array, w: jax.Array, eps: float, *, cols: tuple[int, int] | None = None,
+                    dtype=jnp.float32, interpret: bool = False,
                     tuning: RmsNormTuning = RmsNormTuning(), **overrides) -> jax.Array:
-    """`rms_norm_xla` as one Pallas launch, a program per row. `overrides`: fields of `tuning`
-    by name (`num_warps=8`)."""
+    """`rms_norm_xla` as one Pallas launch, a program per row (the columns `cols` of `v` read
+    in place, the result written in `dtype`). `overrides`: fields of `tuning` by name
+    (`num_warps=8`)."""
     tuning = with_overrides(tuning, overrides)
-    width = v.shape[-1]
-    rows = v.reshape(-1, width).astype(jnp.float32)  # [N, n]
+    full = v.shape[-1]
+    start, width = (0, full) if cols is None else cols
+    if not (0 <= start and 1 <= width and start + width <= full):
+        raise ValueError(f"rms_norm: cols={cols} must lie within v's last axis of {full}")
+    if w.shape != (width,):
+        raise ValueError(f"rms_norm: w has shape {w.shape}, expected ({width},)")
+    rows = v.reshape(-1, full).astype(jnp.float32)  # [N, full]
     out = pl.pallas_call(
-        functools.partial(_norm_kernel, width=width, eps=eps),
+        functools.partial(_norm_kernel, start=start, width=width, eps=eps),
         grid=(rows.shape[0],),
-        in_specs=[pl.BlockSpec()] * 2,  # v [N, n], w [n]
+        in_specs=[pl.BlockSpec()] * 2,  # v [N, full], w [n]
         out_specs=pl.BlockSpec(),
-        out_shape=jax.ShapeDtypeStruct(rows.shape, jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((rows.shape[0], width), dtype),
         compiler_params=plt.CompilerParams(num_warps=tuning.num_warps, num_stages=1),
         interpret=interpret,
         name="rms_norm",
     )(rows, w.astype(jnp.float32))  # [N, n]
-    return out.reshape(v.shape)
+    return out.reshape(*v.shape[:-1], width)
