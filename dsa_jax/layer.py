@@ -149,7 +149,11 @@ def attend_first_rows(cfg: DsaConfig, state: DsaState, q_abs: jax.Array, sel: ja
     past = valid & (jnp.arange(r) >= rows)  # [B, R]: real rows past the promise
     fill = jnp.where(past[:, :, None, None], jnp.nan, 0.0).astype(dtype)  # [B, R, 1, 1]
     block = jnp.broadcast_to(fill, (o.shape[0], r, *o.shape[2:]))  # [B, R, Hl, C]
-    return lax.dynamic_update_slice(block, o.astype(dtype), (0, 0, 0, 0))
+    block = lax.dynamic_update_slice(block, o.astype(dtype), (0, 0, 0, 0))
+    # The barrier keeps the update out of the U_v GEMM's fusion: fused, the GEMM's fusion (and
+    # the tiles XLA picks for it) differed with `rows`, and a decode and a K-row verify then
+    # differed in y's last bits on the H200 (tests/test_serving_paths.py, GPU).
+    return lax.optimization_barrier(block)
 
 
 def live_rows(cfg: DsaConfig, x: jax.Array) -> int:
