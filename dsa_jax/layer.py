@@ -141,8 +141,15 @@ def attend_first_rows(cfg: DsaConfig, state: DsaState, q_abs: jax.Array, sel: ja
     implementation attends every row: XLA compiles the dots of another row count in another
     order (on the H200 a 1-row decode and a K-row verify then differed in their last bits)."""
     r = q_abs.shape[1]
-    if rows is None or rows >= r or resolve(cfg.implementation) == "xla":
+    if resolve(cfg.implementation) == "xla":
         return attend(cfg, state, q_abs, sel, live).astype(dtype)
+    if rows is None or rows >= r:
+        # Behind a barrier like the cut's block below: the U_v GEMM takes the same plain
+        # operand in every program, whatever `rows` is (and the model's scan, which calls this
+        # too). A max_verify-row verify differed from its serial decodes in y's last bits on
+        # the H200 (benchmarks/notes.md, 2026-12-01 fifth); the attend's split merge is now a
+        # kernel of its own for that reason.
+        return lax.optimization_barrier(attend(cfg, state, q_abs, sel, live).astype(dtype))
     o = attend(cfg, state, q_abs[:, :rows], sel[:, :rows], live)  # [B, rows, Hl, C] f32
     # A fill of the whole block and the attended rows put in place, not a concatenate: XLA
     # then writes the block once instead of copying it (decode-b64, benchmarks/notes.md).
@@ -150,10 +157,7 @@ def attend_first_rows(cfg: DsaConfig, state: DsaState, q_abs: jax.Array, sel: ja
     fill = jnp.where(past[:, :, None, None], jnp.nan, 0.0).astype(dtype)  # [B, R, 1, 1]
     block = jnp.broadcast_to(fill, (o.shape[0], r, *o.shape[2:]))  # [B, R, Hl, C]
     block = lax.dynamic_update_slice(block, o.astype(dtype), (0, 0, 0, 0))
-    # The barrier keeps the update out of the U_v GEMM's fusion: fused, the GEMM's fusion (and
-    # the tiles XLA picks for it) differed with `rows`, and a decode and a K-row verify then
-    # differed in y's last bits on the H200 (tests/test_serving_paths.py, GPU).
-    return lax.optimization_barrier(block)
+    return lax.optimization_barrier(block)  # [B, R, Hl, C]: the U_v GEMM's operand, plain
 
 
 def live_rows(cfg: DsaConfig, x: jax.Array) -> int:

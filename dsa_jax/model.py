@@ -42,11 +42,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from dsa_jax.attend import attend, write_latents
+from dsa_jax.attend import write_latents
 from dsa_jax.config import DsaConfig
 from dsa_jax.implementation import rms_norm_op
 from dsa_jax.indexer import pool_scores, write_index_rows
-from dsa_jax.layer import candidate_pools, live_rows, step
+from dsa_jax.layer import attend_first_rows, candidate_pools, live_rows, step
 from dsa_jax.projection import output_projection, project
 from dsa_jax.select import expand_selection, top_pools
 from dsa_jax.state import DsaState, init_state, ring_guard
@@ -316,7 +316,9 @@ def _block(cfg: DsaConfig, w: DsaWeights, caches: _Caches, rows: _Rows, layer, f
         sel = expand_selection(cfg, top_pools(cfg, scores), rows.pos, rows.valid)
     else:
         sel = jnp.where(rows.valid[..., None], shared_sel, -1)
-    o_latent = attend(cfg, view, proj.q_abs, sel, rows.live_rows)  # [B, R, Hl, C]
+    # As `layer.step` hands it to the output projection (the same ops in both programs).
+    o_latent = attend_first_rows(cfg, view, proj.q_abs, sel, rows.valid, rows.live_rows, None,
+                                 w.u_v.dtype)  # [B, R, Hl, C]
     caches = _Caches(view.latent, view.index_k, view.index_g, view.pool_keys)
     return output_projection(w, o_latent), caches, sel
 

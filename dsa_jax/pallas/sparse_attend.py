@@ -31,6 +31,7 @@ from dsa_jax.pallas.common import (
     next_pow2,
     sm_count,
 )
+from dsa_jax.pallas.merge_splits import merge_splits_pallas
 
 # Rows per lax.map step of the XLA twin: bounds the gathered [rows, W, C] fp32 block.
 XLA_ROW_CHUNK = 64
@@ -421,4 +422,8 @@ def _mosaic_attend(q, latent_flat, kv, sel, block_tables, bs, softmax_scale,
     scales = jnp.stack([kv * softmax_scale, kv]).astype(jnp.float32)  # [2]
     o, m, l = mgpu_op.sparse_attend_mgpu_partials(
         scales, (up, down), live, qk, slots, latent_flat, splits=splits, tiles=tiles, tuning=t)
-    return merge_splits(o, m, l)[:, :h]
+    # The merge as a kernel: one summation order in every program. The jnp merge was fused
+    # into whatever followed it, which differed between a decode (its rows cut and padded) and
+    # a max_verify-row verify, and on the H200 they then differed in y's last bits
+    # (benchmarks/notes.md, session 2026-12-01 fifth).
+    return merge_splits_pallas(o, m, l)[:, :h]
