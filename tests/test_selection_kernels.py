@@ -178,24 +178,18 @@ def test_pool_scores_pool_range_bits_at_glm53_flash_shapes(rows, backend):
     np.testing.assert_array_equal(np.asarray(ranged(jnp.int32(p), qi, w, stack, n_cand)), alone)
 
 
-def test_pool_scores_pool_range_errors():
-    qi, w, keys, n_cand = T.pool_inputs(13, 2, 2, 3, 12, 40)
-    for fn in (ps.pool_scores_xla, ps.pool_scores_pallas):
-        with pytest.raises(ValueError, match=r"pools count=41 must be a static int in \[1, 40\]"):
-            fn(qi, w, keys, n_cand, pools=(0, 41))
-        with pytest.raises(ValueError, match=r"pools base=30 with count=20 must lie in "
-                                             r"\[0, 20\] \(the keys' pool axis holds 40\)"):
-            fn(qi, w, keys, n_cand, pools=(30, 20))
-
-
-def test_pool_scores_seq_range_errors():
+@pytest.mark.parametrize("fn", [ps.pool_scores_xla, ps.pool_scores_pallas])
+@pytest.mark.parametrize("kw,msg", [
+    (dict(seqs=(0, 6)), r"seqs count=6 must be a static int in \[1, B=5\]"),
+    (dict(seqs=(4, 2)), r"seqs first=4 with count=2 must lie in \[0, B - count = 3\]"),
+    (dict(pools=(0, 41)), r"pools count=41 must be a static int in \[1, 40\]"),
+    (dict(pools=(30, 20)),
+     r"pools base=30 with count=20 must lie in \[0, 20\] \(the keys' pool axis holds 40\)"),
+])
+def test_pool_scores_range_errors(fn, kw, msg):
     qi, w, keys, n_cand = T.pool_inputs(13, 5, 2, 3, 12, 40)
-    for fn in (ps.pool_scores_xla, ps.pool_scores_pallas):
-        with pytest.raises(ValueError, match=r"seqs count=6 must be a static int in \[1, B=5\]"):
-            fn(qi, w, keys, n_cand, seqs=(0, 6))
-        with pytest.raises(ValueError, match=r"seqs first=4 with count=2 must lie in "
-                                             r"\[0, B - count = 3\]"):
-            fn(qi, w, keys, n_cand, seqs=(4, 2))
+    with pytest.raises(ValueError, match=msg):
+        fn(qi, w, keys, n_cand, **kw)
 
 
 def test_pool_scores_unknown_precision_raises():
