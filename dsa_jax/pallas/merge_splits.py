@@ -2,10 +2,10 @@
 
 `sparse_attend.merge_splits` (jnp, the twin) combines each row's per-split normalized partials.
 XLA fuses that jnp with whatever surrounds it, so its reduction order and FMA contraction can
-depend on the program it sits in (benchmarks/h200_scan_check.py's `merge_pallas` candidate
-tests whether that is what separates the scanned model from its unrolled reference). This
-kernel fixes the order: splits are combined one after another, in index order, in every
-program.
+depend on the program it sits in. This kernel fixes the order: splits are combined one after
+another, in index order, in every program. The Mosaic attend path merges with it (a decode
+and a max_verify-row verify differed on the H200 with the jnp merge fused into different
+neighbours: benchmarks/notes.md, 2026-12-01 fifth); the Triton path still merges in jnp.
 """
 
 from __future__ import annotations

@@ -15,8 +15,9 @@ and f16 dot operands (`scale_rows_f16`), in the FlashMLA shape:
   (fp32 addition is commutative, so both warpgroups hold bitwise the same logits and the same
   softmax), and each accumulates P @ tile half into its own [64, C/2] fp32 accumulator.
   The latent tile is both K and V (MLA), so neither warpgroup touches the other half.
-* the per-split partials (normalized output, running max, denominator) are merged in jnp by
-  the caller, exactly as for the Triton kernel.
+* the per-split partials (normalized output, running max, denominator) are merged by the
+  caller with the Pallas merge kernel (`pallas/merge_splits.py`: one summation order in every
+  program; the Triton kernel's are merged in jnp).
 
 Restrictions (the dispatcher in `sparse_attend.py` picks the Triton kernel otherwise): fp8
 e4m3 cache, C a multiple of 128 with C / 2 <= 256 (a TMA box), heads padded to a multiple of
