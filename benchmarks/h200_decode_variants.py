@@ -44,7 +44,7 @@ VARIANTS = {"now": (True, False, None, None, None), "before": (False, False, Non
             # own (barriers) or run as the Pallas merge kernel: the merge then took ~5 us and
             # the pad alone still 30.6 (h200-decode-variants-20261201-s4-merge.json).
             "mergebarrier": (True, False, None, None, "merge_barrier"),
-            "mergepallas": (True, False, None, None, "merge_pallas"),  # the default since s5
+            "mergepallas": (True, False, None, None, "merge_pallas"),  # Mosaic: default since s5
             # The pad as a concatenate (the default before 20261201-s5: the fill and in-place
             # update of "now" took 14 us less at b64, the same bits,
             # h200-decode-variants-20261201-s5-padfill.json).
