@@ -93,8 +93,10 @@ def variants(group: str, only: tuple[str, ...] = ()):
     if group in ("mosaic", "mosaic-all", "mosaic-smoke"):
         mos.update({k: mg.MgpuTuning(**v) for k, v in MOSAIC_VARIANTS.items()
                     if (group != "mosaic" or k in QUICK) and (not only or k in only)})
-    return {k: (dict(tuning=sa.AttendTuning(backend="mosaic", mosaic=t)), "float16")
-            for k, t in mos.items()}
+    # mosaic_prompt=None: each variant's tiles on every shape, the prompt chunk "p" included
+    # (the library runs mosaic-producer-r88's tiles there by default since 20261201-s5).
+    return {k: (dict(tuning=sa.AttendTuning(backend="mosaic", mosaic=t, mosaic_prompt=None)),
+                "float16") for k, t in mos.items()}
 
 
 # ------------------------------------------------------------------------------ driver

@@ -122,6 +122,21 @@ def test_backend_rule():
                                 softmax_scale=0.3, interpret=True, tuning=mos)
 
 
+def test_prompt_rows_take_the_prompt_tiles():
+    """A prompt chunk (more than PROMPT_ROWS rows per sequence, all live) runs
+    `mosaic_prompt`; a decode or verify padded to max_verify rows, and every row where it is
+    None, runs `mosaic`."""
+    t = sa.AttendTuning()
+    assert sa.mosaic_tuning(t, 2048, 2048, 2048) == t.mosaic_prompt != t.mosaic
+    assert sa.mosaic_tuning(t, 9, 18, 18) == t.mosaic_prompt  # 2 sequences x 9 rows
+    assert sa.mosaic_tuning(t, 8, 16, 16) == t.mosaic  # a short prompt: not prompt-shaped
+    assert sa.mosaic_tuning(t, 4, 64, 256) == t.mosaic  # a padded decode of 64 sequences
+    assert sa.mosaic_tuning(t, 16, 8, 16) == t.mosaic  # rows not all live
+    off = sa.AttendTuning(mosaic_prompt=None)
+    assert sa.mosaic_tuning(off, 2048, 2048, 2048) == off.mosaic
+    assert t.mosaic_prompt.convert == "producer" and t.mosaic.convert == "consumer"
+
+
 def test_tuning_errors_name_the_value():
     for bad, match in ((dict(backend="cuda"), "cuda"), (dict(col_blocks=3), "col_blocks=3")):
         with pytest.raises(ValueError, match=match):
