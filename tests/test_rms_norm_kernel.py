@@ -8,6 +8,8 @@ the argument's relative error and adds its own (a few ulps on a GPU: 4 u allowed
 products one each: |err| <= ((n + 1) / 2 + 7) u. Between two fp32 implementations: twice that.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +18,7 @@ from jax import lax
 
 from dsa_jax import testing as T
 from dsa_jax.implementation import rms_norm_op
-from dsa_jax.pallas.rms_norm import RmsNormTuning, rms_norm_pallas
+from dsa_jax.pallas.rms_norm import RmsNormTuning, rms_norm_pallas, rms_norm_xla
 from dsa_jax.shapes import tiny
 
 U = 2.0 ** -24
@@ -74,12 +76,13 @@ def test_rms_norm_reads_its_columns_in_place_and_writes_the_dtype(impl, cols, dt
     T.assert_trees_bitwise_equal(np.asarray(got), np.asarray(want.astype(dtype)))
 
 
-def test_rms_norm_kernel_refuses_columns_outside_v():
+@pytest.mark.parametrize("fn", [rms_norm_xla, functools.partial(rms_norm_pallas, interpret=True)])
+def test_rms_norm_refuses_columns_outside_v(fn):
     v, w = _inputs((2,), 16, seed=4)
     with pytest.raises(ValueError, match=r"cols=\(10, 8\) must lie within v's last axis of 16"):
-        rms_norm_pallas(v, w[:8], EPS, cols=(10, 8), interpret=True)
+        fn(v, w[:8], EPS, cols=(10, 8))
     with pytest.raises(ValueError, match=r"w has shape \(16,\), expected \(8,\)"):
-        rms_norm_pallas(v, w, EPS, cols=(0, 8), interpret=True)
+        fn(v, w, EPS, cols=(0, 8))
 
 
 def test_rms_norm_op_follows_the_implementation():

@@ -31,6 +31,17 @@ class RmsNormTuning:
     num_warps: int = 4
 
 
+def _columns(full: int, cols: tuple[int, int] | None, w: jax.Array) -> tuple[int, int]:
+    """`(start, n)` of the columns normalized (all `full` where `cols` is None), checked
+    against v's width and w's shape."""
+    start, width = (0, full) if cols is None else cols
+    if not (0 <= start and 1 <= width and start + width <= full):
+        raise ValueError(f"rms_norm: cols={cols} must lie within v's last axis of {full}")
+    if w.shape != (width,):
+        raise ValueError(f"rms_norm: w has shape {w.shape}, expected ({width},)")
+    return start, width
+
+
 def rms_norm_xla(v: jax.Array, w: jax.Array, eps: float, *, cols: tuple[int, int] | None = None,
                  dtype=jnp.float32) -> jax.Array:
     """The definition: `v [..., n]`, `w [n]` -> `[..., n]` f32, as an island of its own.
@@ -44,9 +55,8 @@ def rms_norm_xla(v: jax.Array, w: jax.Array, eps: float, *, cols: tuple[int, int
     (fused differently in two programs it rounded differently on the H200:
     benchmarks/results/h200-scan-taps-20261201-r*.json); they do not pin the reduction's
     order, which the Pallas kernel does."""
-    if cols is not None:
-        v = v[..., cols[0]:cols[0] + cols[1]]
-    v = lax.optimization_barrier(v.astype(jnp.float32))
+    start, width = _columns(v.shape[-1], cols, w)
+    v = lax.optimization_barrier(v[..., start:start + width].astype(jnp.float32))
     out = lax.optimization_barrier(
         w * v * lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps))
     return out.astype(dtype)
@@ -72,11 +82,7 @@ def rms_norm_pallas(v: jax.Array, w: jax.Array, eps: float, *, cols: tuple[int, 
     (`num_warps=8`)."""
     tuning = with_overrides(tuning, overrides)
     full = v.shape[-1]
-    start, width = (0, full) if cols is None else cols
-    if not (0 <= start and 1 <= width and start + width <= full):
-        raise ValueError(f"rms_norm: cols={cols} must lie within v's last axis of {full}")
-    if w.shape != (width,):
-        raise ValueError(f"rms_norm: w has shape {w.shape}, expected ({width},)")
+    start, width = _columns(full, cols, w)
     rows = v.reshape(-1, full).astype(jnp.float32)  # [N, full]
     out = pl.pallas_call(
         functools.partial(_norm_kernel, start=start, width=width, eps=eps),
