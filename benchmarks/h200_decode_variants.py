@@ -28,6 +28,7 @@ from benchmarks.h200_scan_check import glue_patch
 from benchmarks.harness import measure, profile_step
 from benchmarks.workloads import StepRunner, random_hf_tensors, random_weights
 from dsa_jax import bitwise_jit, layer, projection, select
+from dsa_jax.implementation import resolve
 from dsa_jax.pallas import pool_topk
 from dsa_jax.shapes import glm53_flash, tiny
 
@@ -48,7 +49,10 @@ VARIANTS = {"now": (True, False, None, None, None), "before": (False, False, Non
             # The pad as a concatenate (the default before 20261201-s5: the fill and in-place
             # update of "now" took 14 us less at b64, the same bits,
             # h200-decode-variants-20261201-s5-padfill.json).
-            "padconcat": (True, False, None, "pad_concat", None)}
+            "padconcat": (True, False, None, "pad_concat", None),
+            # The fill and in-place update in jnp after the merge (the default of 20261201-s5;
+            # now the Mosaic path's merge kernel writes the padded bf16 block itself).
+            "padfill": (True, False, None, "pad_fill", None)}
 
 
 def attend_first_rows_head_major(cfg, state, q_abs, sel, valid, live, rows, dtype=jnp.float32):
@@ -84,7 +88,25 @@ def attend_first_rows_pad_concat(cfg, state, q_abs, sel, valid, live, rows, dtyp
     return jnp.concatenate([o, rest], axis=1)
 
 
+def attend_first_rows_pad_fill(cfg, state, q_abs, sel, valid, live, rows, dtype=jnp.float32):
+    """`layer.attend_first_rows` of 20261201-s5 (the cut path): the merged f32 rows, then a
+    fill of the whole block and an in-place update in jnp."""
+    r = q_abs.shape[1]
+    if resolve(cfg.implementation) == "xla":  # "xla" never cuts
+        return dsa_jax.attend.attend(cfg, state, q_abs, sel, live).astype(dtype)
+    if rows is None or rows >= r:
+        return lax.optimization_barrier(
+            dsa_jax.attend.attend(cfg, state, q_abs, sel, live).astype(dtype))
+    o = dsa_jax.attend.attend(cfg, state, q_abs[:, :rows], sel[:, :rows], live)  # [B, k, Hl, C]
+    past = valid & (jnp.arange(r) >= rows)  # [B, R]
+    fill = jnp.where(past[:, :, None, None], jnp.nan, 0.0).astype(dtype)  # [B, R, 1, 1]
+    block = jnp.broadcast_to(fill, (o.shape[0], r, *o.shape[2:]))  # [B, R, Hl, C]
+    block = lax.dynamic_update_slice(block, o.astype(dtype), (0, 0, 0, 0))
+    return lax.optimization_barrier(block)
+
+
 PAIRS = {None: (layer.attend_first_rows, layer.output_projection),
+         "pad_fill": (attend_first_rows_pad_fill, layer.output_projection),
          "head_major": (attend_first_rows_head_major, output_projection_head_major),
          "pad_concat": (attend_first_rows_pad_concat, layer.output_projection)}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from dsa_jax.config import DsaConfig
 from dsa_jax.implementation import latent_write_op, sparse_attend_op
@@ -10,20 +11,25 @@ from dsa_jax.state import DsaState
 
 
 def write_latents(cfg: DsaConfig, state: DsaState, kv_raw: jax.Array, norm_w: jax.Array,
-                  pos: jax.Array, valid: jax.Array) -> DsaState:
+                  pos: jax.Array, valid: jax.Array, *, col: int | None = None) -> DsaState:
     """RMSNorm `kv_raw [B, R, C]`, quantize, and store row (b, r) at its paged slot for
-    `pos [B, R]` (`table[t // bs] * bs + t % bs`) where `valid`; other rows write nothing."""
+    `pos [B, R]` (`table[t // bs] * bs + t % bs`) where `valid`; other rows write nothing.
+    col: kv_raw is the wider x projection output, its C columns from `col` the raw latent
+    (read in place by the kernel)."""
     latent = latent_write_op(cfg, kv_raw, norm_w, state.latent, state.kv_scale,
-                             state.block_tables, pos, valid, eps=cfg.rms_norm_eps)
+                             state.block_tables, pos, valid, eps=cfg.rms_norm_eps, col=col)
     return state._replace(latent=latent)
 
 
 def attend(cfg: DsaConfig, state: DsaState, q_abs: jax.Array, sel: jax.Array,
-           live_rows: int | None = None) -> jax.Array:
+           live_rows: int | None = None, *, dtype=jnp.float32, fill: jax.Array | None = None
+           ) -> jax.Array:
     """`q_abs [B, R, Hl, C]`, `sel [B, R, W]` -> attended latents `[B, R, Hl, C]` f32.
 
     live_rows: the rows expected to hold a selection (a static hint for the kernel's work
-    split; None: all B*R). It changes no result's meaning, only how the work is spread."""
+    split; None: all B*R). It changes no result's meaning, only how the work is spread.
+    dtype: the result's (rounded from f32). fill: `[B, Rt]` f32, `Rt >= R`: the result is
+    `[B, Rt, Hl, C]`, rows past R holding fill[b, r] (`sparse_attend_xla`)."""
     return sparse_attend_op(cfg, q_abs, state.latent, state.kv_scale, state.block_tables, sel,
-                            softmax_scale=cfg.qk_nope_head_dim ** -0.5,
-                            kernel_options=dict(live_rows=live_rows))
+                            softmax_scale=cfg.qk_nope_head_dim ** -0.5, out_dtype=dtype,
+                            fill=fill, kernel_options=dict(live_rows=live_rows))

@@ -18,15 +18,19 @@ from dsa_jax.weights import DsaWeights
 
 def write_index_rows(cfg: DsaConfig, weights: DsaWeights, state: DsaState, k_raw: jax.Array,
                      g: jax.Array, pos: jax.Array, valid: jax.Array,
-                     layer: jax.Array | int = 0) -> DsaState:
+                     layer: jax.Array | int = 0, *, cols: tuple[int, int] | None = None
+                     ) -> DsaState:
     """Store `k_norm(k_raw)`, `g [B, R, Di]` at positions `pos [B, R]` (consecutive: `pos[b, 0]
     + r`) where `valid`, and the key of every pool those rows complete (from the stored,
     cache-dtype members). `layer`: which of the layers stacked along the state's ring and key
-    rows (`[B, L * Rr, Di]`, `[B, L * P, Di]`: the model's scan) these rows belong to."""
+    rows (`[B, L * Rr, Di]`, `[B, L * P, Di]`: the model's scan) these rows belong to.
+    cols: `(k_start, g_start)`: k_raw and g are the x projection's wider output, read in place
+    at those columns by the kernels."""
     layers = state.index_k.shape[1] // ring_rows(cfg)
     index_k, index_g, keys = index_write_op(cfg, k_raw, g, weights.k_norm_w, weights.k_norm_b,
                                             weights.ape, state.index_k, state.index_g,
-                                            state.pool_keys, pos, valid, layer, layers=layers)
+                                            state.pool_keys, pos, valid, layer, layers=layers,
+                                            cols=cols)
     return state._replace(index_k=index_k, index_g=index_g, pool_keys=keys)
 
 

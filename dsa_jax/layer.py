@@ -39,7 +39,7 @@ from dsa_jax.config import DsaConfig
 from dsa_jax.implementation import resolve
 from dsa_jax.indexer import pool_scores, write_index_rows
 from dsa_jax.mirror import host_numbers, known, remember
-from dsa_jax.projection import output_projection, project, project_kv
+from dsa_jax.projection import output_projection, project, project_kv, x_columns
 from dsa_jax.select import expand_selection, top_pools
 from dsa_jax.state import DsaState, ring_mark_after, ring_mark_after_rewind
 from dsa_jax.step_checks import (
@@ -64,9 +64,17 @@ def _write_rows(cfg: DsaConfig, weights: DsaWeights, state: DsaState, proj, n_ne
     r = proj.kv_raw.shape[1]
     pos = state.lengths[:, None] + jnp.arange(r, dtype=jnp.int32)  # [B, R]
     valid = jnp.arange(r)[None, :] < n_new[:, None]  # [B, R]
-    state = write_latents(cfg, state, proj.kv_raw, weights.kv_a_norm, pos, valid)
+    if proj.xw is None:  # `project_kv`'s rows (a drafter's context: not the hot path)
+        state = write_latents(cfg, state, proj.kv_raw, weights.kv_a_norm, pos, valid)
+        if weights.has_indexer:
+            state = write_index_rows(cfg, weights, state, proj.k_raw, proj.g, pos, valid)
+        return state, pos, valid
+    # The writes read their columns of the x projection in place (no slice copies).
+    at = x_columns(cfg)
+    state = write_latents(cfg, state, proj.xw, weights.kv_a_norm, pos, valid, col=at["kv"][0])
     if weights.has_indexer:
-        state = write_index_rows(cfg, weights, state, proj.k_raw, proj.g, pos, valid)
+        state = write_index_rows(cfg, weights, state, proj.xw, proj.xw, pos, valid,
+                                 cols=(at["k"][0], at["g"][0]))
     return state, pos, valid
 
 
@@ -142,22 +150,20 @@ def attend_first_rows(cfg: DsaConfig, state: DsaState, q_abs: jax.Array, sel: ja
     order (on the H200 a 1-row decode and a K-row verify then differed in their last bits)."""
     r = q_abs.shape[1]
     if resolve(cfg.implementation) == "xla":
-        return attend(cfg, state, q_abs, sel, live).astype(dtype)
+        return attend(cfg, state, q_abs, sel, live, dtype=dtype)
     if rows is None or rows >= r:
         # Behind a barrier like the cut's block below: the U_v GEMM takes the same plain
         # operand in every program, whatever `rows` is (and the model's scan, which calls this
         # too). A max_verify-row verify differed from its serial decodes in y's last bits on
         # the H200 (benchmarks/notes.md, 2026-12-01 fifth); the attend's split merge is now a
         # kernel of its own for that reason.
-        return lax.optimization_barrier(attend(cfg, state, q_abs, sel, live).astype(dtype))
-    o = attend(cfg, state, q_abs[:, :rows], sel[:, :rows], live)  # [B, rows, Hl, C] f32
-    # A fill of the whole block and the attended rows put in place, not a concatenate: XLA
-    # then writes the block once instead of copying it (decode-b64, benchmarks/notes.md).
+        return lax.optimization_barrier(attend(cfg, state, q_abs, sel, live, dtype=dtype))
     past = valid & (jnp.arange(r) >= rows)  # [B, R]: real rows past the promise
-    fill = jnp.where(past[:, :, None, None], jnp.nan, 0.0).astype(dtype)  # [B, R, 1, 1]
-    block = jnp.broadcast_to(fill, (o.shape[0], r, *o.shape[2:]))  # [B, R, Hl, C]
-    block = lax.dynamic_update_slice(block, o.astype(dtype), (0, 0, 0, 0))
-    return lax.optimization_barrier(block)  # [B, R, Hl, C]: the U_v GEMM's operand, plain
+    fill = jnp.where(past, jnp.nan, 0.0)  # [B, R] f32
+    # The padded block written whole by the attend (on the Mosaic path, by its split merge):
+    # no fill and update passes of its own (decode-b64, benchmarks/notes.md).
+    o = attend(cfg, state, q_abs[:, :rows], sel[:, :rows], live, dtype=dtype, fill=fill)
+    return lax.optimization_barrier(o)  # [B, R, Hl, C]: the U_v GEMM's operand, plain
 
 
 def live_rows(cfg: DsaConfig, x: jax.Array) -> int:

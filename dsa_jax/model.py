@@ -47,7 +47,7 @@ from dsa_jax.config import DsaConfig
 from dsa_jax.implementation import rms_norm_op
 from dsa_jax.indexer import pool_scores, write_index_rows
 from dsa_jax.layer import attend_first_rows, candidate_pools, live_rows, step
-from dsa_jax.projection import output_projection, project
+from dsa_jax.projection import output_projection, project, x_columns
 from dsa_jax.select import expand_selection, top_pools
 from dsa_jax.state import DsaState, init_state, ring_guard
 from dsa_jax.weights import DsaWeights, init_random_weights
@@ -304,12 +304,15 @@ def _block(cfg: DsaConfig, w: DsaWeights, caches: _Caches, rows: _Rows, layer, f
                     pool_keys=caches.pool_keys, lengths=rows.lengths,
                     index_lengths=rows.lengths)
     proj = project(cfg, w, x)
-    view = write_latents(cfg, view, proj.kv_raw, w.kv_a_norm, rows.pos, rows.valid)
+    at = x_columns(cfg)  # the writes read their columns of the x projection in place
+    view = write_latents(cfg, view, proj.xw, w.kv_a_norm, rows.pos, rows.valid,
+                         col=at["kv"][0])
     if w.has_indexer:
         # A row past max_context is dropped here, as in a one-layer cache: it must not land
         # in the next full layer's rows.
-        view = write_index_rows(cfg, w, view, proj.k_raw, proj.g, rows.pos,
-                                rows.valid & (rows.pos < tmax), full)
+        view = write_index_rows(cfg, w, view, proj.xw, proj.xw, rows.pos,
+                                rows.valid & (rows.pos < tmax), full,
+                                cols=(at["k"][0], at["g"][0]))
         scores = pool_scores(cfg, proj.qi, proj.w, view.pool_keys,
                              candidate_pools(cfg, rows.pos, rows.valid),
                              pools=(full * npool, npool))  # [B, R, P]: keys read in place

@@ -20,7 +20,7 @@ from dsa_jax.pallas.rms_norm import rms_norm_xla as rms_norm  # the definition (
 from dsa_jax.weights import DsaWeights
 
 __all__ = ["Projections", "matmul", "output_projection", "per_head", "project", "project_kv",
-           "rms_norm"]
+           "rms_norm", "x_columns"]
 
 
 class Projections(NamedTuple):
@@ -30,6 +30,20 @@ class Projections(NamedTuple):
     k_raw: jax.Array | None  # [..., Di] f32: W_k x (the indexer write applies k_norm)
     g: jax.Array | None  # [..., Di] f32: gate W_gate x
     w: jax.Array | None  # [..., Hi] f32: head weights, scales folded
+    xw: jax.Array | None = None  # [..., Nx] f32: the x projection's output, which the cache
+    # writes read in place at `x_columns(cfg)` (kv_raw, k_raw and g are slices of it)
+
+
+def x_columns(cfg: DsaConfig) -> dict[str, tuple[int, int]]:
+    """`(start, width)` of each projection in the x projection's output columns
+    (`DsaWeights.x_proj`'s rows): q_a, kv_a, then on a layer with an indexer k, gate, w."""
+    R, C, Hi, Di = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.index_n_heads, cfg.index_head_dim
+    return {"q_a": (0, R), "kv": (R, C), "k": (R + C, Di), "g": (R + C + Di, Di),
+            "w": (R + C + 2 * Di, Hi)}
+
+
+def _cols(xw: jax.Array, where: tuple[int, int]) -> jax.Array:
+    return xw[..., where[0]:where[0] + where[1]]
 
 
 # fp32 weights mean fp32 arithmetic: without HIGHEST a GPU runs fp32 dots as tf32 (~1e-3).
@@ -61,28 +75,27 @@ def per_head(v: jax.Array, w: jax.Array, w_contract: int) -> jax.Array:
 
 def project(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> Projections:
     """`x [..., D]` -> every per-token quantity the block needs."""
-    R, C, Hl, Dn = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.local_heads, cfg.qk_nope_head_dim
-    Hi, Di = cfg.index_n_heads, cfg.index_head_dim
+    Hl, Dn, Hi, Di = cfg.local_heads, cfg.qk_nope_head_dim, cfg.index_n_heads, cfg.index_head_dim
+    at = x_columns(cfg)
     xw = matmul(x, weights.x_proj)  # [..., Nx]
     # The norm reads its columns of xw in place and writes the q GEMMs' operand dtype (the
     # rounding they would apply): no slice, no conversion pass. fp32 where the two differ.
     dt = {w.dtype for w in (weights.q_proj, weights.qi_proj) if w is not None}
-    q_resid = rms_norm_op(cfg, xw, weights.q_a_norm, cfg.rms_norm_eps, cols=(0, R),
+    q_resid = rms_norm_op(cfg, xw, weights.q_a_norm, cfg.rms_norm_eps, cols=at["q_a"],
                           dtype=dt.pop() if len(dt) == 1 else jnp.float32)  # [..., R_q]
-    kv_raw = xw[..., R:R + C]  # [..., C]
+    kv_raw = _cols(xw, at["kv"])  # [..., C]
     q = matmul(q_resid, weights.q_proj).reshape(*xw.shape[:-1], Hl, Dn)  # [..., Hl, Dn]
     q_abs = per_head(q, weights.u_k, 1)  # [..., Hl, C]
     if not weights.has_indexer:
-        return Projections(q_abs, kv_raw, None, None, None, None)
+        return Projections(q_abs, kv_raw, None, None, None, None, xw)
     # The indexer's query: its own GEMM, of one shape at every TP degree (weights.py). The
     # barrier gives it an operand of its own: XLA:GPU's dot merger would otherwise merge it
     # with the q_b GEMM above (shared operand, a small weight) into one GEMM of a
     # degree-dependent shape over a concatenation of the two weights copied every call.
     qi = matmul(lax.optimization_barrier(q_resid), weights.qi_proj)  # [..., Hi*Di]
     qi = qi.reshape(*xw.shape[:-1], Hi, Di)
-    idx = xw[..., R + C:]
-    return Projections(q_abs, kv_raw, qi, idx[..., :Di], idx[..., Di:2 * Di],
-                       idx[..., 2 * Di:2 * Di + Hi])
+    return Projections(q_abs, kv_raw, qi, _cols(xw, at["k"]), _cols(xw, at["g"]),
+                       _cols(xw, at["w"]), xw)
 
 
 def project_kv(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> Projections:

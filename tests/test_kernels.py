@@ -20,6 +20,8 @@ fp32 accumulation and the reduction lengths. The top-k is exact: the same indice
 total order (score descending, then index), ties and -0.0 included.
 """
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -28,7 +30,7 @@ import pytest
 
 import dsa_jax
 from dsa_jax import testing as T
-from dsa_jax.pallas.sparse_attend import AttendTuning, live_extent
+from dsa_jax.pallas.sparse_attend import AttendTuning, live_extent, sparse_attend_xla
 from dsa_jax.pallas.sparse_attend_mgpu import row_scales
 from dsa_jax.shapes import glm53_flash, tiny
 
@@ -102,6 +104,43 @@ def test_sparse_attend_at_glm53_flash_shapes(impl, backend, heads, dtype):
     out = _check_attend(impl, args, cfg.qk_nope_head_dim ** -0.5, backend, splits=16,
                         **(options if impl != "xla" else {}))
     assert (out[1, 1] == 0).all()
+
+
+# (B, R attended, Rt rows per sequence, H, C, W, bs, blocks per seq): the Mosaic case at the
+# kernel's shapes (64 heads, C 512, fp8), both with split counts that run the merge and not.
+PADDED_CASES = {"triton": (3, 2, 4, 5, 24, 37, 8, 6), "mosaic": (3, 1, 4, 64, 512, 300, 16, 24)}
+
+
+@pytest.mark.parametrize("backend,splits", [("triton", 2), ("triton", 1),
+                                            pytest.param("mosaic", 2, marks=pytest.mark.gpu),
+                                            pytest.param("mosaic", 1, marks=pytest.mark.gpu)])
+def test_sparse_attend_writes_a_decodes_padded_block(impl, backend, splits):
+    """`fill` and `out_dtype` (a decode's attend: its first rows in a block padded to
+    max_verify rows, in the output projection's dtype): the attended rows are the plain call's
+    output rounded, bit for bit, and the others exactly fill (0, or NaN for a real row past the
+    caller's promise)."""
+    if backend == "mosaic" and impl != "pallas":
+        pytest.skip("the Mosaic GPU kernel compiles for a GPU only")
+    b, r, rt, h, c, w, bs, mb = PADDED_CASES[backend]
+    q, lat, kv, tables, sel = T.attend_inputs(5 + splits, b, r, h, c, w, bs, mb,
+                                              "float8_e4m3fn")
+    sel = sel.at[1, 0].set(-1)  # an empty row: 0 in the block too
+    fill = jnp.zeros((b, rt)).at[2, r].set(jnp.nan)  # [B, Rt]
+    opts = dict(num_splits=splits, tuning=AttendTuning(backend))
+    if impl == "xla":
+        run = jax.jit(functools.partial(sparse_attend_xla, softmax_scale=0.3),
+                      static_argnames="out_dtype")
+    else:
+        run = functools.partial(dsa_jax.implementation.OPS["sparse_attend"].kernel,
+                                softmax_scale=0.3, interpret=impl == "pallas-interpret", **opts)
+    plain = np.asarray(run(q, lat, kv, tables, sel).astype(jnp.bfloat16), np.float32)
+    got = run(q, lat, kv, tables, sel, out_dtype=jnp.bfloat16, fill=fill)
+    assert got.shape == (b, rt, h, c) and got.dtype == jnp.bfloat16
+    got = np.asarray(got, np.float32)
+    assert np.array_equal(got[:, :r], plain) and not np.isnan(plain).any()
+    assert (got[1, 0] == 0).all() and (np.abs(got[0, 0]) > 0).any()
+    assert (got[:2, r:] == 0).all() and (got[2, r + 1:] == 0).all()
+    assert np.isnan(got[2, r]).all()
 
 
 def test_sparse_attend_empty_rows_are_exactly_zero(impl):

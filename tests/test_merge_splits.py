@@ -2,10 +2,11 @@
 (`sparse_attend.merge_splits`), in Pallas interpret mode."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsa_jax.pallas.merge_splits import merge_splits_pallas
+from dsa_jax.pallas.merge_splits import merge_splits_pallas, padded_rows_jnp
 from dsa_jax.pallas.sparse_attend import merge_splits
 
 
@@ -41,3 +42,53 @@ def test_merge_kernel_refuses_odd_heads():
     o, m, l = _partials(2, 2, 16, 32, seed=1)
     with pytest.raises(ValueError, match="multiple of 16"):
         merge_splits_pallas(o[:, :, :8], m[:, :, :8], l[:, :, :8], interpret=True)
+
+
+@pytest.mark.parametrize("rows_in,rows_out,s", [(1, 4, 3), (2, 3, 1), (3, 3, 2)])
+def test_merge_kernel_writes_the_padded_block(rows_in, rows_out, s):
+    """With `pad` and a dtype: each sequence's merged rows rounded once, then its fill rows
+    (0 for padding, NaN for a real row past the caller's promise): the same bits as the plain
+    merge rounded and padded by the twin (`padded_rows_jnp`)."""
+    b, hp, cp = 2, 32, 256
+    o, m, l = _partials(b * rows_in, s, hp, cp, seed=7 * rows_out + s)
+    fill = jnp.where(jax.random.bernoulli(jax.random.key(s), 0.5, (b, rows_out)),
+                     jnp.nan, 0.0)  # [B, Rt]
+    plain = merge_splits_pallas(o, m, l, interpret=True)  # [N, Hp, Cp] f32
+    got = merge_splits_pallas(o, m, l, interpret=True, dtype=jnp.bfloat16, pad=(rows_in, fill))
+    want = padded_rows_jnp(plain.reshape(b, rows_in, hp, cp), fill, jnp.bfloat16)
+    assert got.shape == (b * rows_out, hp, cp) and got.dtype == jnp.bfloat16
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32).reshape(got.shape)
+    assert np.array_equal(got, want, equal_nan=True)
+    rows = got.reshape(b, rows_out, hp, cp)
+    assert not np.isnan(rows[:, :rows_in]).any()
+    fill = np.asarray(fill)
+    for i in range(b):
+        for r in range(rows_in, rows_out):
+            assert (np.isnan(rows[i, r]).all() if np.isnan(fill[i, r]) else
+                    (rows[i, r] == 0).all())
+
+
+def test_merge_kernel_refuses_a_pad_that_does_not_fit():
+    o, m, l = _partials(4, 2, 16, 32, seed=2)
+    with pytest.raises(ValueError, match="rows_in=3"):
+        merge_splits_pallas(o, m, l, interpret=True, pad=(3, jnp.zeros((2, 4))))
+    with pytest.raises(ValueError, match="rows_in=2"):
+        merge_splits_pallas(o, m, l, interpret=True, pad=(2, jnp.zeros((2, 1))))
+
+
+@pytest.mark.parametrize("splits,pad", [(16, True), (3, False), (1, True)])
+def test_merge_kernel_lowers_for_cuda(splits, pad):
+    """The Triton lowering (any host) at a decode's GLM shapes: 64 rows, 64 heads, C 512,
+    padded to 4 rows per sequence in bf16 (lowering errors surface here, before the GPU)."""
+    f32 = jnp.float32
+    n, hp, cp = 64, 64, 512
+
+    def fn(o, m, l, fill):
+        return merge_splits_pallas(o, m, l, dtype=jnp.bfloat16,
+                                   pad=(1, fill) if pad else None)
+
+    args = (jax.ShapeDtypeStruct((n, splits, hp, cp), f32),
+            jax.ShapeDtypeStruct((n, splits, hp), f32), jax.ShapeDtypeStruct((n, splits, hp), f32),
+            jax.ShapeDtypeStruct((n, 4), f32))
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "custom_call @__gpu$xla.gpu.triton" in text

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from dsa_jax import testing as T
+from dsa_jax.pallas import index_write as iw
 from dsa_jax.pallas import latent_write as lw
 from dsa_jax.pallas.common import KernelLimitError, triton_offsets_wrap
 from dsa_jax.pallas.latent_write import latent_write_pallas
@@ -49,6 +50,47 @@ def test_index_write_matches_definition(kernel_impl, kpool, dtype):
     chex.assert_trees_all_close(got[2], want[2], rtol=1e-5, atol=1e-6)
     written = np.asarray(want[2]) != T.POISON
     assert written.any() and not written.all()
+
+
+def _wide(rng, rows, *parts):
+    """The parts `[B, R, n]`, random columns before each and after the last: a GEMM output
+    holding several projections. Returns it and each part's first column."""
+    cols, starts, at = [], [], 0
+    for i, part in enumerate(parts):
+        noise = rng.standard_normal((*rows, 3 - i + 2 * i)).astype(np.float32)
+        cols += [noise, np.asarray(part, np.float32)]
+        starts.append(at + noise.shape[-1])
+        at = starts[-1] + part.shape[-1]
+    cols.append(rng.standard_normal((*rows, 4)).astype(np.float32))
+    return jnp.asarray(np.concatenate(cols, axis=-1)), starts
+
+
+def test_writes_read_their_columns_in_place(impl):
+    """`col` / `cols`: rows read at column offsets of one wider array (the x projection's
+    output, as the layer passes it) store the same bytes as the rows passed alone."""
+    rng = np.random.default_rng(3)
+    args = T.latent_write_inputs(5, "float8_e4m3fn", 24)
+    wide, (col,) = _wide(rng, args[0].shape[:2], args[0])
+    want = T.run_op("latent_write", impl, *args, eps=1e-5)
+    got = T.run_op("latent_write", impl, wide, *args[1:], eps=1e-5, col=col)
+    T.assert_trees_bitwise_equal(np.asarray(got), np.asarray(want))
+    iargs = T.index_write_inputs(6, 4, "bfloat16")
+    wide, (k0, g0) = _wide(rng, iargs[0].shape[:2], iargs[0], iargs[1])
+    want = T.run_op("index_write", impl, *iargs)
+    got = T.run_op("index_write", impl, wide, wide, *iargs[2:], cols=(k0, g0))
+    T.assert_trees_bitwise_equal([np.asarray(a) for a in got], [np.asarray(a) for a in want])
+
+
+def test_write_columns_out_of_range_are_refused():
+    args = T.latent_write_inputs(5, "float32", 24)
+    with pytest.raises(ValueError, match="col=20"):
+        lw.latent_write_xla(jnp.zeros((3, 4, 40)), *args[1:], eps=1e-5, col=20)
+    with pytest.raises(ValueError, match="C = 24"):
+        lw.latent_write_xla(jnp.zeros((3, 4, 30)), *args[1:], eps=1e-5)
+    iargs = T.index_write_inputs(6, 4, "float32")
+    wide = jnp.zeros((*iargs[0].shape[:2], 30))
+    with pytest.raises(ValueError, match="cols=\\(3, 20\\)"):
+        iw.index_write_xla(wide, wide, *iargs[2:], cols=(3, 20))
 
 
 def test_positions_past_the_cache_write_nothing(impl):

@@ -72,19 +72,40 @@ def _stored_rows(pos: jax.Array, valid: jax.Array, rows: int) -> jax.Array:
     return valid & (pos > last - rows)
 
 
+def row_columns(k_raw: jax.Array, g: jax.Array, di: int, cols: tuple[int, int] | None
+                ) -> tuple[int, int]:
+    """The first of k_raw's and of g's Di columns (`cols`, or (0, 0) for `[..., Di]` rows),
+    checked against their widths."""
+    starts = (0, 0) if cols is None else cols
+    for name, a, start in (("k_raw", k_raw, starts[0]), ("g", g, starts[1])):
+        if (start < 0 or start + di > a.shape[-1] or (cols is None and a.shape[-1] != di)
+                or a.shape[:-1] != k_raw.shape[:-1]):
+            raise ValueError(f"index_write: {name} has shape {a.shape}; it needs Di = {di} "
+                             f"columns from {start} (cols={cols}) and k_raw's rows "
+                             f"{k_raw.shape[:-1]}")
+    return starts
+
+
 def index_write_xla(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b: jax.Array,
                     ape: jax.Array, index_k: jax.Array, index_g: jax.Array,
                     pool_keys: jax.Array, pos: jax.Array, valid: jax.Array,
-                    layer: jax.Array | int = 0, *, layers: int = 1
+                    layer: jax.Array | int = 0, *, layers: int = 1,
+                    cols: tuple[int, int] | None = None
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The definition.
 
     k_raw, g: [B, R, Di] f32 (k before its norm); norm_w, norm_b: [Di] f32; ape: [KP, Di] f32;
     index_k, index_g: [B, L * Rr, Di] cache dtype (the rings); pool_keys: [B, L * P, Di] f32;
     pos, valid: [B, R]; layer: [] int32. Returns the new (index_k, index_g, pool_keys).
+    cols: static `(k_start, g_start)`: k_raw and g are wider `[B, R, N]` arrays (the x
+    projection's output, the same one for both) whose Di columns from those starts are the
+    rows, read in place by the kernels (no slice copies).
     """
     kp, rows, num_pools, tmax = ring_geometry(ape, index_k, pool_keys, layers)
-    nb, r, di = k_raw.shape
+    di = norm_w.shape[0]
+    k0, g0 = row_columns(k_raw, g, di, cols)
+    k_raw, g = k_raw[..., k0:k0 + di], g[..., g0:g0 + di]
+    nb, r, _ = k_raw.shape
     b = jnp.arange(nb)[:, None]  # [B, 1]
     valid = valid & (pos >= 0) & (pos < tmax)  # past the cache: dropped, never redirected
     k = layer_norm(k_raw.astype(jnp.float32), norm_w, norm_b)  # [B, R, Di]
@@ -114,14 +135,14 @@ def index_write_xla(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b: j
 
 
 def _rows_kernel(w_ref, b_ref, k_ref, g_ref, rows_ref, _k_in, _g_in, k_out, g_out, kc_out, *,
-                 width: int):
-    """One row: LayerNorm of k; the stored k to the step buffer row i, and k and g to flat
-    ring row rows_ref[i] (-1: not here)."""
+                 width: int, k0: int, g0: int):
+    """One row: LayerNorm of k (k_ref's columns k0..) and g (g_ref's g0..); the stored k to the
+    step buffer row i, and k and g to flat ring row rows_ref[i] (-1: not here)."""
     i = pl.program_id(0)
     cols = jnp.arange(next_pow2(width), dtype=jnp.int32)  # [Dp]
     in_width = cols < width
-    k = plt.load(k_ref.at[i, cols], mask=in_width, other=0.0)
-    g = plt.load(g_ref.at[i, cols], mask=in_width, other=0.0)
+    k = plt.load(k_ref.at[i, k0 + cols], mask=in_width, other=0.0)
+    g = plt.load(g_ref.at[i, g0 + cols], mask=in_width, other=0.0)
     w = plt.load(w_ref.at[cols], mask=in_width, other=0.0)
     bias = plt.load(b_ref.at[cols], mask=in_width, other=0.0)
     mean = jnp.sum(k) / width
@@ -135,24 +156,27 @@ def _rows_kernel(w_ref, b_ref, k_ref, g_ref, rows_ref, _k_in, _g_in, k_out, g_ou
     plt.store(g_out.at[jnp.maximum(row, 0), cols], g.astype(g_out.dtype), mask=mask)
 
 
-def _copy_kernel(kc_ref, g_ref, rows_ref, _k_in, _g_in, k_out, g_out, *, width: int):
-    """One row: the stored k (step buffer) and g to flat ring row rows_ref[i] (-1: none)."""
+def _copy_kernel(kc_ref, g_ref, rows_ref, _k_in, _g_in, k_out, g_out, *, width: int, g0: int):
+    """One row: the stored k (step buffer) and g (g_ref's columns g0..) to flat ring row
+    rows_ref[i] (-1: none)."""
     i = pl.program_id(0)
     cols = jnp.arange(next_pow2(width), dtype=jnp.int32)  # [Dp]
     row = rows_ref[i]
     mask = (cols < width) & (row >= 0)
     kc = plt.load(kc_ref.at[i, cols], mask=mask, other=jnp.zeros((), kc_ref.dtype))
-    g = plt.load(g_ref.at[i, cols], mask=mask, other=0.0)
+    g = plt.load(g_ref.at[i, g0 + cols], mask=mask, other=0.0)
     plt.store(k_out.at[jnp.maximum(row, 0), cols], kc, mask=mask)
     plt.store(g_out.at[jnp.maximum(row, 0), cols], g.astype(g_out.dtype), mask=mask)
 
 
 def _pool_kernel(ape_ref, rk_ref, rg_ref, kc_ref, g_ref, dest_ref, split_ref, step_ref,
-                 ring_ref, first_ref, _keys_in, keys_out, *, width: int, kpool: int, rows: int):
+                 ring_ref, first_ref, _keys_in, keys_out, *, width: int, kpool: int, rows: int,
+                 g0: int):
     """One row that may complete a pool (flat key row dest_ref[i]; -1: none). Members
     m < split_ref[i] come from the ring (flat row ring_ref[i] + (first_ref[i] + m) % rows, the
     pool's first position first_ref[i]), the others from the step: flat row step_ref[i] + m
-    of the stored k buffer and of the raw g (cast to the cache dtype as the ring stores it)."""
+    of the stored k buffer and of the raw g (g_ref's columns g0..; cast to the cache dtype as
+    the ring stores it)."""
     i = pl.program_id(0)
     cols = jnp.arange(next_pow2(width), dtype=jnp.int32)  # [Dp]
     members = jnp.arange(next_pow2(kpool), dtype=jnp.int32)  # [KPp]
@@ -171,7 +195,7 @@ def _pool_kernel(ape_ref, rk_ref, rg_ref, kc_ref, g_ref, dest_ref, split_ref, st
     g = jnp.where(old,
                   plt.load(rg_ref.at[held[:, None], cols[None, :]], mask=mask & old,
                            other=jnp.zeros((), rg_ref.dtype)).astype(jnp.float32),
-                  plt.load(g_ref.at[new[:, None], cols[None, :]], mask=mask & ~old,
+                  plt.load(g_ref.at[new[:, None], g0 + cols[None, :]], mask=mask & ~old,
                            other=0.0).astype(rg_ref.dtype).astype(jnp.float32))
     ape = plt.load(ape_ref.at[members[:, None], cols[None, :]], mask=mask, other=0.0)
     logits = jnp.where(mask, g + ape, -jnp.inf)
@@ -184,7 +208,8 @@ def _pool_kernel(ape_ref, rk_ref, rg_ref, kc_ref, g_ref, dest_ref, split_ref, st
 def index_write_pallas(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b: jax.Array,
                        ape: jax.Array, index_k: jax.Array, index_g: jax.Array,
                        pool_keys: jax.Array, pos: jax.Array, valid: jax.Array,
-                       layer: jax.Array | int = 0, *, layers: int = 1, interpret: bool = False,
+                       layer: jax.Array | int = 0, *, layers: int = 1,
+                       cols: tuple[int, int] | None = None, interpret: bool = False,
                        tuning: IndexWriteTuning = IndexWriteTuning(), **overrides
                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`index_write_xla` as Pallas launches, a program per row, writing the ring and the keys
@@ -195,7 +220,9 @@ def index_write_pallas(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b
     `overrides`: fields of `tuning` by name (`num_warps=2`)."""
     tuning = with_overrides(tuning, overrides)
     kp, rows, num_pools, tmax = ring_geometry(ape, index_k, pool_keys, layers)
-    nb, r, di = k_raw.shape
+    di = norm_w.shape[0]
+    k0, g0 = row_columns(k_raw, g, di, cols)
+    nb, r = k_raw.shape[:2]
     n, ring_len = nb * r, index_k.shape[1]
     valid = valid & (pos >= 0) & (pos < tmax)  # past the cache: dropped, never redirected
     seq = jnp.arange(nb, dtype=jnp.int32)[:, None]  # [B, 1]
@@ -214,10 +241,10 @@ def index_write_pallas(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b
     ring_first = flat(jnp.where(completes, seq * ring_len + layer * rows, 0))
     pool_first = flat(jnp.where(completes, pool_first, 0))
     params = plt.CompilerParams(num_warps=tuning.num_warps, num_stages=1)
-    k_rows = k_raw.reshape(n, di).astype(jnp.float32)
-    g_rows = g.reshape(n, di).astype(jnp.float32)
+    k_rows = k_raw.reshape(n, k_raw.shape[-1]).astype(jnp.float32)  # [N, >= Di]
+    g_rows = g.reshape(n, g.shape[-1]).astype(jnp.float32)  # [N, >= Di]
     k_flat, g_flat, kc = pl.pallas_call(
-        functools.partial(_rows_kernel, width=di),
+        functools.partial(_rows_kernel, width=di, k0=k0, g0=g0),
         grid=(n,),
         in_specs=[pl.BlockSpec()] * 7,  # w, b [Di]; k, g [N, Di]; rows [N]; the two rings
         out_specs=[pl.BlockSpec()] * 3,
@@ -229,7 +256,7 @@ def index_write_pallas(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b
     )(norm_w.astype(jnp.float32), norm_b.astype(jnp.float32), k_rows, g_rows, first_rows,
       index_k.reshape(nb * ring_len, di), index_g.reshape(nb * ring_len, di))
     keys_flat = pl.pallas_call(
-        functools.partial(_pool_kernel, width=di, kpool=kp, rows=rows),
+        functools.partial(_pool_kernel, width=di, kpool=kp, rows=rows, g0=g0),
         grid=(n,),
         in_specs=[pl.BlockSpec()] * 11,  # ape; rings; k buffer, g; 5 x [N] ints; keys
         out_specs=pl.BlockSpec(),
@@ -241,7 +268,7 @@ def index_write_pallas(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b
     if r > early:  # static: a step longer than the ring's free rows (a prompt chunk)
         late_rows = flat(jnp.where(stored & (pos - base >= early), ring_row, -1))
         k_flat, g_flat = pl.pallas_call(
-            functools.partial(_copy_kernel, width=di),
+            functools.partial(_copy_kernel, width=di, g0=g0),
             grid=(n,),
             in_specs=[pl.BlockSpec()] * 5,  # k buffer, g [N, Di]; rows [N]; the two rings
             out_specs=[pl.BlockSpec()] * 2,

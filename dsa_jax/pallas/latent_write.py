@@ -67,15 +67,29 @@ def flat_slots(pos: jax.Array, valid: jax.Array, block_tables: jax.Array, block_
     return jnp.where(valid & in_table, slots, -1)
 
 
+def raw_columns(kv_raw: jax.Array, c: int, col: int | None) -> int:
+    """The first of kv_raw's C raw-latent columns (`col`, or 0 for a `[..., C]` kv_raw),
+    checked against its width."""
+    start = 0 if col is None else col
+    if start < 0 or start + c > kv_raw.shape[-1] or (col is None and kv_raw.shape[-1] != c):
+        raise ValueError(f"latent_write: kv_raw's last axis is {kv_raw.shape[-1]}; it needs "
+                         f"the cache's C = {c} columns from col={col}")
+    return start
+
+
 def latent_write_xla(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
                      kv_scale: jax.Array, block_tables: jax.Array, pos: jax.Array,
-                     valid: jax.Array, *, eps: float) -> jax.Array:
+                     valid: jax.Array, *, eps: float, col: int | None = None) -> jax.Array:
     """The definition.
 
     kv_raw: [B, R, C] f32 (before the norm); norm_w: [C] f32; latent: [NB, bs, C] cache dtype;
     kv_scale: [] f32; block_tables: [B, MB] int32; pos, valid: [B, R]. Returns the new cache.
+    col: static; kv_raw is a wider `[B, R, N]` (the x projection's output) whose columns
+    `col .. col + C - 1` are the raw latent, read in place by the kernel (no slice copy).
     """
     nb, bs, c = latent.shape
+    start = raw_columns(kv_raw, c, col)
+    kv_raw = kv_raw[..., start:start + c]
     stored = quantize(_rms_norm(kv_raw.astype(jnp.float32), norm_w, eps, c), kv_scale,
                       latent.dtype)
     slots = flat_slots(pos, valid, block_tables, bs)
@@ -86,8 +100,9 @@ def latent_write_xla(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
 
 
 def _write_kernel(scale_ref, w_ref, raw_ref, slots_ref, *refs, width: int, eps: float,
-                  to_rows: bool):
-    """One row: raw_ref [N, C] f32, slots_ref [N] int32 (whole arrays). out_ref (the last of
+                  to_rows: bool, col: int):
+    """One row: raw_ref [N, >= col + C] f32 (its columns col.. are the row's), slots_ref [N]
+    int32 (whole arrays). out_ref (the last of
     `refs`): the cache itself [NS, C] (aliased, after the cache input), written at the row's
     slot; or, when `to_rows`, the rows [N, C], written at the program's row."""
     out_ref = refs[-1]
@@ -95,7 +110,7 @@ def _write_kernel(scale_ref, w_ref, raw_ref, slots_ref, *refs, width: int, eps: 
     cp = next_pow2(width)
     cols = jnp.arange(cp, dtype=jnp.int32)  # [Cp]
     in_width = cols < width
-    raw = plt.load(raw_ref.at[i, cols], mask=in_width, other=0.0)  # [Cp]
+    raw = plt.load(raw_ref.at[i, col + cols], mask=in_width, other=0.0)  # [Cp]
     w = plt.load(w_ref.at[cols], mask=in_width, other=0.0)  # [Cp]
     stored = quantize(_rms_norm(raw, w, eps, width), scale_ref[0], out_ref.dtype)  # [Cp]
     if to_rows:
@@ -128,7 +143,8 @@ def scatter_rows(latent: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Ar
 
 def latent_write_pallas(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
                         kv_scale: jax.Array, block_tables: jax.Array, pos: jax.Array,
-                        valid: jax.Array, *, eps: float, interpret: bool = False,
+                        valid: jax.Array, *, eps: float, col: int | None = None,
+                        interpret: bool = False,
                         tuning: LatentWriteTuning = LatentWriteTuning(), **overrides
                         ) -> jax.Array:
     """`latent_write_xla` as one Pallas launch, a program per row, writing the cache in place
@@ -138,18 +154,20 @@ def latent_write_pallas(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
     tuning = with_overrides(tuning, overrides)
     store = pick_store(tuning, latent.shape, latent.dtype)
     nb, bs, c = latent.shape
-    b, r, _ = kv_raw.shape
+    b, r, width = kv_raw.shape
     n = b * r
+    start = raw_columns(kv_raw, c, col)
     slots = flat_slots(pos, valid, block_tables, bs).reshape(n).astype(jnp.int32)
     scale = jnp.reshape(jnp.asarray(kv_scale, jnp.float32), (1,))
-    kernel = functools.partial(_write_kernel, width=c, eps=eps, to_rows=store == "xla")
-    operands = [scale, norm_w.astype(jnp.float32), kv_raw.reshape(n, c).astype(jnp.float32),
-                slots]
+    kernel = functools.partial(_write_kernel, width=c, eps=eps, to_rows=store == "xla",
+                               col=start)
+    operands = [scale, norm_w.astype(jnp.float32),
+                kv_raw.reshape(n, width).astype(jnp.float32), slots]
     params = plt.CompilerParams(num_warps=tuning.num_warps, num_stages=1)
     if store == "xla":
         rows = pl.pallas_call(
             kernel, grid=(n,),
-            in_specs=[pl.BlockSpec()] * 4,  # scale [1], w [C], raw [N, C], slots [N]
+            in_specs=[pl.BlockSpec()] * 4,  # scale [1], w [C], raw [N, >= C], slots [N]
             out_specs=pl.BlockSpec(),
             out_shape=jax.ShapeDtypeStruct((n, c), latent.dtype),
             compiler_params=params, interpret=interpret, name="latent_rows",
@@ -158,7 +176,7 @@ def latent_write_pallas(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
     out = pl.pallas_call(
         kernel,
         grid=(n,),
-        in_specs=[pl.BlockSpec()] * 5,  # scale [1], w [C], raw [N, C], slots [N], cache
+        in_specs=[pl.BlockSpec()] * 5,  # scale [1], w [C], raw [N, >= C], slots [N], cache
         out_specs=pl.BlockSpec(),
         out_shape=jax.ShapeDtypeStruct((nb * bs, c), latent.dtype),
         input_output_aliases={4: 0},

@@ -31,7 +31,7 @@ from dsa_jax.pallas.common import (
     next_pow2,
     sm_count,
 )
-from dsa_jax.pallas.merge_splits import merge_splits_pallas
+from dsa_jax.pallas.merge_splits import merge_splits_pallas, padded_rows_jnp
 
 # Rows per lax.map step of the XLA twin: bounds the gathered [rows, W, C] fp32 block.
 XLA_ROW_CHUNK = 64
@@ -103,14 +103,37 @@ def _attend_row(q, latent_flat, kv_scale, slots, softmax_scale):
 
 
 def sparse_attend_xla(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
-                      block_tables: jax.Array, sel: jax.Array, *, softmax_scale: float
-                      ) -> jax.Array:
+                      block_tables: jax.Array, sel: jax.Array, *, softmax_scale: float,
+                      out_dtype=jnp.float32, fill: jax.Array | None = None) -> jax.Array:
     """The definition.
 
     q: [B, R, H, C] f32 absorbed queries; latent: [NB, bs, C] cache dtype; kv_scale: [] f32
     (applied to float8_e4m3fn caches only); block_tables: [B, MB] int32; sel: [B, R, W] int32
-    token indices, -1 padded. Returns [B, R, H, C] f32.
+    token indices, -1 padded. Returns [B, R, H, C] f32, rounded to `out_dtype` if given.
+    fill: [B, Rt] f32, Rt >= R: the result is then `[B, Rt, H, C]`, each sequence's R rows
+    followed by rows of fill[b, r] (the caller's block padded to Rt rows per sequence: a
+    decode attends the first of its max_verify rows; the Mosaic path writes it in one pass).
     """
+    out = _sparse_attend_f32(q, latent, kv_scale, block_tables, sel, softmax_scale)
+    return _finish(out, out_dtype, fill)
+
+
+def _finish(out: jax.Array, out_dtype, fill: jax.Array | None) -> jax.Array:
+    """out [B, R, H, C] f32 -> out_dtype, padded with `fill` rows (`sparse_attend_xla`)."""
+    if fill is None:
+        return out.astype(out_dtype)
+    _check_fill(fill, out.shape[:2])
+    return padded_rows_jnp(out, fill, out_dtype)
+
+
+def _check_fill(fill: jax.Array, rows: tuple[int, int]) -> None:
+    if fill.ndim != 2 or fill.shape[0] != rows[0] or fill.shape[1] < rows[1]:
+        raise ValueError(f"sparse_attend: fill has shape {fill.shape}; it needs [B, Rt] with "
+                         f"B = {rows[0]} and Rt >= R = {rows[1]}")
+
+
+def _sparse_attend_f32(q, latent, kv_scale, block_tables, sel, softmax_scale):
+    """`sparse_attend_xla`'s [B, R, H, C] f32 result, before its rounding and padding."""
     b, r, h, c = q.shape
     nb, bs, _ = latent.shape
     latent_flat = latent.reshape(nb * bs, c)
@@ -322,7 +345,8 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
                          block_w: int | None = None, num_splits: int | None = None,
                          compute_dtype=None, num_warps: int | None = None,
                          num_stages: int = 2, live_rows: int | None = None,
-                         tuning: AttendTuning = AttendTuning()) -> jax.Array:
+                         tuning: AttendTuning = AttendTuning(), out_dtype=jnp.float32,
+                         fill: jax.Array | None = None) -> jax.Array:
     """`sparse_attend_xla` as a Pallas kernel; same arguments, same result (see tolerances in
     tests/test_kernels.py and tests/test_attend_kernel.py). q [B, R, H, C] f32 -> [B, R, H, C]
     f32.
@@ -334,7 +358,8 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
     Triton only (giving one selects the Triton kernel under backend="auto"): block_h: heads
     per program (H is padded to a power of two >= 16, the smallest dot tile); block_w: slots
     per tile; compute_dtype: dot operand dtype (None: `default_compute_dtype`); num_warps,
-    num_stages. None tile arguments take `default_tiles`.
+    num_stages. None tile arguments take `default_tiles`. out_dtype, fill: as
+    `sparse_attend_xla`'s; the Mosaic path writes them with its split merge, in one pass.
     """
     b, r, h, c = q.shape
     nb, bs, _ = latent.shape
@@ -343,12 +368,14 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
     backend = pick_backend(tuning, latent.dtype, h, c, interpret, triton_args)
     is_fp8 = latent.dtype == jnp.float8_e4m3fn
     kv = jnp.asarray(kv_scale, jnp.float32) if is_fp8 else jnp.float32(1.0)
+    if fill is not None:
+        _check_fill(fill, (b, r))
     if backend == "mosaic":
         out = _mosaic_attend(q.reshape(n, h, c), latent.reshape(nb * bs, c), kv, sel,
                              block_tables, bs, softmax_scale,
                              mosaic_tuning(tuning, r, live_rows or n, n), num_splits,
-                             live_rows or n)
-        return out.reshape(b, r, h, c)
+                             live_rows or n, out_dtype, None if fill is None else (r, fill))
+        return out.reshape(b, -1, h, c)
 
     # Kept for this kernel (the write stores through XLA instead): its gather reads the cache
     # in place; reading it as words would need an unpack on the hot path (unmeasured). The
@@ -410,7 +437,7 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
         name="sparse_attend",
     )(scales, live, q_p.astype(compute_dtype), slots, latent.reshape(nb * bs, c))
     out = merge_splits(o, m, l)  # [N, Hp, Cp]
-    return out[:, :h, :c].reshape(b, r, h, c)
+    return _finish(out[:, :h, :c].reshape(b, r, h, c), out_dtype, fill)
 
 
 def mosaic_inputs_jnp(q, sel, block_tables, block_size: int, *, hp: int, wp: int):
@@ -429,8 +456,9 @@ def mosaic_inputs_jnp(q, sel, block_tables, block_size: int, *, hp: int, wp: int
 
 
 def _mosaic_attend(q, latent_flat, kv, sel, block_tables, bs, softmax_scale,
-                   t: mgpu_op.MgpuTuning, num_splits, live_rows):
-    """q [N, H, C] f32, latent_flat [NS, C] fp8, sel [B, R, W] tokens -> [N, H, C] f32."""
+                   t: mgpu_op.MgpuTuning, num_splits, live_rows, dtype, pad):
+    """q [N, H, C] f32, latent_flat [NS, C] fp8, sel [B, R, W] tokens -> [N, H, C] `dtype`
+    (with `pad = (R, fill [B, Rt])`: [B * Rt, H, C], `merge_splits_pallas`'s padding)."""
     n, h, c = q.shape
     w = sel.shape[-1]
     hp = -(-h // mgpu_op.HEADS_PER_CTA) * mgpu_op.HEADS_PER_CTA
@@ -454,5 +482,6 @@ def _mosaic_attend(q, latent_flat, kv, sel, block_tables, bs, softmax_scale,
     # The merge as a kernel: one summation order in every program. The jnp merge was fused
     # into whatever followed it, which differed between a decode (its rows cut and padded) and
     # a max_verify-row verify, and on the H200 they then differed in y's last bits
-    # (benchmarks/notes.md, session 2026-12-01 fifth).
-    return merge_splits_pallas(o, m, l)[:, :h]
+    # (benchmarks/notes.md, session 2026-12-01 fifth). It also rounds to `dtype` and writes
+    # a decode's padded block, so neither needs a pass of its own.
+    return merge_splits_pallas(o, m, l, dtype=dtype, pad=pad)[:, :h]
