@@ -112,12 +112,13 @@ PAIRS = {None: (layer.attend_first_rows, layer.output_projection),
 
 
 def run(cfg, weights, b: int, ctx: int, name: str, smoke: bool,
-        hlo_dir: str | None = None) -> dict:
+        hlo_dir: str | None = None, top: int = 12) -> dict:
     with glue_patch(VARIANTS[name][4]):  # traced (and lowered) inside the patch
-        return _run(cfg, weights, b, ctx, name, smoke, hlo_dir)
+        return _run(cfg, weights, b, ctx, name, smoke, hlo_dir, top)
 
 
-def _run(cfg, weights, b: int, ctx: int, name: str, smoke: bool, hlo_dir: str | None) -> dict:
+def _run(cfg, weights, b: int, ctx: int, name: str, smoke: bool, hlo_dir: str | None,
+         top: int) -> dict:
     cut, triton, options, pair, _ = VARIANTS[name]
     layer.attend_first_rows, layer.output_projection = PAIRS[pair]
     layer.top_pools = functools.partial(select.top_pools, tuning=pool_topk.PoolTopkTuning(
@@ -136,7 +137,7 @@ def _run(cfg, weights, b: int, ctx: int, name: str, smoke: bool, hlo_dir: str | 
     jax.block_until_ready(runner())
     t = measure(runner, warmup=2, groups=3 if smoke else 10, inner=2 if smoke else 10,
                 reset=runner.reset)
-    prof = profile_step(runner, 2 if smoke else 8, top=12)
+    prof = profile_step(runner, 2 if smoke else 8, top=top)
     if hlo_dir:  # the compiled program, to read its fusions
         args = (cfg, weights, runner.state, runner.xs[0], runner.n_new, None)
         text = step.lower(*args, **runner.kwargs).compile().as_text()
@@ -158,6 +159,7 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="*", default=[64, 1])
     ap.add_argument("--variants", nargs="*", choices=list(VARIANTS), default=list(VARIANTS))
     ap.add_argument("--hlo-dir", help="write each variant's compiled HLO (first batch) here")
+    ap.add_argument("--top", type=int, default=12, help="kernels listed per variant")
     a = ap.parse_args()
     cfg = (tiny() if a.smoke else glm53_flash()).replace(
         implementation="xla" if a.smoke else "pallas")
@@ -168,7 +170,7 @@ def main() -> int:
         for name in a.variants:
             try:
                 row = run(cfg, weights, 2 if a.smoke else b, cfg.max_context, name, a.smoke,
-                          a.hlo_dir if b == a.batches[0] else None)
+                          a.hlo_dir if b == a.batches[0] else None, a.top)
             except Exception as e:  # recorded, the next variant runs
                 row = {"variant": name, "batch": b, "error": f"{type(e).__name__}: {e}"[:500]}
                 res["errors"].append(row["error"])

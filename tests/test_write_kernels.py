@@ -239,3 +239,24 @@ def test_triton_kernels_refuse_a_cache_their_offsets_would_wrap(nb, dtype, refus
         else:
             jax.eval_shape(call, cache)
     jax.eval_shape(_write_call(), cache)
+
+
+@pytest.mark.parametrize("rows", [4, 40])
+def test_index_write_lowers_for_cuda(rows):
+    """The Triton lowering (any host) of the indexer write at GLM shapes, read in place from a
+    wider x projection: a decode's rows and a prompt chunk longer than the ring (which runs
+    the late-rows launch too); lowering errors surface here, before the GPU."""
+    f32, bf16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
+    b, di, kp, ring, pools = 2, 128, 4, 16, 4096
+
+    def fn(xw, norm_w, norm_b, ape, index_k, index_g, keys, pos, valid):
+        return iw.index_write_pallas(xw, xw, norm_w, norm_b, ape, index_k, index_g, keys, pos,
+                                     valid, cols=(2048, 2048 + di))
+
+    args = (jax.ShapeDtypeStruct((b, rows, 2336), f32), jax.ShapeDtypeStruct((di,), f32),
+            jax.ShapeDtypeStruct((di,), f32), jax.ShapeDtypeStruct((kp, di), f32),
+            jax.ShapeDtypeStruct((b, ring, di), bf16), jax.ShapeDtypeStruct((b, ring, di), bf16),
+            jax.ShapeDtypeStruct((b, pools, di), f32), jax.ShapeDtypeStruct((b, rows), i32),
+            jax.ShapeDtypeStruct((b, rows), jnp.bool_))
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @__gpu$xla.gpu.triton") == (3 if rows > ring - kp + 1 else 2)
