@@ -3,7 +3,8 @@ and profiled side by side in one process, each traced afresh: "now" (the library
 gather-attend on the call's rows, `attend_rows=1`), "before" (every padded row attended),
 "topk" (now + the raw Triton top-k for 16+ rows, `PoolTopkTuning(backend="auto")`), "cublas"
 (now + every GEMM through cuBLAS, `xla_gpu_enable_triton_gemm=False`), "headmajor" (now with
-the attended latents laid out head-major for the `U_v` GEMM: a lever under test, below).
+the attended latents laid out head-major for the `U_v` GEMM: a lever under test, below),
+"autotune0" (now with GEMM autotuning off), and the earlier defaults named in `VARIANTS`.
 A digest of y and sel per variant: equal digests are equal bits.
 
     PYTHONPATH=. python3 benchmarks/h200_decode_variants.py --out $OUT/variants.json
@@ -52,7 +53,11 @@ VARIANTS = {"now": (True, False, None, None, None), "before": (False, False, Non
             "padconcat": (True, False, None, "pad_concat", None),
             # The fill and in-place update in jnp after the merge (the default of 20261201-s5;
             # now the Mosaic path's merge kernel writes the padded bf16 block itself).
-            "padfill": (True, False, None, "pad_fill", None)}
+            "padfill": (True, False, None, "pad_fill", None),
+            # GEMM autotuning off (cuBLAS's heuristic algorithm per shape, as the serving loop
+            # compiles): the single step's bits then should not depend on the process (two
+            # processes picked two algorithms for one GEMM: h200-decode-kernels-20261201-s6.json).
+            "autotune0": (True, False, {"xla_gpu_autotune_level": 0}, None, None)}
 
 
 def attend_first_rows_head_major(cfg, state, q_abs, sel, valid, live, rows, dtype=jnp.float32):
