@@ -51,31 +51,31 @@ def seq_range(num_seqs: int, seqs) -> tuple[jax.Array, int]:
     """`seqs` (None: all; or `(first, count)`, first an int or a traced int32 scalar, count a
     static int) -> (first as int32 [], count). A static first is checked; a traced one is
     clamped to `[0, num_seqs - count]` as `lax.dynamic_slice` clamps."""
-    if seqs is None:
-        return jnp.int32(0), num_seqs
-    first, count = seqs
-    if not isinstance(count, int) or not 1 <= count <= num_seqs:
-        raise ValueError(f"pool_scores: seqs count={count!r} must be a static int in "
-                         f"[1, B={num_seqs}]")
-    if isinstance(first, (int, np.integer)) and not 0 <= first <= num_seqs - count:
-        raise ValueError(f"pool_scores: seqs first={first} with count={count} must lie in "
-                         f"[0, B - count = {num_seqs - count}]")
-    return jnp.clip(jnp.asarray(first).astype(jnp.int32), 0, num_seqs - count), count
+    return _static_range(num_seqs, seqs, "seqs", "first", "B=", "B - count = ", "")
 
 
 def pool_range(total: int, pools) -> tuple[jax.Array, int]:
     """`pools` (None: all `total`; or `(base, count)`, base an int or a traced int32 scalar,
     count a static int) -> (base as int32 [], count), as `seq_range` checks and clamps."""
-    if pools is None:
+    return _static_range(total, pools, "pools", "base", "", "",
+                         " (the keys' pool axis{})")
+
+
+def _static_range(total: int, spec, name: str, start_name: str, total_label: str,
+                  span_label: str, axis_note: str) -> tuple[jax.Array, int]:
+    """`seq_range` / `pool_range`: the range checked (errors name `name`, and `axis_note`
+    with "" or " holds {total}" filled in), its start clamped."""
+    if spec is None:
         return jnp.int32(0), total
-    base, count = pools
+    start, count = spec
     if not isinstance(count, int) or not 1 <= count <= total:
-        raise ValueError(f"pool_scores: pools count={count!r} must be a static int in "
-                         f"[1, {total}] (the keys' pool axis)")
-    if isinstance(base, (int, np.integer)) and not 0 <= base <= total - count:
-        raise ValueError(f"pool_scores: pools base={base} with count={count} must lie in "
-                         f"[0, {total - count}] (the keys' pool axis holds {total})")
-    return jnp.clip(jnp.asarray(base).astype(jnp.int32), 0, total - count), count
+        raise ValueError(f"pool_scores: {name} count={count!r} must be a static int in "
+                         f"[1, {total_label}{total}]{axis_note.format('')}")
+    if isinstance(start, (int, np.integer)) and not 0 <= start <= total - count:
+        raise ValueError(f"pool_scores: {name} {start_name}={start} with count={count} must "
+                         f"lie in [0, {span_label}{total - count}]"
+                         f"{axis_note.format(f' holds {total}')}")
+    return jnp.clip(jnp.asarray(start).astype(jnp.int32), 0, total - count), count
 
 
 def pool_scores_xla(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: jax.Array, *,
