@@ -134,10 +134,17 @@ def index_write_xla(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b: j
     return index_k, index_g, pool_keys
 
 
-def _rows_kernel(w_ref, b_ref, k_ref, g_ref, rows_ref, _k_in, _g_in, k_out, g_out, kc_out, *,
+# Rows of the per-row metadata `[7, N]` int32 the kernels share (one XLA pass makes all of
+# them): the ring row of a row stored in the first launch, the key row a completing row
+# writes, the split between a pool's ring and step members, the pool's first member in the
+# step buffer and in the ring, the pool's first position, the ring row of a late row.
+_FIRST, _DEST, _SPLIT, _STEP, _RING, _POOL, _LATE = range(7)
+
+
+def _rows_kernel(w_ref, b_ref, k_ref, g_ref, meta_ref, _k_in, _g_in, k_out, g_out, kc_out, *,
                  width: int, k0: int, g0: int):
     """One row: LayerNorm of k (k_ref's columns k0..) and g (g_ref's g0..); the stored k to the
-    step buffer row i, and k and g to flat ring row rows_ref[i] (-1: not here)."""
+    step buffer row i, and k and g to flat ring row meta_ref[_FIRST, i] (-1: not here)."""
     i = pl.program_id(0)
     cols = jnp.arange(next_pow2(width), dtype=jnp.int32)  # [Dp]
     in_width = cols < width
@@ -150,18 +157,18 @@ def _rows_kernel(w_ref, b_ref, k_ref, g_ref, rows_ref, _k_in, _g_in, k_out, g_ou
     k = centered * lax.rsqrt(jnp.sum(centered * centered) / width + LN_EPS) * w + bias
     kc = k.astype(k_out.dtype)
     plt.store(kc_out.at[i, cols], kc, mask=in_width)
-    row = rows_ref[i]
+    row = meta_ref[_FIRST, i]
     mask = in_width & (row >= 0)
     plt.store(k_out.at[jnp.maximum(row, 0), cols], kc, mask=mask)
     plt.store(g_out.at[jnp.maximum(row, 0), cols], g.astype(g_out.dtype), mask=mask)
 
 
-def _copy_kernel(kc_ref, g_ref, rows_ref, _k_in, _g_in, k_out, g_out, *, width: int, g0: int):
+def _copy_kernel(kc_ref, g_ref, meta_ref, _k_in, _g_in, k_out, g_out, *, width: int, g0: int):
     """One row: the stored k (step buffer) and g (g_ref's columns g0..) to flat ring row
-    rows_ref[i] (-1: none)."""
+    meta_ref[_LATE, i] (-1: none)."""
     i = pl.program_id(0)
     cols = jnp.arange(next_pow2(width), dtype=jnp.int32)  # [Dp]
-    row = rows_ref[i]
+    row = meta_ref[_LATE, i]
     mask = (cols < width) & (row >= 0)
     kc = plt.load(kc_ref.at[i, cols], mask=mask, other=jnp.zeros((), kc_ref.dtype))
     g = plt.load(g_ref.at[i, g0 + cols], mask=mask, other=0.0)
@@ -169,23 +176,22 @@ def _copy_kernel(kc_ref, g_ref, rows_ref, _k_in, _g_in, k_out, g_out, *, width: 
     plt.store(g_out.at[jnp.maximum(row, 0), cols], g.astype(g_out.dtype), mask=mask)
 
 
-def _pool_kernel(ape_ref, rk_ref, rg_ref, kc_ref, g_ref, dest_ref, split_ref, step_ref,
-                 ring_ref, first_ref, _keys_in, keys_out, *, width: int, kpool: int, rows: int,
-                 g0: int):
-    """One row that may complete a pool (flat key row dest_ref[i]; -1: none). Members
-    m < split_ref[i] come from the ring (flat row ring_ref[i] + (first_ref[i] + m) % rows, the
-    pool's first position first_ref[i]), the others from the step: flat row step_ref[i] + m
-    of the stored k buffer and of the raw g (g_ref's columns g0..; cast to the cache dtype as
-    the ring stores it)."""
+def _pool_kernel(ape_ref, rk_ref, rg_ref, kc_ref, g_ref, meta_ref, _keys_in, keys_out, *,
+                 width: int, kpool: int, rows: int, g0: int):
+    """One row that may complete a pool (flat key row meta[_DEST, i]; -1: none). Members
+    m < meta[_SPLIT, i] come from the ring (flat row meta[_RING, i] + (meta[_POOL, i] + m) %
+    rows, the pool's first position meta[_POOL, i]), the others from the step: flat row
+    meta[_STEP, i] + m of the stored k buffer and of the raw g (g_ref's columns g0..; cast to
+    the cache dtype as the ring stores it)."""
     i = pl.program_id(0)
     cols = jnp.arange(next_pow2(width), dtype=jnp.int32)  # [Dp]
     members = jnp.arange(next_pow2(kpool), dtype=jnp.int32)  # [KPp]
-    dest = dest_ref[i]
+    dest = meta_ref[_DEST, i]
     mask = jnp.broadcast_to((members < kpool)[:, None] & (cols < width)[None, :] & (dest >= 0),
                             (members.shape[0], cols.shape[0]))  # [KPp, Dp]
-    old = (members < split_ref[i])[:, None]  # [KPp, 1]
-    held = ring_ref[i] + (first_ref[i] + members) % rows  # [KPp]
-    new = jnp.clip(step_ref[i] + members, 0, kc_ref.shape[0] - 1)  # [KPp]
+    old = (members < meta_ref[_SPLIT, i])[:, None]  # [KPp, 1]
+    held = meta_ref[_RING, i] + (meta_ref[_POOL, i] + members) % rows  # [KPp]
+    new = jnp.clip(meta_ref[_STEP, i] + members, 0, kc_ref.shape[0] - 1)  # [KPp]
     dt = rk_ref.dtype
     k = jnp.where(old,
                   plt.load(rk_ref.at[held[:, None], cols[None, :]], mask=mask & old,
@@ -240,42 +246,45 @@ def index_write_pallas(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b
     step_first = flat(jnp.where(completes, seq * r + pool_first - base, 0))
     ring_first = flat(jnp.where(completes, seq * ring_len + layer * rows, 0))
     pool_first = flat(jnp.where(completes, pool_first, 0))
+    late_rows = flat(jnp.where(stored & (pos - base >= early), ring_row, -1))
+    # One array, so that XLA computes every row's metadata in one pass, not one launch each.
+    meta = jnp.stack([first_rows, dest, split, step_first, ring_first, pool_first,
+                      late_rows])  # [7, N]
     params = plt.CompilerParams(num_warps=tuning.num_warps, num_stages=1)
     k_rows = k_raw.reshape(n, k_raw.shape[-1]).astype(jnp.float32)  # [N, >= Di]
     g_rows = g.reshape(n, g.shape[-1]).astype(jnp.float32)  # [N, >= Di]
     k_flat, g_flat, kc = pl.pallas_call(
         functools.partial(_rows_kernel, width=di, k0=k0, g0=g0),
         grid=(n,),
-        in_specs=[pl.BlockSpec()] * 7,  # w, b [Di]; k, g [N, Di]; rows [N]; the two rings
+        in_specs=[pl.BlockSpec()] * 7,  # w, b [Di]; k, g [N, Di]; meta [7, N]; two rings
         out_specs=[pl.BlockSpec()] * 3,
         out_shape=[jax.ShapeDtypeStruct((nb * ring_len, di), index_k.dtype),
                    jax.ShapeDtypeStruct((nb * ring_len, di), index_g.dtype),
                    jax.ShapeDtypeStruct((n, di), index_k.dtype)],
         input_output_aliases={5: 0, 6: 1},
         compiler_params=params, interpret=interpret, name="index_write_rows",
-    )(norm_w.astype(jnp.float32), norm_b.astype(jnp.float32), k_rows, g_rows, first_rows,
+    )(norm_w.astype(jnp.float32), norm_b.astype(jnp.float32), k_rows, g_rows, meta,
       index_k.reshape(nb * ring_len, di), index_g.reshape(nb * ring_len, di))
     keys_flat = pl.pallas_call(
         functools.partial(_pool_kernel, width=di, kpool=kp, rows=rows, g0=g0),
         grid=(n,),
-        in_specs=[pl.BlockSpec()] * 11,  # ape; rings; k buffer, g; 5 x [N] ints; keys
+        in_specs=[pl.BlockSpec()] * 7,  # ape; rings; k buffer, g; meta [7, N]; keys
         out_specs=pl.BlockSpec(),
         out_shape=jax.ShapeDtypeStruct((nb * pool_keys.shape[1], di), jnp.float32),
-        input_output_aliases={10: 0},
+        input_output_aliases={6: 0},
         compiler_params=params, interpret=interpret, name="index_write_pool_keys",
-    )(ape.astype(jnp.float32), k_flat, g_flat, kc, g_rows, dest, split, step_first, ring_first,
-      pool_first, pool_keys.reshape(nb * pool_keys.shape[1], di))
+    )(ape.astype(jnp.float32), k_flat, g_flat, kc, g_rows, meta,
+      pool_keys.reshape(nb * pool_keys.shape[1], di))
     if r > early:  # static: a step longer than the ring's free rows (a prompt chunk)
-        late_rows = flat(jnp.where(stored & (pos - base >= early), ring_row, -1))
         k_flat, g_flat = pl.pallas_call(
             functools.partial(_copy_kernel, width=di, g0=g0),
             grid=(n,),
-            in_specs=[pl.BlockSpec()] * 5,  # k buffer, g [N, Di]; rows [N]; the two rings
+            in_specs=[pl.BlockSpec()] * 5,  # k buffer, g [N, Di]; meta [7, N]; two rings
             out_specs=[pl.BlockSpec()] * 2,
             out_shape=[jax.ShapeDtypeStruct((nb * ring_len, di), index_k.dtype),
                        jax.ShapeDtypeStruct((nb * ring_len, di), index_g.dtype)],
             input_output_aliases={3: 0, 4: 1},
             compiler_params=params, interpret=interpret, name="index_write_late_rows",
-        )(kc, g_rows, late_rows, k_flat, g_flat)
+        )(kc, g_rows, meta, k_flat, g_flat)
     return (k_flat.reshape(nb, ring_len, di), g_flat.reshape(nb, ring_len, di),
             keys_flat.reshape(nb, *pool_keys.shape[1:]))
