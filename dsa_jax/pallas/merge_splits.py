@@ -5,7 +5,8 @@ XLA fuses that jnp with whatever surrounds it, so its reduction order and FMA co
 depend on the program it sits in. This kernel fixes the order: the same code combines the
 splits in the same order in every program. The Mosaic attend path merges with it (a decode
 and a max_verify-row verify differed on the H200 with the jnp merge fused into different
-neighbours: benchmarks/notes.md, 2026-12-01 fifth); the Triton path still merges in jnp.
+neighbours: benchmarks/notes.md, 2026-12-01 fifth), and so does the Triton path (at TP 8 it
+differed the same way, 2026-12-01 sixth).
 
 It also writes what the attend's caller needs in the same pass: the merged rows rounded to the
 output projection's operand dtype, put in place in a block padded to more rows per sequence

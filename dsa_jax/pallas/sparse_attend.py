@@ -161,7 +161,7 @@ def _sparse_attend_f32(q, latent, kv_scale, block_tables, sel, softmax_scale):
 # short selections cost no tile work; the skipped tiles held only empty slots (they added
 # exact zeros), so no value changes. The head block is the fastest grid axis so that the
 # programs loading the same latents run side by side and share them through L2. The per-split
-# partials are merged in jnp (`merge_splits`), which XLA fuses into one pass.
+# partials are merged by the merge kernel (`merge_splits_pallas`; `merge_splits` is its twin).
 # ---------------------------------------------------------------------------------------------
 
 # Running max before any slot is seen: finite, so an all-empty tile rescales by exp(0) = 1
@@ -436,8 +436,11 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
         interpret=interpret,
         name="sparse_attend",
     )(scales, live, q_p.astype(compute_dtype), slots, latent.reshape(nb * bs, c))
-    out = merge_splits(o, m, l)  # [N, Hp, Cp]
-    return _finish(out[:, :h, :c].reshape(b, r, h, c), out_dtype, fill)
+    # The merge kernel, as on the Mosaic path: jnp's merge fused with what follows it differed
+    # between a decode's program and a verify's (decode_k != serial at TP 8 on the H200).
+    out = merge_splits_pallas(o, m, l, interpret=interpret, dtype=out_dtype,
+                              pad=None if fill is None else (r, fill))  # [B * Rt, Hp, Cp]
+    return out[:, :h, :c].reshape(b, -1, h, c)
 
 
 def mosaic_inputs_jnp(q, sel, block_tables, block_size: int, *, hp: int, wp: int):
