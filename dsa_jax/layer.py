@@ -160,9 +160,9 @@ def attend_first_rows(cfg: DsaConfig, state: DsaState, q_abs: jax.Array, sel: ja
         return lax.optimization_barrier(attend(cfg, state, q_abs, sel, live, dtype=dtype))
     past = valid & (jnp.arange(r) >= rows)  # [B, R]: real rows past the promise
     fill = jnp.where(past, jnp.nan, 0.0)  # [B, R] f32
-    # The padded block written whole by the attend (on the Mosaic path, by its split merge):
-    # no fill and update passes of its own (decode-b64, benchmarks/notes.md).
-    o = attend(cfg, state, q_abs[:, :rows], sel[:, :rows], live, dtype=dtype, fill=fill)
+    # The attended rows read in place and the padded block written whole by the attend (on
+    # the Mosaic path, by its prep and its split merge): no slice, fill or update passes.
+    o = attend(cfg, state, q_abs, sel, live, dtype=dtype, rows=rows, fill=fill)
     return lax.optimization_barrier(o)  # [B, R, Hl, C]: the U_v GEMM's operand, plain
 
 

@@ -308,6 +308,27 @@ def test_mosaic_variants_lower_for_cuda(tuning):
     assert ("custom_call @__gpu$xla.gpu.triton" in text) == (tuning.prep == "triton")
 
 
+@pytest.mark.parametrize("tuning", [mg.MgpuTuning(), mg.MgpuTuning(prep="jnp"),
+                                    mg.MgpuTuning(q_in_kernel=True)])
+def test_mosaic_decode_rows_lower_for_cuda(tuning):
+    """A decode's attend (the first of 4 rows per sequence read in place by the prep, the
+    padded block written by the merge kernel in bf16) lowers on any host, for each way the
+    kernel's inputs are made."""
+    f32, i32 = jnp.float32, jnp.int32
+
+    def fn(q, lat, kv, tables, sel, fill):
+        return sa.sparse_attend_pallas(q, lat, kv, tables, sel, softmax_scale=0.1,
+                                       num_splits=2, out_dtype=jnp.bfloat16, rows=1, fill=fill,
+                                       tuning=sa.AttendTuning("mosaic", mosaic=tuning))
+
+    args = (jax.ShapeDtypeStruct((2, 4, 64, 512), f32),
+            jax.ShapeDtypeStruct((30, 16, 512), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((), f32), jax.ShapeDtypeStruct((2, 12), i32),
+            jax.ShapeDtypeStruct((2, 4, 150), i32), jax.ShapeDtypeStruct((2, 4), f32))
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1
+
+
 def test_auto_takes_triton_on_a_gpu_that_is_not_hopper(monkeypatch):
     """The Mosaic GPU kernels compile for sm_90a only: "auto" picks them on a Hopper GPU (or a
     device reporting no compute capability, as the CPU), the Triton kernels elsewhere;

@@ -63,6 +63,23 @@ def test_prep_is_bitwise_the_jnp_twin(case):
     assert (slots[:, w:] == -1).all() and (live[1 * r] == 0)  # padding; the empty row
 
 
+@pytest.mark.parametrize("rows,programs", [(1, None), (2, 2)])
+def test_prep_reads_the_first_rows_in_place(rows, programs):
+    """rows=: each sequence's first rows of [B, R] read in place (a decode's real row): bitwise
+    the twin of those rows sliced out, and the other rows (random here) never read."""
+    b, r, h, c, w, bs, mb = 3, 4, 5, 32, 70, 16, 6
+    q, _, _, tables, sel = T.attend_inputs(77 + rows, b, r, h, c, w, bs, mb, "float8_e4m3fn",
+                                           empty=[(1, 0)])
+    got = ap.prep_pallas(q.reshape(b * r, h, c), sel, tables, bs, hp=16, wp=80, rows=rows,
+                         heads_per_chunk=8, programs=programs, interpret=True)
+    want = sa.mosaic_inputs_jnp(q[:, :rows].reshape(b * rows, h, c), sel[:, :rows], tables, bs,
+                                hp=16, wp=80)
+    T.assert_trees_bitwise_equal(got, want)
+    with pytest.raises(ValueError, match="rows=5"):
+        ap.prep_pallas(q.reshape(b * r, h, c), sel, tables, bs, hp=16, wp=80, rows=5,
+                       interpret=True)
+
+
 def test_scale_exponent_is_frexps():
     """The exponent from the amax bits equals the twin's frexp rule, across f32's range."""
     e = np.arange(-149, 128, dtype=np.float64)

@@ -115,32 +115,41 @@ PADDED_CASES = {"triton": (3, 2, 4, 5, 24, 37, 8, 6), "mosaic": (3, 1, 4, 64, 51
                                             pytest.param("mosaic", 2, marks=pytest.mark.gpu),
                                             pytest.param("mosaic", 1, marks=pytest.mark.gpu)])
 def test_sparse_attend_writes_a_decodes_padded_block(impl, backend, splits):
-    """`fill` and `out_dtype` (a decode's attend: its first rows in a block padded to
-    max_verify rows, in the output projection's dtype): the attended rows are the plain call's
-    output rounded, bit for bit, and the others exactly fill (0, or NaN for a real row past the
-    caller's promise)."""
+    """`rows`, `fill` and `out_dtype` (a decode's attend: the first rows of its max_verify rows,
+    in a block padded with fill rows, in the output projection's dtype): the attended rows are
+    the plain call's output on those rows alone, rounded, bit for bit; the others exactly fill
+    (0, or NaN for a real row past the caller's promise), whatever q and sel hold there."""
     if backend == "mosaic" and impl != "pallas":
         pytest.skip("the Mosaic GPU kernel compiles for a GPU only")
     b, r, rt, h, c, w, bs, mb = PADDED_CASES[backend]
-    q, lat, kv, tables, sel = T.attend_inputs(5 + splits, b, r, h, c, w, bs, mb,
+    q, lat, kv, tables, sel = T.attend_inputs(5 + splits, b, rt, h, c, w, bs, mb,
                                               "float8_e4m3fn")
     sel = sel.at[1, 0].set(-1)  # an empty row: 0 in the block too
-    fill = jnp.zeros((b, rt)).at[2, r].set(jnp.nan)  # [B, Rt]
+    fill = jnp.zeros((b, rt)).at[2, r].set(jnp.nan)  # [B, R]
     opts = dict(num_splits=splits, tuning=AttendTuning(backend))
     if impl == "xla":
         run = jax.jit(functools.partial(sparse_attend_xla, softmax_scale=0.3),
-                      static_argnames="out_dtype")
+                      static_argnames=("out_dtype", "rows"))
     else:
         run = functools.partial(dsa_jax.implementation.OPS["sparse_attend"].kernel,
                                 softmax_scale=0.3, interpret=impl == "pallas-interpret", **opts)
-    plain = np.asarray(run(q, lat, kv, tables, sel).astype(jnp.bfloat16), np.float32)
-    got = run(q, lat, kv, tables, sel, out_dtype=jnp.bfloat16, fill=fill)
+    plain = run(q[:, :r], lat, kv, tables, sel[:, :r])  # those rows alone
+    plain = np.asarray(plain.astype(jnp.bfloat16), np.float32)
+    got = run(q, lat, kv, tables, sel, out_dtype=jnp.bfloat16, rows=r, fill=fill)
     assert got.shape == (b, rt, h, c) and got.dtype == jnp.bfloat16
     got = np.asarray(got, np.float32)
     assert np.array_equal(got[:, :r], plain) and not np.isnan(plain).any()
     assert (got[1, 0] == 0).all() and (np.abs(got[0, 0]) > 0).any()
     assert (got[:2, r:] == 0).all() and (got[2, r + 1:] == 0).all()
     assert np.isnan(got[2, r]).all()
+
+
+def test_sparse_attend_rows_need_a_fill():
+    q, lat, kv, tables, sel = T.attend_inputs(3, 2, 3, 5, 24, 37, 8, 6, "float8_e4m3fn")
+    for rows, fill, msg in ((1, None, "needs fill"), (1, jnp.zeros((2, 2)), "needs fill"),
+                            (4, jnp.zeros((2, 3)), "rows=4")):
+        with pytest.raises(ValueError, match=msg):
+            sparse_attend_xla(q, lat, kv, tables, sel, softmax_scale=0.3, rows=rows, fill=fill)
 
 
 def test_sparse_attend_empty_rows_are_exactly_zero(impl):

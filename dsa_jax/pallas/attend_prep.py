@@ -88,16 +88,20 @@ def _prep_kernel(q_ref, sel_ref, bt_ref, *outs, n: int, programs: int, write_q: 
 
 
 def _prep_row(row, q_ref, sel_ref, bt_ref, q16_ref, up_ref, down_ref, slots_ref, live_ref, *,
-              h: int, c: int, hp: int, w: int, wp: int, r: int, bs: int, mb: int, hb: int,
-              cb: int, keep: bool):
-    """One query row (see `_prep_kernel`). hb | Hp, cb | C and the slot pieces tile Wp, so
-    every store is whole (no masked store: a clamped index would write one element twice)."""
+              h: int, c: int, hp: int, w: int, wp: int, r: int, r_src: int, bs: int, mb: int,
+              hb: int, cb: int, keep: bool):
+    """One query row (see `_prep_kernel`): output row `row` is row `row % r` of sequence
+    `row // r`, read in place from q's and sel's row `(row // r) * r_src + row % r` (their
+    sequences hold r_src >= r rows). hb | Hp, cb | C and the slot pieces tile Wp, so every
+    store is whole (no masked store: a clamped index would write one element twice)."""
+    seq = row // r
+    src = seq * r_src + row % r
     cols = jnp.arange(cb, dtype=jnp.int32)  # [CB]
     heads = jnp.arange(hb, dtype=jnp.int32)  # [HB]
 
     def load(j, k):  # block (head chunk j, column chunk k) -> [HB, CB] f32, 0 past H
         hs = j * hb + heads
-        return plt.load(q_ref.at[(row * h + jnp.minimum(hs, h - 1))[:, None],
+        return plt.load(q_ref.at[(src * h + jnp.minimum(hs, h - 1))[:, None],
                                  (k * cb + cols)[None, :]],
                         mask=jnp.broadcast_to((hs < h)[:, None], (hb, cb)), other=0.0)
 
@@ -108,9 +112,8 @@ def _prep_row(row, q_ref, sel_ref, bt_ref, q16_ref, up_ref, down_ref, slots_ref,
     toks = []
     for s0, sz in pieces:
         ws = s0 + jnp.arange(sz, dtype=jnp.int32)  # [SZ]
-        toks.append(plt.load(sel_ref.at[row * w + jnp.minimum(ws, w - 1)], mask=ws < w,
+        toks.append(plt.load(sel_ref.at[src * w + jnp.minimum(ws, w - 1)], mask=ws < w,
                              other=-1))
-    seq = row // r
     phys = []
     for tok in toks:
         # The empty slots' arithmetic is masked: keep it in range.
@@ -147,7 +150,8 @@ def _prep_row(row, q_ref, sel_ref, bt_ref, q16_ref, up_ref, down_ref, slots_ref,
 
 def prep_pallas(q: jax.Array, sel: jax.Array, block_tables: jax.Array, block_size: int, *,
                 hp: int, wp: int, heads_per_chunk: int = 32, num_warps: int = 8,
-                programs: int | None = None, write_q: bool = True, interpret: bool = False):
+                programs: int | None = None, write_q: bool = True, rows: int | None = None,
+                interpret: bool = False):
     """q [N, H, C] f32 (N = B * R), sel [B, R, W] int32 tokens (-1 empty), block_tables
     [B, MB] int32 -> (q16 [N, Hp, C] f16 (q * 2^k, zero rows past H), up [N] f32 (2^k),
     down [N] f32 (2^-k), slots [N, Wp] int32 (-1 empty and past W), live [N] int32).
@@ -157,20 +161,27 @@ def prep_pallas(q: jax.Array, sel: jax.Array, block_tables: jax.Array, block_siz
     from L2: the row's amax needs all of it before the first store). programs: how many
     programs share the rows (None: one per row; fewer bound the rows in flight, and so the
     L2 footprint of the second read). write_q=False: no q16 (None in its place; the Mosaic
-    kernel's q_in_kernel scales and converts q itself). Hp, Wp and C multiples
+    kernel's q_in_kernel scales and converts q itself). rows: only each sequence's first
+    `rows` of its R rows, read in place (a decode's real row of its max_verify rows: no slice
+    copies); the outputs then hold N = B * rows rows. Hp, Wp and C multiples
     of 16 (the Mosaic kernel's are multiples of 64). Bitwise equal to
-    `sparse_attend.mosaic_inputs_jnp`."""
-    n, h, c = q.shape
-    b, r, w = sel.shape
+    `sparse_attend.mosaic_inputs_jnp` of those rows."""
+    n_src, h, c = q.shape
+    b, r_src, w = sel.shape
     mb = block_tables.shape[1]
-    if b * r != n:
-        raise ValueError(f"prep_pallas: sel {sel.shape} does not match q rows {n}")
+    if b * r_src != n_src:
+        raise ValueError(f"prep_pallas: sel {sel.shape} does not match q rows {n_src}")
+    r = r_src if rows is None else rows
+    if not 1 <= r <= r_src:
+        raise ValueError(f"prep_pallas: rows={rows} must be in [1, {r_src}]")
+    n = b * r
     if hp < h or wp < w:
         raise ValueError(f"prep_pallas: hp={hp} < H={h} or wp={wp} < W={w}")
     if heads_per_chunk < 1 or heads_per_chunk & (heads_per_chunk - 1):
         raise ValueError(f"prep_pallas: heads_per_chunk={heads_per_chunk} must be a power of 2")
-    for what, shape, dtype in (("q", (n * h, c), q.dtype), ("q16", (n * hp, c), jnp.float16),
-                               ("sel", (n * w,), sel.dtype), ("slots", (n * wp,), jnp.int32),
+    for what, shape, dtype in (("q", (n_src * h, c), q.dtype),
+                               ("q16", (n * hp, c), jnp.float16),
+                               ("sel", (n_src * w,), sel.dtype), ("slots", (n * wp,), jnp.int32),
                                ("block_tables", block_tables.shape, block_tables.dtype)):
         check_triton_addressable(shape, dtype, f"attend prep {what}")
     if hp % 16 or wp % 16 or c % 16:
@@ -181,7 +192,7 @@ def prep_pallas(q: jax.Array, sel: jax.Array, block_tables: jax.Array, block_siz
     hb = _pow2_divisor(hp, min(heads_per_chunk, next_pow2(h)))
     kernel = functools.partial(
         _prep_kernel, n=n, programs=programs, write_q=write_q, h=h, c=c, hp=hp, w=w, wp=wp,
-        r=r, bs=block_size, mb=mb, hb=hb,
+        r=r, r_src=r_src, bs=block_size, mb=mb, hb=hb,
         cb=_pow2_divisor(c, 512), keep=heads_per_chunk >= h)
     shapes = [jax.ShapeDtypeStruct((n * hp, c), jnp.float16),
               jax.ShapeDtypeStruct((n,), jnp.float32), jax.ShapeDtypeStruct((n,), jnp.float32),
@@ -196,6 +207,6 @@ def prep_pallas(q: jax.Array, sel: jax.Array, block_tables: jax.Array, block_siz
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="attend_prep",
-    )(q.reshape(n * h, c), sel.reshape(n * w), block_tables.reshape(-1))
+    )(q.reshape(n_src * h, c), sel.reshape(n_src * w), block_tables.reshape(-1))
     q16, up, down, slots, live = outs if write_q else (None, *outs)
     return (q16 if q16 is None else q16.reshape(n, hp, c)), up, down, slots.reshape(n, wp), live

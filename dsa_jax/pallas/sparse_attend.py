@@ -104,32 +104,43 @@ def _attend_row(q, latent_flat, kv_scale, slots, softmax_scale):
 
 def sparse_attend_xla(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
                       block_tables: jax.Array, sel: jax.Array, *, softmax_scale: float,
-                      out_dtype=jnp.float32, fill: jax.Array | None = None) -> jax.Array:
+                      out_dtype=jnp.float32, rows: int | None = None,
+                      fill: jax.Array | None = None) -> jax.Array:
     """The definition.
 
     q: [B, R, H, C] f32 absorbed queries; latent: [NB, bs, C] cache dtype; kv_scale: [] f32
     (applied to float8_e4m3fn caches only); block_tables: [B, MB] int32; sel: [B, R, W] int32
     token indices, -1 padded. Returns [B, R, H, C] f32, rounded to `out_dtype` if given.
-    fill: [B, Rt] f32, Rt >= R: the result is then `[B, Rt, H, C]`, each sequence's R rows
-    followed by rows of fill[b, r] (the caller's block padded to Rt rows per sequence: a
-    decode attends the first of its max_verify rows; the Mosaic path writes it in one pass).
+    rows, fill: static `rows < R` attends only each sequence's first `rows` rows; row r >= rows
+    of sequence b is then fill[b, r] (fill [B, R] f32: a decode attends the first of its
+    max_verify rows, the others are padding; the Mosaic path reads those rows in place and
+    writes the whole block with its split merge, in one pass).
     """
-    out = _sparse_attend_f32(q, latent, kv_scale, block_tables, sel, softmax_scale)
-    return _finish(out, out_dtype, fill)
+    r = _attended_rows(q.shape[:2], rows, fill)
+    out = _sparse_attend_f32(q[:, :r], latent, kv_scale, block_tables, sel[:, :r],
+                             softmax_scale)
+    return _finish(out, out_dtype, None if r == q.shape[1] else fill)
 
 
 def _finish(out: jax.Array, out_dtype, fill: jax.Array | None) -> jax.Array:
-    """out [B, R, H, C] f32 -> out_dtype, padded with `fill` rows (`sparse_attend_xla`)."""
+    """out [B, r, H, C] f32 -> out_dtype, padded with `fill [B, R]` rows
+    (`sparse_attend_xla`)."""
     if fill is None:
         return out.astype(out_dtype)
-    _check_fill(fill, out.shape[:2])
     return padded_rows_jnp(out, fill, out_dtype)
 
 
-def _check_fill(fill: jax.Array, rows: tuple[int, int]) -> None:
-    if fill.ndim != 2 or fill.shape[0] != rows[0] or fill.shape[1] < rows[1]:
-        raise ValueError(f"sparse_attend: fill has shape {fill.shape}; it needs [B, Rt] with "
-                         f"B = {rows[0]} and Rt >= R = {rows[1]}")
+def _attended_rows(shape: tuple[int, int], rows: int | None, fill: jax.Array | None) -> int:
+    """The rows per sequence attended (`sparse_attend_xla`'s rows and fill), checked."""
+    b, r = shape
+    if rows is None or rows == r:
+        return r
+    if not 1 <= rows < r:
+        raise ValueError(f"sparse_attend: rows={rows} must be in [1, R = {r}]")
+    if fill is None or fill.shape != (b, r):
+        raise ValueError(f"sparse_attend: rows={rows} < R needs fill [B, R] = {(b, r)}, got "
+                         f"{None if fill is None else fill.shape}")
+    return rows
 
 
 def _sparse_attend_f32(q, latent, kv_scale, block_tables, sel, softmax_scale):
@@ -346,7 +357,7 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
                          compute_dtype=None, num_warps: int | None = None,
                          num_stages: int = 2, live_rows: int | None = None,
                          tuning: AttendTuning = AttendTuning(), out_dtype=jnp.float32,
-                         fill: jax.Array | None = None) -> jax.Array:
+                         rows: int | None = None, fill: jax.Array | None = None) -> jax.Array:
     """`sparse_attend_xla` as a Pallas kernel; same arguments, same result (see tolerances in
     tests/test_kernels.py and tests/test_attend_kernel.py). q [B, R, H, C] f32 -> [B, R, H, C]
     f32.
@@ -358,24 +369,26 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
     Triton only (giving one selects the Triton kernel under backend="auto"): block_h: heads
     per program (H is padded to a power of two >= 16, the smallest dot tile); block_w: slots
     per tile; compute_dtype: dot operand dtype (None: `default_compute_dtype`); num_warps,
-    num_stages. None tile arguments take `default_tiles`. out_dtype, fill: as
-    `sparse_attend_xla`'s; the Mosaic path writes them with its split merge, in one pass.
+    num_stages. None tile arguments take `default_tiles`. out_dtype, rows, fill: as
+    `sparse_attend_xla`'s; the Mosaic path reads the rows in place and writes the padded block
+    with its split merge, in one pass.
     """
-    b, r, h, c = q.shape
+    b, r_all, h, c = q.shape
+    r = _attended_rows((b, r_all), rows, fill)
+    pad = None if r == r_all else (r, fill)
     nb, bs, _ = latent.shape
     n, w = b * r, sel.shape[-1]
     triton_args = any(a is not None for a in (block_h, block_w, compute_dtype, num_warps))
     backend = pick_backend(tuning, latent.dtype, h, c, interpret, triton_args)
     is_fp8 = latent.dtype == jnp.float8_e4m3fn
     kv = jnp.asarray(kv_scale, jnp.float32) if is_fp8 else jnp.float32(1.0)
-    if fill is not None:
-        _check_fill(fill, (b, r))
     if backend == "mosaic":
-        out = _mosaic_attend(q.reshape(n, h, c), latent.reshape(nb * bs, c), kv, sel,
+        out = _mosaic_attend(q.reshape(b * r_all, h, c), latent.reshape(nb * bs, c), kv, sel,
                              block_tables, bs, softmax_scale,
                              mosaic_tuning(tuning, r, live_rows or n, n), num_splits,
-                             live_rows or n, out_dtype, None if fill is None else (r, fill))
-        return out.reshape(b, -1, h, c)
+                             live_rows or n, out_dtype, pad)
+        return out.reshape(b, r_all, h, c)
+    q, sel = q[:, :r], sel[:, :r]  # the Triton kernel takes its rows whole
 
     # Kept for this kernel (the write stores through XLA instead): its gather reads the cache
     # in place; reading it as words would need an unpack on the hot path (unmeasured). The
@@ -439,7 +452,7 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
     # The merge kernel, as on the Mosaic path: jnp's merge fused with what follows it differed
     # between a decode's program and a verify's (decode_k != serial at TP 8 on the H200).
     out = merge_splits_pallas(o, m, l, interpret=interpret, dtype=out_dtype,
-                              pad=None if fill is None else (r, fill))  # [B * Rt, Hp, Cp]
+                              pad=pad)  # [B * R, Hp, Cp]
     return out[:, :h, :c].reshape(b, -1, h, c)
 
 
@@ -460,10 +473,12 @@ def mosaic_inputs_jnp(q, sel, block_tables, block_size: int, *, hp: int, wp: int
 
 def _mosaic_attend(q, latent_flat, kv, sel, block_tables, bs, softmax_scale,
                    t: mgpu_op.MgpuTuning, num_splits, live_rows, dtype, pad):
-    """q [N, H, C] f32, latent_flat [NS, C] fp8, sel [B, R, W] tokens -> [N, H, C] `dtype`
-    (with `pad = (R, fill [B, Rt])`: [B * Rt, H, C], `merge_splits_pallas`'s padding)."""
-    n, h, c = q.shape
-    w = sel.shape[-1]
+    """q [B * R, H, C] f32, latent_flat [NS, C] fp8, sel [B, R, W] tokens -> [B * R, H, C]
+    `dtype`; with `pad = (r, fill [B, R])` only each sequence's first r rows are attended
+    (read in place by the prep), the others are fill (`merge_splits_pallas`'s padding)."""
+    b, r_all, w = sel.shape
+    r = r_all if pad is None else pad[0]
+    n, h, c = b * r, q.shape[1], q.shape[2]
     hp = -(-h // mgpu_op.HEADS_PER_CTA) * mgpu_op.HEADS_PER_CTA
     tiles_all = -(-w // t.block_w)
     splits = num_splits or mgpu_op.num_splits(live_rows * (hp // mgpu_op.HEADS_PER_CTA),
@@ -474,9 +489,12 @@ def _mosaic_attend(q, latent_flat, kv, sel, block_tables, bs, softmax_scale,
         qk, up, down, slots, live = attend_prep.prep_pallas(
             q, sel, block_tables, bs, hp=hp, wp=wp, heads_per_chunk=t.prep_heads,
             num_warps=t.prep_warps, programs=t.prep_per_sm * sm_count() or None,
-            write_q=not t.q_in_kernel)
-    else:
-        qk, up, down, slots, live = mosaic_inputs_jnp(q, sel, block_tables, bs, hp=hp, wp=wp)
+            write_q=not t.q_in_kernel, rows=r)
+    if t.prep != "triton" or t.q_in_kernel:  # these take the attended rows as arrays
+        q = q.reshape(b, r_all, h, c)[:, :r].reshape(n, h, c)
+    if t.prep != "triton":
+        qk, up, down, slots, live = mosaic_inputs_jnp(q, sel[:, :r], block_tables, bs, hp=hp,
+                                                      wp=wp)
     if t.q_in_kernel:  # the kernel scales and converts the f32 rows itself
         qk = q if hp == h else jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
     scales = jnp.stack([kv * softmax_scale, kv]).astype(jnp.float32)  # [2]
