@@ -31,6 +31,7 @@ from dsa_jax.sampling import Sampling
 # or custom call read a slice of the stacked weights in place (cuBLAS GEMMs only, so also with
 # XLA's Triton GEMMs off). "default" is `serve.Program`'s default (`IN_PLACE_WEIGHTS`);
 # "copied" and the rest compile `Program(weights_in_place=False)`, the rest with these options.
+CMD_WHILE = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
 LOOP_VARIANTS = {
     "default": None,
     "copied": None,
@@ -42,6 +43,11 @@ LOOP_VARIANTS = {
     "dsfusion+cublas+autotune0": {"xla_gpu_enable_dynamic_slice_fusion": True,
                                   "xla_gpu_enable_triton_gemm": False,
                                   "xla_gpu_autotune_level": 0},
+    # The default's options with the scans' while loops inside the command buffer too (CUDA
+    # graph conditional nodes): one graph per dispatch instead of one per loop iteration.
+    "inplace+while": {**serve.IN_PLACE_WEIGHTS, "xla_gpu_enable_command_buffer": CMD_WHILE},
+    "inplace+while+ds": {**serve.IN_PLACE_WEIGHTS,
+                         "xla_gpu_enable_command_buffer": CMD_WHILE + ",DYNAMIC_SLICE_FUSION"},
 }
 
 
