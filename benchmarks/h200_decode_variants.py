@@ -4,7 +4,8 @@ gather-attend on the call's rows, `attend_rows=1`), "before" (every padded row a
 "topk" (now + the raw Triton top-k for 16+ rows, `PoolTopkTuning(backend="auto")`), "cublas"
 (now + every GEMM through cuBLAS, `xla_gpu_enable_triton_gemm=False`), "headmajor" (now with
 the attended latents laid out head-major for the `U_v` GEMM: a lever under test, below),
-"autotune0" (now with GEMM autotuning off), and the earlier defaults named in `VARIANTS`.
+"autotune0" (now with GEMM autotuning off), "cublas0" (every GEMM through cuBLAS's heuristic
+algorithm: the serving loop's options), and the earlier defaults named in `VARIANTS`.
 A digest of y and sel per variant: equal digests are equal bits.
 
     PYTHONPATH=. python3 benchmarks/h200_decode_variants.py --out $OUT/variants.json
@@ -57,7 +58,12 @@ VARIANTS = {"now": (True, False, None, None, None), "before": (False, False, Non
             # GEMM autotuning off (cuBLAS's heuristic algorithm per shape, as the serving loop
             # compiles): the single step's bits then should not depend on the process (two
             # processes picked two algorithms for one GEMM: h200-decode-kernels-20261201-s6.json).
-            "autotune0": (True, False, {"xla_gpu_autotune_level": 0}, None, None)}
+            "autotune0": (True, False, {"xla_gpu_autotune_level": 0}, None, None),
+            # Every GEMM through cuBLAS, its heuristic algorithm (the serving loop's options):
+            # autotuning off alone leaves XLA's Triton GEMMs on default tiles, ~5x slower at
+            # b1 in a fresh process (h200-decode-variants-20261201-s7-autotune0-p2.json).
+            "cublas0": (True, False, {**NO_TRITON_GEMM, "xla_gpu_autotune_level": 0}, None,
+                        None)}
 
 
 def attend_first_rows_head_major(cfg, state, q_abs, sel, valid, live, rows, dtype=jnp.float32):

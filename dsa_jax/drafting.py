@@ -110,7 +110,8 @@ class ModelDrafter:
             rows = jnp.where(j == 0, first,
                              jnp.zeros((b, r), jnp.int32).at[:, 0].set(prev))  # [B, R]
             fed = jnp.where(j == 0, catch_up, drafting.astype(jnp.int32))  # [B]
-            logits, ds, _ = forward(self.mcfg, dweights, ds, rows, fed)
+            logits, ds, _ = forward(self.mcfg, dweights, ds, rows, fed,
+                                    attend_rows=2)  # fed <= 2
             last_row = jnp.maximum(fed - 1, 0)[:, None, None]
             tok = jnp.argmax(jnp.take_along_axis(logits, last_row, axis=1)[:, 0], axis=-1)
             return (ds, tok.astype(jnp.int32)), tok.astype(jnp.int32)

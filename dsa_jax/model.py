@@ -290,6 +290,7 @@ class _Rows(NamedTuple):
     tables: jax.Array  # [B, MB] int32: block tables, -1 where not a block of the pool
     kv_scale: jax.Array  # [L] f32
     live_rows: int  # static work-split hint for the attend (as `layer.step` gives it)
+    attend_rows: int | None  # static: the attend's rows per sequence (`layer.step`'s promise)
 
 
 def _block(cfg: DsaConfig, w: DsaWeights, caches: _Caches, rows: _Rows, layer, full,
@@ -320,8 +321,8 @@ def _block(cfg: DsaConfig, w: DsaWeights, caches: _Caches, rows: _Rows, layer, f
     else:
         sel = jnp.where(rows.valid[..., None], shared_sel, -1)
     # As `layer.step` hands it to the output projection (the same ops in both programs).
-    o_latent = attend_first_rows(cfg, view, proj.q_abs, sel, rows.valid, rows.live_rows, None,
-                                 w.u_v.dtype)  # [B, R, Hl, C]
+    o_latent = attend_first_rows(cfg, view, proj.q_abs, sel, rows.valid, rows.live_rows,
+                                 rows.attend_rows, w.u_v.dtype)  # [B, R, Hl, C]
     caches = _Caches(view.latent, view.index_k, view.index_g, view.pool_keys)
     return output_projection(w, o_latent), caches, sel
 
@@ -380,7 +381,8 @@ def lm_head(mcfg: ModelConfig, final_norm: jax.Array, head: jax.Array, h: jax.Ar
 
 
 def forward(mcfg: ModelConfig, weights: StackedWeights, ms: ModelState, tokens: jax.Array,
-            n_new: jax.Array, *, layer_barrier: bool = True, hidden: bool = False):
+            n_new: jax.Array, *, layer_barrier: bool = True, hidden: bool = False,
+            attend_rows: int | None = None):
     """tokens [B, R] (first n_new [B] real) -> (logits [B, R, V] f32, state, sel [B, R, W]).
 
     `sel` is the first layer's selection. Pure and traceable; no checks (the caller's host
@@ -388,7 +390,10 @@ def forward(mcfg: ModelConfig, weights: StackedWeights, ms: ModelState, tokens: 
     layer_barrier: a fusion boundary where each layer starts (module docstring); False only
     to measure or diagnose without it (benchmarks/h200_scan_check.py). hidden: also return
     every layer's input rows `[L, B, R, D]` (a fourth output, to find the first layer two
-    programs differ in; it changes the program)."""
+    programs differ in; it changes the program). attend_rows: static, `layer.step`'s promise
+    (`n_new <= attend_rows`): every layer's gather-attend runs on the first `attend_rows` rows
+    only, the same bits for those rows (a plain decode loop pads to max_verify rows and
+    attends one)."""
     cfg = mcfg.dsa
     b, r = tokens.shape
     nl, nb = ms.latent.shape[:2]
@@ -396,7 +401,8 @@ def forward(mcfg: ModelConfig, weights: StackedWeights, ms: ModelState, tokens: 
                  valid=jnp.arange(r)[None, :] < n_new[:, None],
                  lengths=ms.lengths,
                  tables=jnp.where(ms.block_tables < nb, ms.block_tables, -1),
-                 kv_scale=ms.kv_scale, live_rows=live_rows(cfg, tokens))
+                 kv_scale=ms.kv_scale, live_rows=live_rows(cfg, tokens),
+                 attend_rows=attend_rows)
     caches = _Caches(ms.latent.reshape(nl * nb, *ms.latent.shape[2:]),
                      ms.index_k.reshape(b, -1, ms.index_k.shape[-1]),
                      ms.index_g.reshape(b, -1, ms.index_g.shape[-1]),
@@ -420,9 +426,11 @@ def forward(mcfg: ModelConfig, weights: StackedWeights, ms: ModelState, tokens: 
 
 
 def forward_unrolled(mcfg: ModelConfig, weights: ModelWeights, states, tokens: jax.Array,
-                     n_new: jax.Array, *, layer_barrier: bool = True, hidden: bool = False):
+                     n_new: jax.Array, *, layer_barrier: bool = True, hidden: bool = False,
+                     attend_rows: int | None = None):
     """The reference: `forward` with one `layer.step` per layer over per-layer states (the
-    same fusion boundaries as `forward` under the same `layer_barrier`; `hidden` likewise)."""
+    same fusion boundaries as `forward` under the same `layer_barrier`; `hidden` and
+    `attend_rows` likewise)."""
     cfg = mcfg.dsa
     h = weights.embed[tokens]  # [B, R, D]
     new_states, sel, sel0, hs = [], None, None, []
@@ -431,7 +439,7 @@ def forward_unrolled(mcfg: ModelConfig, weights: ModelWeights, states, tokens: j
         h = _island(h, layer_barrier)
         hs.append(h)
         y, st, sel = step(cfg, lw, st, rms_norm_op(cfg, h, weights.norms[i], cfg.rms_norm_eps),
-                          n_new, shared)
+                          n_new, shared, attend_rows=attend_rows)
         sel0 = sel if sel0 is None else sel0
         h = h + y
         new_states.append(st)

@@ -126,7 +126,9 @@ def iteration(prog: Program, weights: StackedWeights, dweights, sv: Serving
                                                    max_draft)
         rows = rows.at[:, 1:k + 1].set(drafts)
     n_new = jnp.where(active, 1 + drafted, 0)  # [B]
-    logits, ms, sel = forward(prog.mcfg, weights, ms, rows, n_new)  # [B, R, V]
+    # n_new <= 1 + k: the padded rows past the drafts are never attended
+    logits, ms, sel = forward(prog.mcfg, weights, ms, rows, n_new,
+                              attend_rows=1 + k)  # [B, R, V]
     at = lengths[:, None] + 1 + jnp.arange(r)  # [B, R] where each row's token goes
     target = sample_tokens(prog.sampling, logits, sl.keys, at)  # [B, R]
     accepted = jnp.zeros((b,), jnp.int32)

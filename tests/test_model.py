@@ -57,6 +57,39 @@ def test_scanned_equals_unrolled_bitwise(pattern):
     assert not np.isnan(np.asarray(logits)).any()
 
 
+def test_attend_rows_keeps_every_bit_and_poisons_a_broken_promise(kernel_impl):
+    """`forward(attend_rows=1)` (the plain decode loop's): decode-shaped rows, the first one
+    real, give the same logits, selection and caches as attending every row, in the scanned
+    and the unrolled form; a real row past the promise gets NaN logits, never a silent
+    value."""
+    mcfg = M.ModelConfig(CFG.replace(indexer_types=IRREGULAR, implementation=kernel_impl),
+                         vocab_size=37)
+    weights = M.init_model(mcfg, jax.random.key(2))
+    stacked = M.stack_weights(mcfg, weights)
+    b, nb, r = 3, 40, CFG.max_verify
+    ms = M.init_model_state(mcfg, b, nb, _tables(b, nb, CFG.blocks_per_seq, 4))
+    rng = np.random.default_rng(5)
+    fwd = jax.jit(M.forward, static_argnums=0, static_argnames="attend_rows")
+    unrolled = jax.jit(M.forward_unrolled, static_argnums=0, static_argnames="attend_rows")
+    # A ragged prompt (selection bites past 4 * index_topk tokens), then decode-shaped rows.
+    for rows, n_new in [(48, [48, 37, 44]), (r, [1, 1, 0]), (r, [1, 0, 1])]:
+        tokens = jnp.asarray(rng.integers(0, 37, (b, rows)), jnp.int32)
+        n = jnp.asarray(n_new, jnp.int32)
+        if rows == r:
+            states = tuple(M.unfold_state(mcfg, ms))
+            cut = fwd(mcfg, stacked, ms, tokens, n, attend_rows=1)
+            cut_unrolled = unrolled(mcfg, weights, states, tokens, n, attend_rows=1)
+            assert_bitwise(cut_unrolled[0], cut[0])
+        logits, ms, sel = fwd(mcfg, stacked, ms, tokens, n)
+        if rows == r:
+            assert_bitwise((cut[0], cut[2]), (logits, sel))
+            assert_bitwise(cut[1], ms)
+            assert not np.isnan(np.asarray(logits)[:, 0]).any()
+    broken = fwd(mcfg, stacked, ms, tokens, jnp.asarray([2, 1, 1], jnp.int32), attend_rows=1)
+    got = np.asarray(broken[0])
+    assert np.isnan(got[0, 1]).all() and not np.isnan(got[:, 0]).any()
+
+
 def test_fold_unfold_round_trip_and_refusals():
     mcfg = M.ModelConfig(CFG.replace(indexer_types=IRREGULAR), vocab_size=37)
     ms = M.init_model_state(mcfg, 2, 24, _tables(2, 24, CFG.blocks_per_seq, 4))
