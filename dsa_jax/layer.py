@@ -113,9 +113,10 @@ def step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, n_n
     `jax.jit` (donate the state) to serve; `decode`, `decode_k` and `prefill` wrap it.
     select: `select_pools` or a function with its arguments and result (the sharded step
     splits the rows' selection over tensor-parallel ranks with it). attend_rows: static; the
-    gather-attend runs on the first `attend_rows` rows only (a promise: `n_new <= attend_rows`
-    for every sequence; a real row past it gets NaN outputs, never a silent zero), so that a
-    decode padded to `max_verify` rows skips its padded rows' attend: `decode`, `decode_k`,
+    selection and the gather-attend run on the first `attend_rows` rows only (a promise:
+    `n_new <= attend_rows` for every sequence; a real row past it gets NaN outputs and selects
+    nothing, never a silent value), so that a decode padded to `max_verify` rows skips its
+    padded rows' selection and attend (`cut_rows`): `decode`, `decode_k`,
     `prefill` and the sharded steps pass their call's row count (the same bits, measured on
     the H200: benchmarks/results/h200-decode-variants-20261201-s4.json).
 
@@ -127,8 +128,10 @@ def step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, n_n
     proj = project(cfg, weights, x)
     state, pos, valid = _write_rows(cfg, weights, state, proj, n_new)
     if weights.has_indexer:
-        pools = select(cfg, proj.qi, proj.w, state.pool_keys, pos, valid)  # [B, R, k]
-        sel = expand_selection(cfg, pools, pos, valid)  # [B, R, W]
+        k = cut_rows(cfg, attend_rows, x.shape[1])
+        qi, w, pos_k, valid_k = first_rows(k, proj.qi, proj.w, pos, valid)
+        pools = select(cfg, qi, w, state.pool_keys, pos_k, valid_k)  # [B, k, n]
+        sel = pad_rows(expand_selection(cfg, pools, pos_k, valid_k), x.shape[1])  # [B, R, W]
     else:
         sel = jnp.where(valid[..., None], shared_sel, -1)
     o_latent = attend_first_rows(cfg, state, proj.q_abs, sel, valid, live_rows(cfg, x),
@@ -151,7 +154,7 @@ def attend_first_rows(cfg: DsaConfig, state: DsaState, q_abs: jax.Array, sel: ja
     r = q_abs.shape[1]
     if resolve(cfg.implementation) == "xla":
         return attend(cfg, state, q_abs, sel, live, dtype=dtype)
-    if rows is None or rows >= r:
+    if cut_rows(cfg, rows, r) is None:
         # Behind a barrier like the cut's block below: the U_v GEMM takes the same plain
         # operand in every program, whatever `rows` is (and the model's scan, which calls this
         # too). A max_verify-row verify differed from its serial decodes in y's last bits on
@@ -164,6 +167,28 @@ def attend_first_rows(cfg: DsaConfig, state: DsaState, q_abs: jax.Array, sel: ja
     # the Mosaic path, by its prep and its split merge): no slice, fill or update passes.
     o = attend(cfg, state, q_abs, sel, live, dtype=dtype, rows=rows, fill=fill)
     return lax.optimization_barrier(o)  # [B, R, Hl, C]: the U_v GEMM's operand, plain
+
+
+def cut_rows(cfg: DsaConfig, rows: int | None, r: int) -> int | None:
+    """The rows per sequence that a step of `r` rows promised to fill (`attend_rows`) selects
+    and attends, or None for all of them. The kernels work per row, so a row's selection and
+    attention are the same bits whether 1 or r rows run (decode == K-row verify); "xla" never
+    cuts (XLA compiles the dots of another row count in another order)."""
+    if rows is None or rows >= r or resolve(cfg.implementation) == "xla":
+        return None
+    return rows
+
+
+def first_rows(k: int | None, *arrays: jax.Array) -> tuple[jax.Array, ...]:
+    """Each `[B, R, ...]` array's first `k` rows per sequence (all of them when k is None)."""
+    return arrays if k is None else tuple(a[:, :k] for a in arrays)
+
+
+def pad_rows(sel: jax.Array, r: int) -> jax.Array:
+    """A selection of the first rows `[B, k, W]` -> `[B, r, W]`, the rows past k empty (-1)."""
+    if sel.shape[1] == r:
+        return sel
+    return jnp.pad(sel, ((0, 0), (0, r - sel.shape[1]), (0, 0)), constant_values=-1)
 
 
 def live_rows(cfg: DsaConfig, x: jax.Array) -> int:

@@ -46,7 +46,15 @@ from dsa_jax.attend import write_latents
 from dsa_jax.config import DsaConfig
 from dsa_jax.implementation import rms_norm_op
 from dsa_jax.indexer import pool_scores, write_index_rows
-from dsa_jax.layer import attend_first_rows, candidate_pools, live_rows, step
+from dsa_jax.layer import (
+    attend_first_rows,
+    candidate_pools,
+    cut_rows,
+    first_rows,
+    live_rows,
+    pad_rows,
+    step,
+)
 from dsa_jax.projection import output_projection, project, x_columns
 from dsa_jax.select import expand_selection, top_pools
 from dsa_jax.state import DsaState, init_state, ring_guard
@@ -314,10 +322,13 @@ def _block(cfg: DsaConfig, w: DsaWeights, caches: _Caches, rows: _Rows, layer, f
         view = write_index_rows(cfg, w, view, proj.xw, proj.xw, rows.pos,
                                 rows.valid & (rows.pos < tmax), full,
                                 cols=(at["k"][0], at["g"][0]))
-        scores = pool_scores(cfg, proj.qi, proj.w, view.pool_keys,
-                             candidate_pools(cfg, rows.pos, rows.valid),
-                             pools=(full * npool, npool))  # [B, R, P]: keys read in place
-        sel = expand_selection(cfg, top_pools(cfg, scores), rows.pos, rows.valid)
+        # As `layer.step` selects: the first rows it promised to fill (`cut_rows`).
+        k = cut_rows(cfg, rows.attend_rows, x.shape[1])
+        qi, wh, pos, valid = first_rows(k, proj.qi, proj.w, rows.pos, rows.valid)
+        scores = pool_scores(cfg, qi, wh, view.pool_keys, candidate_pools(cfg, pos, valid),
+                             pools=(full * npool, npool))  # [B, k, P]: keys read in place
+        sel = pad_rows(expand_selection(cfg, top_pools(cfg, scores), pos, valid),
+                       x.shape[1])  # [B, R, W]
     else:
         sel = jnp.where(rows.valid[..., None], shared_sel, -1)
     # As `layer.step` hands it to the output projection (the same ops in both programs).

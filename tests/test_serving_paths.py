@@ -248,13 +248,17 @@ def test_serving_errors_name_value_and_limit_and_leave_state_usable():
     assert np.asarray(state.lengths).tolist() == [14, 14]
 
 
-def test_attend_on_the_first_rows_keeps_every_bit_and_poisons_a_broken_promise(kernel_impl):
-    """`layer.step(..., attend_rows=1)` (what a decode runs: its padded rows skip the
-    gather-attend) returns the bits of the step attending every row, for the Pallas kernels;
-    a sequence with more real rows than promised gets NaN in those rows' outputs."""
+@pytest.mark.parametrize("context", [21, 61])
+def test_attend_on_the_first_rows_keeps_every_bit_and_poisons_a_broken_promise(kernel_impl,
+                                                                                context):
+    """`layer.step(..., attend_rows=1)` (what a decode runs: its padded rows skip the selection
+    and the gather-attend) returns the bits of the step running every row, for the Pallas
+    kernels, before and after the selection bites (past 4 * index_topk = 48 tokens); a
+    sequence with more real rows than promised gets NaN in those rows' outputs and selects
+    nothing there."""
     cfg = ODD.replace(implementation=kernel_impl)
     weights = _weights(cfg, 3)
-    base = random_state(cfg, weights, 3, 21, 21)
+    base = random_state(cfg, weights, 3, context, 21)
     x = random_rows(5, 3, cfg.max_verify, cfg.hidden_size)  # [B, R, D]
 
     def run(n_new, rows):
@@ -262,6 +266,8 @@ def test_attend_on_the_first_rows_keeps_every_bit_and_poisons_a_broken_promise(k
         return f(weights, copy_tree(base), x, jnp.asarray(n_new, jnp.int32))
 
     assert_trees_bitwise_equal(run([1, 1, 0], 1), run([1, 1, 0], None))
-    y = np.asarray(run([2, 1, 0], 1)[0])  # [B, R, D]
+    cut = run([2, 1, 0], 1)
+    y, sel = np.asarray(cut[0]), np.asarray(cut[2])  # [B, R, D], [B, R, W]
     assert np.isnan(y[0, 1]).all()
     assert np.isfinite(y[0, 0]).all() and np.isfinite(y[1:]).all()
+    assert (sel[0, 1] == -1).all() and (np.asarray(run([2, 1, 0], None)[2])[0, 1] >= 0).any()
