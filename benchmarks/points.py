@@ -220,8 +220,9 @@ def _selection_points(cfg, plan: Plan) -> list[Point]:
               f"selection (pool scores, top-k, expansion), {b} sequences, 1 row each, "
               f"context {ctx}", time_at_most(40.0), {"batch": b, "rows": 1, "ctx": ctx}),
         Point(f"selection-b{b}-r{r}", "selection", "selection",
-              f"the same selection as the padded decode step runs it ({r} rows per sequence, "
-              f"all but the first padding)", time_at_most(60.0),
+              f"the same selection over {r} rows per sequence, all but the first padding (as "
+              f"the padded decode step ran it before it selected its real row only)",
+              time_at_most(60.0),
               {"batch": b, "rows": r, "ctx": ctx}),
     ]
 
