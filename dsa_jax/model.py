@@ -298,7 +298,7 @@ class _Rows(NamedTuple):
     tables: jax.Array  # [B, MB] int32: block tables, -1 where not a block of the pool
     kv_scale: jax.Array  # [L] f32
     live_rows: int  # static work-split hint for the attend (as `layer.step` gives it)
-    attend_rows: int | None  # static: the attend's rows per sequence (`layer.step`'s promise)
+    attend_rows: int | None  # static: rows per sequence selected and attended (`layer.step`'s)
 
 
 def _block(cfg: DsaConfig, w: DsaWeights, caches: _Caches, rows: _Rows, layer, full,
@@ -402,9 +402,9 @@ def forward(mcfg: ModelConfig, weights: StackedWeights, ms: ModelState, tokens: 
     to measure or diagnose without it (benchmarks/h200_scan_check.py). hidden: also return
     every layer's input rows `[L, B, R, D]` (a fourth output, to find the first layer two
     programs differ in; it changes the program). attend_rows: static, `layer.step`'s promise
-    (`n_new <= attend_rows`): every layer's gather-attend runs on the first `attend_rows` rows
-    only, the same bits for those rows (a plain decode loop pads to max_verify rows and
-    attends one)."""
+    (`n_new <= attend_rows`): every layer's selection and gather-attend run on the first
+    `attend_rows` rows only, the same bits for those rows (a plain decode loop pads to
+    max_verify rows and fills one)."""
     cfg = mcfg.dsa
     b, r = tokens.shape
     nl, nb = ms.latent.shape[:2]
