@@ -196,3 +196,20 @@ def test_weights_in_place_programs(stacked, plain):
                                          strict=True)] == got
     spec = serve.Program(MCFG, SAMPLED, speculate=3, weights_in_place=False)
     assert serve.generate(spec, stacked, None, PROMPTS, LIMITS, tokens_per_dispatch=8) == got
+
+
+def test_speculation_equals_plain_under_the_kernels_with_the_row_cut():
+    """Under the kernels the loop selects and attends only the rows a step can fill (a plain
+    step 1, a speculative round 1 + k: `forward(..., attend_rows=)`); the drafts' rows must
+    still be selected and attended, so speculative tokens equal plain ones. Prompts past
+    4 * index_topk tokens, where the selection bites. (On the CPU "xla" never cuts, so the
+    tests above cannot see the cut.)"""
+    mcfg = M.ModelConfig(MCFG.dsa.replace(implementation="pallas-interpret"), vocab_size=37)
+    stacked = M.stack_weights(mcfg, M.init_model(mcfg, jax.random.key(0)))
+    motif = np.random.default_rng(3).integers(0, 37, (2, 5))
+    prompts = [np.resize(m, n).tolist() for m, n in zip(motif, (53, 58), strict=True)]
+    plain = serve.generate(serve.Program(mcfg), stacked, None, prompts, [6, 5],
+                           tokens_per_dispatch=8)
+    spec = serve.generate(serve.Program(mcfg, speculate=3), stacked, None, prompts, [6, 5],
+                          tokens_per_dispatch=8)
+    assert spec == plain and [len(t) for t in plain] == [6, 5]
