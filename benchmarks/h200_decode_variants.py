@@ -63,7 +63,11 @@ VARIANTS = {"now": (True, False, None, None, None), "before": (False, False, Non
             # autotuning off alone leaves XLA's Triton GEMMs on default tiles, ~5x slower at
             # b1 in a fresh process (h200-decode-variants-20261201-s7-autotune0-p2.json).
             "cublas0": (True, False, {**NO_TRITON_GEMM, "xla_gpu_autotune_level": 0}, None,
-                        None)}
+                        None),
+            # The row-invariant GEMMs (cfg.gemm = "pallas", pallas/matmul.py): the decode runs
+            # its one row per sequence instead of max_verify (`layer.decode_rows`).
+            "rowgemm": (True, False, None, None, None)}
+CFG_CHANGES = {"rowgemm": {"gemm": "pallas"}}  # variant -> config fields it changes
 
 
 def attend_first_rows_head_major(cfg, state, q_abs, sel, valid, live, rows, dtype=jnp.float32):
@@ -131,6 +135,7 @@ def run(cfg, weights, b: int, ctx: int, name: str, smoke: bool,
 def _run(cfg, weights, b: int, ctx: int, name: str, smoke: bool, hlo_dir: str | None,
          top: int) -> dict:
     cut, triton, options, pair, _ = VARIANTS[name]
+    cfg = cfg.replace(**CFG_CHANGES.get(name, {}))
     layer.attend_first_rows, layer.output_projection = PAIRS[pair]
     layer.top_pools = functools.partial(select.top_pools, tuning=pool_topk.PoolTopkTuning(
         backend="auto" if triton else "pallas"))
@@ -143,7 +148,8 @@ def _run(cfg, weights, b: int, ctx: int, name: str, smoke: bool, hlo_dir: str | 
 
     step = bitwise_jit(fresh, static_argnames=("cfg", "attend_rows"),
                        donate_argnames=("state",), compiler_options=options)
-    runner = StepRunner(cfg, weights, b, 1, cfg.max_verify, ctx - 40, 4242 + b, step=step)
+    runner = StepRunner(cfg, weights, b, 1, layer.decode_rows(cfg, "decode"), ctx - 40,
+                        4242 + b, step=step)
     runner.kwargs = dict(attend_rows=1) if cut else {}
     jax.block_until_ready(runner())
     t = measure(runner, warmup=2, groups=3 if smoke else 10, inner=2 if smoke else 10,

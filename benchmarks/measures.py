@@ -40,7 +40,8 @@ def run_step(suite, impl: str, tp: int, num_seqs: int, k: int, ctx: int,
     p = suite.plan
     start = max(0, ctx - p.inner * k)
     weights = suite.weights_for(tp)
-    runner = StepRunner(cfg, weights, num_seqs, k, cfg.max_verify, start,
+    runner = StepRunner(cfg, weights, num_seqs, k,  # the rows decode / decode_k run
+                        layer.decode_rows(cfg, "decode" if k == 1 else "verify"), start,
                         1000 + num_seqs * 7 + k + ctx)
     jax.block_until_ready(runner.state)
     size0 = jit_cache_size(STEP)

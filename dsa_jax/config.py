@@ -19,6 +19,7 @@ CACHE_DTYPES = ("float8_e4m3fn", "bfloat16", "float32")
 INDEX_CACHE_DTYPES = ("bfloat16", "float32")
 PARAM_DTYPES = ("bfloat16", "float32")
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas-interpret")
+GEMMS = ("xla", "pallas")
 INDEXER_TYPES = ("full", "shared")
 # HF `layer_types` entries of a DSA layer (the name changed between transformers releases).
 DSA_LAYER_TYPES = ("indexed_attention", "deepseek_sparse_attention", "full_attention")
@@ -87,6 +88,11 @@ class DsaConfig:
     # "xla", "pallas", "pallas-interpret" (the kernels in Pallas interpret mode, any backend:
     # tests and debugging), or "auto" (pallas on a GPU, xla elsewhere).
     implementation: str = "auto"
+    # The decode and verify rows' GEMMs: "xla" (XLA's, whose bits for a row depend on how many
+    # rows share the GEMM, so a decode runs every sequence's max_verify rows to match a
+    # verify), or "pallas" (`pallas/matmul.py`, a row's bits the same at any row count, so a
+    # decode runs its one row) wherever the kernels run (`implementation`); bf16 weights.
+    gemm: str = "xla"
 
     def __post_init__(self):
         if isinstance(self.indexer_types, list):
@@ -135,6 +141,10 @@ class DsaConfig:
                  f"param_dtype must be one of {PARAM_DTYPES}, got {self.param_dtype!r}")
         _require(self.implementation in IMPLEMENTATIONS,
                  f"implementation must be one of {IMPLEMENTATIONS}, got {self.implementation!r}")
+        _require(self.gemm in GEMMS, f"gemm must be one of {GEMMS}, got {self.gemm!r}")
+        _require(self.gemm == "xla" or self.param_dtype == "bfloat16",
+                 f"gemm='pallas' runs bf16 weights (the kernel's MMA operands); param_dtype "
+                 f"is {self.param_dtype!r}: use gemm='xla' for it")
         _require(len(self.indexer_types) >= 1, "indexer_types must name at least one layer")
         for i, kind in enumerate(self.indexer_types):
             _require(kind in INDEXER_TYPES,

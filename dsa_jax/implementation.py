@@ -20,6 +20,7 @@ import jax
 from dsa_jax.pallas import (
     index_write,
     latent_write,
+    matmul,
     pool_scores,
     pool_topk,
     rms_norm,
@@ -68,9 +69,19 @@ pool_topk_op = Op("pool_topk", pool_topk.pool_topk_xla, pool_topk.pool_topk_pall
 sparse_attend_op = Op("sparse_attend", sparse_attend.sparse_attend_xla,
                       sparse_attend.sparse_attend_pallas)
 rms_norm_op = Op("rms_norm", rms_norm.rms_norm_xla, rms_norm.rms_norm_pallas)
+# The decode and verify rows' GEMMs under `cfg.gemm == "pallas"` (`row_gemms`).
+matmul_op = Op("matmul", matmul.matmul_xla, matmul.matmul_pallas)
+per_head_op = Op("per_head", matmul.per_head_xla, matmul.per_head_pallas)
 
 OPS: dict[str, Op] = {op.name: op for op in (latent_write_op, index_write_op, pool_scores_op,
-                                             pool_topk_op, sparse_attend_op, rms_norm_op)}
+                                             pool_topk_op, sparse_attend_op, rms_norm_op,
+                                             matmul_op, per_head_op)}
+
+
+def row_gemms(cfg) -> bool:
+    """Whether a decode's and a verify's GEMMs are the row-invariant kernels (`cfg.gemm` is
+    "pallas" and the kernels run): a decode then runs its own row, not max_verify."""
+    return cfg.gemm == "pallas" and resolve(cfg.implementation) != "xla"
 
 
 def pallas_kernels_present() -> bool:

@@ -6,7 +6,9 @@ config's ceiling (live extents are data), so one compile serves every context le
 donate the state so the caches are updated in place (the public calls donate the fields a
 step changes; the new state shares the scale and block tables with the old one). `decode`
 and `decode_k` pad each sequence's rows to `cfg.max_verify`, so a K-row verify and K serial
-decodes run the same shapes, hence the same per-row reductions: bit-identical results.
+decodes run the same shapes, hence the same per-row reductions: bit-identical results (with
+`cfg.gemm == "pallas"`, whose GEMMs give a row the same bits at any row count, a decode runs
+its one row: `decode_rows`).
 
 Two public pieces serve every caller (these functions, the NNX module, the sharded steps,
 the engine): `prepare_step` (host side: row layout, row counts, checks) and `step` (the pure,
@@ -36,7 +38,7 @@ from jax import lax
 from dsa_jax.attend import attend, write_latents
 from dsa_jax.bitwise import bitwise_jit
 from dsa_jax.config import DsaConfig
-from dsa_jax.implementation import resolve
+from dsa_jax.implementation import resolve, row_gemms
 from dsa_jax.indexer import pool_scores, write_index_rows
 from dsa_jax.mirror import host_numbers, known, remember
 from dsa_jax.projection import output_projection, project, project_kv, x_columns
@@ -136,7 +138,7 @@ def step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, n_n
         sel = jnp.where(valid[..., None], shared_sel, -1)
     o_latent = attend_first_rows(cfg, state, proj.q_abs, sel, valid, live_rows(cfg, x),
                                  attend_rows, weights.u_v.dtype)  # [B, R, Hl, C]
-    y = output_projection(weights, o_latent)  # [B, R, D]
+    y = output_projection(weights, o_latent, cfg)  # [B, R, D]
     return y, _advance(cfg, state, n_new), sel
 
 
@@ -204,9 +206,10 @@ def live_rows(cfg: DsaConfig, x: jax.Array) -> int:
 class RowLayout:
     """How a call's rows map onto the step's rows (static: part of the compiled program).
 
-    rows: rows per sequence the step runs (`cfg.max_verify` for a decode or verify, so K serial
-    decodes and one K-row verify run the same shapes: the bit-identity guarantee); k: the
-    call's real rows per sequence; squeeze: a decode (x [B, D], outputs [B, ...]).
+    rows: rows per sequence the step runs (`decode_rows`: `cfg.max_verify` for a decode or
+    verify, so K serial decodes and one K-row verify run the same shapes: the bit-identity
+    guarantee; 1 for a decode under row-invariant GEMMs); k: the call's real rows per
+    sequence; squeeze: a decode (x [B, D], outputs [B, ...]).
     """
     rows: int
     k: int
@@ -235,6 +238,14 @@ class RowLayout:
 
 
 STEP_KINDS = ("prefill", "decode", "verify", "kv")
+
+
+def decode_rows(cfg: DsaConfig, kind: str) -> int:
+    """Rows per sequence a "decode" or "verify" step runs: `cfg.max_verify`, so that K serial
+    decodes and one K-row verify run the same shapes (XLA's GEMMs give a row other bits at
+    another row count); a decode's own row under `row_gemms` (row-invariant GEMMs: a row has
+    the same bits at any row count, as have the kernels after them)."""
+    return 1 if kind == "decode" and row_gemms(cfg) else cfg.max_verify
 # One object per layout: the jitted step takes it as a static argument, and the same object
 # every call is the cheapest cache hit there is.
 _row_layout = functools.cache(RowLayout)
@@ -268,7 +279,7 @@ def prepare_step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Ar
         if not 1 <= k <= cfg.max_verify:
             raise StepError(f"a {k}-row verify does not fit max_verify {cfg.max_verify} "
                             f"(rows must be in [1, {cfg.max_verify}])")
-        layout = _row_layout(cfg.max_verify, k, kind == "decode")
+        layout = _row_layout(decode_rows(cfg, kind), k, kind == "decode")
     else:
         layout = _row_layout(k, k, False)
     if kind == "prefill":

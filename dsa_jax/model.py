@@ -335,7 +335,7 @@ def _block(cfg: DsaConfig, w: DsaWeights, caches: _Caches, rows: _Rows, layer, f
     o_latent = attend_first_rows(cfg, view, proj.q_abs, sel, rows.valid, rows.live_rows,
                                  rows.attend_rows, w.u_v.dtype)  # [B, R, Hl, C]
     caches = _Caches(view.latent, view.index_k, view.index_g, view.pool_keys)
-    return output_projection(w, o_latent), caches, sel
+    return output_projection(w, o_latent, cfg), caches, sel
 
 
 def _island(h: jax.Array, on: bool) -> jax.Array:
@@ -406,6 +406,12 @@ def forward(mcfg: ModelConfig, weights: StackedWeights, ms: ModelState, tokens: 
     `attend_rows` rows only, the same bits for those rows (a plain decode loop pads to
     max_verify rows and fills one)."""
     cfg = mcfg.dsa
+    if cfg.gemm != "xla":
+        # The scan slices each layer's weights out of the stacked ones; XLA's GEMMs read the
+        # slice in place (serve.IN_PLACE_WEIGHTS), a Pallas call would take a copy of every
+        # layer's weights per token.
+        raise ModelError(f"the scanned model runs XLA's GEMMs (gemm='xla'); this config has "
+                         f"gemm={cfg.gemm!r}: use cfg.replace(gemm='xla') for the model")
     b, r = tokens.shape
     nl, nb = ms.latent.shape[:2]
     rows = _Rows(pos=ms.lengths[:, None] + jnp.arange(r, dtype=jnp.int32),

@@ -2,8 +2,11 @@
 the indexer's query), the output.
 
 Matmuls take the weights' dtype and accumulate in fp32; norms and everything after the GEMMs
-are fp32. Row shapes are whatever the caller passes: decode and verify pass the same padded
-`[B, max_verify]` rows so that each row's reductions are identical in both (docs/spec.md).
+are fp32. Row shapes are whatever the caller passes. With XLA's GEMMs decode and verify pass
+the same padded `[B, max_verify]` rows so that each row's reductions are identical in both
+(docs/spec.md); with `cfg.gemm == "pallas"` the rows of a decode or verify (at most
+max_verify per sequence) go through the row-invariant kernels (`pallas/matmul.py`), whose
+rows have the same bits at any row count, and a decode passes its one row.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from dsa_jax.config import DsaConfig
-from dsa_jax.implementation import rms_norm_op
+from dsa_jax.implementation import matmul_op, per_head_op, rms_norm_op, row_gemms
+from dsa_jax.pallas.matmul import matmul_xla, per_head_xla
 from dsa_jax.pallas.rms_norm import rms_norm_xla as rms_norm  # the definition (public)
 from dsa_jax.weights import DsaWeights
 
@@ -46,53 +50,57 @@ def _cols(xw: jax.Array, where: tuple[int, int]) -> jax.Array:
     return xw[..., where[0]:where[0] + where[1]]
 
 
-# fp32 weights mean fp32 arithmetic: without HIGHEST a GPU runs fp32 dots as tf32 (~1e-3).
-# For bf16 weights the precision flag changes nothing.
-HIGHEST = lax.Precision.HIGHEST
-
-
-def matmul(v: jax.Array, w: jax.Array) -> jax.Array:
+def matmul(v: jax.Array, w: jax.Array, cfg: DsaConfig | None = None) -> jax.Array:
     """`v [..., in] @ w.T` for an `[out, in]` weight -> `[..., out]` f32: operands in the
-    weight dtype, fp32 accumulation. Every GEMM of the block is this one op (public so that a
-    benchmark can time other arrangements of the same GEMMs)."""
-    return jnp.einsum("...i,oi->...o", v.astype(w.dtype), w, precision=HIGHEST,
-                      preferred_element_type=jnp.float32)
+    weight dtype, fp32 accumulation (HIGHEST: fp32 weights mean fp32 arithmetic, not a GPU's
+    tf32). Every GEMM of the block is this one op (public so that a benchmark can time other
+    arrangements of the same GEMMs). cfg: the row-invariant kernel where `_kernel_rows` says
+    so; XLA's dot without it."""
+    if cfg is not None and _kernel_rows(cfg, v.shape[:-1]):
+        return matmul_op(cfg, v, w)
+    return matmul_xla(v, w)
 
 
-def per_head(v: jax.Array, w: jax.Array, w_contract: int) -> jax.Array:
+def per_head(v: jax.Array, w: jax.Array, w_contract: int, cfg: DsaConfig | None = None
+             ) -> jax.Array:
     """`v [..., H, K]` times each head's `w [H, ., .]` (contracting `w`'s axis `w_contract`)
-    -> `[..., H, N]`, fp32 accumulation: the per-head products with `U_k` and `U_v`.
+    -> `[..., H, N]`, fp32 accumulation: the per-head products with `U_k` and `U_v`. cfg: as
+    `matmul`'s.
 
-    Written as a dot_general with the head axis as its batch axis: XLA:CPU has no bf16 dot
-    for the operand order that `einsum` lowers this to.
+    XLA's is a dot_general with the head axis as its batch axis: XLA:CPU has no bf16 dot for
+    the operand order that `einsum` lowers this to.
     """
-    lead = v.shape[:-2]
-    rows = v.reshape(-1, *v.shape[-2:]).astype(w.dtype)  # [N, H, K]
-    out = lax.dot_general(rows, w, (((2,), (w_contract,)), ((1,), (0,))), precision=HIGHEST,
-                          preferred_element_type=jnp.float32)  # [H, N, Nout]
-    return jnp.swapaxes(out, 0, 1).reshape(*lead, *out.shape[::2])
+    if cfg is not None and _kernel_rows(cfg, v.shape[:-2]):
+        return per_head_op(cfg, v, w, w_contract)
+    return per_head_xla(v, w, w_contract)
+
+
+def _kernel_rows(cfg: DsaConfig, lead: tuple[int, ...]) -> bool:
+    """Rows `lead` (`[B, R]`) of a decode or verify (R <= max_verify) under `row_gemms`: the
+    GEMMs whose rows a decode must reproduce bit for bit. A prompt's rows keep XLA's GEMMs."""
+    return row_gemms(cfg) and len(lead) >= 1 and lead[-1] <= cfg.max_verify
 
 
 def project(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> Projections:
     """`x [..., D]` -> every per-token quantity the block needs."""
     Hl, Dn, Hi, Di = cfg.local_heads, cfg.qk_nope_head_dim, cfg.index_n_heads, cfg.index_head_dim
     at = x_columns(cfg)
-    xw = matmul(x, weights.x_proj)  # [..., Nx]
+    xw = matmul(x, weights.x_proj, cfg)  # [..., Nx]
     # The norm reads its columns of xw in place and writes the q GEMMs' operand dtype (the
     # rounding they would apply): no slice, no conversion pass. fp32 where the two differ.
     dt = {w.dtype for w in (weights.q_proj, weights.qi_proj) if w is not None}
     q_resid = rms_norm_op(cfg, xw, weights.q_a_norm, cfg.rms_norm_eps, cols=at["q_a"],
                           dtype=dt.pop() if len(dt) == 1 else jnp.float32)  # [..., R_q]
     kv_raw = _cols(xw, at["kv"])  # [..., C]
-    q = matmul(q_resid, weights.q_proj).reshape(*xw.shape[:-1], Hl, Dn)  # [..., Hl, Dn]
-    q_abs = per_head(q, weights.u_k, 1)  # [..., Hl, C]
+    q = matmul(q_resid, weights.q_proj, cfg).reshape(*xw.shape[:-1], Hl, Dn)  # [..., Hl, Dn]
+    q_abs = per_head(q, weights.u_k, 1, cfg)  # [..., Hl, C]
     if not weights.has_indexer:
         return Projections(q_abs, kv_raw, None, None, None, None, xw)
     # The indexer's query: its own GEMM, of one shape at every TP degree (weights.py). The
     # barrier gives it an operand of its own: XLA:GPU's dot merger would otherwise merge it
     # with the q_b GEMM above (shared operand, a small weight) into one GEMM of a
     # degree-dependent shape over a concatenation of the two weights copied every call.
-    qi = matmul(lax.optimization_barrier(q_resid), weights.qi_proj)  # [..., Hi*Di]
+    qi = matmul(lax.optimization_barrier(q_resid), weights.qi_proj, cfg)  # [..., Hi*Di]
     qi = qi.reshape(*xw.shape[:-1], Hi, Di)
     return Projections(q_abs, kv_raw, qi, _cols(xw, at["k"]), _cols(xw, at["g"]),
                        _cols(xw, at["w"]), xw)
@@ -109,7 +117,9 @@ def project_kv(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> Projections
                        None)
 
 
-def output_projection(weights: DsaWeights, o_latent: jax.Array) -> jax.Array:
-    """Attended latents `[..., Hl, C]` -> `y [..., D]` (this rank's partial sum under TP)."""
-    o = per_head(o_latent, weights.u_v, 2)  # [..., Hl, Dv]
-    return matmul(o.reshape(*o.shape[:-2], -1), weights.o_proj)
+def output_projection(weights: DsaWeights, o_latent: jax.Array, cfg: DsaConfig | None = None
+                      ) -> jax.Array:
+    """Attended latents `[..., Hl, C]` -> `y [..., D]` (this rank's partial sum under TP).
+    cfg: as `matmul`'s (the step passes it)."""
+    o = per_head(o_latent, weights.u_v, 2, cfg)  # [..., Hl, Dv]
+    return matmul(o.reshape(*o.shape[:-2], -1), weights.o_proj, cfg)

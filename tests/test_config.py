@@ -29,6 +29,8 @@ HF_TEXT = {
     ({"max_context": 16384 + 2, "block_size": 2}, ["max_context (16386)", "index_kpool (4)"]),
     ({"cache_dtype": "int8"}, ["cache_dtype", "'int8'", "float8_e4m3fn"]),
     ({"implementation": "cuda"}, ["implementation", "'cuda'"]),
+    ({"gemm": "cublas"}, ["gemm must be one of", "'cublas'"]),
+    ({"gemm": "pallas", "param_dtype": "float32"}, ["gemm='pallas'", "'float32'"]),
     ({"num_heads": 0}, ["num_heads", "positive"]),
     ({"indexer_types": ("shared", "full")}, ["indexer_types[0]"]),
 ])

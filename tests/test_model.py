@@ -57,6 +57,17 @@ def test_scanned_equals_unrolled_bitwise(pattern):
     assert not np.isnan(np.asarray(logits)).any()
 
 
+def test_the_scanned_model_refuses_the_row_invariant_gemms():
+    """Its scan slices each layer's weights, which XLA's GEMMs read in place and a Pallas call
+    would copy per token: refused, naming the field, before anything is traced."""
+    cfg = CFG.replace(gemm="pallas", param_dtype="bfloat16", implementation="pallas-interpret")
+    mcfg = M.ModelConfig(cfg.replace(indexer_types=REGULAR), vocab_size=37)
+    weights = M.stack_weights(mcfg, M.init_model(mcfg, jax.random.key(1)))
+    ms = M.init_model_state(mcfg, 1, 30, _tables(1, 30, CFG.blocks_per_seq, 2))
+    with pytest.raises(M.ModelError, match="gemm='pallas'"):
+        M.forward(mcfg, weights, ms, jnp.zeros((1, 4), jnp.int32), jnp.ones((1,), jnp.int32))
+
+
 def test_attend_rows_keeps_every_bit_and_poisons_a_broken_promise(kernel_impl):
     """`forward(attend_rows=1)` (the plain decode loop's): decode-shaped rows, the first one
     real, give the same logits, selection and caches as attending every row, in the scanned

@@ -64,6 +64,42 @@ def test_decode_k_is_bit_identical_at_glm53_flash_per_rank_shapes(impl, tp):
             cfg, weights, base, random_rows(10 + k, 2, k, cfg.hidden_size, dtype=jnp.bfloat16))
 
 
+def test_a_decode_runs_its_own_row_under_row_invariant_gemms_and_equals_decode_k():
+    """`gemm="pallas"`: the GEMMs give a row the same bits at any row count, so a decode runs
+    1 row per sequence (not max_verify) and K serial decodes still equal one K-row verify, bit
+    for bit (the kernels in interpret mode; prompts straddle a pool boundary). Its outputs are
+    XLA's GEMMs' within fp32 accumulation differences, its selections the same."""
+    cfg = ODD.replace(implementation="pallas-interpret", gemm="pallas", param_dtype="bfloat16",
+                      cache_dtype="float8_e4m3fn", index_cache_dtype="bfloat16")
+    assert layer.decode_rows(cfg, "decode") == 1 and layer.decode_rows(cfg, "verify") == 4
+    assert layer.decode_rows(cfg.replace(gemm="xla"), "decode") == 4
+    weights = _weights(cfg, 4)
+    for prompt in (13, 16):
+        base = random_state(cfg, weights, 2, prompt, prompt, kv_scale=0.1)
+        for k in (1, 3):
+            _decode_k_equals_serial_decodes(cfg, weights, base,
+                                            random_rows(100 + k, 2, k, cfg.hidden_size))
+    x = random_rows(7, 2, 1, cfg.hidden_size)[:, 0]
+    y, _, sel = dsa_jax.decode(cfg, weights, copy_tree(base), x)
+    y_x, _, sel_x = dsa_jax.decode(cfg.replace(gemm="xla"), weights, copy_tree(base), x)
+    assert_trees_bitwise_equal(sel, sel_x)
+    chex.assert_trees_all_close(y, y_x, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [8, 1])
+def test_decode_k_is_bit_identical_with_row_invariant_gemms_at_glm53_flash_shapes(tp):
+    """As the test above at one rank's GLM-5.3-Flash shapes, compiled: 20 sequences, so the
+    decode's 20-row GEMMs (64-row tiles) meet the verify's 80-row ones (128-row tiles)."""
+    cfg = glm53_flash(max_context=4096, tp_degree=tp, implementation="pallas", gemm="pallas")
+    assert layer.decode_rows(cfg, "decode") == 1
+    weights = _weights(cfg)
+    base = random_state(cfg, weights, 20, 1533, 1, kv_scale=1 / 64, dtype=jnp.bfloat16)
+    for k in (1, 2, 4):
+        _decode_k_equals_serial_decodes(
+            cfg, weights, base, random_rows(10 + k, 20, k, cfg.hidden_size, dtype=jnp.bfloat16))
+
+
 @pytest.mark.gpu
 def test_decode_k_bits_hold_after_another_configs_programs():
     """The order in which a 4-row verify at TP 1 differed from its serial decodes in y's last

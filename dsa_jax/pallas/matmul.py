@@ -1,0 +1,206 @@
+"""Row-invariant GEMMs: `v @ w.T` and the per-head products as one Pallas Triton kernel whose
+tiles, K order and K split are fixed by the weight's shape alone, never by the number of rows.
+
+Why: XLA picks each GEMM's algorithm (a cuBLAS kernel, a split-K) per shape, so a row's bits
+depend on how many rows share the GEMM; the decode therefore computes every sequence's
+max_verify rows, so that its one real row gets the bits a verify gives it (layer.py). A tile of
+this kernel computes each of its rows alone (an MMA row does not read the others) over the same
+K chunks in the same order at any M: a row has the same bits in a 4-row GEMM and a 256-row one,
+which lets a decode run its own rows only.
+
+The definition is `projection.matmul` / `projection.per_head` (XLA's dot, fp32 accumulation);
+this kernel computes the same products with another summation order, within the bf16 operands'
+fp32-accumulation bound, and the same bits for a row at every M.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from dsa_jax.pallas.common import check_triton_addressable, with_overrides
+
+__all__ = ["MatmulTuning", "default_tuning", "matmul_pallas", "matmul_xla", "per_head_pallas",
+           "per_head_xla", "splits_for"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulTuning:
+    """Tiles of `matmul_pallas` / `per_head_pallas`.
+
+    A row's bits depend on `splits` (and on N and K), not on the tile shapes: an MMA row reads
+    no other row, and each tile sums its K chunks in order, 16 at a time, whatever block_k. On
+    the H200 every block_m (16, 64, 128), block_n, block_k, num_stages and num_warps tried gave
+    a row the same bits at every M; two splits did not (benchmarks/results/h200-gemm-*.json).
+    So `default_tuning` fixes `splits` from the weight's shape and picks the tiles per M.
+
+    block_m, block_n, block_k: the program's tile of rows, output columns and the K chunk of
+    one loop step (powers of two, >= 16). splits: K is cut into this many contiguous parts, one
+    program each, summed afterwards in split order (for GEMMs with few column tiles and a long
+    K). num_warps, num_stages: Triton's launch and software-pipelining depth. evict_weights:
+    the weight tiles' L2 eviction policy "evict_first" (a weight is streamed once per call)."""
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    evict_weights: bool = False
+
+
+def splits_for(n: int, k: int, heads: int = 1) -> int:
+    """The K split of an `[n, k]` weight (`heads` of them): enough 64-column programs to cover
+    the H200's 132 multiprocessors, with K parts of at least 512. The one tuning field a row's
+    bits depend on, so a function of the weight's shape alone."""
+    tiles, splits = heads * -(-n // 64), 1
+    while tiles * splits < 128 and k % (splits * 2 * 64) == 0 and k // (splits * 2) >= 512:
+        splits *= 2
+    return splits
+
+
+def default_tuning(n: int, k: int, heads: int = 1, m: int = 64) -> MatmulTuning:
+    """The tiles for `m` rows times an `[n, k]` weight (`heads` of them for the per-head
+    products): `splits_for(n, k, heads)`, whatever m (the rows' bits), and the tile shapes
+    measured fastest for m rows at the block's shapes (h200-gemm-20261201-s8-call2.json):
+    16-row tiles for a few rows, 128-row ones past 64, 128-deep K chunks for the long-K
+    GEMMs, deeper pipelines where a program's K part is long."""
+    splits = splits_for(n, k, heads)
+    block_k = 128 if heads == 1 and k % (splits * 128) == 0 else 64
+    while block_k > 16 and k % (splits * block_k):  # K chunks that end at K where they can
+        block_k //= 2
+    block_m = 16 if m <= 16 else 64 if m <= 64 else 128
+    block_n = 64 if n >= 64 else max(16, 1 << (max(n, 1) - 1).bit_length())
+    if (m > 64 or heads > 1) and n >= 128:
+        block_n = 128
+    stages = 5 if k // splits >= 4096 else 3
+    warps = 8 if block_m * block_n >= 128 * 128 else 4  # the accumulator over 256 threads
+    return MatmulTuning(block_m=block_m, block_n=block_n, block_k=block_k, splits=splits,
+                        num_warps=warps, num_stages=stages)
+
+
+def matmul_xla(v: jax.Array, w: jax.Array) -> jax.Array:
+    """The definition: `v [..., K] @ w.T` for an `[N, K]` weight -> `[..., N]` f32 (operands in
+    the weight's dtype, fp32 accumulation), as `projection.matmul` computes it."""
+    return jnp.einsum("...i,oi->...o", v.astype(w.dtype), w, precision=lax.Precision.HIGHEST,
+                      preferred_element_type=jnp.float32)
+
+
+def per_head_xla(v: jax.Array, w: jax.Array, w_contract: int) -> jax.Array:
+    """The definition: `v [..., H, K]` times each head's `w [H, ., .]` contracting `w`'s axis
+    `w_contract` (1: `w [H, K, N]`, 2: `w [H, N, K]`) -> `[..., H, N]` f32."""
+    lead = v.shape[:-2]
+    rows = v.reshape(-1, *v.shape[-2:]).astype(w.dtype)  # [M, H, K]
+    out = lax.dot_general(rows, w, (((2,), (w_contract,)), ((1,), (0,))),
+                          precision=lax.Precision.HIGHEST,
+                          preferred_element_type=jnp.float32)  # [H, M, N]
+    return jnp.swapaxes(out, 0, 1).reshape(*lead, *out.shape[::2])
+
+
+def _kernel(v_ref, w_ref, o_ref, *, m: int, n: int, k: int, bm: int, bn: int, bk: int,
+            tiles: int, splits: int, w_kn: bool, evict: str | None):
+    """Program (i, j, hs): rows i*bm.., columns j*bn.. of head hs // splits, K part hs % splits.
+
+    v_ref [M, H, K]; w_ref [H, N, K] (or [H, K, N] when w_kn); o_ref [S, M, H, N] f32, the
+    part's sum over its `tiles` K chunks, in order (columns past K read as zeros)."""
+    i, j, hs = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    h, s = hs // splits, lax.rem(hs, splits)
+    rows = i * bm + jnp.arange(bm, dtype=jnp.int32)  # [bm]
+    cols = j * bn + jnp.arange(bn, dtype=jnp.int32)  # [bn]
+    row_ok, col_ok = rows < m, cols < n
+
+    def chunk(t, acc):
+        ks = (s * tiles + t) * bk + jnp.arange(bk, dtype=jnp.int32)  # [bk]
+        k_ok = ks < k
+        a = plt.load(v_ref.at[rows[:, None], h, ks[None, :]],
+                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        a = a.astype(w_ref.dtype)  # [bm, bk]: the operand rounded as the definition rounds it
+        if w_kn:
+            b = plt.load(w_ref.at[h, ks[:, None], cols[None, :]],
+                         mask=k_ok[:, None] & col_ok[None, :], other=0.0,
+                         eviction_policy=evict)  # [bk, bn]
+            dims = (((1,), (0,)), ((), ()))
+        else:
+            b = plt.load(w_ref.at[h, cols[:, None], ks[None, :]],
+                         mask=col_ok[:, None] & k_ok[None, :], other=0.0,
+                         eviction_policy=evict)  # [bn, bk]
+            dims = (((1,), (1,)), ((), ()))
+        return acc + lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+    acc = lax.fori_loop(0, tiles, chunk, jnp.zeros((bm, bn), jnp.float32))  # [bm, bn]
+    plt.store(o_ref.at[s, rows[:, None], h, cols[None, :]], acc,
+              mask=(rows < m)[:, None] & col_ok[None, :])
+
+
+def _check(tuning: MatmulTuning, k: int) -> int:
+    """Refuse tiles Triton cannot take; return the K chunks per split."""
+    for name in ("block_m", "block_n", "block_k"):
+        b = getattr(tuning, name)
+        if b < 16 or b & (b - 1):
+            raise ValueError(f"MatmulTuning.{name}={b} must be a power of two >= 16 (Triton)")
+    tiles = -(-k // (tuning.splits * tuning.block_k)) if tuning.splits >= 1 else 0
+    if tuning.splits < 1 or (tuning.splits - 1) * tiles * tuning.block_k >= k:
+        raise ValueError(f"MatmulTuning.splits={tuning.splits} must be >= 1 and leave every "
+                         f"split some of K={k} in chunks of block_k={tuning.block_k}")
+    return tiles
+
+
+def _gemm(v: jax.Array, w: jax.Array, w_kn: bool, interpret: bool,
+          tuning: MatmulTuning) -> jax.Array:
+    """v [M, H, K] (any float dtype: rounded to w's in the kernel), w [H, N, K] or [H, K, N]
+    -> [M, H, N] f32."""
+    m, heads, k = v.shape
+    n = w.shape[2] if w_kn else w.shape[1]
+    tiles = _check(tuning, k)
+    if m == 0:
+        return jnp.zeros((0, heads, n), jnp.float32)
+    for name, arr in (("v", v), ("w", w)):
+        check_triton_addressable(arr.shape, arr.dtype, f"matmul's {name}")
+    t = tuning
+    grid = (pl.cdiv(m, t.block_m), pl.cdiv(n, t.block_n), heads * t.splits)
+    parts = pl.pallas_call(
+        functools.partial(_kernel, m=m, n=n, k=k, bm=t.block_m, bn=t.block_n, bk=t.block_k,
+                          tiles=tiles, splits=t.splits, w_kn=w_kn,
+                          evict="evict_first" if t.evict_weights else None),
+        out_shape=jax.ShapeDtypeStruct((t.splits, m, heads, n), jnp.float32),
+        grid=grid,
+        compiler_params=plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
+        interpret=interpret,
+        name="matmul",
+    )(v, w)  # [S, M, H, N]
+    out = parts[0]
+    for s in range(1, t.splits):  # split order, elementwise: the same for every row
+        out = out + parts[s]
+    return out
+
+
+def matmul_pallas(v: jax.Array, w: jax.Array, *, interpret: bool = False,
+                  tuning: MatmulTuning | None = None, **overrides) -> jax.Array:
+    """`matmul_xla` as the row-invariant kernel: `v [..., K]`, `w [N, K]` -> `[..., N]` f32.
+    tuning: the tiles (`default_tuning(N, K)` when None); overrides: single fields of it."""
+    n, k = w.shape
+    lead = v.shape[:-1]
+    rows = v.reshape(-1, 1, k)  # [M, 1, K]
+    tuning = with_overrides(tuning or default_tuning(n, k, 1, rows.shape[0]), overrides)
+    out = _gemm(rows, w[None], False, interpret, tuning)
+    return out.reshape(*lead, n)
+
+
+def per_head_pallas(v: jax.Array, w: jax.Array, w_contract: int, *, interpret: bool = False,
+                    tuning: MatmulTuning | None = None, **overrides) -> jax.Array:
+    """`per_head_xla` as the row-invariant kernel: `v [..., H, K]`, `w [H, K, N]` (w_contract
+    1) or `[H, N, K]` (2) -> `[..., H, N]` f32."""
+    if w_contract not in (1, 2):
+        raise ValueError(f"w_contract={w_contract} must be 1 or 2")
+    heads, k = w.shape[0], w.shape[w_contract]
+    n = w.shape[3 - w_contract]
+    lead = v.shape[:-2]
+    rows = v.reshape(-1, heads, k)  # [M, H, K]
+    tuning = with_overrides(tuning or default_tuning(n, k, heads, rows.shape[0]), overrides)
+    out = _gemm(rows, w, w_contract == 1, interpret, tuning)  # [M, H, N]
+    return out.reshape(*lead, heads, n)

@@ -1,0 +1,108 @@
+"""The row-invariant GEMM kernel (`pallas/matmul.py`) against its definition and against
+itself at other row counts: one body per check, run in Pallas interpret mode and (under
+`pytest -m gpu`) compiled for the GPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsa_jax.pallas import matmul as mm
+
+EPS32 = np.finfo(np.float32).eps
+
+
+def _operands(m, n, k, seed, dtype=jnp.bfloat16, heads=None, w_contract=None):
+    kv, kw = jax.random.split(jax.random.key(seed))
+    if heads is None:
+        v = jax.random.normal(kv, (m, k), jnp.float32)
+        w = jax.random.normal(kw, (n, k), jnp.float32)
+    else:
+        v = jax.random.normal(kv, (m, heads, k), jnp.float32)
+        w = jax.random.normal(kw, (heads, k, n) if w_contract == 1 else (heads, n, k),
+                              jnp.float32)
+    return v, (w * 0.1).astype(dtype)
+
+
+def _exact_and_bound(v, w, k, w_contract=None):
+    """The fp64 product of the operands as the kernel rounds them (v to w's dtype), and the
+    bound on an fp32 accumulation of K products, each exact in fp32 (16-bit operands): at most
+    K roundings of the running sum, each <= eps32 times the sum of |products| (gamma_K)."""
+    v16 = np.asarray(v.astype(w.dtype), np.float64)
+    w64 = np.asarray(w, np.float64)
+    if w_contract is None:
+        exact, mag = v16 @ w64.T, np.abs(v16) @ np.abs(w64).T
+    else:
+        spec = "mhk,hkn->mhn" if w_contract == 1 else "mhk,hnk->mhn"
+        exact, mag = np.einsum(spec, v16, w64), np.einsum(spec, np.abs(v16), np.abs(w64))
+    return exact, k * EPS32 * mag
+
+
+# (m, n, k, tuning overrides): partial row, column and K tiles, K splits that leave a short last
+# part, one row, 16-bit weights of both kinds.
+CASES = [(5, 40, 200, {}), (70, 100, 1536, {}), (1, 130, 4096, {}),
+         (33, 64, 300, {"splits": 3, "block_k": 32}), (17, 48, 96, {"block_n": 16})]
+
+
+@pytest.mark.parametrize("m,n,k,over", CASES)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_matmul_matches_the_definition(kernel_impl, m, n, k, over, dtype):
+    v, w = _operands(m, n, k, seed=m + n, dtype=dtype)
+    got = np.asarray(mm.matmul_pallas(v, w, interpret=kernel_impl == "pallas-interpret",
+                                      **over))
+    exact, bound = _exact_and_bound(v, w, k)
+    assert got.shape == (m, n) and got.dtype == np.float32
+    assert np.isfinite(got).all()
+    assert (np.abs(got - exact) <= bound).all(), np.max(np.abs(got - exact) / bound)
+    # The definition (XLA's dot) is within the same bound of the exact product.
+    ref = np.asarray(mm.matmul_xla(v, w))
+    assert (np.abs(ref - exact) <= bound).all()
+
+
+@pytest.mark.parametrize("w_contract", [1, 2])
+def test_per_head_matches_the_definition(kernel_impl, w_contract):
+    m, heads, n, k = 7, 3, 40, 24
+    v, w = _operands(m, n, k, seed=w_contract, heads=heads, w_contract=w_contract)
+    got = mm.per_head_pallas(v.reshape(1, m, heads, k), w, w_contract,
+                             interpret=kernel_impl == "pallas-interpret")
+    assert got.shape == (1, m, heads, n)
+    exact, bound = _exact_and_bound(v, w, k, w_contract)
+    got = np.asarray(got)[0]
+    assert (np.abs(got - exact) <= bound).all()
+    ref = np.asarray(mm.per_head_xla(v, w, w_contract))
+    assert (np.abs(ref - exact) <= bound).all()
+
+
+@pytest.mark.parametrize("n,k,heads", [(100, 1536, None), (130, 4096, None), (40, 24, 3)])
+def test_a_row_has_the_same_bits_at_every_row_count(kernel_impl, n, k, heads):
+    """The kernel's promise: the default tiles change with the row count (16-, 64- and
+    128-row tiles below), a row's bits do not. XLA's dot makes no such promise (on the H200 a
+    row's bits moved with M: benchmarks/results/h200-gemm-20261201-s8-call1.json)."""
+    interpret = kernel_impl == "pallas-interpret"
+    v, w = _operands(150, n, k, seed=n, heads=heads, w_contract=2)
+    run = ((lambda x: mm.matmul_pallas(x, w, interpret=interpret)) if heads is None else
+           (lambda x: mm.per_head_pallas(x, w, 2, interpret=interpret)))
+    full = np.asarray(run(v))
+    tiles = set()
+    for m in (1, 5, 16, 17, 64, 65):
+        tiles.add(mm.default_tuning(n, k, heads or 1, m).block_m)
+        assert np.array_equal(np.asarray(run(v[:m])), full[:m]), m
+    assert tiles == {16, 64, 128}
+
+
+def test_the_split_is_a_function_of_the_weight_shape_alone():
+    for n, k, heads in [(2336, 4096, 1), (4096, 16384, 1), (16384, 1536, 1), (512, 256, 64)]:
+        assert len({mm.default_tuning(n, k, heads, m).splits for m in (1, 4, 64, 256)}) == 1
+    assert mm.splits_for(4096, 16384) == 2 and mm.splits_for(16384, 1536) == 1
+
+
+def test_zero_rows_and_bad_tiles():
+    v, w = _operands(0, 40, 64, seed=1)
+    assert mm.matmul_pallas(v, w, interpret=True).shape == (0, 40)
+    v, w = _operands(3, 40, 64, seed=1)
+    with pytest.raises(ValueError, match="block_k=24 must be a power of two"):
+        mm.matmul_pallas(v, w, interpret=True, block_k=24)
+    with pytest.raises(ValueError, match="splits=4 must be >= 1 and leave every split"):
+        mm.matmul_pallas(v, w, interpret=True, splits=4, block_k=32)
+    with pytest.raises(ValueError, match="w_contract=3"):
+        mm.per_head_pallas(v.reshape(3, 1, 64), w.reshape(1, 40, 64), 3, interpret=True)
