@@ -127,13 +127,15 @@ PAIRS = {None: (layer.attend_first_rows, layer.output_projection),
 
 
 def run(cfg, weights, b: int, ctx: int, name: str, smoke: bool,
-        hlo_dir: str | None = None, top: int = 12) -> dict:
+        hlo_dir: str | None = None, top: int = 12, k: int = 1) -> dict:
     with glue_patch(VARIANTS[name][4]):  # traced (and lowered) inside the patch
-        return _run(cfg, weights, b, ctx, name, smoke, hlo_dir, top)
+        return _run(cfg, weights, b, ctx, name, smoke, hlo_dir, top, k)
 
 
 def _run(cfg, weights, b: int, ctx: int, name: str, smoke: bool, hlo_dir: str | None,
-         top: int) -> dict:
+         top: int, k: int = 1) -> dict:
+    """One variant's step at b sequences: a decode (k = 1) or a k-row verify, on the rows
+    `decode` / `decode_k` run (`layer.decode_rows`)."""
     cut, triton, options, pair, _ = VARIANTS[name]
     cfg = cfg.replace(**CFG_CHANGES.get(name, {}))
     layer.attend_first_rows, layer.output_projection = PAIRS[pair]
@@ -148,9 +150,10 @@ def _run(cfg, weights, b: int, ctx: int, name: str, smoke: bool, hlo_dir: str | 
 
     step = bitwise_jit(fresh, static_argnames=("cfg", "attend_rows"),
                        donate_argnames=("state",), compiler_options=options)
-    runner = StepRunner(cfg, weights, b, 1, layer.decode_rows(cfg, "decode"), ctx - 40,
-                        4242 + b, step=step)
-    runner.kwargs = dict(attend_rows=1) if cut else {}
+    runner = StepRunner(cfg, weights, b, k, layer.decode_rows(cfg, "decode" if k == 1 else
+                                                             "verify"), ctx - 40, 4242 + b,
+                        step=step)
+    runner.kwargs = dict(attend_rows=k) if cut else {}
     jax.block_until_ready(runner())
     t = measure(runner, warmup=2, groups=3 if smoke else 10, inner=2 if smoke else 10,
                 reset=runner.reset)
@@ -160,7 +163,7 @@ def _run(cfg, weights, b: int, ctx: int, name: str, smoke: bool, hlo_dir: str | 
         text = step.lower(*args, **runner.kwargs).compile().as_text()
         with open(os.path.join(hlo_dir, f"{name}-b{b}.hlo.txt"), "w") as f:
             f.write(text)
-    return {"variant": name, "batch": b, "median_us": t["median_us"], "p10_us": t["p10_us"],
+    return {"variant": name, "batch": b, "k": k, "median_us": t["median_us"], "p10_us": t["p10_us"],
             "p90_us": t["p90_us"], "kernel_us": prof.get("kernel_us_per_step"),
             "launches": prof.get("launches_per_step"), "top": prof.get("top_kernels"),
             "finite": bool(np.isfinite(np.asarray(runner.last[0], np.float32)).all()),
@@ -177,6 +180,8 @@ def main() -> int:
     ap.add_argument("--variants", nargs="*", choices=list(VARIANTS), default=list(VARIANTS))
     ap.add_argument("--hlo-dir", help="write each variant's compiled HLO (first batch) here")
     ap.add_argument("--top", type=int, default=12, help="kernels listed per variant")
+    ap.add_argument("--k", type=int, default=1, help="rows per sequence (1: decode; more: a "
+                    "K-row verify)")
     a = ap.parse_args()
     cfg = (tiny() if a.smoke else glm53_flash()).replace(
         implementation="xla" if a.smoke else "pallas")
@@ -187,7 +192,7 @@ def main() -> int:
         for name in a.variants:
             try:
                 row = run(cfg, weights, 2 if a.smoke else b, cfg.max_context, name, a.smoke,
-                          a.hlo_dir if b == a.batches[0] else None, a.top)
+                          a.hlo_dir if b == a.batches[0] else None, a.top, a.k)
             except Exception as e:  # recorded, the next variant runs
                 row = {"variant": name, "batch": b, "error": f"{type(e).__name__}: {e}"[:500]}
                 res["errors"].append(row["error"])

@@ -54,6 +54,15 @@ class MatmulTuning:
     evict_weights: bool = False
 
 
+# Up to this many rows the kernel rounds v to w's dtype itself (no conversion launch); past it
+# v is converted before the call: every column program re-reads the row tile, whose fp32 copy
+# doubled that traffic (the b64 decode's o_proj took 68 us with fp32 rows against 41 us in
+# bf16: h200-decode-variants-20261201-s8-call3.json, h200-gemm-20261201-s8-call2.json).
+# Either way the rows are rounded to nearest even: the same bits.
+CONVERT_IN_KERNEL_ROWS = 16
+SMEM_BUDGET = 200 * 1024  # of the H200's 227 KiB per block: Triton's pipeline stages
+
+
 def splits_for(n: int, k: int, heads: int = 1) -> int:
     """The K split of an `[n, k]` weight (`heads` of them): enough 64-column programs to cover
     the H200's 132 multiprocessors, with K parts of at least 512. The one tuning field a row's
@@ -78,7 +87,11 @@ def default_tuning(n: int, k: int, heads: int = 1, m: int = 64) -> MatmulTuning:
     block_n = 64 if n >= 64 else max(16, 1 << (max(n, 1) - 1).bit_length())
     if (m > 64 or heads > 1) and n >= 128:
         block_n = 128
-    stages = 5 if k // splits >= 4096 else 3
+    # Operand tiles in shared memory per pipeline stage: the rows in w's dtype past
+    # CONVERT_IN_KERNEL_ROWS (converted before the call), in fp32 below it.
+    a_bytes = 2 if m > CONVERT_IN_KERNEL_ROWS else 4
+    stage_bytes = block_k * (block_m * a_bytes + block_n * 2)
+    stages = min(5 if k // splits >= 4096 else 3, SMEM_BUDGET // stage_bytes)
     warps = 8 if block_m * block_n >= 128 * 128 else 4  # the accumulator over 256 threads
     return MatmulTuning(block_m=block_m, block_n=block_n, block_k=block_k, splits=splits,
                         num_warps=warps, num_stages=stages)
@@ -159,6 +172,8 @@ def _gemm(v: jax.Array, w: jax.Array, w_kn: bool, interpret: bool,
     tiles = _check(tuning, k)
     if m == 0:
         return jnp.zeros((0, heads, n), jnp.float32)
+    if m > CONVERT_IN_KERNEL_ROWS:
+        v = v.astype(w.dtype)
     for name, arr in (("v", v), ("w", w)):
         check_triton_addressable(arr.shape, arr.dtype, f"matmul's {name}")
     t = tuning
