@@ -19,7 +19,7 @@ CACHE_DTYPES = ("float8_e4m3fn", "bfloat16", "float32")
 INDEX_CACHE_DTYPES = ("bfloat16", "float32")
 PARAM_DTYPES = ("bfloat16", "float32")
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas-interpret")
-GEMMS = ("xla", "pallas")
+GEMMS = ("auto", "xla", "pallas")
 INDEXER_TYPES = ("full", "shared")
 # HF `layer_types` entries of a DSA layer (the name changed between transformers releases).
 DSA_LAYER_TYPES = ("indexed_attention", "deepseek_sparse_attention", "full_attention")
@@ -90,9 +90,10 @@ class DsaConfig:
     implementation: str = "auto"
     # The decode and verify rows' GEMMs: "xla" (XLA's, whose bits for a row depend on how many
     # rows share the GEMM, so a decode runs every sequence's max_verify rows to match a
-    # verify), or "pallas" (`pallas/matmul.py`, a row's bits the same at any row count, so a
-    # decode runs its one row) wherever the kernels run (`implementation`); bf16 weights.
-    gemm: str = "xla"
+    # verify), "pallas" (`pallas/matmul.py`, a row's bits the same at any row count, so a
+    # decode runs its one row) wherever the kernels run (`implementation`; bf16 weights), or
+    # "auto": "pallas" for bf16 weights, "xla" for fp32 ones (`implementation.row_gemms`).
+    gemm: str = "auto"
 
     def __post_init__(self):
         if isinstance(self.indexer_types, list):
@@ -142,7 +143,7 @@ class DsaConfig:
         _require(self.implementation in IMPLEMENTATIONS,
                  f"implementation must be one of {IMPLEMENTATIONS}, got {self.implementation!r}")
         _require(self.gemm in GEMMS, f"gemm must be one of {GEMMS}, got {self.gemm!r}")
-        _require(self.gemm == "xla" or self.param_dtype == "bfloat16",
+        _require(self.gemm != "pallas" or self.param_dtype == "bfloat16",
                  f"gemm='pallas' runs bf16 weights (the kernel's MMA operands); param_dtype "
                  f"is {self.param_dtype!r}: use gemm='xla' for it")
         _require(len(self.indexer_types) >= 1, "indexer_types must name at least one layer")

@@ -79,9 +79,13 @@ OPS: dict[str, Op] = {op.name: op for op in (latent_write_op, index_write_op, po
 
 
 def row_gemms(cfg) -> bool:
-    """Whether a decode's and a verify's GEMMs are the row-invariant kernels (`cfg.gemm` is
-    "pallas" and the kernels run): a decode then runs its own row, not max_verify."""
-    return cfg.gemm == "pallas" and resolve(cfg.implementation) != "xla"
+    """Whether a decode's and a verify's GEMMs are the row-invariant kernels: `cfg.gemm` is
+    "pallas" (or "auto" with bf16 weights) and the kernels run (`cfg.implementation`). A decode
+    then runs its own row, not max_verify. "auto" picks them for bf16 weights because the
+    decode is faster with them at 1 and 64 sequences on the H200 (a 64-sequence 4-row verify
+    slower: h200-decode-variants-20261201-s8-call4.json, benchmarks/notes.md)."""
+    wanted = cfg.gemm == "pallas" or (cfg.gemm == "auto" and cfg.param_dtype == "bfloat16")
+    return wanted and resolve(cfg.implementation) != "xla"
 
 
 def pallas_kernels_present() -> bool:

@@ -391,6 +391,18 @@ def lm_head(mcfg: ModelConfig, final_norm: jax.Array, head: jax.Array, h: jax.Ar
                       preferred_element_type=jnp.float32)
 
 
+def model_block(mcfg: ModelConfig) -> DsaConfig:
+    """The block config the model's layers run: XLA's GEMMs (`gemm="auto"` taken as "xla").
+    The scan slices each layer's weights out of the stacked ones; XLA's GEMMs read the slice in
+    place (serve.IN_PLACE_WEIGHTS), where a Pallas call would take a copy of every layer's
+    weights per token. An explicit gemm="pallas" is refused."""
+    cfg = mcfg.dsa
+    if cfg.gemm == "pallas":
+        raise ModelError("the model's layers run XLA's GEMMs; this config asks for "
+                         "gemm='pallas': use gemm='auto' or 'xla' for a model")
+    return cfg.replace(gemm="xla") if cfg.gemm != "xla" else cfg
+
+
 def forward(mcfg: ModelConfig, weights: StackedWeights, ms: ModelState, tokens: jax.Array,
             n_new: jax.Array, *, layer_barrier: bool = True, hidden: bool = False,
             attend_rows: int | None = None):
@@ -405,13 +417,7 @@ def forward(mcfg: ModelConfig, weights: StackedWeights, ms: ModelState, tokens: 
     (`n_new <= attend_rows`): every layer's selection and gather-attend run on the first
     `attend_rows` rows only, the same bits for those rows (a plain decode loop pads to
     max_verify rows and fills one)."""
-    cfg = mcfg.dsa
-    if cfg.gemm != "xla":
-        # The scan slices each layer's weights out of the stacked ones; XLA's GEMMs read the
-        # slice in place (serve.IN_PLACE_WEIGHTS), a Pallas call would take a copy of every
-        # layer's weights per token.
-        raise ModelError(f"the scanned model runs XLA's GEMMs (gemm='xla'); this config has "
-                         f"gemm={cfg.gemm!r}: use cfg.replace(gemm='xla') for the model")
+    cfg = model_block(mcfg)
     b, r = tokens.shape
     nl, nb = ms.latent.shape[:2]
     rows = _Rows(pos=ms.lengths[:, None] + jnp.arange(r, dtype=jnp.int32),
@@ -448,7 +454,7 @@ def forward_unrolled(mcfg: ModelConfig, weights: ModelWeights, states, tokens: j
     """The reference: `forward` with one `layer.step` per layer over per-layer states (the
     same fusion boundaries as `forward` under the same `layer_barrier`; `hidden` and
     `attend_rows` likewise)."""
-    cfg = mcfg.dsa
+    cfg = model_block(mcfg)
     h = weights.embed[tokens]  # [B, R, D]
     new_states, sel, sel0, hs = [], None, None, []
     for i, (lw, st) in enumerate(zip(weights.layers, states, strict=True)):
