@@ -5,8 +5,8 @@ A thin stateful wrapper over the pure functions of `dsa_jax.layer`: the folded w
 cache, per-tensor scale, block tables, indexer cache, pool keys, lengths) lives in `DsaCache`
 variables, and `prefill` / `decode` / `decode_k` / `rewind` / `reset` update those variables in
 place. The numbers are those of the functional API, bit for bit: each step runs the same core
-(`layer.step`) on the same padded shapes (`decode` pads its rows to `cfg.max_verify`
-as `dsa_jax.decode` does).
+(`layer.step`) on the same row layout as `dsa_jax.decode` (`layer.decode_rows`: a decode
+padded to `cfg.max_verify` rows, or its one row under row-invariant GEMMs).
 
     model = DsaAttention(cfg, rngs=nnx.Rngs(0), num_seqs=2)
     y, sel = model.prefill(x)            # x [2, S, D]

@@ -47,10 +47,23 @@ def test_op_runs_the_reference_where_the_kernel_does_not_cover_the_shape():
 
 
 def test_every_op_is_registered_under_its_name():
-    assert sorted(OPS) == ["index_write", "latent_write", "pool_scores", "pool_topk",
-                           "rms_norm", "sparse_attend"]
+    assert sorted(OPS) == ["index_write", "latent_write", "matmul", "per_head", "pool_scores",
+                           "pool_topk", "rms_norm", "sparse_attend"]
     assert all(name == op.name for name, op in OPS.items())
     assert resolve("xla") == "xla"
+
+
+def test_row_gemms_follow_the_gemm_field_the_weights_and_the_implementation():
+    """`gemm="auto"` takes the row-invariant GEMMs for bf16 weights where the kernels run;
+    never under "xla" (XLA's GEMMs everywhere there, decode padded to max_verify rows)."""
+    from dsa_jax.implementation import row_gemms
+    from dsa_jax.shapes import ODD
+
+    bf16 = ODD.replace(param_dtype="bfloat16")
+    assert row_gemms(bf16.replace(implementation="pallas-interpret"))  # auto: the kernels
+    assert not row_gemms(bf16.replace(implementation="pallas-interpret", gemm="xla"))
+    assert not row_gemms(ODD.replace(implementation="pallas-interpret"))  # fp32 weights
+    assert not row_gemms(bf16.replace(implementation="xla", gemm="pallas"))
 
 
 def test_next_pow2():
