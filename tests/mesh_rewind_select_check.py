@@ -8,6 +8,8 @@
    so the decodes after it go on (without the bound the second one is refused on its own fresh
    row) and give the bits of a state prefilled to those lengths; a rewind below a boundary to
    a non-boundary length is still refused.
+3. The row-invariant GEMMs (bf16 weights, the kernels) inside the mesh's shard_map: a decode
+   on its one row, a 3-row decode_k == 3 decodes, bitwise.
 """
 
 import sys
@@ -75,10 +77,33 @@ def sharded_rewind_far() -> None:
     print("sharded rewind far: ok", flush=True)
 
 
+def row_gemms_on_a_mesh() -> None:
+    """bf16 weights under the kernels (interpret mode) on a dp 2 x tp 2 mesh: the GEMMs are the
+    row-invariant ones inside the shard_map, a decode runs its one row (`layer.decode_rows`),
+    and a 3-row `dp_tp_decode_k` equals 3 `dp_tp_decode` calls, bit for bit."""
+    cfg = CFG.replace(tp_degree=2, implementation="pallas-interpret", param_dtype="bfloat16",
+                      cache_dtype="float8_e4m3fn", index_cache_dtype="bfloat16")
+    assert layer.decode_rows(cfg, "decode") == 1
+    m = sharding.mesh(2, 2)
+    b, d = 4, cfg.hidden_size
+    w = sharding.shard_weights(cfg, dsa_jax.init_random_hf_tensors(cfg, jax.random.key(13)), m)
+    s = sharding.init_state(cfg, m, b, kv_scale=0.1)
+    _, s, _ = sharding.dp_tp_prefill(cfg, m, w, s, T.random_rows(14, b, 21, d))
+    rows = T.random_rows(15, b, 3, d)  # [B, 3, D]
+    y_k, s_k, sel_k = sharding.dp_tp_decode_k(cfg, m, w, T.copy_tree(s), rows)
+    for t in range(rows.shape[1]):
+        y, s, sel = sharding.dp_tp_decode(cfg, m, w, s, rows[:, t])
+        T.assert_trees_bitwise_equal({f"row {t}": (y_k[:, t], sel_k[:, t])},
+                                     {f"row {t}": (y, sel)})
+    T.assert_trees_bitwise_equal(jax.device_get(s_k.latent), jax.device_get(s.latent))
+    print("row gemms on a mesh: ok", flush=True)
+
+
 def main() -> int:
     assert jax.device_count() == 4, jax.device_count()
     split_select_kernels()
     sharded_rewind_far()
+    row_gemms_on_a_mesh()
     return 0
 
 

@@ -104,3 +104,4 @@ def test_split_select_kernels_and_a_far_rewind_on_a_mesh():
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "split select kernels: ok" in out.stdout
     assert "sharded rewind far: ok" in out.stdout
+    assert "row gemms on a mesh: ok" in out.stdout
