@@ -78,7 +78,22 @@ def kernel_checks(impl: str, seed: int = 0) -> list[Check]:
     got, want = _against_twin("pool_topk", impl, scores, 37)
     checks.append(Check("kernel", "pool_topk == lax.top_k (300 pools, k 37, ties)", impl,
                         float(jnp.sum(got != want)), 0.0))
-    return checks + write_kernel_checks(impl, seed)
+    return checks + gemm_checks(impl, seed) + write_kernel_checks(impl, seed)
+
+
+def gemm_checks(impl: str, seed: int = 0) -> list[Check]:
+    """The row-invariant GEMM: within fp32 accumulation of its twin (K = 200 products: a
+    relative error of at most ~K * 2^-24 against XLA's, which sums in another order), and its
+    promise: the first rows of a 37-row product `==` a 5-row one (error = rows that differ)."""
+    k1, k2 = jax.random.split(jax.random.key(seed + 7))
+    v = jax.random.normal(k1, (37, 200), jnp.float32)  # [M, K]
+    w = (jax.random.normal(k2, (70, 200), jnp.float32) * 0.1).astype(jnp.bfloat16)  # [N, K]
+    got, want = _against_twin("matmul", impl, v, w)
+    rows = T.run_op("matmul", impl, v[:5], w)
+    return [Check("kernel", "matmul bf16 (37 x 200 x 70)", impl, T.rel_err(got, want),
+                  200 * 2.0 ** -24),
+            Check("kernel", "matmul: a row's bits at 5 and 37 rows", impl,
+                  float(jnp.sum(jnp.any(rows != got[:5], axis=1))), 0.0)]
 
 
 def _stored_err(got, want) -> float:
