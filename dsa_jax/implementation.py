@@ -69,7 +69,7 @@ pool_topk_op = Op("pool_topk", pool_topk.pool_topk_xla, pool_topk.pool_topk_pall
 sparse_attend_op = Op("sparse_attend", sparse_attend.sparse_attend_xla,
                       sparse_attend.sparse_attend_pallas)
 rms_norm_op = Op("rms_norm", rms_norm.rms_norm_xla, rms_norm.rms_norm_pallas)
-# The decode and verify rows' GEMMs under `cfg.gemm == "pallas"` (`row_gemms`).
+# The decode and verify rows' GEMMs where `row_gemms(cfg)` says so.
 matmul_op = Op("matmul", matmul.matmul_xla, matmul.matmul_pallas)
 per_head_op = Op("per_head", matmul.per_head_xla, matmul.per_head_pallas)
 

@@ -6,9 +6,9 @@ config's ceiling (live extents are data), so one compile serves every context le
 donate the state so the caches are updated in place (the public calls donate the fields a
 step changes; the new state shares the scale and block tables with the old one). `decode`
 and `decode_k` pad each sequence's rows to `cfg.max_verify`, so a K-row verify and K serial
-decodes run the same shapes, hence the same per-row reductions: bit-identical results (with
-`cfg.gemm == "pallas"`, whose GEMMs give a row the same bits at any row count, a decode runs
-its one row: `decode_rows`).
+decodes run the same shapes, hence the same per-row reductions: bit-identical results (under
+the row-invariant GEMMs, `implementation.row_gemms`, whose rows have the same bits at any row
+count, a decode runs its one row: `decode_rows`).
 
 Two public pieces serve every caller (these functions, the NNX module, the sharded steps,
 the engine): `prepare_step` (host side: row layout, row counts, checks) and `step` (the pure,
@@ -246,6 +246,8 @@ def decode_rows(cfg: DsaConfig, kind: str) -> int:
     another row count); a decode's own row under `row_gemms` (row-invariant GEMMs: a row has
     the same bits at any row count, as have the kernels after them)."""
     return 1 if kind == "decode" and row_gemms(cfg) else cfg.max_verify
+
+
 # One object per layout: the jitted step takes it as a static argument, and the same object
 # every call is the cheapest cache hit there is.
 _row_layout = functools.cache(RowLayout)

@@ -4,7 +4,7 @@ the indexer's query), the output.
 Matmuls take the weights' dtype and accumulate in fp32; norms and everything after the GEMMs
 are fp32. Row shapes are whatever the caller passes. With XLA's GEMMs decode and verify pass
 the same padded `[B, max_verify]` rows so that each row's reductions are identical in both
-(docs/spec.md); with `cfg.gemm == "pallas"` the rows of a decode or verify (at most
+(docs/spec.md); under `row_gemms(cfg)` the rows of a decode or verify (at most
 max_verify per sequence) go through the row-invariant kernels (`pallas/matmul.py`), whose
 rows have the same bits at any row count, and a decode passes its one row.
 """
