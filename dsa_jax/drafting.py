@@ -23,7 +23,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dsa_jax.model import ModelConfig, ModelState, StackedWeights, forward, init_model_state
+from dsa_jax.model import (
+    ModelConfig,
+    ModelState,
+    StackedWeights,
+    forward,
+    init_model_state,
+    step_rows,
+)
 
 
 def ngram_propose(history: jax.Array, lengths: jax.Array, k: int, max_draft: jax.Array,
@@ -97,7 +104,7 @@ class ModelDrafter:
     def propose(self, dweights: StackedWeights, ds: ModelState, history, lengths, k,
                 max_draft):
         b, t = history.shape
-        r = self.mcfg.dsa.max_verify
+        r = step_rows(self.mcfg.dsa, 2)  # a step feeds at most 2 rows
         drafting = max_draft > 0  # [B]
         # The first step also feeds the known tokens the draft cache lacks (at most one more
         # than the newest: the last draft of a round whose every draft was kept).

@@ -44,7 +44,7 @@ from jax import lax
 
 from dsa_jax.attend import write_latents
 from dsa_jax.config import DsaConfig
-from dsa_jax.implementation import rms_norm_op
+from dsa_jax.implementation import rms_norm_op, row_gemms
 from dsa_jax.indexer import pool_scores, write_index_rows
 from dsa_jax.layer import (
     attend_first_rows,
@@ -55,7 +55,14 @@ from dsa_jax.layer import (
     pad_rows,
     step,
 )
-from dsa_jax.projection import output_projection, project, x_columns
+from dsa_jax.projection import (
+    LayerOf,
+    kernel_rows,
+    matmul,
+    output_projection,
+    project,
+    x_columns,
+)
 from dsa_jax.select import expand_selection, top_pools
 from dsa_jax.state import DsaState, init_state, ring_guard
 from dsa_jax.weights import DsaWeights, init_random_weights
@@ -338,6 +345,18 @@ def _block(cfg: DsaConfig, w: DsaWeights, caches: _Caches, rows: _Rows, layer, f
     return output_projection(w, o_latent, cfg), caches, sel
 
 
+# The GEMM weights of a block (`projection.matmul` / `per_head` operands).
+GEMM_FIELDS = ("x_proj", "q_proj", "qi_proj", "u_k", "u_v", "o_proj")
+
+
+def _in_place(stack: DsaWeights, index: jax.Array, layer: DsaWeights) -> DsaWeights:
+    """The scan's slice `layer` of the stacked weights, with its GEMM weights as `LayerOf`s
+    of `stack` at `index` (read in place by the row-invariant kernel, the slice by XLA's
+    GEMMs: the same numbers)."""
+    return layer._replace(**{f: LayerOf(getattr(stack, f), index, getattr(layer, f))
+                             for f in GEMM_FIELDS if getattr(layer, f) is not None})
+
+
 def _island(h: jax.Array, on: bool) -> jax.Array:
     """The hidden rows `h [B, R, D]` where a layer starts: a fusion boundary when `on`."""
     return lax.optimization_barrier(h) if on else h
@@ -349,35 +368,42 @@ def _segment(cfg: DsaConfig, seg: Segment, stack: Stack, h, caches: _Caches, row
     Returns h, the caches, `sels [G, B, R, W]` and (if `hidden`) every layer's input rows
     `[G * g, B, R, D]`, else None."""
     g, eps = seg.group_size, cfg.rms_norm_eps
+    # The shared layers' stacks [G, g-1, ...] as [G*(g-1), ...] (a bitcast): group i's shared
+    # layer j is entry i*(g-1) + j, which the row-invariant GEMMs read in place.
+    shared_stack = None if g == 1 else jax.tree.map(
+        lambda a: a.reshape(-1, *a.shape[2:]), stack.shared)
 
     def group(carry, xs):
         h, caches = carry
-        wf, ws, norms, layer, full = xs
+        wf, ws, norms, layer, full, gi = xs
         h = _island(h, barrier)
         h_in = h
-        y, caches, sel = _block(cfg, wf, caches, rows, layer, full,
+        y, caches, sel = _block(cfg, _in_place(stack.full, gi, wf), caches, rows, layer, full,
                                 rms_norm_op(cfg, h, norms[0], eps), None)
         h = h + y
         hs = h_in[None] if hidden else None  # [1, B, R, D]
         if g > 1:
             def shared(carry, xs):
                 h, caches = carry
-                w, norm, l = xs
+                w, norm, l, j = xs
                 h = _island(h, barrier)
+                w = _in_place(shared_stack, gi * (g - 1) + j, w)
                 y, caches, _ = _block(cfg, w, caches, rows, l, None,
                                       rms_norm_op(cfg, h, norm, eps), sel)
                 return (h + y, caches), h if hidden else None
 
-            (h, caches), shared_hs = lax.scan(shared, (h, caches),
-                                              (ws, norms[1:], layer + 1 + jnp.arange(g - 1)))
+            (h, caches), shared_hs = lax.scan(
+                shared, (h, caches),
+                (ws, norms[1:], layer + 1 + jnp.arange(g - 1), jnp.arange(g - 1)))
             if hidden:
                 hs = jnp.concatenate([hs, shared_hs])  # [g, B, R, D]
         return (h, caches), (sel, hs)
 
     layers = seg.first_layer + g * jnp.arange(seg.num_groups)
     fulls = seg.first_full + jnp.arange(seg.num_groups)
-    (h, caches), (sels, hs) = lax.scan(group, (h, caches),
-                                       (stack.full, stack.shared, stack.norms, layers, fulls))
+    (h, caches), (sels, hs) = lax.scan(
+        group, (h, caches),
+        (stack.full, stack.shared, stack.norms, layers, fulls, jnp.arange(seg.num_groups)))
     if hidden:
         hs = hs.reshape(-1, *hs.shape[2:])
     return h, caches, sels, hs
@@ -386,21 +412,26 @@ def _segment(cfg: DsaConfig, seg: Segment, stack: Stack, h, caches: _Caches, row
 def lm_head(mcfg: ModelConfig, final_norm: jax.Array, head: jax.Array, h: jax.Array
             ) -> jax.Array:
     """Hidden rows `h [B, R, D]` -> logits `[B, R, V]` f32."""
-    h = rms_norm_op(mcfg.dsa, h, final_norm, mcfg.dsa.rms_norm_eps)
+    cfg = mcfg.dsa
+    h = rms_norm_op(cfg, h, final_norm, cfg.rms_norm_eps)
+    if kernel_rows(cfg, h.shape[:-1]):
+        # Decode-shaped rows under the row-invariant GEMMs: a row's logits have the same bits
+        # in a plain step (1 row), a speculative round (1 + k) and a draft model's step.
+        return matmul(h, head, cfg)
     return jnp.einsum("brd,vd->brv", h.astype(head.dtype), head,
                       preferred_element_type=jnp.float32)
 
 
-def model_block(mcfg: ModelConfig) -> DsaConfig:
-    """The block config the model's layers run: XLA's GEMMs (`gemm="auto"` taken as "xla").
-    The scan slices each layer's weights out of the stacked ones; XLA's GEMMs read the slice in
-    place (serve.IN_PLACE_WEIGHTS), where a Pallas call would take a copy of every layer's
-    weights per token. An explicit gemm="pallas" is refused."""
-    cfg = mcfg.dsa
-    if cfg.gemm == "pallas":
-        raise ModelError("the model's layers run XLA's GEMMs; this config asks for "
-                         "gemm='pallas': use gemm='auto' or 'xla' for a model")
-    return cfg.replace(gemm="xla") if cfg.gemm != "xla" else cfg
+def step_rows(cfg: DsaConfig, rows: int) -> int:
+    """Rows per sequence of a decode-shaped forward that fills at most `rows` of them (a plain
+    loop step 1, a speculative round 1 + k): `rows` under the row-invariant GEMMs
+    (`implementation.row_gemms`: a row has the same bits at any row count, as in
+    `layer.decode_rows`), else `max_verify` (XLA's GEMMs give a row other bits at another row
+    count, so every such forward runs the same padded rows)."""
+    if not 1 <= rows <= cfg.max_verify:
+        raise ModelError(f"a decode-shaped forward fills 1..max_verify={cfg.max_verify} rows "
+                         f"per sequence; asked for {rows}")
+    return rows if row_gemms(cfg) else cfg.max_verify
 
 
 def forward(mcfg: ModelConfig, weights: StackedWeights, ms: ModelState, tokens: jax.Array,
@@ -417,7 +448,7 @@ def forward(mcfg: ModelConfig, weights: StackedWeights, ms: ModelState, tokens: 
     (`n_new <= attend_rows`): every layer's selection and gather-attend run on the first
     `attend_rows` rows only, the same bits for those rows (a plain decode loop pads to
     max_verify rows and fills one)."""
-    cfg = model_block(mcfg)
+    cfg = mcfg.dsa
     b, r = tokens.shape
     nl, nb = ms.latent.shape[:2]
     rows = _Rows(pos=ms.lengths[:, None] + jnp.arange(r, dtype=jnp.int32),
@@ -454,7 +485,7 @@ def forward_unrolled(mcfg: ModelConfig, weights: ModelWeights, states, tokens: j
     """The reference: `forward` with one `layer.step` per layer over per-layer states (the
     same fusion boundaries as `forward` under the same `layer_barrier`; `hidden` and
     `attend_rows` likewise)."""
-    cfg = model_block(mcfg)
+    cfg = mcfg.dsa
     h = weights.embed[tokens]  # [B, R, D]
     new_states, sel, sel0, hs = [], None, None, []
     for i, (lw, st) in enumerate(zip(weights.layers, states, strict=True)):

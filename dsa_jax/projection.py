@@ -23,8 +23,27 @@ from dsa_jax.pallas.matmul import matmul_xla, per_head_xla
 from dsa_jax.pallas.rms_norm import rms_norm_xla as rms_norm  # the definition (public)
 from dsa_jax.weights import DsaWeights
 
-__all__ = ["Projections", "matmul", "output_projection", "per_head", "project", "project_kv",
-           "rms_norm", "x_columns"]
+__all__ = ["LayerOf", "Projections", "kernel_rows", "matmul", "output_projection", "per_head",
+           "project", "project_kv", "rms_norm", "x_columns"]
+
+
+class LayerOf(NamedTuple):
+    """One layer's GEMM weight inside a stack of them, as the model's scan holds it: the
+    row-invariant kernel reads `stack [G, ...]` in place at `index` (a Pallas operand is a
+    whole buffer, so the slice would be a copy of the layer's weight per token), XLA's GEMMs
+    read `layer` (the scan's slice, which they read in place). Whichever one a GEMM does not
+    use is dead code in the compiled program. `shape` and `dtype` are the layer's."""
+    stack: jax.Array  # [G, ...] every layer's weight
+    index: jax.Array  # [] int32: this layer's, in [0, G)
+    layer: jax.Array  # [...] = stack[index]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.layer.shape
+
+    @property
+    def dtype(self):
+        return self.layer.dtype
 
 
 class Projections(NamedTuple):
@@ -54,11 +73,13 @@ def matmul(v: jax.Array, w: jax.Array, cfg: DsaConfig | None = None) -> jax.Arra
     """`v [..., in] @ w.T` for an `[out, in]` weight -> `[..., out]` f32: operands in the
     weight dtype, fp32 accumulation (HIGHEST: fp32 weights mean fp32 arithmetic, not a GPU's
     tf32). Every GEMM of the block is this one op (public so that a benchmark can time other
-    arrangements of the same GEMMs). cfg: the row-invariant kernel where `_kernel_rows` says
-    so; XLA's dot without it."""
-    if cfg is not None and _kernel_rows(cfg, v.shape[:-1]):
+    arrangements of the same GEMMs). cfg: the row-invariant kernel where `kernel_rows` says
+    so; XLA's dot without it. w: an array or a `LayerOf`."""
+    if cfg is not None and kernel_rows(cfg, v.shape[:-1]):
+        if isinstance(w, LayerOf):
+            return matmul_op(cfg, v, w.stack, w.index)
         return matmul_op(cfg, v, w)
-    return matmul_xla(v, w)
+    return matmul_xla(v, w.layer if isinstance(w, LayerOf) else w)
 
 
 def per_head(v: jax.Array, w: jax.Array, w_contract: int, cfg: DsaConfig | None = None
@@ -70,12 +91,14 @@ def per_head(v: jax.Array, w: jax.Array, w_contract: int, cfg: DsaConfig | None 
     XLA's is a dot_general with the head axis as its batch axis: XLA:CPU has no bf16 dot for
     the operand order that `einsum` lowers this to.
     """
-    if cfg is not None and _kernel_rows(cfg, v.shape[:-2]):
+    if cfg is not None and kernel_rows(cfg, v.shape[:-2]):
+        if isinstance(w, LayerOf):
+            return per_head_op(cfg, v, w.stack, w_contract, w.index)
         return per_head_op(cfg, v, w, w_contract)
-    return per_head_xla(v, w, w_contract)
+    return per_head_xla(v, w.layer if isinstance(w, LayerOf) else w, w_contract)
 
 
-def _kernel_rows(cfg: DsaConfig, lead: tuple[int, ...]) -> bool:
+def kernel_rows(cfg: DsaConfig, lead: tuple[int, ...]) -> bool:
     """Rows `lead` (`[B, R]`) of a decode or verify (R <= max_verify) under `row_gemms`: the
     GEMMs whose rows a decode must reproduce bit for bit. A prompt's rows keep XLA's GEMMs."""
     return row_gemms(cfg) and len(lead) >= 1 and lead[-1] <= cfg.max_verify

@@ -3,15 +3,18 @@
 `Serving` is the whole loop state, one pytree: the model's caches, per-sequence slots (the
 newest token, the token history, counts, limits, done flags, PRNG keys) and the drafter's
 state. `iteration` advances every live sequence by one decode step or one speculative round:
-drafter proposals, the verify over `max_verify` rows, sampling, acceptance, the rewind of the
-rejected rows, stop on an end token or a length. `run` repeats it up to `n` times in one
+drafter proposals, the verify, sampling, acceptance, the rewind of the rejected rows, stop on
+an end token or a length. `run` repeats it up to `n` times in one
 `lax.while_loop` (it stops early once every sequence is done), so the host is touched once
 per `n` iterations; `run_python` is the same iteration dispatched once per step, the
 reference the device loop equals bit for bit.
 
-Every forward runs `max_verify` rows per sequence (a decode's one real row is padded), so a
-row's logits do not depend on how many rows are real: a plain decode, a verify row and the
-same row of the Python loop are bit-identical, and speculation never changes the tokens.
+A row's logits never depend on how many rows its forward runs: under the row-invariant GEMMs
+(`implementation.row_gemms`) each forward runs only the rows it can fill (`loop_rows`: a plain
+step 1 per sequence, a speculative round 1 + k), whose kernels give a row the same bits at any
+row count; with XLA's GEMMs every forward runs `max_verify` rows (a decode's one real row
+padded). Either way a plain decode, a verify row and the same row of the Python loop are
+bit-identical, and speculation never changes the tokens.
 """
 
 from __future__ import annotations
@@ -28,7 +31,14 @@ from jax import lax
 
 from dsa_jax.bitwise import bitwise_jit
 from dsa_jax.drafting import NgramDrafter
-from dsa_jax.model import ModelConfig, ModelState, StackedWeights, forward, init_model_state
+from dsa_jax.model import (
+    ModelConfig,
+    ModelState,
+    StackedWeights,
+    forward,
+    init_model_state,
+    step_rows,
+)
 from dsa_jax.sampling import Sampling, sample_tokens
 
 
@@ -111,8 +121,7 @@ def _is_stop(prog: Program, tokens: jax.Array) -> jax.Array:
 def iteration(prog: Program, weights: StackedWeights, dweights, sv: Serving
               ) -> tuple[Serving, Emitted]:
     """One decode step (or speculative round) of every live sequence; pure and traceable."""
-    cfg = prog.mcfg.dsa
-    r, k = cfg.max_verify, prog.speculate
+    r, k = loop_rows(prog), prog.speculate
     ms, sl, ds = sv
     b = sl.last.shape[0]
     active = ~sl.done  # [B]
@@ -156,12 +165,17 @@ def iteration(prog: Program, weights: StackedWeights, dweights, sv: Serving
     return Serving(ms._replace(lengths=new_lengths), sl, ds), out
 
 
+def loop_rows(prog: Program) -> int:
+    """Rows per sequence of each iteration's forward (`model.step_rows`): 1 + speculate under
+    the row-invariant GEMMs, else max_verify."""
+    return step_rows(prog.mcfg.dsa, 1 + prog.speculate)
+
+
 def _empty_outputs(prog: Program, b: int, n: int) -> Emitted:
-    cfg = prog.mcfg.dsa
-    return Emitted(jnp.zeros((n, b, cfg.max_verify), jnp.int32), jnp.zeros((n, b), jnp.int32),
+    cfg, r = prog.mcfg.dsa, loop_rows(prog)
+    return Emitted(jnp.zeros((n, b, r), jnp.int32), jnp.zeros((n, b), jnp.int32),
                    jnp.zeros((n, b), jnp.int32),
-                   jnp.full((n, b, cfg.max_verify, cfg.sel_width), -1, jnp.int32)
-                   if prog.record else None)
+                   jnp.full((n, b, r, cfg.sel_width), -1, jnp.int32) if prog.record else None)
 
 
 def run(prog: Program, weights: StackedWeights, dweights, sv: Serving, n: int

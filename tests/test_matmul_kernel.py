@@ -106,3 +106,44 @@ def test_zero_rows_and_bad_tiles():
         mm.matmul_pallas(v, w, interpret=True, splits=4, block_k=32)
     with pytest.raises(ValueError, match="w_contract=3"):
         mm.per_head_pallas(v.reshape(3, 1, 64), w.reshape(1, 40, 64), 3, interpret=True)
+
+
+@pytest.mark.parametrize("heads,w_contract", [(None, None), (3, 1), (3, 2)])
+def test_a_stacked_weight_read_in_place_gives_the_slice_bits(kernel_impl, heads, w_contract):
+    """`layer=`: the kernel reads layer l of a stack `[G, ...]` in place (the model's scan),
+    with the bits it gives the slice `stack[l]`, at every row count; the twin indexes the
+    same layer; an index past the stack is clamped as XLA's dynamic index clamps it."""
+    interpret = kernel_impl == "pallas-interpret"
+    g, n, k = 3, 40, 200
+    stack = jnp.stack([_operands(1, n, k, seed=s, heads=heads, w_contract=w_contract)[1]
+                       for s in range(g)])  # [G, ...]
+    v = _operands(20, n, k, seed=9, heads=heads, w_contract=w_contract)[0]
+
+    def run(x, w, layer=None):
+        if heads is None:
+            return mm.matmul_pallas(x, w, layer, interpret=interpret)
+        return mm.per_head_pallas(x, w, w_contract, layer, interpret=interpret)
+
+    in_place = jax.jit(run)
+    for layer in range(g):
+        want = np.asarray(run(v, stack[layer]))  # [M, ...]
+        for m in (1, 4, 20):
+            got = np.asarray(in_place(v[:m], stack, jnp.int32(layer)))
+            assert np.array_equal(got, want[:m]), (layer, m)
+        twin = (mm.matmul_xla(v, stack, jnp.int32(layer)) if heads is None else
+                mm.per_head_xla(v, stack, w_contract, jnp.int32(layer)))
+        exact, bound = _exact_and_bound(v, stack[layer], k, w_contract)
+        assert (np.abs(np.asarray(twin) - exact) <= bound).all()
+        assert (np.abs(want - exact) <= bound).all()
+    assert np.array_equal(np.asarray(in_place(v, stack, jnp.int32(g + 5))),
+                          np.asarray(run(v, stack[g - 1])))
+
+
+def test_a_stacked_weight_needs_its_layer_axis_and_a_scalar_index():
+    v, w = _operands(3, 40, 64, seed=1)
+    with pytest.raises(ValueError, match=r"a stacked weight must be \[G, 1, \., \.\]"):
+        mm.matmul_pallas(v, w, jnp.int32(0), interpret=True)  # [N, K]: no layer axis
+    with pytest.raises(ValueError, match="layer must be a scalar integer index"):
+        mm.matmul_pallas(v, w[None], jnp.zeros((2,), jnp.int32), interpret=True)
+    with pytest.raises(ValueError, match="layer must be a scalar integer index"):
+        mm.matmul_pallas(v, w[None], jnp.float32(0), interpret=True)

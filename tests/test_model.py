@@ -57,15 +57,64 @@ def test_scanned_equals_unrolled_bitwise(pattern):
     assert not np.isnan(np.asarray(logits)).any()
 
 
-def test_the_scanned_model_refuses_the_row_invariant_gemms():
-    """Its scan slices each layer's weights, which XLA's GEMMs read in place and a Pallas call
-    would copy per token: refused, naming the field, before anything is traced."""
-    cfg = CFG.replace(gemm="pallas", param_dtype="bfloat16", implementation="pallas-interpret")
-    mcfg = M.ModelConfig(cfg.replace(indexer_types=REGULAR), vocab_size=37)
-    weights = M.stack_weights(mcfg, M.init_model(mcfg, jax.random.key(1)))
-    ms = M.init_model_state(mcfg, 1, 30, _tables(1, 30, CFG.blocks_per_seq, 2))
-    with pytest.raises(M.ModelError, match="gemm='pallas'"):
-        M.forward(mcfg, weights, ms, jnp.zeros((1, 4), jnp.int32), jnp.ones((1,), jnp.int32))
+def _primitives(jaxpr) -> list[str]:
+    """Every equation's primitive (a pallas_call as "pallas_call:NAME/ARGS", its body not
+    entered), nested jaxprs (scans, conds) included."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            name = eqn.params.get("name") or eqn.params["name_and_src_info"].name  # jax 0.10/0.11
+            out.append(f"pallas_call:{name}/{len(eqn.invars)}")
+            continue
+        out.append(eqn.primitive.name)
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out += _primitives(inner)
+    return out
+
+
+def test_the_scanned_model_on_the_row_invariant_gemms(kernel_impl):
+    """Under the row-invariant GEMMs (`gemm="pallas"`, bf16 weights) the scan's GEMMs read each
+    layer's weights in place in the stacks (`projection.LayerOf`: no copy of a layer's weights
+    per token) and the LM head runs the kernel too: scanned == unrolled bit for bit, and a
+    row's logits, caches and selection have the same bits in a forward of 1, 2 or 4 rows per
+    sequence (`step_rows`: the serving loop runs only the rows it fills)."""
+    cfg = CFG.replace(gemm="pallas", param_dtype="bfloat16", implementation=kernel_impl)
+    mcfg = M.ModelConfig(cfg.replace(indexer_types=IRREGULAR), vocab_size=37)
+    weights = M.init_model(mcfg, jax.random.key(1))
+    stacked = M.stack_weights(mcfg, weights)
+    b, nb = 2, 30
+    ms = M.init_model_state(mcfg, b, nb, _tables(b, nb, CFG.blocks_per_seq, 2))
+    states = tuple(M.unfold_state(mcfg, ms))
+    assert M.step_rows(cfg, 1) == 1 and M.step_rows(cfg.replace(gemm="xla"), 1) == 4
+    jaxpr = jax.make_jaxpr(lambda w, s, t, n: M.forward(mcfg, w, s, t, n))(
+        stacked, ms, jnp.zeros((b, 1), jnp.int32), jnp.ones((b,), jnp.int32))
+    ops = _primitives(jaxpr.jaxpr)
+    # Traced once per scan body: 6 GEMMs of a full layer, 5 of a shared one (no indexer
+    # query), each on its stack and layer index (3 operands); segments (full, shared, shared)
+    # and (full); the LM head on its one weight. No XLA dot is left.
+    assert ops.count("pallas_call:matmul/3") == (6 + 5) + 6 and "dot_general" not in ops
+    assert ops.count("pallas_call:matmul/2") == 1
+    rng = np.random.default_rng(3)
+    # A ragged prompt chunk (XLA's GEMMs), decode-shaped steps of 1, 3 and 4 rows.
+    for rows, n_new in [(30, [30, 26]), (1, [1, 1]), (3, [3, 2]), (1, [1, 0]), (4, [2, 4])]:
+        tokens = jnp.asarray(rng.integers(0, 37, (b, rows)), jnp.int32)
+        n = jnp.asarray(n_new, jnp.int32)
+        if rows == 1:  # the same row in a 4-row forward (3 padded rows) from the same state
+            wide = SCANNED(mcfg, stacked, jax.tree.map(jnp.copy, ms),
+                           jnp.pad(tokens, ((0, 0), (0, 3))), n)
+        logits, ms, sel = SCANNED(mcfg, stacked, ms, tokens, n)
+        want_logits, states, want_sel = UNROLLED(mcfg, weights, states, tokens, n)
+        assert_bitwise((logits, sel), (want_logits, want_sel))
+        assert_bitwise(M.unfold_state(mcfg, ms), list(states))
+        if rows == 1:
+            assert_bitwise((wide[0][:, :1], wide[2][:, :1]), (logits, sel))
+            assert_bitwise(wide[1], ms)
+    assert not np.isnan(np.asarray(logits)).any()
+    with pytest.raises(M.ModelError, match="fills 1..max_verify=4 rows"):
+        M.step_rows(cfg, 5)
 
 
 def test_attend_rows_keeps_every_bit_and_poisons_a_broken_promise(kernel_impl):

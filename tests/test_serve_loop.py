@@ -213,3 +213,35 @@ def test_speculation_equals_plain_under_the_kernels_with_the_row_cut():
     spec = serve.generate(serve.Program(mcfg, speculate=3), stacked, None, prompts, [6, 5],
                           tokens_per_dispatch=8)
     assert spec == plain and [len(t) for t in plain] == [6, 5]
+
+
+def test_the_loop_on_its_real_rows_under_the_row_invariant_gemms():
+    """Under the row-invariant GEMMs (bf16 weights, the kernels) each forward of the loop runs
+    only the rows it fills (`serve.loop_rows`: a plain step 1 per sequence, a round of k drafts
+    1 + k, the draft model 2): plain, n-gram and draft-model speculation, and the per-step
+    Python loop give the same sampled tokens, bit for bit."""
+    mcfg = M.ModelConfig(MCFG.dsa.replace(implementation="pallas-interpret",
+                                          param_dtype="bfloat16"), vocab_size=37)
+    dcfg = M.ModelConfig(mcfg.dsa.replace(indexer_types=("full",)), vocab_size=37)
+    stacked = M.stack_weights(mcfg, M.init_model(mcfg, jax.random.key(0)))
+    dweights = M.stack_weights(dcfg, M.init_model(dcfg, jax.random.key(5)))
+    assert serve.loop_rows(serve.Program(mcfg)) == 1
+    assert serve.loop_rows(serve.Program(mcfg, speculate=2)) == 3
+    assert serve.loop_rows(serve.Program(MCFG, speculate=2)) == MCFG.dsa.max_verify
+    motif = np.random.default_rng(3).integers(0, 37, (2, 5))
+    prompts = [np.resize(m, n).tolist() for m, n in zip(motif, (53, 58), strict=True)]
+    limits = [6, 5]
+    plain = serve.generate(serve.Program(mcfg, SAMPLED), stacked, None, prompts, limits,
+                           tokens_per_dispatch=8)
+    assert [len(t) for t in plain] == limits
+    spec = serve.Program(mcfg, SAMPLED, speculate=3)
+    assert serve.generate(spec, stacked, None, prompts, limits, tokens_per_dispatch=8) == plain
+    drafted = serve.Program(mcfg, SAMPLED, speculate=2, drafter=ModelDrafter(dcfg))
+    assert serve.generate(drafted, stacked, dweights, prompts, limits,
+                          tokens_per_dispatch=8) == plain
+    prog = serve.Program(mcfg, SAMPLED)
+    sv, first = serve.start(prog, stacked, None, prompts, limits)
+    sv, outs, _ = serve.run_python(prog, stacked, None, sv, 100)
+    assert outs.tokens.shape[-1] == 1
+    assert [[int(f)] + t for f, t in zip(np.asarray(first), serve.emitted_tokens(outs),
+                                         strict=True)] == plain

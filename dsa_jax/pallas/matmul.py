@@ -97,16 +97,21 @@ def default_tuning(n: int, k: int, heads: int = 1, m: int = 64) -> MatmulTuning:
                         num_warps=warps, num_stages=stages)
 
 
-def matmul_xla(v: jax.Array, w: jax.Array) -> jax.Array:
+def matmul_xla(v: jax.Array, w: jax.Array, layer: jax.Array | None = None) -> jax.Array:
     """The definition: `v [..., K] @ w.T` for an `[N, K]` weight -> `[..., N]` f32 (operands in
-    the weight's dtype, fp32 accumulation), as `projection.matmul` computes it."""
+    the weight's dtype, fp32 accumulation), as `projection.matmul` computes it. layer: `w` is a
+    stack `[G, N, K]` and this is the index `[]` int32 of the weight to use (clamped to G)."""
+    w = w if layer is None else lax.dynamic_index_in_dim(w, layer, keepdims=False)
     return jnp.einsum("...i,oi->...o", v.astype(w.dtype), w, precision=lax.Precision.HIGHEST,
                       preferred_element_type=jnp.float32)
 
 
-def per_head_xla(v: jax.Array, w: jax.Array, w_contract: int) -> jax.Array:
+def per_head_xla(v: jax.Array, w: jax.Array, w_contract: int,
+                 layer: jax.Array | None = None) -> jax.Array:
     """The definition: `v [..., H, K]` times each head's `w [H, ., .]` contracting `w`'s axis
-    `w_contract` (1: `w [H, K, N]`, 2: `w [H, N, K]`) -> `[..., H, N]` f32."""
+    `w_contract` (1: `w [H, K, N]`, 2: `w [H, N, K]`) -> `[..., H, N]` f32. layer: `w` is a
+    stack `[G, H, ., .]` and this is the index `[]` int32 of the weight to use."""
+    w = w if layer is None else lax.dynamic_index_in_dim(w, layer, keepdims=False)
     lead = v.shape[:-2]
     rows = v.reshape(-1, *v.shape[-2:]).astype(w.dtype)  # [M, H, K]
     out = lax.dot_general(rows, w, (((2,), (w_contract,)), ((1,), (0,))),
@@ -115,14 +120,18 @@ def per_head_xla(v: jax.Array, w: jax.Array, w_contract: int) -> jax.Array:
     return jnp.swapaxes(out, 0, 1).reshape(*lead, *out.shape[::2])
 
 
-def _kernel(v_ref, w_ref, o_ref, *, m: int, n: int, k: int, bm: int, bn: int, bk: int,
-            tiles: int, splits: int, w_kn: bool, evict: str | None):
+def _kernel(*refs, m: int, n: int, k: int, bm: int, bn: int, bk: int, tiles: int,
+            splits: int, heads: int, w_kn: bool, stacked: bool, evict: str | None):
     """Program (i, j, hs): rows i*bm.., columns j*bn.. of head hs // splits, K part hs % splits.
 
-    v_ref [M, H, K]; w_ref [H, N, K] (or [H, K, N] when w_kn); o_ref [S, M, H, N] f32, the
-    part's sum over its `tiles` K chunks, in order (columns past K read as zeros)."""
+    [l_ref [1] int32: the layer, when `stacked`]; v_ref [M, H, K]; w_ref [H, N, K] (or
+    [H, K, N] when w_kn; [G*H, ...] when stacked: layer l's heads at l*H..); o_ref
+    [S, M, H, N] f32, the part's sum over its `tiles` K chunks, in order (columns past K read
+    as zeros). A stacked weight gives the same tiles the same numbers: the same bits."""
+    l_ref, (v_ref, w_ref, o_ref) = (refs[0], refs[1:]) if stacked else (None, refs)
     i, j, hs = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     h, s = hs // splits, lax.rem(hs, splits)
+    hw = h + l_ref[0] * heads if stacked else h  # the weight's head in w_ref
     rows = i * bm + jnp.arange(bm, dtype=jnp.int32)  # [bm]
     cols = j * bn + jnp.arange(bn, dtype=jnp.int32)  # [bn]
     row_ok, col_ok = rows < m, cols < n
@@ -134,12 +143,12 @@ def _kernel(v_ref, w_ref, o_ref, *, m: int, n: int, k: int, bm: int, bn: int, bk
                      mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         a = a.astype(w_ref.dtype)  # [bm, bk]: the operand rounded as the definition rounds it
         if w_kn:
-            b = plt.load(w_ref.at[h, ks[:, None], cols[None, :]],
+            b = plt.load(w_ref.at[hw, ks[:, None], cols[None, :]],
                          mask=k_ok[:, None] & col_ok[None, :], other=0.0,
                          eviction_policy=evict)  # [bk, bn]
             dims = (((1,), (0,)), ((), ()))
         else:
-            b = plt.load(w_ref.at[h, cols[:, None], ks[None, :]],
+            b = plt.load(w_ref.at[hw, cols[:, None], ks[None, :]],
                          mask=col_ok[:, None] & k_ok[None, :], other=0.0,
                          eviction_policy=evict)  # [bn, bk]
             dims = (((1,), (1,)), ((), ()))
@@ -163,12 +172,18 @@ def _check(tuning: MatmulTuning, k: int) -> int:
     return tiles
 
 
-def _gemm(v: jax.Array, w: jax.Array, w_kn: bool, interpret: bool,
-          tuning: MatmulTuning) -> jax.Array:
+def _gemm(v: jax.Array, w: jax.Array, w_kn: bool, interpret: bool, tuning: MatmulTuning,
+          layer: jax.Array | None = None) -> jax.Array:
     """v [M, H, K] (any float dtype: rounded to w's in the kernel), w [H, N, K] or [H, K, N]
-    -> [M, H, N] f32."""
+    -> [M, H, N] f32. layer: w is a stack [G, H, ., .] read in place at this index [] int32
+    (no copy of the layer's weight: a kernel operand must be a whole buffer)."""
     m, heads, k = v.shape
-    n = w.shape[2] if w_kn else w.shape[1]
+    n = w.shape[-1] if w_kn else w.shape[-2]
+    stacked = layer is not None
+    if stacked:
+        _check_layer(w, layer, heads)
+        layer = jnp.clip(layer, 0, w.shape[0] - 1)  # as the twin's dynamic index: clamped
+        w = w.reshape(-1, *w.shape[2:])  # [G*H, ., .]: a bitcast
     tiles = _check(tuning, k)
     if m == 0:
         return jnp.zeros((0, heads, n), jnp.float32)
@@ -180,42 +195,59 @@ def _gemm(v: jax.Array, w: jax.Array, w_kn: bool, interpret: bool,
     grid = (pl.cdiv(m, t.block_m), pl.cdiv(n, t.block_n), heads * t.splits)
     parts = pl.pallas_call(
         functools.partial(_kernel, m=m, n=n, k=k, bm=t.block_m, bn=t.block_n, bk=t.block_k,
-                          tiles=tiles, splits=t.splits, w_kn=w_kn,
-                          evict="evict_first" if t.evict_weights else None),
+                          tiles=tiles, splits=t.splits, heads=heads, w_kn=w_kn,
+                          stacked=stacked, evict="evict_first" if t.evict_weights else None),
         out_shape=jax.ShapeDtypeStruct((t.splits, m, heads, n), jnp.float32),
         grid=grid,
         compiler_params=plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
         interpret=interpret,
         name="matmul",
-    )(v, w)  # [S, M, H, N]
+    )(*([jnp.reshape(layer, (1,)).astype(jnp.int32)] if stacked else []), v, w)  # [S, M, H, N]
     out = parts[0]
     for s in range(1, t.splits):  # split order, elementwise: the same for every row
         out = out + parts[s]
     return out
 
 
-def matmul_pallas(v: jax.Array, w: jax.Array, *, interpret: bool = False,
-                  tuning: MatmulTuning | None = None, **overrides) -> jax.Array:
+def matmul_pallas(v: jax.Array, w: jax.Array, layer: jax.Array | None = None, *,
+                  interpret: bool = False, tuning: MatmulTuning | None = None, **overrides
+                  ) -> jax.Array:
     """`matmul_xla` as the row-invariant kernel: `v [..., K]`, `w [N, K]` -> `[..., N]` f32.
-    tuning: the tiles (`default_tuning(N, K)` when None); overrides: single fields of it."""
-    n, k = w.shape
+    layer: `w` is a stack `[G, N, K]`, read in place at this index. tuning: the tiles
+    (`default_tuning(N, K)` when None); overrides: single fields of it."""
+    n, k = w.shape[-2:]
     lead = v.shape[:-1]
     rows = v.reshape(-1, 1, k)  # [M, 1, K]
     tuning = with_overrides(tuning or default_tuning(n, k, 1, rows.shape[0]), overrides)
-    out = _gemm(rows, w[None], False, interpret, tuning)
+    heads_w = w[None] if layer is None else w[:, None]  # [1, N, K] or [G, 1, N, K]
+    out = _gemm(rows, heads_w, False, interpret, tuning, layer)
     return out.reshape(*lead, n)
 
 
-def per_head_pallas(v: jax.Array, w: jax.Array, w_contract: int, *, interpret: bool = False,
+def per_head_pallas(v: jax.Array, w: jax.Array, w_contract: int,
+                    layer: jax.Array | None = None, *, interpret: bool = False,
                     tuning: MatmulTuning | None = None, **overrides) -> jax.Array:
     """`per_head_xla` as the row-invariant kernel: `v [..., H, K]`, `w [H, K, N]` (w_contract
-    1) or `[H, N, K]` (2) -> `[..., H, N]` f32."""
+    1) or `[H, N, K]` (2) -> `[..., H, N]` f32. layer: `w` is a stack `[G, H, ., .]`, read in
+    place at this index."""
     if w_contract not in (1, 2):
         raise ValueError(f"w_contract={w_contract} must be 1 or 2")
-    heads, k = w.shape[0], w.shape[w_contract]
-    n = w.shape[3 - w_contract]
+    one = w.shape[-3:]  # [H, ., .]: one layer's
+    heads, k = one[0], one[w_contract]
+    n = one[3 - w_contract]
     lead = v.shape[:-2]
     rows = v.reshape(-1, heads, k)  # [M, H, K]
     tuning = with_overrides(tuning or default_tuning(n, k, heads, rows.shape[0]), overrides)
-    out = _gemm(rows, w, w_contract == 1, interpret, tuning)  # [M, H, N]
+    out = _gemm(rows, w, w_contract == 1, interpret, tuning, layer)  # [M, H, N]
     return out.reshape(*lead, heads, n)
+
+
+def _check_layer(w: jax.Array, layer: jax.Array, heads: int) -> None:
+    """A stacked weight `[G, H, ., .]` and a scalar integer index (its value is data, clamped
+    to [0, G) as XLA's dynamic index clamps it)."""
+    if w.ndim != 4 or w.shape[1] != heads:
+        raise ValueError(f"matmul: a stacked weight must be [G, {heads}, ., .]; got "
+                         f"{list(w.shape)}")
+    if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+        raise ValueError(f"matmul: layer must be a scalar integer index; got shape "
+                         f"{list(jnp.shape(layer))}, dtype {jnp.result_type(layer)}")
