@@ -35,6 +35,9 @@ CMD_WHILE = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
 LOOP_VARIANTS = {
     "default": None,
     "copied": None,
+    # The model on XLA's GEMMs (`gemm="xla"`: every forward over max_verify rows, weights in
+    # place), as before the row-invariant GEMMs ran in the model.
+    "gemm-xla": None,
     "dsfusion": {"xla_gpu_enable_dynamic_slice_fusion": True},
     "dsfusion+cublas": {"xla_gpu_enable_dynamic_slice_fusion": True,
                         "xla_gpu_enable_triton_gemm": False},
@@ -148,7 +151,10 @@ def check_scan_equals_unrolled(cfg, vocab: int, b: int = 2, in_place: bool = Tru
     scanned, unrolled = FORWARD_JITS_IN_PLACE if in_place else FORWARD_JITS
     ok = True
     r = cfg.max_verify
-    for rows, n_new in ((2 * r, [2 * r, r + 1]), (r, [1, r]), (r, [r - 1, 0]), (r, [1, 1])):
+    # A prompt chunk, verify-shaped rows, and a 1-row step (the plain loop's rows under the
+    # row-invariant GEMMs).
+    for rows, n_new in ((2 * r, [2 * r, r + 1]), (r, [1, r]), (r, [r - 1, 0]), (r, [1, 1]),
+                        (1, [1, 1])):
         tokens = jnp.asarray(rng.integers(0, vocab, (b, rows)), jnp.int32)
         n = jnp.asarray(n_new[:b] + [1] * (b - len(n_new)), jnp.int32)
         a = scanned(mcfg, stacked, ms, tokens, n)
