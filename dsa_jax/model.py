@@ -59,6 +59,7 @@ from dsa_jax.projection import (
     LayerOf,
     kernel_rows,
     matmul,
+    norm,
     output_projection,
     project,
     x_columns,
@@ -345,16 +346,17 @@ def _block(cfg: DsaConfig, w: DsaWeights, caches: _Caches, rows: _Rows, layer, f
     return output_projection(w, o_latent, cfg), caches, sel
 
 
-# The GEMM weights of a block (`projection.matmul` / `per_head` operands).
-GEMM_FIELDS = ("x_proj", "q_proj", "qi_proj", "u_k", "u_v", "o_proj")
+# The block's weights its kernels can read in place in a stack: the GEMMs' (`projection.matmul`
+# / `per_head` operands) and the q_a RMSNorm's (`projection.norm`).
+IN_PLACE_FIELDS = ("x_proj", "q_proj", "qi_proj", "u_k", "u_v", "o_proj", "q_a_norm")
 
 
 def _in_place(stack: DsaWeights, index: jax.Array, layer: DsaWeights) -> DsaWeights:
-    """The scan's slice `layer` of the stacked weights, with its GEMM weights as `LayerOf`s
-    of `stack` at `index` (read in place by the row-invariant kernel, the slice by XLA's
-    GEMMs: the same numbers)."""
+    """The scan's slice `layer` of the stacked weights, with its `IN_PLACE_FIELDS` as
+    `LayerOf`s of `stack` at `index` (read in place by the kernels, the slice by XLA: the
+    same numbers)."""
     return layer._replace(**{f: LayerOf(getattr(stack, f), index, getattr(layer, f))
-                             for f in GEMM_FIELDS if getattr(layer, f) is not None})
+                             for f in IN_PLACE_FIELDS if getattr(layer, f) is not None})
 
 
 def _island(h: jax.Array, on: bool) -> jax.Array:
@@ -372,24 +374,27 @@ def _segment(cfg: DsaConfig, seg: Segment, stack: Stack, h, caches: _Caches, row
     # layer j is entry i*(g-1) + j, which the row-invariant GEMMs read in place.
     shared_stack = None if g == 1 else jax.tree.map(
         lambda a: a.reshape(-1, *a.shape[2:]), stack.shared)
+    norm_stack = stack.norms.reshape(-1, stack.norms.shape[-1])  # [G*g, D]: layer j of group i
+    # at i*g + j, read in place by the RMSNorm kernel
 
     def group(carry, xs):
         h, caches = carry
         wf, ws, norms, layer, full, gi = xs
         h = _island(h, barrier)
         h_in = h
+        pre = norm(cfg, h, LayerOf(norm_stack, gi * g, norms[0]), eps)
         y, caches, sel = _block(cfg, _in_place(stack.full, gi, wf), caches, rows, layer, full,
-                                rms_norm_op(cfg, h, norms[0], eps), None)
+                                pre, None)
         h = h + y
         hs = h_in[None] if hidden else None  # [1, B, R, D]
         if g > 1:
             def shared(carry, xs):
                 h, caches = carry
-                w, norm, l, j = xs
+                w, norm_w, l, j = xs
                 h = _island(h, barrier)
                 w = _in_place(shared_stack, gi * (g - 1) + j, w)
-                y, caches, _ = _block(cfg, w, caches, rows, l, None,
-                                      rms_norm_op(cfg, h, norm, eps), sel)
+                pre = norm(cfg, h, LayerOf(norm_stack, gi * g + 1 + j, norm_w), eps)
+                y, caches, _ = _block(cfg, w, caches, rows, l, None, pre, sel)
                 return (h + y, caches), h if hidden else None
 
             (h, caches), shared_hs = lax.scan(

@@ -18,21 +18,22 @@ import jax.numpy as jnp
 from jax import lax
 
 from dsa_jax.config import DsaConfig
-from dsa_jax.implementation import matmul_op, per_head_op, rms_norm_op, row_gemms
+from dsa_jax.implementation import matmul_op, per_head_op, resolve, rms_norm_op, row_gemms
 from dsa_jax.pallas.matmul import matmul_xla, per_head_xla
 from dsa_jax.pallas.rms_norm import rms_norm_xla as rms_norm  # the definition (public)
 from dsa_jax.weights import DsaWeights
 
-__all__ = ["LayerOf", "Projections", "kernel_rows", "matmul", "output_projection", "per_head",
-           "project", "project_kv", "rms_norm", "x_columns"]
+__all__ = ["LayerOf", "Projections", "kernel_rows", "matmul", "norm", "output_projection",
+           "per_head", "project", "project_kv", "rms_norm", "x_columns"]
 
 
 class LayerOf(NamedTuple):
-    """One layer's GEMM weight inside a stack of them, as the model's scan holds it: the
-    row-invariant kernel reads `stack [G, ...]` in place at `index` (a Pallas operand is a
-    whole buffer, so the slice would be a copy of the layer's weight per token), XLA's GEMMs
-    read `layer` (the scan's slice, which they read in place). Whichever one a GEMM does not
-    use is dead code in the compiled program. `shape` and `dtype` are the layer's."""
+    """One layer's weight inside a stack of them, as the model's scan holds it: a Pallas
+    kernel (the row-invariant GEMM, the RMSNorm) reads `stack [G, ...]` in place at `index`
+    (a Pallas operand is a whole buffer, so the slice would be a copy of the layer's weight
+    per token), XLA reads `layer` (the scan's slice: XLA's GEMMs read it in place). Whichever
+    one an op does not use is dead code in the compiled program. `shape` and `dtype` are the
+    layer's."""
     stack: jax.Array  # [G, ...] every layer's weight
     index: jax.Array  # [] int32: this layer's, in [0, G)
     layer: jax.Array  # [...] = stack[index]
@@ -98,6 +99,16 @@ def per_head(v: jax.Array, w: jax.Array, w_contract: int, cfg: DsaConfig | None 
     return per_head_xla(v, w.layer if isinstance(w, LayerOf) else w, w_contract)
 
 
+def norm(cfg: DsaConfig, v: jax.Array, w, eps: float, **kwargs) -> jax.Array:
+    """`rms_norm_op` with `w` an array or a `LayerOf` (the kernel reads its stack in place;
+    the "xla" implementation the scan's slice, as before). kwargs: `rms_norm_xla`'s."""
+    if not isinstance(w, LayerOf):
+        return rms_norm_op(cfg, v, w, eps, **kwargs)
+    if resolve(cfg.implementation) == "xla":
+        return rms_norm_op(cfg, v, w.layer, eps, **kwargs)
+    return rms_norm_op(cfg, v, w.stack, eps, layer=w.index, **kwargs)
+
+
 def kernel_rows(cfg: DsaConfig, lead: tuple[int, ...]) -> bool:
     """Rows `lead` (`[B, R]`) of a decode or verify (R <= max_verify) under `row_gemms`: the
     GEMMs whose rows a decode must reproduce bit for bit. A prompt's rows keep XLA's GEMMs."""
@@ -112,7 +123,7 @@ def project(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> Projections:
     # The norm reads its columns of xw in place and writes the q GEMMs' operand dtype (the
     # rounding they would apply): no slice, no conversion pass. fp32 where the two differ.
     dt = {w.dtype for w in (weights.q_proj, weights.qi_proj) if w is not None}
-    q_resid = rms_norm_op(cfg, xw, weights.q_a_norm, cfg.rms_norm_eps, cols=at["q_a"],
+    q_resid = norm(cfg, xw, weights.q_a_norm, cfg.rms_norm_eps, cols=at["q_a"],
                           dtype=dt.pop() if len(dt) == 1 else jnp.float32)  # [..., R_q]
     kv_raw = _cols(xw, at["kv"])  # [..., C]
     q = matmul(q_resid, weights.q_proj, cfg).reshape(*xw.shape[:-1], Hl, Dn)  # [..., Hl, Dn]

@@ -97,6 +97,10 @@ def test_the_scanned_model_on_the_row_invariant_gemms(kernel_impl):
     # and (full); the LM head on its one weight. No XLA dot is left.
     assert ops.count("pallas_call:matmul/3") == (6 + 5) + 6 and "dot_general" not in ops
     assert ops.count("pallas_call:matmul/2") == 1
+    # The pre-block and q_a RMSNorms read their stacked weights in place too (2 per body);
+    # the final norm has its one weight.
+    assert ops.count("pallas_call:rms_norm/3") == 2 * 3
+    assert ops.count("pallas_call:rms_norm/2") == 1
     rng = np.random.default_rng(3)
     # A ragged prompt chunk (XLA's GEMMs), decode-shaped steps of 1, 3 and 4 rows.
     for rows, n_new in [(30, [30, 26]), (1, [1, 1]), (3, [3, 2]), (1, [1, 0]), (4, [2, 4])]:

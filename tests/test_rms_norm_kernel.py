@@ -85,6 +85,26 @@ def test_rms_norm_refuses_columns_outside_v(fn):
         fn(v, w, EPS, cols=(0, 8))
 
 
+def test_rms_norm_reads_a_stacked_weight_in_place(impl):
+    """`layer=`: row l of a stacked `w [G, n]` (the model's scan) gives the bits of `w[l]`,
+    for the definition and the kernel alike, an index past G clamped (as XLA's dynamic index);
+    a stack of the wrong width or a non-scalar index is refused."""
+    fn = rms_norm_xla if impl == "xla" else functools.partial(
+        rms_norm_pallas, interpret=impl == "pallas-interpret")
+    v, _ = _inputs((3, 5), 41, seed=11)
+    stack = jnp.stack([_inputs((1,), 33, seed=s)[1] for s in range(3)])  # [G, n]
+    run = jax.jit(lambda v, w, layer: fn(v, w, EPS, cols=(7, 33), dtype=jnp.bfloat16,
+                                         layer=layer))
+    for layer in (0, 1, 2, 7):
+        got = run(v, stack, jnp.int32(layer))
+        want = fn(v, stack[min(layer, 2)], EPS, cols=(7, 33), dtype=jnp.bfloat16)
+        T.assert_trees_bitwise_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(ValueError, match=r"a stacked w must be \[G, 33\]"):
+        fn(v, stack[:, :8], EPS, cols=(7, 33), layer=jnp.int32(0))
+    with pytest.raises(ValueError, match="layer must be a scalar integer index"):
+        fn(v, stack, EPS, cols=(7, 33), layer=jnp.zeros(2, jnp.int32))
+
+
 def test_rms_norm_op_follows_the_implementation():
     v, w = _inputs((2, 3), 16, seed=5)
     for impl, fn in (("xla", "rms_norm_xla"), ("pallas-interpret", "rms_norm_pallas")):

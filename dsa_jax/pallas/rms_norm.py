@@ -31,20 +31,29 @@ class RmsNormTuning:
     num_warps: int = 4
 
 
-def _columns(full: int, cols: tuple[int, int] | None, w: jax.Array) -> tuple[int, int]:
+def _columns(full: int, cols: tuple[int, int] | None, w: jax.Array,
+             layer: jax.Array | None = None) -> tuple[int, int]:
     """`(start, n)` of the columns normalized (all `full` where `cols` is None), checked
-    against v's width and w's shape."""
+    against v's width and w's shape (`[G, n]` with a `layer` index)."""
     start, width = (0, full) if cols is None else cols
     if not (0 <= start and 1 <= width and start + width <= full):
         raise ValueError(f"rms_norm: cols={cols} must lie within v's last axis of {full}")
-    if w.shape != (width,):
+    if layer is None and w.shape != (width,):
         raise ValueError(f"rms_norm: w has shape {w.shape}, expected ({width},)")
+    if layer is not None:
+        if w.ndim != 2 or w.shape[1] != width:
+            raise ValueError(f"rms_norm: a stacked w must be [G, {width}]; got {w.shape}")
+        if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+            raise ValueError(f"rms_norm: layer must be a scalar integer index; got shape "
+                             f"{list(jnp.shape(layer))}, dtype {jnp.result_type(layer)}")
     return start, width
 
 
 def rms_norm_xla(v: jax.Array, w: jax.Array, eps: float, *, cols: tuple[int, int] | None = None,
-                 dtype=jnp.float32) -> jax.Array:
+                 dtype=jnp.float32, layer: jax.Array | None = None) -> jax.Array:
     """The definition: `v [..., n]`, `w [n]` -> `[..., n]` f32, as an island of its own.
+    layer: `w` is a stack `[G, n]` of weights and this is the index `[]` of the one to use
+    (clamped to [0, G), as XLA's dynamic index).
 
     cols: `(start, n)` static: normalize columns `start .. start + n - 1` of a wider `v`
     (a GEMM's output holding several projections: the kernel reads them in place, no slice
@@ -55,43 +64,52 @@ def rms_norm_xla(v: jax.Array, w: jax.Array, eps: float, *, cols: tuple[int, int
     (fused differently in two programs it rounded differently on the H200:
     benchmarks/results/h200-scan-taps-20261201-r*.json); they do not pin the reduction's
     order, which the Pallas kernel does."""
-    start, width = _columns(v.shape[-1], cols, w)
+    start, width = _columns(v.shape[-1], cols, w, layer)
+    if layer is not None:
+        w = lax.dynamic_index_in_dim(w, layer, keepdims=False)  # [n]
     v = lax.optimization_barrier(v[..., start:start + width].astype(jnp.float32))
     out = lax.optimization_barrier(
         w * v * lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps))
     return out.astype(dtype)
 
 
-def _norm_kernel(v_ref, w_ref, out_ref, *, start: int, width: int, eps: float):
-    """One row: v_ref [N, >= start + n] f32, w_ref [n] f32 (whole arrays); out_ref [N, n] in
-    the result's dtype (rounded to nearest even, as XLA's conversion)."""
+def _norm_kernel(*refs, start: int, width: int, eps: float, stacked: bool):
+    """One row: [l_ref [1] int32, when `stacked`], v_ref [N, >= start + n] f32, w_ref [n] f32
+    (or [G, n] read at row l: in place, the same numbers), whole arrays; out_ref [N, n] in the
+    result's dtype (rounded to nearest even, as XLA's conversion)."""
+    l_ref, (v_ref, w_ref, out_ref) = (refs[0], refs[1:]) if stacked else (None, refs)
     i = pl.program_id(0)
     cols = jnp.arange(next_pow2(width), dtype=jnp.int32)  # [np2]
     in_width = cols < width
     v = plt.load(v_ref.at[i, start + cols], mask=in_width, other=0.0)  # [np2], zero padding
-    w = plt.load(w_ref.at[cols], mask=in_width, other=0.0)  # [np2]
+    w_row = w_ref.at[l_ref[0]] if stacked else w_ref
+    w = plt.load(w_row.at[cols], mask=in_width, other=0.0)  # [np2]
     out = w * v * lax.rsqrt(jnp.sum(v * v) / width + eps)  # [np2]
     plt.store(out_ref.at[i, cols], out.astype(out_ref.dtype), mask=in_width)
 
 
 def rms_norm_pallas(v: jax.Array, w: jax.Array, eps: float, *, cols: tuple[int, int] | None = None,
-                    dtype=jnp.float32, interpret: bool = False,
+                    dtype=jnp.float32, layer: jax.Array | None = None, interpret: bool = False,
                     tuning: RmsNormTuning = RmsNormTuning(), **overrides) -> jax.Array:
     """`rms_norm_xla` as one Pallas launch, a program per row (the columns `cols` of `v` read
-    in place, the result written in `dtype`). `overrides`: fields of `tuning` by name
-    (`num_warps=8`)."""
+    in place, the result written in `dtype`; with `layer`, row `layer` of the stacked weights
+    `w [G, n]` read in place: a kernel operand is a whole buffer, so a slice would be a copy).
+    `overrides`: fields of `tuning` by name (`num_warps=8`)."""
     tuning = with_overrides(tuning, overrides)
     full = v.shape[-1]
-    start, width = _columns(full, cols, w)
+    start, width = _columns(full, cols, w, layer)
     rows = v.reshape(-1, full).astype(jnp.float32)  # [N, full]
+    stacked = layer is not None
+    lead = [jnp.reshape(jnp.clip(layer, 0, w.shape[0] - 1), (1,)).astype(jnp.int32)] \
+        if stacked else []
     out = pl.pallas_call(
-        functools.partial(_norm_kernel, start=start, width=width, eps=eps),
+        functools.partial(_norm_kernel, start=start, width=width, eps=eps, stacked=stacked),
         grid=(rows.shape[0],),
-        in_specs=[pl.BlockSpec()] * 2,  # v [N, full], w [n]
+        in_specs=[pl.BlockSpec()] * (len(lead) + 2),  # [layer], v [N, full], w [n] or [G, n]
         out_specs=pl.BlockSpec(),
         out_shape=jax.ShapeDtypeStruct((rows.shape[0], width), dtype),
         compiler_params=plt.CompilerParams(num_warps=tuning.num_warps, num_stages=1),
         interpret=interpret,
         name="rms_norm",
-    )(rows, w.astype(jnp.float32))  # [N, n]
+    )(*lead, rows, w.astype(jnp.float32))  # [N, n]
     return out.reshape(*v.shape[:-1], width)
