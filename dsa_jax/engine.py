@@ -9,9 +9,10 @@ dispatch, and reads their tokens back once. Sampling (greedy, or temperature/top
 key per request), stop tokens, length limits, the drafter's proposals, the verify and the
 rewind of rejected drafts all happen on the device.
 
-Every forward runs rows padded to `cfg.max_verify`, so each row's logits are bit-identical
-whether it is a plain decode or a verify row, and speculation never changes the tokens; a
-sampled token depends only on its logits, its request's key and its position.
+Each row's logits are bit-identical whether it is a plain decode or a verify row (each forward
+runs the rows it fills under the row-invariant GEMMs, `max_verify` padded rows with XLA's:
+`serve.loop_rows`), so speculation never changes the tokens; a sampled token depends only on
+its logits, its request's key and its position.
 """
 
 from __future__ import annotations

@@ -20,6 +20,13 @@ layer's residual add into the next layer's RMSNorm in one program and not in the
 scan step boundary already splits them), and the two differ in the last bits. The barrier
 only stops fusion across a layer boundary; it adds no op.
 
+The weights are read in place too: XLA's GEMMs read the scan's slice of a stacked weight, and
+the Pallas kernels (the row-invariant GEMMs and the RMSNorms, on decode-shaped rows) take the
+whole stack and the layer's index (`projection.LayerOf`), since a kernel operand is a whole
+buffer and a slice would be a copy per layer and token. Under the row-invariant GEMMs a row has
+the same bits at any row count, so a decode-shaped forward runs only the rows it fills
+(`step_rows`).
+
 The stacked caches are laid out so that no layer's cache is ever copied out of the stack:
 a kernel operand must be a whole buffer, so a per-layer slice of a stacked cache would cost
 a copy in and a copy back every step. Instead:
@@ -451,8 +458,9 @@ def forward(mcfg: ModelConfig, weights: StackedWeights, ms: ModelState, tokens: 
     every layer's input rows `[L, B, R, D]` (a fourth output, to find the first layer two
     programs differ in; it changes the program). attend_rows: static, `layer.step`'s promise
     (`n_new <= attend_rows`): every layer's selection and gather-attend run on the first
-    `attend_rows` rows only, the same bits for those rows (a plain decode loop pads to
-    max_verify rows and fills one)."""
+    `attend_rows` rows only, the same bits for those rows (with XLA's GEMMs a plain decode
+    loop pads to max_verify rows and fills one; under the row-invariant GEMMs it runs 1 row:
+    `step_rows`)."""
     cfg = mcfg.dsa
     b, r = tokens.shape
     nl, nb = ms.latent.shape[:2]

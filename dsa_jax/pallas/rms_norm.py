@@ -82,8 +82,8 @@ def _norm_kernel(*refs, start: int, width: int, eps: float, stacked: bool):
     cols = jnp.arange(next_pow2(width), dtype=jnp.int32)  # [np2]
     in_width = cols < width
     v = plt.load(v_ref.at[i, start + cols], mask=in_width, other=0.0)  # [np2], zero padding
-    w_row = w_ref.at[l_ref[0]] if stacked else w_ref
-    w = plt.load(w_row.at[cols], mask=in_width, other=0.0)  # [np2]
+    at = (l_ref[0], cols) if stacked else (cols,)  # one indexer (Triton takes no chain)
+    w = plt.load(w_ref.at[at], mask=in_width, other=0.0)  # [np2]
     out = w * v * lax.rsqrt(jnp.sum(v * v) / width + eps)  # [np2]
     plt.store(out_ref.at[i, cols], out.astype(out_ref.dtype), mask=in_width)
 
