@@ -212,7 +212,8 @@ def page(results_dir: str, out_md: str, png: str) -> list[str]:
               "targets of its day stays in its JSON.", "",
               *tables.points_table(rows, labels), ""]
     lines += runs_section(paths, by_path, labels, out_md)
-    first = by_path[paths[0]]
+    # The definitions from the newest bench run that states them (h200_loop.py's runs do not).
+    first = by_path[next((q for q in paths if by_path[q].get("floor_rule")), paths[0])]
     lines += [f"- floor: {first.get('floor_rule')}", f"- timing: {first.get('timing_method')}",
               f"- {first.get('tp_note')}", ""]
     lines += undefined_points(latest, current)
