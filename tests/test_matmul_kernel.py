@@ -2,6 +2,8 @@
 itself at other row counts: one body per check, run in Pallas interpret mode and (under
 `pytest -m gpu`) compiled for the GPU."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -147,3 +149,27 @@ def test_a_stacked_weight_needs_its_layer_axis_and_a_scalar_index():
         mm.matmul_pallas(v, w[None], jnp.zeros((2,), jnp.int32), interpret=True)
     with pytest.raises(ValueError, match="layer must be a scalar integer index"):
         mm.matmul_pallas(v, w[None], jnp.float32(0), interpret=True)
+
+
+@pytest.mark.parametrize("heads,w_contract,shape", [
+    (None, None, (2336, 4096)), (None, None, (4096, 16384)), (None, None, (256, 4096)),
+    (64, 1, (256, 512)), (64, 2, (256, 512))])
+@pytest.mark.parametrize("m", [1, 64])
+def test_the_stacked_operand_lowers_for_cuda(heads, w_contract, shape, m):
+    """The Triton lowering (on any host) of the kernel reading a stacked weight at the model's
+    GLM-5.3 shapes (x_proj, o_proj, the LM head at vocabulary 256, U_k and U_v of 64 heads):
+    a lowering error surfaces here, before the GPU (interpret mode accepts more)."""
+    n, k = shape
+    g = 4
+    if heads is None:
+        fn = functools.partial(mm.matmul_pallas)
+        args = (jax.ShapeDtypeStruct((m, k), jnp.float32),
+                jax.ShapeDtypeStruct((g, n, k), jnp.bfloat16))
+    else:
+        fn = functools.partial(mm.per_head_pallas, w_contract=w_contract)
+        w = (g, heads, k, n) if w_contract == 1 else (g, heads, n, k)
+        args = (jax.ShapeDtypeStruct((m, heads, k), jnp.float32),
+                jax.ShapeDtypeStruct(w, jnp.bfloat16))
+    text = jax.jit(lambda v, w, layer: fn(v, w, layer=layer)).trace(
+        *args, jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "custom_call @__gpu$xla.gpu.triton" in text

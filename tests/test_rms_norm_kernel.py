@@ -129,3 +129,20 @@ def test_rms_norm_kernel_same_bits_in_any_program():
     a = jax.jit(scanned)(v, ws)
     b = jax.jit(lambda v, w: rms_norm_pallas(v, w, EPS))(v, w)
     T.assert_trees_bitwise_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("rows,stacked", [(1, True), (256, True), (256, False)])
+def test_rms_norm_lowers_for_cuda(rows, stacked):
+    """The Triton lowering (on any host) of the q_a norm at GLM-5.3 shapes, its weight alone
+    or read in place in a stack: a lowering error (a chained indexer, say) surfaces here,
+    before the GPU, where interpret mode accepts it."""
+    v = jax.ShapeDtypeStruct((rows, 2336), jnp.float32)
+    w = jax.ShapeDtypeStruct((4, 1536) if stacked else (1536,), jnp.float32)
+    layer = jax.ShapeDtypeStruct((), jnp.int32)
+
+    def fn(v, w, layer):
+        return rms_norm_pallas(v, w, EPS, cols=(0, 1536), dtype=jnp.bfloat16,
+                               layer=layer if stacked else None)
+
+    text = jax.jit(fn).trace(v, w, layer).lower(lowering_platforms=("cuda",)).as_text()
+    assert "custom_call @__gpu$xla.gpu.triton" in text
