@@ -7,17 +7,21 @@ import jax.numpy as jnp
 
 from dsa_jax.config import DsaConfig
 from dsa_jax.implementation import latent_write_op, sparse_attend_op
+from dsa_jax.stacked import operand
 from dsa_jax.state import DsaState
 
 
-def write_latents(cfg: DsaConfig, state: DsaState, kv_raw: jax.Array, norm_w: jax.Array,
+def write_latents(cfg: DsaConfig, state: DsaState, kv_raw: jax.Array, norm_w,
                   pos: jax.Array, valid: jax.Array, *, col: int | None = None) -> DsaState:
     """RMSNorm `kv_raw [B, R, C]`, quantize, and store row (b, r) at its paged slot for
     `pos [B, R]` (`table[t // bs] * bs + t % bs`) where `valid`; other rows write nothing.
     col: kv_raw is the wider x projection output, its C columns from `col` the raw latent
-    (read in place by the kernel)."""
+    (read in place by the kernel). norm_w: `[C]`, or a `stacked.LayerOf` (the model's scan)."""
+    norm_w, at = operand(cfg, norm_w)  # a LayerOf: read in place in its stack
+    extra = {} if at is None else {"layer": at}
     latent = latent_write_op(cfg, kv_raw, norm_w, state.latent, state.kv_scale,
-                             state.block_tables, pos, valid, eps=cfg.rms_norm_eps, col=col)
+                             state.block_tables, pos, valid, eps=cfg.rms_norm_eps, col=col,
+                             **extra)
     return state._replace(latent=latent)
 
 

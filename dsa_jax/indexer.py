@@ -12,6 +12,7 @@ import jax
 
 from dsa_jax.config import DsaConfig
 from dsa_jax.implementation import index_write_op, pool_scores_op
+from dsa_jax.stacked import operand
 from dsa_jax.state import DsaState, ring_rows
 from dsa_jax.weights import DsaWeights
 
@@ -27,10 +28,13 @@ def write_index_rows(cfg: DsaConfig, weights: DsaWeights, state: DsaState, k_raw
     cols: `(k_start, g_start)`: k_raw and g are the x projection's wider output, read in place
     at those columns by the kernels."""
     layers = state.index_k.shape[1] // ring_rows(cfg)
-    index_k, index_g, keys = index_write_op(cfg, k_raw, g, weights.k_norm_w, weights.k_norm_b,
-                                            weights.ape, state.index_k, state.index_g,
-                                            state.pool_keys, pos, valid, layer, layers=layers,
-                                            cols=cols)
+    # LayerOfs (the model's scan) share one index: the kernels read their stacks in place.
+    (norm_w, at), (norm_b, _), (ape, _) = (operand(cfg, w) for w in (
+        weights.k_norm_w, weights.k_norm_b, weights.ape))
+    extra = {} if at is None else {"weight_layer": at}
+    index_k, index_g, keys = index_write_op(cfg, k_raw, g, norm_w, norm_b, ape, state.index_k,
+                                            state.index_g, state.pool_keys, pos, valid, layer,
+                                            layers=layers, cols=cols, **extra)
     return state._replace(index_k=index_k, index_g=index_g, pool_keys=keys)
 
 

@@ -62,16 +62,9 @@ from dsa_jax.layer import (
     pad_rows,
     step,
 )
-from dsa_jax.projection import (
-    LayerOf,
-    kernel_rows,
-    matmul,
-    norm,
-    output_projection,
-    project,
-    x_columns,
-)
+from dsa_jax.projection import kernel_rows, matmul, norm, output_projection, project, x_columns
 from dsa_jax.select import expand_selection, top_pools
+from dsa_jax.stacked import LayerOf
 from dsa_jax.state import DsaState, init_state, ring_guard
 from dsa_jax.weights import DsaWeights, init_random_weights
 
@@ -353,9 +346,12 @@ def _block(cfg: DsaConfig, w: DsaWeights, caches: _Caches, rows: _Rows, layer, f
     return output_projection(w, o_latent, cfg), caches, sel
 
 
-# The block's weights its kernels can read in place in a stack: the GEMMs' (`projection.matmul`
-# / `per_head` operands) and the q_a RMSNorm's (`projection.norm`).
-IN_PLACE_FIELDS = ("x_proj", "q_proj", "qi_proj", "u_k", "u_v", "o_proj", "q_a_norm")
+# The block's weights its kernels read in place in a stack (`dsa_jax.stacked`): the GEMMs'
+# (`projection.matmul` / `per_head`), the q_a RMSNorm's (`projection.norm`), the latent
+# write's norm (`attend.write_latents`) and the indexer write's LayerNorm and ape
+# (`indexer.write_index_rows`): every weight of a layer.
+IN_PLACE_FIELDS = ("x_proj", "q_proj", "qi_proj", "u_k", "u_v", "o_proj", "q_a_norm",
+                   "kv_a_norm", "k_norm_w", "k_norm_b", "ape")
 
 
 def _in_place(stack: DsaWeights, index: jax.Array, layer: DsaWeights) -> DsaWeights:

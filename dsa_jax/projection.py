@@ -18,33 +18,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from dsa_jax.config import DsaConfig
-from dsa_jax.implementation import matmul_op, per_head_op, resolve, rms_norm_op, row_gemms
+from dsa_jax.implementation import matmul_op, per_head_op, rms_norm_op, row_gemms
 from dsa_jax.pallas.matmul import matmul_xla, per_head_xla
 from dsa_jax.pallas.rms_norm import rms_norm_xla as rms_norm  # the definition (public)
+from dsa_jax.stacked import LayerOf, operand
 from dsa_jax.weights import DsaWeights
 
-__all__ = ["LayerOf", "Projections", "kernel_rows", "matmul", "norm", "output_projection",
-           "per_head", "project", "project_kv", "rms_norm", "x_columns"]
-
-
-class LayerOf(NamedTuple):
-    """One layer's weight inside a stack of them, as the model's scan holds it: a Pallas
-    kernel (the row-invariant GEMM, the RMSNorm) reads `stack [G, ...]` in place at `index`
-    (a Pallas operand is a whole buffer, so the slice would be a copy of the layer's weight
-    per token), XLA reads `layer` (the scan's slice: XLA's GEMMs read it in place). Whichever
-    one an op does not use is dead code in the compiled program. `shape` and `dtype` are the
-    layer's."""
-    stack: jax.Array  # [G, ...] every layer's weight
-    index: jax.Array  # [] int32: this layer's, in [0, G)
-    layer: jax.Array  # [...] = stack[index]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.layer.shape
-
-    @property
-    def dtype(self):
-        return self.layer.dtype
+__all__ = ["Projections", "kernel_rows", "matmul", "norm", "output_projection", "per_head",
+           "project", "project_kv", "rms_norm", "x_columns"]
 
 
 class Projections(NamedTuple):
@@ -102,11 +83,9 @@ def per_head(v: jax.Array, w: jax.Array, w_contract: int, cfg: DsaConfig | None 
 def norm(cfg: DsaConfig, v: jax.Array, w, eps: float, **kwargs) -> jax.Array:
     """`rms_norm_op` with `w` an array or a `LayerOf` (the kernel reads its stack in place;
     the "xla" implementation the scan's slice, as before). kwargs: `rms_norm_xla`'s."""
-    if not isinstance(w, LayerOf):
-        return rms_norm_op(cfg, v, w, eps, **kwargs)
-    if resolve(cfg.implementation) == "xla":
-        return rms_norm_op(cfg, v, w.layer, eps, **kwargs)
-    return rms_norm_op(cfg, v, w.stack, eps, layer=w.index, **kwargs)
+    w, at = operand(cfg, w)
+    return rms_norm_op(cfg, v, w, eps, **kwargs) if at is None else \
+        rms_norm_op(cfg, v, w, eps, layer=at, **kwargs)
 
 
 def kernel_rows(cfg: DsaConfig, lead: tuple[int, ...]) -> bool:

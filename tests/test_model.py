@@ -101,6 +101,11 @@ def test_the_scanned_model_on_the_row_invariant_gemms(kernel_impl):
     # the final norm has its one weight.
     assert ops.count("pallas_call:rms_norm/3") == 2 * 3
     assert ops.count("pallas_call:rms_norm/2") == 1
+    # And the writes: the latent write's norm in each body, the indexer write's LayerNorm
+    # and ape in each full layer's (one more operand each: the index).
+    assert ops.count("pallas_call:latent_write/6") == 3
+    assert ops.count("pallas_call:index_write_rows/8") == 2
+    assert ops.count("pallas_call:index_write_pool_keys/8") == 2
     rng = np.random.default_rng(3)
     # A ragged prompt chunk (XLA's GEMMs), decode-shaped steps of 1, 3 and 4 rows.
     for rows, n_new in [(30, [30, 26]), (1, [1, 1]), (3, [3, 2]), (1, [1, 0]), (4, [2, 4])]:

@@ -9,6 +9,8 @@ boundary: allowed for under 1% of the elements, and never by more than one step 
 (`storage_step`: eps, 2^-7 relative for bf16, 2^-3 for e4m3).
 """
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -16,6 +18,7 @@ import numpy as np
 import pytest
 
 from dsa_jax import testing as T
+from dsa_jax.implementation import OPS
 from dsa_jax.pallas import index_write as iw
 from dsa_jax.pallas import latent_write as lw
 from dsa_jax.pallas.common import KernelLimitError, triton_offsets_wrap
@@ -241,22 +244,85 @@ def test_triton_kernels_refuse_a_cache_their_offsets_would_wrap(nb, dtype, refus
     jax.eval_shape(_write_call(), cache)
 
 
-@pytest.mark.parametrize("rows", [4, 40])
-def test_index_write_lowers_for_cuda(rows):
+@pytest.mark.parametrize("rows,stacked", [(4, False), (40, False), (1, True), (40, True)])
+def test_index_write_lowers_for_cuda(rows, stacked):
     """The Triton lowering (any host) of the indexer write at GLM shapes, read in place from a
     wider x projection: a decode's rows and a prompt chunk longer than the ring (which runs
-    the late-rows launch too); lowering errors surface here, before the GPU."""
+    the late-rows launch too), its weights alone or in stacks (the model's scan); lowering
+    errors surface here, before the GPU."""
     f32, bf16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
     b, di, kp, ring, pools = 2, 128, 4, 16, 4096
+    g = (4,) if stacked else ()
 
     def fn(xw, norm_w, norm_b, ape, index_k, index_g, keys, pos, valid):
         return iw.index_write_pallas(xw, xw, norm_w, norm_b, ape, index_k, index_g, keys, pos,
-                                     valid, cols=(2048, 2048 + di))
+                                     valid, cols=(2048, 2048 + di),
+                                     weight_layer=jnp.int32(1) if stacked else None)
 
-    args = (jax.ShapeDtypeStruct((b, rows, 2336), f32), jax.ShapeDtypeStruct((di,), f32),
-            jax.ShapeDtypeStruct((di,), f32), jax.ShapeDtypeStruct((kp, di), f32),
+    args = (jax.ShapeDtypeStruct((b, rows, 2336), f32), jax.ShapeDtypeStruct((*g, di), f32),
+            jax.ShapeDtypeStruct((*g, di), f32), jax.ShapeDtypeStruct((*g, kp, di), f32),
             jax.ShapeDtypeStruct((b, ring, di), bf16), jax.ShapeDtypeStruct((b, ring, di), bf16),
             jax.ShapeDtypeStruct((b, pools, di), f32), jax.ShapeDtypeStruct((b, rows), i32),
             jax.ShapeDtypeStruct((b, rows), jnp.bool_))
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @__gpu$xla.gpu.triton") == (3 if rows > ring - kp + 1 else 2)
+
+
+def _write_fn(name: str, impl: str):
+    """Op `name`'s definition or kernel under `impl`, taking a traced index keyword."""
+    op = OPS[name]
+    if impl == "xla":
+        return op.reference
+    return functools.partial(op.kernel, interpret=impl == "pallas-interpret")
+
+
+def test_writes_read_stacked_weights_in_place(impl):
+    """`layer=` / `weight_layer=`: the writes read their weights (the latent RMSNorm's, the
+    indexer LayerNorm's and ape) at an index in stacks `[G, ...]` (the model's scan) and store
+    the bytes the layer's own weights give, an index past G clamped; a stack of the wrong
+    shape or a non-scalar index is refused."""
+    args = T.latent_write_inputs(5, "float8_e4m3fn", 24)
+    stack = jnp.stack([args[1] * (1 + 0.1 * s) for s in range(3)])  # [G, C]
+    latent = _write_fn("latent_write", impl)
+    write = jax.jit(lambda at, raw, *rest: latent(raw, stack, *rest, eps=1e-5, layer=at))
+    for at in (0, 2, 9):
+        want = T.run_op("latent_write", impl, args[0], stack[min(at, 2)], *args[2:], eps=1e-5)
+        got = write(jnp.int32(at), args[0], *args[2:])
+        T.assert_trees_bitwise_equal(np.asarray(got), np.asarray(want))
+    iargs = T.index_write_inputs(6, 4, "bfloat16")
+    stacks = [jnp.stack([a * (1 + 0.1 * s) for s in range(3)]) for a in iargs[2:5]]
+    index = _write_fn("index_write", impl)
+    iwrite = jax.jit(lambda at, a: index(a[0], a[1], *stacks, *a[5:], weight_layer=at))
+    for at in (1, 5):
+        want = T.run_op("index_write", impl, *iargs[:2], *(s[min(at, 2)] for s in stacks),
+                        *iargs[5:])
+        got = iwrite(jnp.int32(at), iargs)
+        T.assert_trees_bitwise_equal([np.asarray(a) for a in got], [np.asarray(a) for a in want])
+    with pytest.raises(ValueError, match=r"a stacked latent_write's norm_w must be \[G, 24\]"):
+        latent(args[0], stack[:, :5], *args[2:], eps=1e-5, layer=jnp.int32(0))
+    with pytest.raises(ValueError, match="index_write's norm_w's layer must be a scalar"):
+        index(*iargs[:2], *stacks, *iargs[5:], weight_layer=jnp.zeros(2, jnp.int32))
+    with pytest.raises(ValueError, match=r"index_write's ape has shape \(3, 4, 12\)"):
+        index(*iargs[:2], stacks[0][0], stacks[1][0], stacks[2], *iargs[5:])
+
+
+@pytest.mark.parametrize("rows,stacked", [(1, False), (1, True), (256, True)])
+def test_latent_write_lowers_for_cuda(rows, stacked):
+    """The Triton lowering (any host) of the latent write at GLM shapes (C 512 read in place
+    from the x projection's 2336 columns, an fp8 cache), its norm weight alone or in a stack
+    (the model's scan): lowering errors surface here, before the GPU."""
+    f32, i32 = jnp.float32, jnp.int32
+    b, c, nb, bs, mb = 2, 512, 64, 64, 16
+
+    def fn(xw, norm_w, cache, tables, pos, valid):
+        return lw.latent_write_pallas(xw, norm_w, cache, jnp.float32(0.02), tables, pos, valid,
+                                      eps=1e-5, col=1536,
+                                      layer=jnp.int32(2) if stacked else None)
+
+    args = (jax.ShapeDtypeStruct((b, rows, 2336), f32),
+            jax.ShapeDtypeStruct((4, c) if stacked else (c,), f32),
+            jax.ShapeDtypeStruct((nb, bs, c), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((b, mb), i32), jax.ShapeDtypeStruct((b, rows), i32),
+            jax.ShapeDtypeStruct((b, rows), jnp.bool_))
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @__gpu$xla.gpu.triton") == 1

@@ -122,3 +122,21 @@ def check_register_budgets(consumers: int, consumer_regs: int, producer_regs: in
         raise ValueError(f"registers {consumers} * {consumer_regs} + {producer_regs} = {total} "
                          f"per thread exceed the CTA's {warpgroups} * {launch} at launch: "
                          f"setmaxnreg.inc would wait forever")
+
+
+def stacked_weight(w: jax.Array, layer: jax.Array | None, one: tuple[int, ...], what: str
+                   ) -> jax.Array | None:
+    """Check a weight of one layer's shape `one`, or with `layer` a stack `[G, *one]` and a
+    scalar integer index; returns the index clamped to [0, G) (as XLA's dynamic index), or
+    None."""
+    if layer is None:
+        if w.shape != one:
+            raise ValueError(f"{what} has shape {w.shape}, expected {one}")
+        return None
+    if w.shape[1:] != one or w.ndim != len(one) + 1:
+        raise ValueError(f"a stacked {what} must be [G, {', '.join(map(str, one))}]; got "
+                         f"{w.shape}")
+    if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+        raise ValueError(f"{what}'s layer must be a scalar integer index; got shape "
+                         f"{list(jnp.shape(layer))}, dtype {jnp.result_type(layer)}")
+    return jnp.clip(layer, 0, w.shape[0] - 1).astype(jnp.int32)

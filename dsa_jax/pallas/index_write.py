@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from dsa_jax.pallas.common import next_pow2, with_overrides
+from dsa_jax.pallas.common import next_pow2, stacked_weight, with_overrides
 
 LN_EPS = 1e-6  # the indexer's k_norm epsilon (HF nn.LayerNorm(eps=1e-6))
 
@@ -54,8 +54,8 @@ def pool_key(k_members: jax.Array, g_members: jax.Array, ape: jax.Array) -> jax.
 def ring_geometry(ape: jax.Array, ring: jax.Array, pool_keys: jax.Array, layers: int
                   ) -> tuple[int, int, int, int]:
     """(KP, Rr, P, Tmax) of the arrays (static), checked: the ring must hold a pool's KP - 1
-    earlier members plus one row."""
-    kp = ape.shape[0]
+    earlier members plus one row. ape: `[KP, Di]` (or a stack of them)."""
+    kp = ape.shape[-2]
     if layers < 1 or ring.shape[1] % layers or pool_keys.shape[1] % layers:
         raise ValueError(f"ring rows {ring.shape[1]} and pool keys {pool_keys.shape[1]} must "
                          f"split evenly over layers={layers}")
@@ -90,7 +90,8 @@ def index_write_xla(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b: j
                     ape: jax.Array, index_k: jax.Array, index_g: jax.Array,
                     pool_keys: jax.Array, pos: jax.Array, valid: jax.Array,
                     layer: jax.Array | int = 0, *, layers: int = 1,
-                    cols: tuple[int, int] | None = None
+                    cols: tuple[int, int] | None = None,
+                    weight_layer: jax.Array | None = None
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The definition.
 
@@ -99,9 +100,14 @@ def index_write_xla(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b: j
     pos, valid: [B, R]; layer: [] int32. Returns the new (index_k, index_g, pool_keys).
     cols: static `(k_start, g_start)`: k_raw and g are wider `[B, R, N]` arrays (the x
     projection's output, the same one for both) whose Di columns from those starts are the
-    rows, read in place by the kernels (no slice copies).
+    rows, read in place by the kernels (no slice copies). weight_layer: norm_w, norm_b and ape
+    are stacks `[G, ...]` of every layer's and this is the index `[]` of this layer's (the
+    model's scan; `layer` is the cache's full-layer index, another number).
     """
     kp, rows, num_pools, tmax = ring_geometry(ape, index_k, pool_keys, layers)
+    at = _weight_layer(norm_w, norm_b, ape, weight_layer)
+    if at is not None:
+        norm_w, norm_b, ape = norm_w[at], norm_b[at], ape[at]
     di = norm_w.shape[0]
     k0, g0 = row_columns(k_raw, g, di, cols)
     k_raw, g = k_raw[..., k0:k0 + di], g[..., g0:g0 + di]
@@ -141,17 +147,31 @@ def index_write_xla(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b: j
 _FIRST, _DEST, _SPLIT, _STEP, _RING, _POOL, _LATE = range(7)
 
 
-def _rows_kernel(w_ref, b_ref, k_ref, g_ref, meta_ref, _k_in, _g_in, k_out, g_out, kc_out, *,
-                 width: int, k0: int, g0: int):
+def _weight_layer(norm_w, norm_b, ape, weight_layer):
+    """The weights of one layer (`[Di]`, `[Di]`, `[KP, Di]`), or stacks of them and an index:
+    checked; the index clamped (None without one)."""
+    di, one_ape = norm_w.shape[-1], ape.shape[-2:]
+    at = stacked_weight(norm_w, weight_layer, (di,), "index_write's norm_w")
+    stacked_weight(norm_b, weight_layer, (di,), "index_write's norm_b")
+    stacked_weight(ape, weight_layer, one_ape, "index_write's ape")
+    return at
+
+
+def _rows_kernel(*refs, width: int, k0: int, g0: int, stacked: bool):
     """One row: LayerNorm of k (k_ref's columns k0..) and g (g_ref's g0..); the stored k to the
-    step buffer row i, and k and g to flat ring row meta_ref[_FIRST, i] (-1: not here)."""
+    step buffer row i, and k and g to flat ring row meta_ref[_FIRST, i] (-1: not here).
+    refs: [l_ref [1] int32 when `stacked`: w_ref, b_ref are [G, Di], read at row l], w_ref,
+    b_ref [Di], k_ref, g_ref, meta_ref, the two rings (aliased), k_out, g_out, kc_out."""
+    l_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
+    w_ref, b_ref, k_ref, g_ref, meta_ref, _k_in, _g_in, k_out, g_out, kc_out = refs
     i = pl.program_id(0)
     cols = jnp.arange(next_pow2(width), dtype=jnp.int32)  # [Dp]
     in_width = cols < width
     k = plt.load(k_ref.at[i, k0 + cols], mask=in_width, other=0.0)
     g = plt.load(g_ref.at[i, g0 + cols], mask=in_width, other=0.0)
-    w = plt.load(w_ref.at[cols], mask=in_width, other=0.0)
-    bias = plt.load(b_ref.at[cols], mask=in_width, other=0.0)
+    w_at = (l_ref[0], cols) if stacked else (cols,)  # one indexer (Triton takes no chain)
+    w = plt.load(w_ref.at[w_at], mask=in_width, other=0.0)
+    bias = plt.load(b_ref.at[w_at], mask=in_width, other=0.0)
     mean = jnp.sum(k) / width
     centered = jnp.where(in_width, k - mean, 0.0)
     k = centered * lax.rsqrt(jnp.sum(centered * centered) / width + LN_EPS) * w + bias
@@ -176,13 +196,16 @@ def _copy_kernel(kc_ref, g_ref, meta_ref, _k_in, _g_in, k_out, g_out, *, width: 
     plt.store(g_out.at[jnp.maximum(row, 0), cols], g.astype(g_out.dtype), mask=mask)
 
 
-def _pool_kernel(ape_ref, rk_ref, rg_ref, kc_ref, g_ref, meta_ref, _keys_in, keys_out, *,
-                 width: int, kpool: int, rows: int, g0: int):
+def _pool_kernel(*refs, width: int, kpool: int, rows: int, g0: int, stacked: bool):
     """One row that may complete a pool (flat key row meta[_DEST, i]; -1: none). Members
     m < meta[_SPLIT, i] come from the ring (flat row meta[_RING, i] + (meta[_POOL, i] + m) %
     rows, the pool's first position meta[_POOL, i]), the others from the step: flat row
     meta[_STEP, i] + m of the stored k buffer and of the raw g (g_ref's columns g0..; cast to
-    the cache dtype as the ring stores it)."""
+    the cache dtype as the ring stores it). refs: [l_ref [1] int32 when `stacked`: ape_ref is
+    [G, KP, Di], read at l], ape_ref, rk_ref, rg_ref, kc_ref, g_ref, meta_ref, the keys
+    (aliased), keys_out."""
+    l_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
+    ape_ref, rk_ref, rg_ref, kc_ref, g_ref, meta_ref, _keys_in, keys_out = refs
     i = pl.program_id(0)
     cols = jnp.arange(next_pow2(width), dtype=jnp.int32)  # [Dp]
     members = jnp.arange(next_pow2(kpool), dtype=jnp.int32)  # [KPp]
@@ -203,7 +226,8 @@ def _pool_kernel(ape_ref, rk_ref, rg_ref, kc_ref, g_ref, meta_ref, _keys_in, key
                            other=jnp.zeros((), rg_ref.dtype)).astype(jnp.float32),
                   plt.load(g_ref.at[new[:, None], g0 + cols[None, :]], mask=mask & ~old,
                            other=0.0).astype(rg_ref.dtype).astype(jnp.float32))
-    ape = plt.load(ape_ref.at[members[:, None], cols[None, :]], mask=mask, other=0.0)
+    ape_at = (members[:, None], cols[None, :])
+    ape = plt.load(ape_ref.at[(l_ref[0], *ape_at) if stacked else ape_at], mask=mask, other=0.0)
     logits = jnp.where(mask, g + ape, -jnp.inf)
     m = jnp.max(logits, axis=0, keepdims=True)
     e = jnp.exp(logits - jnp.where(m > -jnp.inf, m, 0.0))  # 0 at padded members
@@ -215,18 +239,22 @@ def index_write_pallas(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b
                        ape: jax.Array, index_k: jax.Array, index_g: jax.Array,
                        pool_keys: jax.Array, pos: jax.Array, valid: jax.Array,
                        layer: jax.Array | int = 0, *, layers: int = 1,
-                       cols: tuple[int, int] | None = None, interpret: bool = False,
+                       cols: tuple[int, int] | None = None,
+                       weight_layer: jax.Array | None = None, interpret: bool = False,
                        tuning: IndexWriteTuning = IndexWriteTuning(), **overrides
                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`index_write_xla` as Pallas launches, a program per row, writing the ring and the keys
     in place (aliased): (1) the rows: LayerNorm, the stored k into a step buffer, and every
     row whose slot is not one of the earlier members' (the first Rr - KP + 1 rows of the step:
     all of a decode or verify) into the ring; (2) the pool keys; (3) only for a step of more
-    rows than that (a prompt chunk), the remaining rows into the ring.
-    `overrides`: fields of `tuning` by name (`num_warps=2`)."""
+    rows than that (a prompt chunk), the remaining rows into the ring. With `weight_layer`
+    the stacked weights are read in place at that index (a kernel operand is a whole buffer:
+    a slice would be a copy). `overrides`: fields of `tuning` by name (`num_warps=2`)."""
     tuning = with_overrides(tuning, overrides)
     kp, rows, num_pools, tmax = ring_geometry(ape, index_k, pool_keys, layers)
-    di = norm_w.shape[0]
+    at = _weight_layer(norm_w, norm_b, ape, weight_layer)
+    lead = [] if at is None else [jnp.reshape(at, (1,))]
+    di = norm_w.shape[-1]
     k0, g0 = row_columns(k_raw, g, di, cols)
     nb, r = k_raw.shape[:2]
     n, ring_len = nb * r, index_k.shape[1]
@@ -253,27 +281,28 @@ def index_write_pallas(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b
     params = plt.CompilerParams(num_warps=tuning.num_warps, num_stages=1)
     k_rows = k_raw.reshape(n, k_raw.shape[-1]).astype(jnp.float32)  # [N, >= Di]
     g_rows = g.reshape(n, g.shape[-1]).astype(jnp.float32)  # [N, >= Di]
+    s = len(lead)  # the operands shift past the layer index
     k_flat, g_flat, kc = pl.pallas_call(
-        functools.partial(_rows_kernel, width=di, k0=k0, g0=g0),
+        functools.partial(_rows_kernel, width=di, k0=k0, g0=g0, stacked=bool(s)),
         grid=(n,),
-        in_specs=[pl.BlockSpec()] * 7,  # w, b [Di]; k, g [N, Di]; meta [7, N]; two rings
+        in_specs=[pl.BlockSpec()] * (s + 7),  # [layer]; w, b; k, g [N, Di]; meta; two rings
         out_specs=[pl.BlockSpec()] * 3,
         out_shape=[jax.ShapeDtypeStruct((nb * ring_len, di), index_k.dtype),
                    jax.ShapeDtypeStruct((nb * ring_len, di), index_g.dtype),
                    jax.ShapeDtypeStruct((n, di), index_k.dtype)],
-        input_output_aliases={5: 0, 6: 1},
+        input_output_aliases={s + 5: 0, s + 6: 1},
         compiler_params=params, interpret=interpret, name="index_write_rows",
-    )(norm_w.astype(jnp.float32), norm_b.astype(jnp.float32), k_rows, g_rows, meta,
+    )(*lead, norm_w.astype(jnp.float32), norm_b.astype(jnp.float32), k_rows, g_rows, meta,
       index_k.reshape(nb * ring_len, di), index_g.reshape(nb * ring_len, di))
     keys_flat = pl.pallas_call(
-        functools.partial(_pool_kernel, width=di, kpool=kp, rows=rows, g0=g0),
+        functools.partial(_pool_kernel, width=di, kpool=kp, rows=rows, g0=g0, stacked=bool(s)),
         grid=(n,),
-        in_specs=[pl.BlockSpec()] * 7,  # ape; rings; k buffer, g; meta [7, N]; keys
+        in_specs=[pl.BlockSpec()] * (s + 7),  # [layer]; ape; rings; k buffer, g; meta; keys
         out_specs=pl.BlockSpec(),
         out_shape=jax.ShapeDtypeStruct((nb * pool_keys.shape[1], di), jnp.float32),
-        input_output_aliases={6: 0},
+        input_output_aliases={s + 6: 0},
         compiler_params=params, interpret=interpret, name="index_write_pool_keys",
-    )(ape.astype(jnp.float32), k_flat, g_flat, kc, g_rows, meta,
+    )(*lead, ape.astype(jnp.float32), k_flat, g_flat, kc, g_rows, meta,
       pool_keys.reshape(nb * pool_keys.shape[1], di))
     if r > early:  # static: a step longer than the ring's free rows (a prompt chunk)
         k_flat, g_flat = pl.pallas_call(

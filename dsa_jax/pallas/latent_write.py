@@ -27,6 +27,7 @@ from dsa_jax.pallas.common import (
     check_triton_addressable,
     next_pow2,
     quantize,
+    stacked_weight,
     triton_offsets_wrap,
     with_overrides,
 )
@@ -79,15 +80,20 @@ def raw_columns(kv_raw: jax.Array, c: int, col: int | None) -> int:
 
 def latent_write_xla(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
                      kv_scale: jax.Array, block_tables: jax.Array, pos: jax.Array,
-                     valid: jax.Array, *, eps: float, col: int | None = None) -> jax.Array:
+                     valid: jax.Array, *, eps: float, col: int | None = None,
+                     layer: jax.Array | None = None) -> jax.Array:
     """The definition.
 
     kv_raw: [B, R, C] f32 (before the norm); norm_w: [C] f32; latent: [NB, bs, C] cache dtype;
     kv_scale: [] f32; block_tables: [B, MB] int32; pos, valid: [B, R]. Returns the new cache.
     col: static; kv_raw is a wider `[B, R, N]` (the x projection's output) whose columns
     `col .. col + C - 1` are the raw latent, read in place by the kernel (no slice copy).
+    layer: norm_w is a stack `[G, C]` and this the index `[]` of the layer's row (the model's
+    scan: the kernel reads it in place).
     """
     nb, bs, c = latent.shape
+    at = stacked_weight(norm_w, layer, (c,), "latent_write's norm_w")
+    norm_w = norm_w if at is None else norm_w[at]
     start = raw_columns(kv_raw, c, col)
     kv_raw = kv_raw[..., start:start + c]
     stored = quantize(_rms_norm(kv_raw.astype(jnp.float32), norm_w, eps, c), kv_scale,
@@ -99,19 +105,22 @@ def latent_write_xla(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
     return flat.reshape(nb, bs, c)
 
 
-def _write_kernel(scale_ref, w_ref, raw_ref, slots_ref, *refs, width: int, eps: float,
-                  to_rows: bool, col: int):
-    """One row: raw_ref [N, >= col + C] f32 (its columns col.. are the row's), slots_ref [N]
-    int32 (whole arrays). out_ref (the last of
-    `refs`): the cache itself [NS, C] (aliased, after the cache input), written at the row's
-    slot; or, when `to_rows`, the rows [N, C], written at the program's row."""
+def _write_kernel(*refs, width: int, eps: float, to_rows: bool, col: int, stacked: bool):
+    """One row: [l_ref [1] int32 when `stacked`], scale_ref [1] f32, w_ref [C] f32 (or [G, C]
+    read at row l), raw_ref [N, >= col + C] f32 (its columns col.. are the row's), slots_ref
+    [N] int32 (whole arrays). out_ref (the last of `refs`): the cache itself [NS, C]
+    (aliased, after the cache input), written at the row's slot; or, when `to_rows`, the rows
+    [N, C], written at the program's row."""
+    l_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
+    scale_ref, w_ref, raw_ref, slots_ref = refs[:4]
     out_ref = refs[-1]
     i = pl.program_id(0)
     cp = next_pow2(width)
     cols = jnp.arange(cp, dtype=jnp.int32)  # [Cp]
     in_width = cols < width
     raw = plt.load(raw_ref.at[i, col + cols], mask=in_width, other=0.0)  # [Cp]
-    w = plt.load(w_ref.at[cols], mask=in_width, other=0.0)  # [Cp]
+    w_at = (l_ref[0], cols) if stacked else (cols,)  # one indexer (Triton takes no chain)
+    w = plt.load(w_ref.at[w_at], mask=in_width, other=0.0)  # [Cp]
     stored = quantize(_rms_norm(raw, w, eps, width), scale_ref[0], out_ref.dtype)  # [Cp]
     if to_rows:
         plt.store(out_ref.at[i, cols], stored, mask=in_width)
@@ -144,30 +153,34 @@ def scatter_rows(latent: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Ar
 def latent_write_pallas(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
                         kv_scale: jax.Array, block_tables: jax.Array, pos: jax.Array,
                         valid: jax.Array, *, eps: float, col: int | None = None,
-                        interpret: bool = False,
+                        layer: jax.Array | None = None, interpret: bool = False,
                         tuning: LatentWriteTuning = LatentWriteTuning(), **overrides
                         ) -> jax.Array:
     """`latent_write_xla` as one Pallas launch, a program per row, writing the cache in place
     (the cache is aliased to the output; donate it to avoid a copy); where the kernel cannot
     address the cache, the kernel's rows stored by an XLA scatter (`LatentWriteTuning.store`).
-    `overrides`: fields of `tuning` by name (`num_warps=4`)."""
+    With `layer`, row `layer` of the stacked `norm_w [G, C]` read in place (a kernel operand
+    is a whole buffer: a slice would be a copy). `overrides`: fields of `tuning` by name
+    (`num_warps=4`)."""
     tuning = with_overrides(tuning, overrides)
     store = pick_store(tuning, latent.shape, latent.dtype)
     nb, bs, c = latent.shape
+    at = stacked_weight(norm_w, layer, (c,), "latent_write's norm_w")
+    lead = [] if at is None else [jnp.reshape(at, (1,))]
     b, r, width = kv_raw.shape
     n = b * r
     start = raw_columns(kv_raw, c, col)
     slots = flat_slots(pos, valid, block_tables, bs).reshape(n).astype(jnp.int32)
     scale = jnp.reshape(jnp.asarray(kv_scale, jnp.float32), (1,))
     kernel = functools.partial(_write_kernel, width=c, eps=eps, to_rows=store == "xla",
-                               col=start)
-    operands = [scale, norm_w.astype(jnp.float32),
+                               col=start, stacked=at is not None)
+    operands = [*lead, scale, norm_w.astype(jnp.float32),
                 kv_raw.reshape(n, width).astype(jnp.float32), slots]
     params = plt.CompilerParams(num_warps=tuning.num_warps, num_stages=1)
     if store == "xla":
         rows = pl.pallas_call(
             kernel, grid=(n,),
-            in_specs=[pl.BlockSpec()] * 4,  # scale [1], w [C], raw [N, >= C], slots [N]
+            in_specs=[pl.BlockSpec()] * len(operands),  # [layer], scale, w, raw, slots
             out_specs=pl.BlockSpec(),
             out_shape=jax.ShapeDtypeStruct((n, c), latent.dtype),
             compiler_params=params, interpret=interpret, name="latent_rows",
@@ -176,10 +189,11 @@ def latent_write_pallas(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
     out = pl.pallas_call(
         kernel,
         grid=(n,),
-        in_specs=[pl.BlockSpec()] * 5,  # scale [1], w [C], raw [N, >= C], slots [N], cache
+        in_specs=[pl.BlockSpec()] * (len(operands) + 1),  # [layer], scale [1], w, raw
+        # [N, >= C], slots [N], the cache
         out_specs=pl.BlockSpec(),
         out_shape=jax.ShapeDtypeStruct((nb * bs, c), latent.dtype),
-        input_output_aliases={4: 0},
+        input_output_aliases={len(operands): 0},
         compiler_params=params,
         interpret=interpret,
         name="latent_write",
