@@ -5,6 +5,8 @@ kernel ones. "pallas" carries the `gpu` marker: it is skipped unless jax's defau
 GPU, and `pytest -m gpu` runs exactly the GPU checks (see tests/test_kernels.py).
 """
 
+import gc
+
 import jax
 import pytest
 
@@ -37,3 +39,15 @@ def pytest_addoption(parser):
     # default; --long runs them at full length.
     parser.addoption("--long", action="store_true", default=False,
                      help="run the reliability property tests and engine soak at full length")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """After each test module, drop jax's compiled programs. Every XLA:CPU executable maps its
+    code into the process, and the suite's thousands of programs (interpret-mode kernels
+    compile large ones) passed the kernel's limit of 65530 mappings per process
+    (vm.max_map_count): LLVM then aborted the process inside a compile (SIGABRT, no message;
+    ~15K mappings per heavy module, measured). Cleared, a module's mappings go back to ~600."""
+    yield
+    jax.clear_caches()
+    gc.collect()
