@@ -21,11 +21,11 @@ scan step boundary already splits them), and the two differ in the last bits. Th
 only stops fusion across a layer boundary; it adds no op.
 
 The weights are read in place too: XLA's GEMMs read the scan's slice of a stacked weight, and
-the Pallas kernels (the row-invariant GEMMs and the RMSNorms, on decode-shaped rows) take the
-whole stack and the layer's index (`projection.LayerOf`), since a kernel operand is a whole
-buffer and a slice would be a copy per layer and token. Under the row-invariant GEMMs a row has
-the same bits at any row count, so a decode-shaped forward runs only the rows it fills
-(`step_rows`).
+the Pallas kernels (the row-invariant GEMMs on decode-shaped rows, the RMSNorms and the cache
+writes) take the whole stack and the layer's index (`stacked.LayerOf`), since a kernel operand
+is a whole buffer and a slice would be a copy per layer and token. Under the row-invariant
+GEMMs a row has the same bits at any row count, so a decode-shaped forward runs only the rows
+it fills (`step_rows`).
 
 The stacked caches are laid out so that no layer's cache is ever copied out of the stack:
 a kernel operand must be a whole buffer, so a per-layer slice of a stacked cache would cost
