@@ -79,7 +79,7 @@ def test_the_scanned_model_on_the_row_invariant_gemms(kernel_impl):
     """Under the row-invariant GEMMs (`gemm="pallas"`, bf16 weights) the scan's GEMMs read each
     layer's weights in place in the stacks (`projection.LayerOf`: no copy of a layer's weights
     per token) and the LM head runs the kernel too: scanned == unrolled bit for bit, and a
-    row's logits, caches and selection have the same bits in a forward of 1, 2 or 4 rows per
+    row's logits, caches and selection have the same bits in a forward of 1 or 4 rows per
     sequence (`step_rows`: the serving loop runs only the rows it fills)."""
     cfg = CFG.replace(gemm="pallas", param_dtype="bfloat16", implementation=kernel_impl)
     mcfg = M.ModelConfig(cfg.replace(indexer_types=IRREGULAR), vocab_size=37)
@@ -107,8 +107,8 @@ def test_the_scanned_model_on_the_row_invariant_gemms(kernel_impl):
     assert ops.count("pallas_call:index_write_rows/8") == 2
     assert ops.count("pallas_call:index_write_pool_keys/8") == 2
     rng = np.random.default_rng(3)
-    # A ragged prompt chunk (XLA's GEMMs), decode-shaped steps of 1, 3 and 4 rows.
-    for rows, n_new in [(30, [30, 26]), (1, [1, 1]), (3, [3, 2]), (1, [1, 0]), (4, [2, 4])]:
+    # A ragged prompt chunk (XLA's GEMMs), decode-shaped steps of 1 and 4 rows.
+    for rows, n_new in [(30, [30, 26]), (1, [1, 1]), (1, [1, 0]), (4, [2, 4])]:
         tokens = jnp.asarray(rng.integers(0, 37, (b, rows)), jnp.int32)
         n = jnp.asarray(n_new, jnp.int32)
         if rows == 1:  # the same row in a 4-row forward (3 padded rows) from the same state
