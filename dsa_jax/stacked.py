@@ -20,11 +20,11 @@ __all__ = ["LayerOf", "operand"]
 
 class LayerOf(NamedTuple):
     """One layer's weight inside a stack of them, as the model's scan holds it: a Pallas
-    kernel (the row-invariant GEMM, the RMSNorm) reads `stack [G, ...]` in place at `index`
-    (a Pallas operand is a whole buffer, so the slice would be a copy of the layer's weight
-    per token), XLA reads `layer` (the scan's slice: XLA's GEMMs read it in place). Whichever
-    one an op does not use is dead code in the compiled program. `shape` and `dtype` are the
-    layer's."""
+    kernel (the row-invariant GEMM, the RMSNorm, the cache writes) reads `stack [G, ...]` in
+    place at `index` (a Pallas operand is a whole buffer, so the slice would be a copy of the
+    layer's weight per token), XLA reads `layer` (the scan's slice: XLA's GEMMs read it in
+    place). Whichever one an op does not use is dead code in the compiled program. `shape`
+    and `dtype` are the layer's."""
     stack: jax.Array  # [G, ...] every layer's weight
     index: jax.Array  # [] int32: this layer's, in [0, G)
     layer: jax.Array  # [...] = stack[index]
