@@ -18,10 +18,9 @@ def write_latents(cfg: DsaConfig, state: DsaState, kv_raw: jax.Array, norm_w,
     col: kv_raw is the wider x projection output, its C columns from `col` the raw latent
     (read in place by the kernel). norm_w: `[C]`, or a `stacked.LayerOf` (the model's scan)."""
     norm_w, at = operand(cfg, norm_w)  # a LayerOf: read in place in its stack
-    extra = {} if at is None else {"layer": at}
     latent = latent_write_op(cfg, kv_raw, norm_w, state.latent, state.kv_scale,
                              state.block_tables, pos, valid, eps=cfg.rms_norm_eps, col=col,
-                             **extra)
+                             layer=at)
     return state._replace(latent=latent)
 
 

@@ -31,10 +31,9 @@ def write_index_rows(cfg: DsaConfig, weights: DsaWeights, state: DsaState, k_raw
     # LayerOfs (the model's scan) share one index: the kernels read their stacks in place.
     (norm_w, at), (norm_b, _), (ape, _) = (operand(cfg, w) for w in (
         weights.k_norm_w, weights.k_norm_b, weights.ape))
-    extra = {} if at is None else {"weight_layer": at}
     index_k, index_g, keys = index_write_op(cfg, k_raw, g, norm_w, norm_b, ape, state.index_k,
                                             state.index_g, state.pool_keys, pos, valid, layer,
-                                            layers=layers, cols=cols, **extra)
+                                            layers=layers, cols=cols, weight_layer=at)
     return state._replace(index_k=index_k, index_g=index_g, pool_keys=keys)
 
 

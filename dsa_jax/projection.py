@@ -84,8 +84,7 @@ def norm(cfg: DsaConfig, v: jax.Array, w, eps: float, **kwargs) -> jax.Array:
     """`rms_norm_op` with `w` an array or a `LayerOf` (the kernel reads its stack in place;
     the "xla" implementation the scan's slice, as before). kwargs: `rms_norm_xla`'s."""
     w, at = operand(cfg, w)
-    return rms_norm_op(cfg, v, w, eps, **kwargs) if at is None else \
-        rms_norm_op(cfg, v, w, eps, layer=at, **kwargs)
+    return rms_norm_op(cfg, v, w, eps, layer=at, **kwargs)
 
 
 def kernel_rows(cfg: DsaConfig, lead: tuple[int, ...]) -> bool:

@@ -136,7 +136,13 @@ def stacked_weight(w: jax.Array, layer: jax.Array | None, one: tuple[int, ...], 
     if w.shape[1:] != one or w.ndim != len(one) + 1:
         raise ValueError(f"a stacked {what} must be [G, {', '.join(map(str, one))}]; got "
                          f"{w.shape}")
+    return layer_index(layer, w.shape[0], f"{what}'s ")
+
+
+def layer_index(layer: jax.Array, g: int, prefix: str) -> jax.Array:
+    """A stacked weight's layer index: a scalar integer (else ValueError, its message starting
+    with `prefix`), clamped to [0, g) as XLA's dynamic index clamps it, as int32."""
     if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
-        raise ValueError(f"{what}'s layer must be a scalar integer index; got shape "
+        raise ValueError(f"{prefix}layer must be a scalar integer index; got shape "
                          f"{list(jnp.shape(layer))}, dtype {jnp.result_type(layer)}")
-    return jnp.clip(layer, 0, w.shape[0] - 1).astype(jnp.int32)
+    return jnp.clip(layer, 0, g - 1).astype(jnp.int32)

@@ -24,7 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from dsa_jax.pallas.common import check_triton_addressable, with_overrides
+from dsa_jax.pallas.common import check_triton_addressable, layer_index, with_overrides
 
 __all__ = ["MatmulTuning", "default_tuning", "matmul_pallas", "matmul_xla", "per_head_pallas",
            "per_head_xla", "splits_for"]
@@ -181,8 +181,7 @@ def _gemm(v: jax.Array, w: jax.Array, w_kn: bool, interpret: bool, tuning: Matmu
     n = w.shape[-1] if w_kn else w.shape[-2]
     stacked = layer is not None
     if stacked:
-        _check_layer(w, layer, heads)
-        layer = jnp.clip(layer, 0, w.shape[0] - 1)  # as the twin's dynamic index: clamped
+        layer = _check_layer(w, layer, heads)  # clamped, as the twin's dynamic index
         w = w.reshape(-1, *w.shape[2:])  # [G*H, ., .]: a bitcast
     tiles = _check(tuning, k)
     if m == 0:
@@ -202,7 +201,7 @@ def _gemm(v: jax.Array, w: jax.Array, w_kn: bool, interpret: bool, tuning: Matmu
         compiler_params=plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
         interpret=interpret,
         name="matmul",
-    )(*([jnp.reshape(layer, (1,)).astype(jnp.int32)] if stacked else []), v, w)  # [S, M, H, N]
+    )(*([jnp.reshape(layer, (1,))] if stacked else []), v, w)  # [S, M, H, N]
     out = parts[0]
     for s in range(1, t.splits):  # split order, elementwise: the same for every row
         out = out + parts[s]
@@ -242,12 +241,10 @@ def per_head_pallas(v: jax.Array, w: jax.Array, w_contract: int,
     return out.reshape(*lead, heads, n)
 
 
-def _check_layer(w: jax.Array, layer: jax.Array, heads: int) -> None:
-    """A stacked weight `[G, H, ., .]` and a scalar integer index (its value is data, clamped
-    to [0, G) as XLA's dynamic index clamps it)."""
+def _check_layer(w: jax.Array, layer: jax.Array, heads: int) -> jax.Array:
+    """A stacked weight `[G, H, ., .]` and a scalar integer index (its value is data): the
+    index clamped to [0, G) as XLA's dynamic index clamps it."""
     if w.ndim != 4 or w.shape[1] != heads:
         raise ValueError(f"matmul: a stacked weight must be [G, {heads}, ., .]; got "
                          f"{list(w.shape)}")
-    if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
-        raise ValueError(f"matmul: layer must be a scalar integer index; got shape "
-                         f"{list(jnp.shape(layer))}, dtype {jnp.result_type(layer)}")
+    return layer_index(layer, w.shape[0], "matmul: ")

@@ -20,7 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from dsa_jax.pallas.common import next_pow2, with_overrides
+from dsa_jax.pallas.common import layer_index, next_pow2, with_overrides
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,21 +32,20 @@ class RmsNormTuning:
 
 
 def _columns(full: int, cols: tuple[int, int] | None, w: jax.Array,
-             layer: jax.Array | None = None) -> tuple[int, int]:
-    """`(start, n)` of the columns normalized (all `full` where `cols` is None), checked
-    against v's width and w's shape (`[G, n]` with a `layer` index)."""
+             layer: jax.Array | None = None) -> tuple[int, int, jax.Array | None]:
+    """`(start, n, index)` of the columns normalized (all `full` where `cols` is None),
+    checked against v's width and w's shape (`[G, n]` with a `layer` index, returned clamped;
+    None without one)."""
     start, width = (0, full) if cols is None else cols
     if not (0 <= start and 1 <= width and start + width <= full):
         raise ValueError(f"rms_norm: cols={cols} must lie within v's last axis of {full}")
     if layer is None and w.shape != (width,):
         raise ValueError(f"rms_norm: w has shape {w.shape}, expected ({width},)")
-    if layer is not None:
-        if w.ndim != 2 or w.shape[1] != width:
-            raise ValueError(f"rms_norm: a stacked w must be [G, {width}]; got {w.shape}")
-        if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
-            raise ValueError(f"rms_norm: layer must be a scalar integer index; got shape "
-                             f"{list(jnp.shape(layer))}, dtype {jnp.result_type(layer)}")
-    return start, width
+    if layer is None:
+        return start, width, None
+    if w.ndim != 2 or w.shape[1] != width:
+        raise ValueError(f"rms_norm: a stacked w must be [G, {width}]; got {w.shape}")
+    return start, width, layer_index(layer, w.shape[0], "rms_norm: ")
 
 
 def rms_norm_xla(v: jax.Array, w: jax.Array, eps: float, *, cols: tuple[int, int] | None = None,
@@ -64,9 +63,9 @@ def rms_norm_xla(v: jax.Array, w: jax.Array, eps: float, *, cols: tuple[int, int
     (fused differently in two programs it rounded differently on the H200:
     benchmarks/results/h200-scan-taps-20261201-r*.json); they do not pin the reduction's
     order, which the Pallas kernel does."""
-    start, width = _columns(v.shape[-1], cols, w, layer)
-    if layer is not None:
-        w = lax.dynamic_index_in_dim(w, layer, keepdims=False)  # [n]
+    start, width, at = _columns(v.shape[-1], cols, w, layer)
+    if at is not None:
+        w = w[at]  # [n]
     v = lax.optimization_barrier(v[..., start:start + width].astype(jnp.float32))
     out = lax.optimization_barrier(
         w * v * lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps))
@@ -97,11 +96,10 @@ def rms_norm_pallas(v: jax.Array, w: jax.Array, eps: float, *, cols: tuple[int, 
     `overrides`: fields of `tuning` by name (`num_warps=8`)."""
     tuning = with_overrides(tuning, overrides)
     full = v.shape[-1]
-    start, width = _columns(full, cols, w, layer)
+    start, width, at = _columns(full, cols, w, layer)
     rows = v.reshape(-1, full).astype(jnp.float32)  # [N, full]
-    stacked = layer is not None
-    lead = [jnp.reshape(jnp.clip(layer, 0, w.shape[0] - 1), (1,)).astype(jnp.int32)] \
-        if stacked else []
+    stacked = at is not None
+    lead = [jnp.reshape(at, (1,))] if stacked else []
     out = pl.pallas_call(
         functools.partial(_norm_kernel, start=start, width=width, eps=eps, stacked=stacked),
         grid=(rows.shape[0],),
