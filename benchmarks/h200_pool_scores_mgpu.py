@@ -83,6 +83,7 @@ def _row(res, row, work, path, scale=1.0):
         timer.cancel()
 
 S, M = ps.PoolScoresTuning, pm.MgpuScoresTuning
+F32, BF16 = jnp.float32, jnp.bfloat16
 
 # Round 1 (h200-pool-scores-mgpu-20261201-r1.json): tf32x3 default 53.8 us at b64 (Triton
 # 69.8), 4 stages + fuse_qlo + raw keys as hi 40.6; raw keys as hi gave the same bits (the
@@ -109,16 +110,31 @@ VARIANTS = {
                                                         stages=4)),
     "mosaic-bf16-pers-rows2": S(backend="mosaic", mosaic=M(precision="bf16x6",
                                                            persistent=True, rows=2)),
+    # Tenth session: bf16 pool keys (a bf16 index cache stores them so), "bf16x3".
+    "bf16keys": S(backend="mosaic"),
+    "bf16keys-s2": S(backend="mosaic", mosaic=M(stages=2)),
+    "bf16keys-s8": S(backend="mosaic", mosaic=M(stages=8)),
+    "bf16keys-1c-s4": S(backend="mosaic", mosaic=M(consumers=1, stages=4)),
+    "bf16keys-bp128": S(backend="mosaic", mosaic=M(block_p=128, stages=4)),
+    "bf16keys-rows2": S(backend="mosaic", mosaic=M(rows=2)),
+    "bf16keys-pers": S(backend="mosaic", mosaic=M(persistent=True)),
+    "bf16keys-triton": S(backend="triton"),
 }
-CORE = ("triton", "mosaic-nohi-fuse-s4", "mosaic-bf16")  # run whatever the time budget
+# The key dtype each variant reads (the inputs' keys, bf16 values under GLM-5.3's bf16 index
+# cache, are cast to it: the same values, fp32 ones read at twice the bytes).
+KEY_DTYPE = {v: BF16 if v.startswith("bf16keys") else F32 for v in VARIANTS}
+CORE = ("triton", "mosaic-nohi-fuse-s4", "mosaic-bf16", "bf16keys")  # whatever the budget
 SUBSETS = {
     "b64": ["triton", "mosaic-nohi-fuse-s4", "mosaic-bf16", "mosaic", "mosaic-fuse-s4",
             "mosaic-nohi-s4", "mosaic-bf16-s4", "mosaic-bf16-1c-s4", "mosaic-nohi-fuse-pers",
-            "mosaic-bf16-pers-s4"],
-    "b64-r4": ["triton", "mosaic-nohi-fuse-s4", "mosaic-bf16", "mosaic", "mosaic-bf16-s4"],
-    "b1-r4": ["triton", "mosaic-nohi-fuse-s4", "mosaic-bf16"],
+            "mosaic-bf16-pers-s4", "bf16keys", "bf16keys-s2", "bf16keys-s8", "bf16keys-1c-s4",
+            "bf16keys-bp128", "bf16keys-pers", "bf16keys-triton"],
+    "b64-r4": ["triton", "mosaic-nohi-fuse-s4", "mosaic-bf16", "mosaic", "mosaic-bf16-s4",
+               "bf16keys", "bf16keys-s8"],
+    "b1-r4": ["triton", "mosaic-nohi-fuse-s4", "mosaic-bf16", "bf16keys", "bf16keys-1c-s4"],
     "prefill": ["triton", "mosaic-nohi-fuse-rows2", "mosaic-bf16-rows2", "mosaic-bf16-pers",
-                "mosaic-bf16-pers-rows2", "mosaic-nohi-fuse-pers"],
+                "mosaic-bf16-pers-rows2", "mosaic-nohi-fuse-pers", "bf16keys", "bf16keys-pers",
+                "bf16keys-triton"],
 }
 
 
@@ -151,8 +167,16 @@ def _run_case(res, path, name, args, smoke, check_rows=None, heavy=False, only=N
     sub = [np.asarray(a) for a in args]
     if check_rows is not None:
         sub = [sub[0][:, check_rows], sub[1][:, check_rows], sub[2], sub[3][:, check_rows]]
-    ref = T.pool_scores_definition(*sub)
-    bound = T.pool_scores_bound(*sub[:3], T.TF32X3_ROUNDOFF)
+    refs = {}
+
+    def ref_bound(dt):  # the definition and bound of the keys as the variant reads them
+        if dt not in refs:
+            kd = np.asarray(jnp.asarray(sub[2]).astype(dt))
+            refs[dt] = (T.pool_scores_definition(sub[0], sub[1], kd, sub[3]),
+                        T.pool_scores_bound(sub[0], sub[1], kd, T.TF32X3_ROUNDOFF))
+        return refs[dt]
+
+    ref, bound = ref_bound(F32)
     outs = {}
     if "triton" not in (only or ["triton"]):  # the reference of max_diff_to_triton
         outs["triton"] = np.asarray(_fn(VARIANTS["triton"], smoke)(qi, w, keys, n_cand))
@@ -168,12 +192,15 @@ def _run_case(res, path, name, args, smoke, check_rows=None, heavy=False, only=N
 
         def work(row, tun=tun, vname=vname):
             fn = _fn(tun, smoke)
+            kv = keys.astype(KEY_DTYPE[vname])
+            row["key_dtype"] = jnp.dtype(kv.dtype).name
             if fn is None:
-                row["lowers_for_cuda"] = _lowers(tun, args)
+                row["lowers_for_cuda"] = _lowers(tun, (qi, w, kv, n_cand))
                 row["ok"] = row["lowers_for_cuda"]
                 return
-            out = np.asarray(fn(qi, w, keys, n_cand))
+            out = np.asarray(fn(qi, w, kv, n_cand))
             outs[vname] = out
+            ref, bound = ref_bound(KEY_DTYPE[vname])
             row.update(_checks(out, ref, bound, check_rows))
             row["ok"] = all(row[c] for c in ("neginf_pattern_ok", "no_neg_zero",
                                              "within_bound"))
@@ -185,7 +212,7 @@ def _run_case(res, path, name, args, smoke, check_rows=None, heavy=False, only=N
                 row["max_diff_to_triton_over_bound"] = float(
                     (np.abs(a[fin] - b[fin]) / bound[fin]).max()) if fin.any() else 0.0
                 row["equal_to_triton"] = bool(np.array_equal(outs["triton"], out))
-            row.update(sweep_times(functools.partial(fn, qi, w, keys, n_cand), heavy))
+            row.update(sweep_times(functools.partial(fn, qi, w, kv, n_cand), heavy))
 
         _row(res, row, work, path)
     return outs
@@ -200,12 +227,14 @@ def _independence(res, path, args, smoke, prompt, base="mosaic"):
         return
     qi, w, keys, n_cand = args
     tun = VARIANTS[base]
+    keys = keys.astype(KEY_DTYPE[base])
     fn = _fn(tun, smoke)
     rng = np.random.default_rng(5)
     row = {"case": "b64+prefill", "variant": base, "kind": "batch_independence",
            "check_errors": {}}
     b = qi.shape[0]
     pq, pw, pk, pn = prompt
+    pk = pk.astype(KEY_DTYPE[base])
     some = [5, 4097, 8999]
     got = {}
 
@@ -252,7 +281,7 @@ def _independence(res, path, args, smoke, prompt, base="mosaic"):
     # tensor core ignores an fp32 word's low 13 bits, as round 1 found)
     same_sums = {"stages2": dict(stages=2), "one_consumer": dict(consumers=1, stages=2),
                  "persistent": dict(persistent=True, stages=2)}
-    if tun.mosaic.precision == "tf32x3":
+    if tun.mosaic.precision in ("tf32x3", None) and KEY_DTYPE[base] == F32:
         same_sums["write_hi"] = dict(write_hi=True)
     for v, kw in same_sums.items():
         checks[f"{v}_equal"] = functools.partial(
@@ -278,10 +307,18 @@ def main() -> int:
                       "after this many seconds only the CORE variants run")
     ap.add_argument("--row-timeout-s", type=float, default=30.0,
                     help="a row running longer is recorded as hung and the run exits (3)")
+    ap.add_argument("--independence", nargs="*", default=["mosaic-nohi-fuse-s4", "mosaic-bf16",
+                                                          "bf16keys"],
+                    help="variants whose batch independence is checked")
+    ap.add_argument("--subsets", nargs="*", default=None,
+                    help="variants to run in every case (default: SUBSETS)")
     ap.add_argument("--resume", action="store_true",
                     help="keep the rows of an earlier run's JSON and skip them")
     args = ap.parse_args()
     path = results_path(args.out, "h200-pool-scores-mgpu.json")
+    if args.subsets is not None:
+        for name in SUBSETS:
+            SUBSETS[name] = list(args.subsets)
     smoke = args.smoke
     cfg = index_config(smoke)
     res = {"command": command("h200_pool_scores_mgpu.py"), "date": utc_now(),
@@ -311,7 +348,7 @@ def main() -> int:
         the = (qi, w, keys, n_cand)
         if i == 0:  # the core variants and the SPEC's property first, in the time budget
             _run_case(res, path, name, the, smoke, only=CORE)
-            for base in ("mosaic-nohi-fuse-s4", "mosaic-bf16"):
+            for base in args.independence:
                 _independence(res, path, the, smoke, prompt, base)
             _run_case(res, path, name, the, smoke,
                       only=[v for v in SUBSETS[name] if v not in CORE])

@@ -62,7 +62,8 @@ def _random_state_jit(cfg, num_seqs, length, seed, kv_scale, indexer, rows) -> D
     index_k = jax.random.normal(ks[2], shape, idt)
     index_g = (0.5 * jax.random.normal(ks[3], shape, jnp.float32)).astype(idt)
     pool_keys = 0.3 * jax.random.normal(  # [B, P, Di]
-        ks[4], (num_seqs, cfg.num_pools if indexer else 0, cfg.index_head_dim), jnp.float32)
+        ks[4], (num_seqs, cfg.num_pools if indexer else 0, cfg.index_head_dim), jnp.float32
+    ).astype(idt)
     lengths = jnp.full((num_seqs,), length, jnp.int32)  # [B]
     return DsaState(latent=latent, kv_scale=scale, block_tables=tables, index_k=index_k,
                     index_g=index_g, pool_keys=pool_keys, lengths=lengths,
@@ -78,7 +79,8 @@ def random_caches(st, keys):
             st.index_k.dtype),
         index_g=jax.random.normal(keys[2], st.index_g.shape, jnp.bfloat16).astype(
             st.index_g.dtype),
-        pool_keys=0.1 * jax.random.normal(keys[3], st.pool_keys.shape))
+        pool_keys=(0.1 * jax.random.normal(keys[3], st.pool_keys.shape)).astype(
+            st.pool_keys.dtype))
 
 
 def step_rows(cfg, num_seqs: int, k: int, rows: int, seed: int, n_inputs: int = 3) -> list:
@@ -155,12 +157,14 @@ def attend_inputs(cfg, b: int, r: int, h: int, w: int, ctx: int, seed: int, n_se
 
 
 def selection_inputs(cfg, b: int, r: int, ctx: int, seed: int, n_sets: int = 3):
-    """Pool keys `[b, P, Di]`, positions and validity `[b, r]` (only each sequence's first row
-    real, as the padded decode step runs it) and n_sets of indexer queries and head weights."""
+    """Pool keys `[b, P, Di]` (in the index cache dtype, as a state stores them), positions and
+    validity `[b, r]` (only each sequence's first row real, as the padded decode step runs it)
+    and n_sets of indexer queries and head weights."""
     rng = np.random.default_rng(seed)
     hi, di = cfg.index_n_heads, cfg.index_head_dim
     put = jax.device_put
-    keys = put(0.3 * rng.standard_normal((b, cfg.num_pools, di), np.float32))
+    keys = put(jnp.asarray(0.3 * rng.standard_normal((b, cfg.num_pools, di), np.float32)
+                           ).astype(cfg.index_cache_dtype))
     pos = put(np.broadcast_to(ctx - r + np.arange(r, dtype=np.int32), (b, r)).copy())
     valid = put(np.broadcast_to(np.arange(r) < 1, (b, r)).copy())
     sets = [(put(rng.standard_normal((b, r, hi, di), np.float32)),
@@ -172,12 +176,13 @@ def selection_inputs(cfg, b: int, r: int, ctx: int, seed: int, n_sets: int = 3):
 def prompt_selection_inputs(cfg, n: int, seed: int = 9):
     """A prompt's pool-score inputs from an empty context: n rows of one sequence sharing its
     keys, row t with (t + 1) // KP candidate pools -> (qi [1, n, Hi, Di], w [1, n, Hi],
-    keys [1, P, Di], n_cand [1, n] int32)."""
+    keys [1, P, Di] in the index cache dtype, n_cand [1, n] int32)."""
     rng = np.random.default_rng(seed)
     hi, di, p = cfg.index_n_heads, cfg.index_head_dim, cfg.num_pools
     qi = jnp.asarray(rng.standard_normal((1, n, hi, di), np.float32))
     w = jnp.asarray(rng.standard_normal((1, n, hi), np.float32) * np.float32((hi * di) ** -0.5))
-    keys = jnp.asarray(0.3 * rng.standard_normal((1, p, di), np.float32))
+    keys = jnp.asarray(0.3 * rng.standard_normal((1, p, di), np.float32)
+                       ).astype(cfg.index_cache_dtype)
     n_cand = jnp.asarray(((np.arange(n) + 1) // cfg.index_kpool)[None, :].astype(np.int32))
     return qi, w, keys, n_cand
 

@@ -59,15 +59,19 @@ FORMAT = "dsa_jax.checkpoint"
 # 2: weights in the current layout (version 1 fused the indexer's query rows into q_proj);
 # 3: per-array checksums in the metadata, verified on restore;
 # 4: states hold the indexer ring (`dsa_jax.state`: `index_k`, `index_g` [B, Rr, Di]) instead of
-# max_context raw rows. Weights are unchanged since version 2.
-FORMAT_VERSION = 4
+# max_context raw rows; 5: states hold the pool keys in the index cache dtype (they were fp32).
+# Weights are unchanged since version 2.
+FORMAT_VERSION = 5
 # Weights of an older format have another layout. A state checkpoint before version 4 holds
 # every raw indexer row: restore converts it to the ring (the rows the ring's mark says it
-# holds, exactly as a ring state at that mark holds them). Checksums exist from version 3 on
+# holds, exactly as a ring state at that mark holds them). A state before version 5 holds fp32
+# pool keys: restore rounds them to the index cache dtype once, as a step now stores them (the
+# same fp32 key rounded: the bits this version writes). Checksums exist from version 3 on
 # (older checkpoints restore without them).
 MIN_VERSION = {"weights": 2, "state": 1}
 CHECKSUM_VERSION = 3
 RING_VERSION = 4
+POOL_KEY_VERSION = 5
 ARRAYS_ITEM = "arrays"
 META_ITEM = "dsa_jax"
 # Fields a restore does not compare, per kind (see the module docstring).
@@ -374,6 +378,11 @@ def _with_all_rows(cfg: DsaConfig, e: DsaState) -> DsaState:
                       index_g=jax.ShapeDtypeStruct(shape, e.index_g.dtype))
 
 
+def _with_f32_pool_keys(e: DsaState) -> DsaState:
+    """`e` with the pool keys of a checkpoint before version 5: fp32."""
+    return e._replace(pool_keys=jax.ShapeDtypeStruct(e.pool_keys.shape, jnp.float32))
+
+
 def _split_extra(extra: Mapping[str, Any] | None) -> tuple[dict, dict, dict]:
     """Host metadata -> (arrays, their manifest, JSON values)."""
     if extra is None:
@@ -449,8 +458,10 @@ def restore_state(path: str | os.PathLike, cfg: DsaConfig, *, device=None
                 for hi in meta["has_indexer"]]
     # Before version 4 an indexer layer stored max_context raw rows: read those, then convert.
     all_rows = meta.get("version", 1) < RING_VERSION
+    f32_keys = meta.get("version", 1) < POOL_KEY_VERSION
     stored = [_with_all_rows(cfg, e) if all_rows and hi else e
               for e, hi in zip(expected, meta["has_indexer"], strict=True)]
+    stored = [_with_f32_pool_keys(e) if f32_keys else e for e in stored]
     layer_target = {str(i): {name: _abstract(getattr(e, name), sharding)
                              for name in DsaState._fields if _is_stored(getattr(e, name))}
                     for i, e in enumerate(stored)}
@@ -466,6 +477,9 @@ def restore_state(path: str | os.PathLike, cfg: DsaConfig, *, device=None
             marks = np.asarray(got["index_lengths"])
             for name in ("index_k", "index_g"):
                 got[name] = jax.device_put(ring_from_rows(cfg, got[name], marks), sharding)
+        if f32_keys and "pool_keys" in got:
+            got["pool_keys"] = jax.device_put(
+                jnp.asarray(got["pool_keys"]).astype(e.pool_keys.dtype), sharding)
         states.append(DsaState(**{
             name: got[name] if name in got else
             jax.device_put(jnp.zeros(getattr(e, name).shape, getattr(e, name).dtype), sharding)

@@ -193,7 +193,7 @@ class ModelState(NamedTuple):
     lengths: jax.Array  # [B] int32: tokens cached (every layer, latent and indexer alike)
     index_k: jax.Array  # [B, Lf, Rr, Di] index dtype: the full layers' indexer k rings
     index_g: jax.Array  # [B, Lf, Rr, Di] index dtype: their gate rings (dsa_jax.state)
-    pool_keys: jax.Array  # [B, Lf, P, Di] f32: their pool keys
+    pool_keys: jax.Array  # [B, Lf, P, Di] index dtype: their pool keys
 
     @property
     def num_seqs(self) -> int:
@@ -221,7 +221,7 @@ def init_model_state(mcfg: ModelConfig, num_seqs: int, num_blocks: int,
         lengths=full.lengths,
         index_k=jnp.zeros((num_seqs, lf, *full.index_k.shape[1:]), full.index_k.dtype),
         index_g=jnp.zeros((num_seqs, lf, *full.index_g.shape[1:]), full.index_g.dtype),
-        pool_keys=jnp.zeros((num_seqs, lf, *full.pool_keys.shape[1:]), jnp.float32),
+        pool_keys=jnp.zeros((num_seqs, lf, *full.pool_keys.shape[1:]), full.pool_keys.dtype),
     )
 
 
@@ -237,7 +237,7 @@ def unfold_state(mcfg: ModelConfig, ms: ModelState) -> list[DsaState]:
             di = cfg.index_head_dim
             ik = jnp.zeros((b, 0, di), ms.index_k.dtype)
             ig = jnp.zeros((b, 0, di), ms.index_g.dtype)
-            pk = jnp.zeros((b, 0, di), jnp.float32)
+            pk = jnp.zeros((b, 0, di), ms.pool_keys.dtype)
         # Each layer gets its own copies: a step donates its state's arrays.
         out.append(DsaState(latent=ms.latent[l], kv_scale=ms.kv_scale[l],
                             block_tables=jnp.copy(ms.block_tables), index_k=ik, index_g=ig,

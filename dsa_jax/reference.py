@@ -101,7 +101,8 @@ def forward(cfg: DsaConfig, hf: Mapping[str, jax.Array], x: jax.Array, *,
 
     `shared_sel [S, W]` stands in for the indexer of a "shared" layer. `latent_roundtrip` and
     `index_roundtrip` model a cache's storage (e.g. fp8 quantize-dequantize of the latents, bf16
-    of the indexer's k and gate), so a paged path can be compared on the same stored values.
+    of the indexer's k, gate and pool keys), so a paged path can be compared on the same
+    stored values.
     """
     chex.assert_shape(x, (None, cfg.hidden_size))
     if shared_sel is not None:
@@ -129,6 +130,8 @@ def forward(cfg: DsaConfig, hf: Mapping[str, jax.Array], x: jax.Array, *,
         if index_roundtrip is not None:
             k, gate = index_roundtrip(k), index_roundtrip(gate)
         keys = pool_keys(cfg, k, gate, w["indexer.index_kpool_compress_ape"])
+        if index_roundtrip is not None:  # the pool keys are stored in the index dtype too
+            keys = index_roundtrip(keys)
         scores = index_scores(cfg, qi, head_w, keys)
         sel = select_tokens(cfg, scores)
     else:

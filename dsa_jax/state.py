@@ -38,7 +38,7 @@ class DsaState(NamedTuple):
     block_tables: jax.Array  # [B, MB] int32: logical block -> physical block, per sequence
     index_k: jax.Array  # [B, Rr, Di] index dtype: ring of k_norm(W_k x), position t at t % Rr
     index_g: jax.Array  # [B, Rr, Di] index dtype: ring of the gate W_gate x, likewise
-    pool_keys: jax.Array  # [B, P, Di] f32: K_p, written when pool p completes
+    pool_keys: jax.Array  # [B, P, Di] index dtype: K_p (fp32 sums, stored rounded) once p completes
     lengths: jax.Array  # [B] int32: tokens in the latent cache
     # [B] int32: the ring's mark M >= lengths (= lengths while a sequence only grows): rows
     # [M - Rr, lengths) are held, [lengths, M) may be a rejected speculation's. A layer without
@@ -103,7 +103,7 @@ def init_state(cfg: DsaConfig, num_seqs: int, *, num_blocks: int | None = None,
         block_tables=block_tables,
         index_k=jnp.zeros((num_seqs, rows, Di), idt),
         index_g=jnp.zeros((num_seqs, rows, Di), idt),
-        pool_keys=jnp.zeros((num_seqs, pools, Di), jnp.float32),
+        pool_keys=jnp.zeros((num_seqs, pools, Di), idt),
         lengths=jnp.zeros((num_seqs,), jnp.int32),
         index_lengths=jnp.zeros((num_seqs,), jnp.int32),
     )
@@ -173,7 +173,7 @@ def expected_state_fields(cfg: DsaConfig, num_seqs: int, num_blocks: int, has_in
         "block_tables": ((num_seqs, cfg.blocks_per_seq), i32),
         "index_k": ((num_seqs, rows, di), idt),
         "index_g": ((num_seqs, rows, di), idt),
-        "pool_keys": ((num_seqs, pools, di), f32),
+        "pool_keys": ((num_seqs, pools, di), idt),
         "lengths": ((num_seqs,), i32),
         "index_lengths": ((num_seqs,), i32),
     }
@@ -203,7 +203,8 @@ def state_bytes_breakdown(cfg: DsaConfig) -> dict[str, int]:
         "latent": cfg.max_context * cfg.kv_lora_rank * jnp.dtype(cfg.cache_dtype).itemsize,
         "index_ring_k_and_g": 2 * ring_rows(cfg) * cfg.index_head_dim
         * jnp.dtype(cfg.index_cache_dtype).itemsize,
-        "pool_keys": cfg.num_pools * cfg.index_head_dim * 4,
+        "pool_keys": cfg.num_pools * cfg.index_head_dim
+        * jnp.dtype(cfg.index_cache_dtype).itemsize,
         "block_table": cfg.blocks_per_seq * 4,
         "lengths": 8,
     }

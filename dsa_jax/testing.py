@@ -182,7 +182,7 @@ def index_write_inputs(seed: int, kpool: int, dtype, b: int = 3, r: int = 4, di:
     ape = 0.5 * _normal(rng, (kpool, di))
     index_k = jnp.asarray(_normal(rng, (b, tmax, di))).astype(dtype)
     index_g = jnp.asarray(_normal(rng, (b, tmax, di))).astype(dtype)
-    pool_keys = jnp.full((b, tmax // kpool, di), POISON, jnp.float32)
+    pool_keys = jnp.full((b, tmax // kpool, di), POISON, dtype)
     pos, valid = write_positions(b, r, [5, 13, 2], tmax)
     return (*(jnp.asarray(a) for a in (k_raw, g, norm_w, norm_b, ape)), index_k, index_g,
             pool_keys, pos, valid)

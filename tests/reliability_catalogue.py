@@ -462,7 +462,7 @@ CASES = [
      CheckpointError, r"not a dsa_jax checkpoint \(no readable 'dsa_jax' metadata item\)",
      lambda c: checkpoint.restore_weights(c.tmp_empty, ODD)),
     ("ckpt.newer", "a checkpoint format newer than this dsa_jax", CheckpointError,
-     r"checkpoint format version 99 is newer than this dsa_jax reads \(4\)",
+     r"checkpoint format version 99 is newer than this dsa_jax reads \(5\)",
      lambda c: _version(c, 99)),
     ("ckpt.older", "a weights checkpoint of the layout before format 2", CheckpointError,
      r"weights checkpoint format version 1 is older than this dsa_jax reads \(2\)",

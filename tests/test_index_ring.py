@@ -275,8 +275,10 @@ def test_state_bytes_at_16k():
     assert cfg.max_context == 16384 and ring_rows(cfg) == 16
     assert parts["latent"] == 16384 * cfg.kv_lora_rank * 1  # fp8
     assert parts["index_ring_k_and_g"] == 2 * 16 * cfg.index_head_dim * 2  # bf16
-    assert parts["pool_keys"] == 4096 * cfg.index_head_dim * 4
-    assert state_bytes_per_seq(cfg) == sum(parts.values())
+    assert parts["pool_keys"] == 4096 * cfg.index_head_dim * 2  # bf16, the index dtype
+    assert state_bytes_per_seq(cfg) == sum(parts.values()) <= 10 * 2 ** 20  # issue #14
+    wide = cfg.replace(index_cache_dtype="float32")
+    assert state_bytes_breakdown(wide)["pool_keys"] == 4096 * cfg.index_head_dim * 4
     one = dsa_jax.init_state(cfg.replace(max_context=1024), 1)
     small = cfg.replace(max_context=1024)
     arrays = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(one)
@@ -329,11 +331,44 @@ def test_old_state_checkpoint_is_converted_to_the_ring(tmp_path, monkeypatch):
                                  [ring_from_rows(cfg, r, marks) for r in rows])
     for name in ("latent", "pool_keys", "lengths", "index_lengths", "block_tables"):
         T.assert_trees_bitwise_equal(getattr(got, name), getattr(old, name))
-    path4 = str(tmp_path / "new")
-    checkpoint.save_state(path4, cfg, [got])
-    assert checkpoint.read_info(path4)["version"] == 4
-    (again,), _ = checkpoint.restore_state(path4, cfg)
+    path_new = str(tmp_path / "new")
+    checkpoint.save_state(path_new, cfg, [got])
+    assert checkpoint.read_info(path_new)["version"] == checkpoint.FORMAT_VERSION
+    (again,), _ = checkpoint.restore_state(path_new, cfg)
     T.assert_trees_bitwise_equal(again, got)
+
+
+def test_old_state_checkpoint_pool_keys_are_rounded_to_the_index_dtype(tmp_path, monkeypatch):
+    """A state checkpoint before format 5 holds fp32 pool keys: restore into a bf16 index
+    cache rounds them once, which is what this version's write stores for the same fp32 key
+    (the write kernels and XLA compute the key in fp32, then round); the rest as it was."""
+    from dsa_jax import checkpoint
+
+    cfg, b = ODD.replace(index_cache_dtype="bfloat16"), 2
+    rng = np.random.default_rng(14)
+    base = dsa_jax.init_state(cfg, b)
+    keys32 = jnp.asarray(rng.standard_normal(base.pool_keys.shape), jnp.float32)
+    old = base._replace(index_k=jnp.asarray(rng.standard_normal(base.index_k.shape),
+                                            jnp.bfloat16),
+                        lengths=jnp.asarray([40, 9], jnp.int32),
+                        index_lengths=jnp.asarray([40, 9], jnp.int32))
+    new_expected = checkpoint.expected_state
+
+    def old_expected(cfg, num_seqs, num_blocks, has_indexer=True):
+        e = new_expected(cfg, num_seqs, num_blocks, has_indexer)
+        return e._replace(pool_keys=jax.ShapeDtypeStruct(e.pool_keys.shape, jnp.float32))
+
+    path = str(tmp_path / "v4")
+    with monkeypatch.context() as m:  # written as format 4 did: fp32 pool keys
+        m.setattr(checkpoint, "FORMAT_VERSION", 4)
+        m.setattr(checkpoint, "expected_state", old_expected)
+        checkpoint.save_state(path, cfg, [old._replace(pool_keys=keys32)])
+    assert checkpoint.read_info(path)["version"] == 4
+    (got,), _ = checkpoint.restore_state(path, cfg)
+    assert got.pool_keys.dtype == jnp.bfloat16
+    T.assert_trees_bitwise_equal(got.pool_keys, keys32.astype(jnp.bfloat16))
+    for name in ("latent", "index_k", "index_g", "lengths", "index_lengths", "block_tables"):
+        T.assert_trees_bitwise_equal(getattr(got, name), getattr(old, name))
 
 
 def test_serving_loop_rewinds_stay_within_the_ring():

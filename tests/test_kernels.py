@@ -305,6 +305,39 @@ def test_pool_topk_equals_the_total_order(impl, n, p, k, live, kw, ties):
     _check_topk(impl, T.topk_scores(n + p + k, n, p, live, ties), k, **kw)
 
 
+def _exit_cases(p: int, k: int) -> np.ndarray:
+    """Rows that stop the radix select at different passes, or never: [4, P] f32.
+    0: exactly k positive scores (the first 2-bit pass, on the sign, finds k keys >= 0);
+    1: the k-th and (k+1)-th largest scores one ulp apart (a pass near the last separates them);
+    2: the (k-1)-th, k-th and (k+1)-th equal (no threshold has exactly k: the tie rule);
+    3: random distinct scores (an exit somewhere in the middle)."""
+    rng = np.random.default_rng(31)
+    rows = np.empty((4, p), np.float32)
+    rows[0] = -rng.random(p).astype(np.float32) - 1.0
+    rows[0, rng.permutation(p)[:k]] = rng.random(k).astype(np.float32) + 0.5
+    base = rng.random(p).astype(np.float32)
+    order = np.argsort(-base, kind="stable")
+    kth = base[order[k - 1]]
+    rows[1] = base
+    rows[1, order[k]] = np.nextafter(kth, np.float32(-1.0))  # one ulp below the k-th
+    rows[2] = base
+    rows[2, order[k - 2:k + 1]] = kth
+    rows[3] = rng.standard_normal(p).astype(np.float32)
+    return rows
+
+
+@pytest.mark.parametrize("radix_bits,early_exit", [(1, True), (2, True), (3, True), (4, True),
+                                                   (2, False)])
+def test_pool_topk_radix_early_exit(impl, radix_bits, early_exit):
+    """The radix select stops where a threshold has exactly k keys at or above it (rows 0, 3),
+    at the last pass (1), or runs every pass and breaks the tie by index (2): the same
+    indices as the total order in each case, with `==`."""
+    p, k = 1000, 200
+    s = jnp.asarray(_exit_cases(p, k))
+    _check_topk(impl, s, k, radix_bits=radix_bits, chunk=256 if radix_bits == 3 else 1024,
+                early_exit=early_exit)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_pool_topk_at_glm53_flash_shapes(impl):
@@ -314,6 +347,7 @@ def test_pool_topk_at_glm53_flash_shapes(impl):
     for ties in (False, True):
         live = [p, 0, 0, 0, p, p, p, 0, p // 2 + 1, k, k - 1, 3]
         _check_topk(impl, T.topk_scores(11 + ties, len(live), p, live, ties), k)
+    _check_topk(impl, jnp.asarray(_exit_cases(p, k)), k)  # the radix select's exits
 
 
 def test_pool_topk_batch_dims_and_bad_k(kernel_impl):

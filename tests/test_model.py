@@ -165,7 +165,8 @@ def test_fold_unfold_round_trip_and_refusals():
     k = jax.random.split(jax.random.key(5), 3)
     ms = ms._replace(latent=jax.random.normal(k[0], ms.latent.shape).astype(ms.latent.dtype),
                      index_k=jax.random.normal(k[1], ms.index_k.shape).astype(ms.index_k.dtype),
-                     pool_keys=jax.random.normal(k[2], ms.pool_keys.shape),
+                     pool_keys=jax.random.normal(k[2], ms.pool_keys.shape).astype(
+                         ms.pool_keys.dtype),
                      lengths=jnp.asarray([7, 11], jnp.int32))
     states = M.unfold_state(mcfg, ms)
     rows = ring_rows(CFG)  # the indexer ring (dsa_jax.state): 16 rows, not max_context 96

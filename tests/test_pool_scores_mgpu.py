@@ -1,7 +1,8 @@
 """The Mosaic GPU pool-scores kernel (`pallas/pool_scores_mgpu.py`, issue #14).
 
 On any host: its variants lower for cuda (Pallas -> Mosaic GPU MLIR; the kernel cannot run on
-a CPU), a numpy model of its arithmetic (tf32 splits, three products per key x head) meets the
+a CPU), for fp32 keys and for bf16 keys (a bf16 index cache), a numpy model of its arithmetic
+(tf32 or bf16 splits, the products it runs per key x head) meets the
 derived bound the GPU kernels are held to (`testing.pool_scores_bound` with
 `TF32X3_ROUNDOFF`), and bad tunings raise. On the GPU (`gpu` marker): parity against the
 float64 definition within that bound (odd P, n_cand off the tile edges, rows with none,
@@ -21,9 +22,10 @@ from dsa_jax.pallas import pool_scores as ps
 from dsa_jax.pallas import pool_scores_mgpu as pm
 
 M = pm.MgpuScoresTuning
+BF16 = jnp.bfloat16
 
 
-@pytest.mark.parametrize("shape,tuning", [
+@pytest.mark.parametrize("shape,tuning,key_dtype", [(*c, jnp.float32)[:3] for c in [
     ((2, 4, 32, 128, 4096), M()),  # GLM-5.3-Flash: 2 sequences x 4 rows
     ((2, 3, 5, 12, 100), M()),  # odd heads, dims, pools (keys padded to 104 x 32)
     ((1, 9, 32, 128, 200), M(stages=4, chunks=3, write_hi=True)),
@@ -36,8 +38,14 @@ M = pm.MgpuScoresTuning
     ((1, 9, 32, 128, 4096), M(precision="bf16x6", rows=2, stages=4)),
     ((2, 3, 5, 12, 100), M(persistent=True, chunks=3)),
     ((1, 9000, 32, 128, 4096), M(persistent=True, precision="bf16x6", rows=2, stages=4)),
-])
-def test_variants_lower_for_cuda(shape, tuning):
+    ((2, 4, 32, 128, 4096), M(), BF16),  # bf16 keys: "bf16x3"
+    ((64, 1, 32, 128, 4096), M(), BF16),
+    ((2, 3, 5, 12, 100), M(), BF16),  # Di padded to 64
+    ((1, 50, 32, 128, 4096), M(rows=2), BF16),
+    ((2, 3, 5, 12, 100), M(consumers=1, stages=1, block_p=128), BF16),
+    ((1, 9000, 32, 128, 4096), M(persistent=True, rows=2, stages=4), BF16),
+]])
+def test_variants_lower_for_cuda(shape, tuning, key_dtype):
     """The kernel lowers on any host (the Mosaic GPU lowering rules run here), so a kernel that
     cannot lower fails before the device."""
     b, r, hi, di, p = shape
@@ -45,7 +53,7 @@ def test_variants_lower_for_cuda(shape, tuning):
     fn = functools.partial(ps.pool_scores_pallas, tuning=ps.PoolScoresTuning(
         backend="mosaic", mosaic=tuning))
     args = (jax.ShapeDtypeStruct((b, r, hi, di), f32), jax.ShapeDtypeStruct((b, r, hi), f32),
-            jax.ShapeDtypeStruct((b, p, di), f32), jax.ShapeDtypeStruct((b, r), i32))
+            jax.ShapeDtypeStruct((b, p, di), key_dtype), jax.ShapeDtypeStruct((b, r), i32))
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 1
     assert "custom_call @__gpu$xla.gpu.triton" not in text
@@ -57,6 +65,8 @@ def _trunc(x, mask=pm.TF32_MASK):
 
 def _parts(x, precision):
     """The kernel's operand splits, as float32 arrays: (hi, lo) or (x1, x2, x3)."""
+    if precision == "keys-as-stored":  # bf16x3's keys: bf16 values, not split
+        return (np.asarray(x, np.float32),)
     if precision == "tf32x3":
         return tuple(np.asarray(a) for a in pm.split_tf32(jnp.asarray(x)))
     return tuple(np.asarray(a.astype(jnp.float32)) for a in pm.split_bf16(jnp.asarray(x)))
@@ -64,16 +74,18 @@ def _parts(x, precision):
 
 def _model(qi, w, keys, n_cand, precision="tf32x3"):
     """The kernel's arithmetic in numpy: its splits of both operands, the products it runs
-    (tf32x3: hi hi + lo hi + hi lo; bf16x6: the six of order <= 2) summed exactly (float64,
-    standing in for the tensor core's wide accumulation), then fp32 relu, weights, head sum."""
+    (tf32x3: hi hi + lo hi + hi lo; bf16x6: the six of order <= 2; bf16x3: bf16 keys as
+    stored times qi's three parts) summed exactly (float64, standing in for the tensor core's
+    wide accumulation), then fp32 relu, weights, head sum."""
     f64 = functools.partial(np.asarray, dtype=np.float64)
-    qs, ks = _parts(qi, precision), _parts(keys, precision)
+    qs = _parts(qi, "bf16x6" if precision == "bf16x3" else precision)
+    ks = _parts(keys, "keys-as-stored" if precision == "bf16x3" else precision)
 
     def dot(a, b):
         return np.einsum("brhd,bpd->brhp", f64(a), f64(b))
 
-    pairs = ([(0, 0), (0, 1), (1, 0)] if precision == "tf32x3" else
-             [(0, 0), (0, 1), (1, 0), (0, 2), (1, 1), (2, 0)])
+    pairs = {"tf32x3": [(0, 0), (0, 1), (1, 0)], "bf16x3": [(0, 0), (1, 0), (2, 0)],
+             "bf16x6": [(0, 0), (0, 1), (1, 0), (0, 2), (1, 1), (2, 0)]}[precision]
     dots = sum(dot(qs[i], ks[j]) for i, j in pairs).astype(np.float32)
     s = np.einsum("brh,brhp->brp", np.asarray(w, np.float32), np.maximum(dots, 0))
     s = np.where(s == 0, np.float32(0), s)
@@ -105,11 +117,13 @@ def test_split_bf16_bounds():
     assert (np.abs(x - x1.astype(np.float64) - x2 - x3) <= 2.0 ** -23 * ax).all()
 
 
-@pytest.mark.parametrize("precision", ["tf32x3", "bf16x6"])
+@pytest.mark.parametrize("precision", ["tf32x3", "bf16x6", "bf16x3"])
 def test_model_meets_the_tf32x3_bound(precision):
     """The modelled arithmetic is within the derived bound of the float64 definition, on odd
-    shapes with candidate counts on and off the 64-pool tile edges."""
+    shapes with candidate counts on and off the 64-pool tile edges (bf16x3: of bf16 keys)."""
     qi, w, keys, _ = T.pool_inputs(3, 2, 3, 5, 12, 150)
+    if precision == "bf16x3":
+        keys = keys.astype(BF16)
     n_cand = np.array([[0, 63, 64], [65, 150, 1]], np.int32)
     got = _model(np.asarray(qi), np.asarray(w), np.asarray(keys), n_cand, precision)
     bound = T.pool_scores_bound(qi, w, keys, T.TF32X3_ROUNDOFF)
@@ -144,6 +158,15 @@ def test_bad_tunings_raise():
     with pytest.raises(ValueError, match="multiple of 8"):
         M(producer_regs=44)
     M(consumers=1, consumer_regs=248, producer_regs=248)  # exactly the launch pool
+    qi, w, keys, n_cand = T.pool_inputs(1, 1, 1, 32, 128, 16)
+    with pytest.raises(ValueError, match="'tf32x3' does not apply to bfloat16 pool keys"):
+        pm.pool_scores_mgpu(qi, w, keys.astype(BF16), n_cand, tuning=M(precision="tf32x3"))
+    with pytest.raises(ValueError, match="'bf16x3' does not apply to float32 pool keys"):
+        pm.pool_scores_mgpu(qi, w, keys, n_cand, tuning=M(precision="bf16x3"))
+    with pytest.raises(ValueError, match="pool keys of dtype float16 are not supported"):
+        pm.pool_scores_mgpu(qi, w, keys.astype(jnp.float16), n_cand)
+    with pytest.raises(ValueError, match="precision='fp8'"):
+        M(precision="fp8")
 
 
 def test_fit_chooses_the_schedule():
@@ -156,6 +179,13 @@ def test_fit_chooses_the_schedule():
     assert pm.fit(M(rows=1), 32, 128, 9000).rows == 1
     assert pm.fit(M(precision="bf16x6"), 5, 12, 50).rows == 2
     assert pm.supports(M(), 32, 128) is None
+    bf = pm.fit(M(), 32, 128, 1, BF16)  # bf16 keys: one wgmma of N = 96, 4 stages
+    assert (bf.precision, bf.rows, bf.stages) == ("bf16x3", 1, 4)
+    assert pm.fit(M(), 32, 128, 9000, BF16).rows == 2
+    assert pm.fit(M(), 32, 128, 1).precision == "tf32x3"
+    assert pm.supports(M(), 32, 128, BF16) is None
+    assert "does not apply" in pm.supports(M(precision="bf16x6"), 32, 128, BF16)
+    assert ps.pick_backend(ps.PoolScoresTuning(), 32, 128, False, BF16) == "mosaic"
     assert "wgmma N" in pm.supports(M(fuse_qlo=True), 200, 128)
     with pytest.raises(ValueError, match="wgmma N = 400"):
         pm.fit(M(fuse_qlo=True), 200, 128, 1)
@@ -190,8 +220,10 @@ def test_default_chunks():
 # ------------------------------------------------------------------------------------ GPU
 
 
-def _mosaic(args, **kw):
-    return np.asarray(jax.jit(functools.partial(pm.pool_scores_mgpu, tuning=M(**kw)))(*args))
+def _mosaic(args, key_dtype=jnp.float32, **kw):
+    qi, w, keys, n_cand = args
+    return np.asarray(jax.jit(functools.partial(pm.pool_scores_mgpu, tuning=M(**kw)))(
+        qi, w, keys.astype(key_dtype), n_cand))
 
 
 _ODD = [(2, 5, 32, 128, 300), (3, 2, 5, 12, 100), (1, 3, 32, 128, 1000)]
@@ -207,7 +239,11 @@ _ODD = [(2, 5, 32, 128, 300), (3, 2, 5, 12, 100), (1, 3, 32, 128, 1000)]
     (dict(precision="bf16x6", stages=4, rows=2), _ODD[0]),
     (dict(precision="bf16x6", consumers=1, stages=3), _ODD[2]),
     (dict(persistent=True, chunks=3), _ODD[0]), (dict(persistent=True, rows=2), _ODD[1]),
-    (dict(persistent=True, precision="bf16x6", consumers=1), _ODD[2])])
+    (dict(persistent=True, precision="bf16x6", consumers=1), _ODD[2])] + [
+    (dict(key_dtype=BF16, **kw), d) for kw, d in [
+        ({}, _ODD[0]), ({}, _ODD[1]), ({}, _ODD[2]), (dict(stages=2), _ODD[0]),
+        (dict(rows=2), _ODD[1]), (dict(consumers=1, block_p=128), _ODD[2]),
+        (dict(chunks=3), _ODD[1]), (dict(persistent=True, rows=2), _ODD[0])]])
 def test_gpu_parity_within_bound(kw, dims):
     """Within the derived tf32x3 bound of the float64 definition; -inf exactly past each
     row's candidates (on, before and after tile edges, none, all); no -0.0."""
@@ -219,40 +255,44 @@ def test_gpu_parity_within_bound(kw, dims):
     if r > 2:
         n_cand[0, 1], n_cand[0, 2] = 64, 65
     out = _mosaic((qi, w, keys, jnp.asarray(n_cand)), **kw)
+    keys = keys.astype(kw.get("key_dtype", jnp.float32))  # the definition of the stored keys
     bound = T.pool_scores_bound(qi, w, keys, T.TF32X3_ROUNDOFF)
     T.assert_pool_scores_close(out, T.pool_scores_definition(qi, w, keys, n_cand), bound)
 
 
 @pytest.mark.gpu
-def test_gpu_batch_independence():
+@pytest.mark.parametrize("key_dtype", [jnp.float32, BF16])
+def test_gpu_batch_independence(key_dtype):
     """A row's scores, bitwise, alone and in a batch of 64 sequences, as the first of 1 or of
     4 rows per sequence, under other schedules (chunks, persistent CTAs, hi written: equal
     where the tensor core ignores an fp32 word's low 13 bits), and as a row of a prompt chunk
     (2 rows per CTA by `fit`) against the same row scored alone (one per CTA)."""
     qi, w, keys, _ = T.pool_inputs(5, 64, 1, 32, 128, 1000)
     n_cand = jnp.asarray(np.random.default_rng(2).integers(0, 1001, (64, 1)).astype(np.int32))
-    full = _mosaic((qi, w, keys, n_cand))
+    mosaic = functools.partial(_mosaic, key_dtype=key_dtype)
+    full = mosaic((qi, w, keys, n_cand))
     for i in (0, 31, 63):
-        one = _mosaic((qi[i:i + 1], w[i:i + 1], keys[i:i + 1], n_cand[i:i + 1]))
+        one = mosaic((qi[i:i + 1], w[i:i + 1], keys[i:i + 1], n_cand[i:i + 1]))
         np.testing.assert_array_equal(one[0], full[i])
     q4, w4, _, _ = T.pool_inputs(6, 64, 4, 32, 128, 1000)
     q4 = q4.at[:, :1].set(qi)
     w4 = w4.at[:, :1].set(w)
     nc4 = jnp.concatenate([n_cand, jnp.full((64, 3), 700, jnp.int32)], axis=1)
-    np.testing.assert_array_equal(_mosaic((q4, w4, keys, nc4))[:, :1], full)
-    for kw in (dict(chunks=1), dict(chunks=5), dict(persistent=True, chunks=3),
-               dict(write_hi=True)):
-        np.testing.assert_array_equal(_mosaic((qi, w, keys, n_cand), **kw), full)
+    np.testing.assert_array_equal(mosaic((q4, w4, keys, nc4))[:, :1], full)
+    schedules = (dict(chunks=1), dict(chunks=5), dict(persistent=True, chunks=3))
+    for kw in schedules + ((dict(write_hi=True),) if key_dtype == jnp.float32 else ()):
+        np.testing.assert_array_equal(mosaic((qi, w, keys, n_cand), **kw), full)
     pq, pw, pk, _ = T.pool_inputs(9, 1, 21, 32, 128, 1000)
     pn = jnp.asarray(np.arange(40, 1000, 46)[None, :21].astype(np.int32))  # [1, 21]
-    prompt = _mosaic((pq, pw, pk, pn))
+    prompt = mosaic((pq, pw, pk, pn))
     for r in (0, 7, 20):
-        one = _mosaic((pq[:, r:r + 1], pw[:, r:r + 1], pk, pn[:, r:r + 1]))
+        one = mosaic((pq[:, r:r + 1], pw[:, r:r + 1], pk, pn[:, r:r + 1]))
         np.testing.assert_array_equal(one, prompt[:, r:r + 1])
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kw", [{}, dict(fuse_qlo=False), dict(precision="bf16x6")])
+@pytest.mark.parametrize("kw", [{}, dict(fuse_qlo=False), dict(precision="bf16x6"),
+                                dict(key_dtype=BF16)])
 def test_gpu_rows_per_cta_same_bits(kw):
     """Two rows per CTA (their heads side by side in the wgmma N) score each row with the
     same bits as one row per CTA: what `MgpuScoresTuning.rows` relies on."""

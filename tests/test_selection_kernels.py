@@ -96,10 +96,36 @@ def test_pool_scores_seq_range_is_those_rows_of_the_whole_batch(impl, first, cou
     assert np.isfinite(whole[first:first + count]).any()  # the rows compared hold scores
 
 
+@pytest.mark.parametrize("kw", [
+    dict(block_p=16),
+    dict(block_p=32, rows_per_program=2, bounded_loop=True, target_programs=9),
+])
+def test_pool_scores_of_bf16_keys(impl, kw):
+    """Pool keys as a bf16 index cache stores them, read in place and widened exactly: within
+    the derived bound of the definition on the stored values; the twin and interpret mode
+    (IEEE fp32 dots) `==` to the same path given those values widened to fp32 beforehand. The
+    compiled Triton kernel is held to the bound only: its 3-pass tf32 dot of a widened bf16
+    operand gave other last bits than of the same values in fp32 (11% of the elements on the
+    H200, benchmarks/results/h200-gpu-tests-20261201-s10-call1.log)."""
+    import jax.numpy as jnp
+    qi, w, keys, _ = T.pool_inputs(*ARGS)
+    keys16 = keys.astype(jnp.bfloat16)
+    opts = None if impl == "xla" else kw
+    args = (qi, w, keys16, _n_cand())
+    out = np.asarray(T.run_op("pool_scores", impl, *args, kernel_options=opts))
+    bound = T.pool_scores_bound(qi, w, keys16, T.pool_scores_roundoff(impl))
+    T.assert_pool_scores_close(out, T.pool_scores_definition(*args), bound)
+    if impl != "pallas":
+        wide = T.run_op("pool_scores", impl, qi, w, keys16.astype(jnp.float32), _n_cand(),
+                        kernel_options=opts)
+        chex.assert_trees_all_equal(out, np.asarray(wide))
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("key_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("backend", ["auto", "triton"])  # auto: the Mosaic kernel on a GPU
 @pytest.mark.parametrize("rows", [4, 32])  # a decode padded to max_verify; a prompt chunk
-def test_pool_scores_seq_range_bits_at_glm53_flash_shapes(rows, backend):
+def test_pool_scores_seq_range_bits_at_glm53_flash_shapes(rows, backend, key_dtype):
     """The compiled kernel over a tp=2 rank's half of 64 sequences (first traced) against the
     same rows of the whole batch's kernel, `==`: what `sharding.split_select` relies on for
     `sel` to stay bitwise that of one device (GLM-5.3-Flash indexer, 16K context)."""
@@ -110,6 +136,7 @@ def test_pool_scores_seq_range_bits_at_glm53_flash_shapes(rows, backend):
     cfg = glm53_flash()
     qi, w, keys, n_cand = T.pool_inputs(23, 64, rows, cfg.index_n_heads, cfg.index_head_dim,
                                         cfg.num_pools)
+    keys = keys.astype(key_dtype)
     tuning = ps.PoolScoresTuning(backend=backend)
     whole = np.asarray(jax.jit(lambda *a: ps.pool_scores_pallas(*a, tuning=tuning))(
         qi, w, keys, n_cand))
@@ -250,6 +277,7 @@ TOPK_CASES = [
     dict(fused_compare=True, rank_block=16),
     dict(short_rows=True, rank_splits=4, fused_compare=True, rank_block=16),
     dict(radix_bits=3),  # a 2-bit pass, then 10 passes of 3 bits
+    dict(early_exit=False),  # every radix pass
 ])
 def test_pool_topk_variants_equal_the_total_order(kernel_impl, kw):
     for i, (n, p, k, live) in enumerate(TOPK_CASES):

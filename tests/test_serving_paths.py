@@ -117,8 +117,13 @@ def test_decode_k_bits_hold_after_another_configs_programs():
                                                 dtype=jnp.bfloat16))
 
 
-def test_chunked_prefill_equals_one_prefill_and_per_row_selection():
-    cfg = ODD
+@pytest.mark.parametrize("index_dtype", ["float32", "bfloat16"])
+def test_chunked_prefill_equals_one_prefill_and_per_row_selection(index_dtype):
+    """A chunk's rows read the pools completed earlier in the same program; later chunks and
+    decodes read them from the stored state. With a bf16 index cache the stored keys are
+    rounded: a step must score with those, not with the fp32 sums it just rounded (XLA may
+    drop an f32 -> bf16 -> f32 round trip inside one program)."""
+    cfg = ODD.replace(index_cache_dtype=index_dtype)
     weights = _weights(cfg, 1)
     x = random_rows(2, 2, 61, cfg.hidden_size)
     y_one, state_one, sel_one = dsa_jax.prefill(cfg, weights, dsa_jax.init_state(cfg, 2), x)

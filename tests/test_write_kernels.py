@@ -50,8 +50,12 @@ def test_index_write_matches_definition(kernel_impl, kpool, dtype):
     for w_, g_ in zip(want[:2], got[:2], strict=True):  # index_k, index_g
         T.assert_stored_close(g_, w_, dtype)
         chex.assert_type(g_, jnp.dtype(dtype))
-    chex.assert_trees_all_close(got[2], want[2], rtol=1e-5, atol=1e-6)
-    written = np.asarray(want[2]) != T.POISON
+    chex.assert_type(got[2], jnp.dtype(dtype))  # pool keys in the index dtype
+    if dtype == "float32":
+        chex.assert_trees_all_close(got[2], want[2], rtol=1e-5, atol=1e-6)
+    else:  # fp32 keys of other sums, each rounded once: a neighbouring code at most
+        T.assert_stored_close(got[2], want[2], dtype)
+    written = np.asarray(want[2]) != np.asarray(jnp.asarray(T.POISON, dtype))
     assert written.any() and not written.all()
 
 
@@ -262,7 +266,8 @@ def test_index_write_lowers_for_cuda(rows, stacked):
     args = (jax.ShapeDtypeStruct((b, rows, 2336), f32), jax.ShapeDtypeStruct((*g, di), f32),
             jax.ShapeDtypeStruct((*g, di), f32), jax.ShapeDtypeStruct((*g, kp, di), f32),
             jax.ShapeDtypeStruct((b, ring, di), bf16), jax.ShapeDtypeStruct((b, ring, di), bf16),
-            jax.ShapeDtypeStruct((b, pools, di), f32), jax.ShapeDtypeStruct((b, rows), i32),
+            jax.ShapeDtypeStruct((b, pools, di), bf16 if stacked else f32),  # both key dtypes
+            jax.ShapeDtypeStruct((b, rows), i32),
             jax.ShapeDtypeStruct((b, rows), jnp.bool_))
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @__gpu$xla.gpu.triton") == (3 if rows > ring - kp + 1 else 2)

@@ -51,6 +51,19 @@ def pool_key(k_members: jax.Array, g_members: jax.Array, ape: jax.Array) -> jax.
     return jnp.sum(jax.nn.softmax(logits, axis=-2) * k_members.astype(jnp.float32), axis=-2)
 
 
+def stored_keys(keys: jax.Array, dtype) -> jax.Array:
+    """fp32 pool keys -> `dtype` as the kernel stores them (round to nearest even). Rounded by
+    `lax.reduce_precision` first, so the cast is exact: XLA may otherwise keep a step's own
+    f32 -> bf16 -> f32 round trip at fp32 (excess precision), and a row of the step that
+    writes a pool would score another key than a later step reading it back."""
+    dtype = jnp.dtype(dtype)
+    if dtype == keys.dtype:
+        return keys
+    info = jnp.finfo(dtype)
+    return lax.reduce_precision(keys, exponent_bits=info.nexp,
+                                mantissa_bits=info.nmant).astype(dtype)
+
+
 def ring_geometry(ape: jax.Array, ring: jax.Array, pool_keys: jax.Array, layers: int
                   ) -> tuple[int, int, int, int]:
     """(KP, Rr, P, Tmax) of the arrays (static), checked: the ring must hold a pool's KP - 1
@@ -96,7 +109,8 @@ def index_write_xla(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b: j
     """The definition.
 
     k_raw, g: [B, R, Di] f32 (k before its norm); norm_w, norm_b: [Di] f32; ape: [KP, Di] f32;
-    index_k, index_g: [B, L * Rr, Di] cache dtype (the rings); pool_keys: [B, L * P, Di] f32;
+    index_k, index_g: [B, L * Rr, Di] cache dtype (the rings); pool_keys: [B, L * P, Di] index dtype
+    (as the rings: each key computed in fp32, stored rounded once);
     pos, valid: [B, R]; layer: [] int32. Returns the new (index_k, index_g, pool_keys).
     cols: static `(k_start, g_start)`: k_raw and g are wider `[B, R, N]` arrays (the x
     projection's output, the same one for both) whose Di columns from those starts are the
@@ -130,7 +144,8 @@ def index_write_xla(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b: j
     pool = pos // kp  # [B, R]
     members = jnp.clip(pool[..., None] * kp + jnp.arange(kp) - base[..., None] + (kp - 1),
                        0, wlen - 1)  # [B, R, KP]
-    keys = pool_key(win_k[b[..., None], members], win_g[b[..., None], members], ape)
+    keys = stored_keys(pool_key(win_k[b[..., None], members], win_g[b[..., None], members],
+                                ape), pool_keys.dtype)  # [B, R, Di]
     completes = valid & ((pos + 1) % kp == 0)
     pool_keys = pool_keys.at[b, jnp.where(completes, layer * num_pools + pool,
                                           layers * num_pools)].set(keys, mode="drop")
@@ -232,7 +247,8 @@ def _pool_kernel(*refs, width: int, kpool: int, rows: int, g0: int, stacked: boo
     m = jnp.max(logits, axis=0, keepdims=True)
     e = jnp.exp(logits - jnp.where(m > -jnp.inf, m, 0.0))  # 0 at padded members
     key = jnp.sum(e * k, axis=0) / jnp.sum(e, axis=0)  # [Dp]
-    plt.store(keys_out.at[jnp.maximum(dest, 0), cols], key, mask=(cols < width) & (dest >= 0))
+    plt.store(keys_out.at[jnp.maximum(dest, 0), cols], key.astype(keys_out.dtype),
+              mask=(cols < width) & (dest >= 0))
 
 
 def index_write_pallas(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b: jax.Array,
@@ -299,7 +315,7 @@ def index_write_pallas(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b
         grid=(n,),
         in_specs=[pl.BlockSpec()] * (s + 7),  # [layer]; ape; rings; k buffer, g; meta; keys
         out_specs=pl.BlockSpec(),
-        out_shape=jax.ShapeDtypeStruct((nb * pool_keys.shape[1], di), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((nb * pool_keys.shape[1], di), pool_keys.dtype),
         input_output_aliases={s + 6: 0},
         compiler_params=params, interpret=interpret, name="index_write_pool_keys",
     )(*lead, ape.astype(jnp.float32), k_flat, g_flat, kc, g_rows, meta,

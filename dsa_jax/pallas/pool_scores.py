@@ -41,7 +41,8 @@ def _score_row(qi, w, keys, n_cand):
     """One query row: qi [Hi, Di], w [Hi], keys [P, Di], n_cand [] -> [P]."""
     # HIGHEST: IEEE fp32 on every backend (a GPU would run fp32 dots as tf32, ~1e-3 off, and
     # the scores feed an exact top-k).
-    dots = jnp.einsum("hd,pd->hp", qi, keys, precision=lax.Precision.HIGHEST)
+    dots = jnp.einsum("hd,pd->hp", qi, keys.astype(jnp.float32),
+                      precision=lax.Precision.HIGHEST)
     scores = jnp.einsum("h,hp->p", w, jax.nn.relu(dots), precision=lax.Precision.HIGHEST)
     scores = jnp.where(scores == 0, 0.0, scores)
     return jnp.where(jnp.arange(keys.shape[0]) < n_cand, scores, -jnp.inf)
@@ -82,7 +83,8 @@ def pool_scores_xla(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: j
                     seqs=None, pools=None) -> jax.Array:
     """The definition.
 
-    qi: [B, R, Hi, Di] f32; w: [B, R, Hi] f32 (scales folded); pool_keys: [B, P, Di] f32;
+    qi: [B, R, Hi, Di] f32; w: [B, R, Hi] f32 (scales folded); pool_keys: [B, P, Di] f32 or
+    bf16 (the index cache's dtype; its values are widened exactly);
     n_cand: [B, R] int32 complete pools visible to each row. Returns [B, R, P] f32, or with
     `seqs=(first, count)` its rows `first .. first + count - 1`: [count, R, P] (computed at the
     whole batch's shape, then sliced, so the bits are the whole batch's). With
@@ -179,10 +181,11 @@ class PoolScoresTuning:
 BACKENDS = ("triton", "mosaic", "auto")
 
 
-def pick_backend(tuning: PoolScoresTuning, hi: int, di: int, interpret: bool) -> str:
-    """"triton" or "mosaic" by `PoolScoresTuning.backend`'s rule; raises where "mosaic" was
-    asked for and cannot run."""
-    why = mgpu_scores.supports(tuning.mosaic, hi, di)
+def pick_backend(tuning: PoolScoresTuning, hi: int, di: int, interpret: bool,
+                 key_dtype=jnp.float32) -> str:
+    """"triton" or "mosaic" by `PoolScoresTuning.backend`'s rule (for pool keys of
+    `key_dtype`); raises where "mosaic" was asked for and cannot run."""
+    why = mgpu_scores.supports(tuning.mosaic, hi, di, key_dtype)
     if tuning.backend == "mosaic":
         if interpret:
             raise ValueError("pool_scores: backend='mosaic' compiles for a Hopper GPU and has "
@@ -207,7 +210,8 @@ def _scores_kernel(first_ref, ncand_ref, qi_ref, w_ref, keys_ref, out_ref, *, gr
     first_ref: [2] int32, the first scored sequence (its keys are read at `first + seq`) and
     the first pool (pool p's key at `base + p`); ncand_ref: [Np] int32 (whole); qi_ref:
     [RB*Hp, Dp] f32; w_ref: [RB*Hp] f32 (padded heads and rows 0); keys_ref: [B, Pk, Di] f32
-    (whole, Pk >= base + P); out_ref: [Np, P] f32 (whole, masked store).
+    or bf16 (whole, Pk >= base + P; widened to f32 as loaded); out_ref: [Np, P] f32 (whole,
+    masked store).
     """
     group, chunk = pl.program_id(0), pl.program_id(1)
     qi = qi_ref[...]  # [RB*Hp, Dp]
@@ -226,7 +230,7 @@ def _scores_kernel(first_ref, ncand_ref, qi_ref, w_ref, keys_ref, out_ref, *, gr
         mask = in_range[:, None] if width == dp else in_range[:, None] & dims_ok
         mask = jnp.broadcast_to(mask, (block_p, dp))  # Triton wants the pointer's shape
         return plt.load(keys_ref.at[seq, base + pools[:, None], dims[None, :]], mask=mask,
-                        other=0.0)  # [BP, Dp]
+                        other=jnp.zeros((), keys_ref.dtype)).astype(jnp.float32)  # [BP, Dp]
 
     def score_tile(pools, in_range):  # -> [RB, BP] (heads as M) or [BP, RB] (pools as M)
         keys = load_keys(pools, in_range)
@@ -376,7 +380,7 @@ def pool_scores_pallas(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand
         qi, w, n_cand = (lax.dynamic_slice_in_dim(a, first, b, 0) for a in (qi, w, n_cand))
     _, r, hi, di = qi.shape
     tuning = with_overrides(tuning, overrides)
-    if pick_backend(tuning, hi, di, interpret) == "mosaic":
+    if pick_backend(tuning, hi, di, interpret, pool_keys.dtype) == "mosaic":
         if seqs is not None:
             # The Mosaic kernel has no first-sequence operand yet: the range's keys are
             # sliced (a copy); a row's scores do not depend on its batch (GPU tests), so the
@@ -422,5 +426,5 @@ def pool_scores_pallas(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand
         interpret=interpret,
         name="pool_scores",
     )(jnp.stack([first, base]), ncand_p.reshape(b * rp), qi_p.reshape(groups, rb * hp, dp),
-      w_p.reshape(groups, rb * hp), pool_keys.astype(jnp.float32))
+      w_p.reshape(groups, rb * hp), pool_keys)
     return out.reshape(b, rp, p)[:, :r]

@@ -47,6 +47,7 @@ from dsa_jax.pallas.common import check_register_budgets, sm_count
 from dsa_jax.pallas.pool_scores_mgpu_dots import (
     F32_SWIZZLE,
     TF32_MASK,
+    dots_bf16x3,
     dots_bf16x6,
     dots_tf32x3,
     split_bf16,
@@ -56,7 +57,10 @@ from dsa_jax.pallas.pool_scores_mgpu_dots import (
 __all__ = ["MgpuScoresTuning", "TF32_MASK", "fit", "pool_scores_mgpu", "split_bf16",
            "split_tf32", "supports"]
 
-_PARTS = {"tf32x3": 2, "bf16x6": 3}  # parts qi is split into, per precision
+_PARTS = {"tf32x3": 2, "bf16x6": 3, "bf16x3": 3}  # parts qi is split into, per precision
+# The precisions that apply to each key dtype; the first is the default (`precision=None`).
+KEY_PRECISIONS = {"float32": ("tf32x3", "bf16x6"), "bfloat16": ("bf16x3",)}
+_BF16_PARTS = ("bf16x6", "bf16x3")  # qi split by `split_bf16`, 64-column swizzles
 DECODE_ROWS = 4  # rows per sequence of a decode or verify step (max_verify), see default_chunks
 
 
@@ -89,12 +93,18 @@ class MgpuScoresTuning:
       all; a sequence's rows are padded to a multiple with rows that have no candidate. A row's
       bits are the same at any `rows` only if the tensor core computes each output column
       independently of the others (checked on the GPU, benchmarks/h200_pool_scores_mgpu.py).
-    precision: "tf32x3" (above) or "bf16x6": keys and qi split into three bf16 parts each
+    precision: for fp32 keys "tf32x3" (above) or "bf16x6"; for bf16 keys "bf16x3"; None (the
+      default): the first of `KEY_PRECISIONS` for the keys' dtype (`with_precision`; a
+      precision that does not apply to the keys raises). "bf16x6": keys and qi split into
+      three bf16 parts each
       (`split_bf16`), six products k1 q1 + k1 q2 + k2 q1 + k1 q3 + k2 q2 + k3 q1 with the key
       parts as the wgmma's A straight from registers (no shared-memory write of split keys;
       the ring buffer is released once read), qi's parts [q1 | q2 | q3] side by side in N;
       what is dropped stays < 2^-19.5 relative per product, inside `TF32X3_ROUNDOFF`.
-      write_hi and fuse_qlo do not apply.
+      write_hi and fuse_qlo do not apply. "bf16x3": the keys are bf16 values already (pool
+      keys stored in a bf16 index cache), streamed into the ring as bf16 and fed to one
+      wgmma from shared memory against qi's three bf16 parts (N = 3 rows Hp): k q1 + (k q2 +
+      k q3), each product exact (`dots_bf16x3`); half the key bytes of fp32 keys.
     persistent: one CTA per multiprocessor, each taking a contiguous run of the (row group,
       chunk) items with its ring running on across them (the next item's first keys load while
       the last one computes; qi double-buffered, reloaded where the row group changes); for a
@@ -110,7 +120,7 @@ class MgpuScoresTuning:
     write_hi: bool = False
     fuse_qlo: bool = True
     rows: int | None = None
-    precision: str = "tf32x3"
+    precision: str | None = None
     persistent: bool | None = None
     consumer_regs: int = 232
     producer_regs: int = 40
@@ -124,8 +134,9 @@ class MgpuScoresTuning:
                                         or self.stages % self.consumers):
             raise ValueError(f"stages={self.stages} must be a positive multiple of "
                              f"consumers={self.consumers}")
-        if self.precision not in _PARTS:
-            raise ValueError(f"precision={self.precision!r} must be one of {sorted(_PARTS)}")
+        if self.precision is not None and self.precision not in _PARTS:
+            raise ValueError(f"precision={self.precision!r} must be one of {sorted(_PARTS)} "
+                             f"or None")
         if self.rows is not None and (self.rows < 1 or self.rows & (self.rows - 1)):
             raise ValueError(f"rows={self.rows} must be a power of two")
         if self.chunks is not None and self.chunks < 1:
@@ -133,16 +144,35 @@ class MgpuScoresTuning:
         check_register_budgets(self.consumers, self.consumer_regs, self.producer_regs)
 
 
+def with_precision(t: MgpuScoresTuning, key_dtype) -> MgpuScoresTuning:
+    """t with `precision` resolved for keys of `key_dtype` (None: that dtype's default);
+    raises, naming the options, for a precision that does not apply to those keys or keys of
+    another dtype."""
+    name = jnp.dtype(key_dtype).name
+    options = KEY_PRECISIONS.get(name)
+    if options is None:
+        raise ValueError(f"pool_scores_mgpu: pool keys of dtype {name} are not supported "
+                         f"(one of {sorted(KEY_PRECISIONS)})")
+    if t.precision is None:
+        return dataclasses.replace(t, precision=options[0])
+    if t.precision not in options:
+        raise ValueError(f"pool_scores_mgpu: precision={t.precision!r} does not apply to "
+                         f"{name} pool keys (one of {options})")
+    return t
+
+
 def padded_dims(hi: int, di: int, precision: str = "tf32x3") -> tuple[int, int]:
     """(Hp, Dp): heads to a multiple of 8, dims to a multiple of one 128-byte swizzle of the
     dot's operands (32 f32, 64 bf16)."""
-    step = 64 if precision == "bf16x6" else F32_SWIZZLE
+    step = 64 if precision in _BF16_PARTS else F32_SWIZZLE
     return -(-hi // 8) * 8, -(-di // step) * step
 
 
 def smem_bytes(hp: int, dp: int, t: MgpuScoresTuning) -> int:
     """Shared memory the kernel allocates (the H200 gives a CTA at most 227 KiB)."""
     slots = 2 if t.persistent else 1  # qi buffers
+    if t.precision == "bf16x3":  # bf16 keys, no lo buffers; qi in three bf16 parts
+        return 2 * dp * t.stages * t.block_p + slots * 2 * dp * 3 * t.rows * hp
     if t.precision == "bf16x6":  # no lo buffers; qi in three bf16 parts
         return 4 * dp * t.stages * t.block_p + slots * 2 * dp * 3 * t.rows * hp
     return 4 * dp * (t.stages * t.block_p + t.consumers * t.block_p + slots * 2 * t.rows * hp)
@@ -155,10 +185,13 @@ PROMPT_PLANS = ((2, False, 2), (1, False, 4), (1, False, 2))
 DECODE_PLANS = ((1, False, 4), (1, False, 2))
 
 
-def fit(t: MgpuScoresTuning, hi: int, di: int, r: int) -> MgpuScoresTuning:
-    """t with its None fields (rows, persistent, stages) chosen for Hi, Di and r rows per
-    sequence: the first plan of PROMPT_PLANS (r > DECODE_ROWS) or DECODE_PLANS whose wgmma N
-    and shared memory fit, fields set in t kept. Raises (naming the limit) if none fits."""
+def fit(t: MgpuScoresTuning, hi: int, di: int, r: int, key_dtype=jnp.float32
+        ) -> MgpuScoresTuning:
+    """t with its None fields (precision for `key_dtype` keys, rows, persistent, stages)
+    chosen for Hi, Di and r rows per sequence: the first plan of PROMPT_PLANS (r >
+    DECODE_ROWS) or DECODE_PLANS whose wgmma N and shared memory fit, fields set in t kept.
+    Raises (naming the limit) if none fits."""
+    t = with_precision(t, key_dtype)
     plans = PROMPT_PLANS if r > DECODE_ROWS else DECODE_PLANS
     last = None
     for rows, persistent, stages in plans:
@@ -175,7 +208,8 @@ def fit(t: MgpuScoresTuning, hi: int, di: int, r: int) -> MgpuScoresTuning:
 def why_not(t: MgpuScoresTuning, hi: int, di: int) -> str | None:
     """None if the kernel runs tuning t (every field set) at Hi, Di; else why not."""
     hp, dp = padded_dims(hi, di, t.precision)
-    n_max = {"bf16x6": 3, "tf32x3": 2 if t.fuse_qlo else 1}[t.precision] * t.rows * hp
+    n_max = {"bf16x6": 3, "bf16x3": 3,
+             "tf32x3": 2 if t.fuse_qlo else 1}[t.precision] * t.rows * hp
     if n_max > 256:
         return (f"wgmma N = {n_max} > 256 (Hi {hi} padded to {hp}, rows {t.rows}, fuse_qlo "
                 f"{t.fuse_qlo}, precision {t.precision})")
@@ -186,9 +220,14 @@ def why_not(t: MgpuScoresTuning, hi: int, di: int) -> str | None:
     return None
 
 
-def supports(t: MgpuScoresTuning, hi: int, di: int) -> str | None:
-    """None if the kernel runs at Hi, Di with t's fixed fields (its None fields at their
-    smallest: one row per CTA, not persistent, one buffer per consumer); else why not."""
+def supports(t: MgpuScoresTuning, hi: int, di: int, key_dtype=jnp.float32) -> str | None:
+    """None if the kernel runs at Hi, Di and keys of `key_dtype` with t's fixed fields (its
+    None fields at their smallest: one row per CTA, not persistent, one buffer per consumer);
+    else why not."""
+    try:
+        t = with_precision(t, key_dtype)
+    except ValueError as e:
+        return str(e)
     least = dataclasses.replace(
         t, rows=1 if t.rows is None else t.rows,
         persistent=False if t.persistent is None else t.persistent,
@@ -289,6 +328,9 @@ def _kernel(ncand_ref, base_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: in
                     if precision == "bf16x6":
                         acc = dots_bf16x6(k_ref, qb, free.at[s], block_p=block_p, nq=nq,
                                            dp=dp)
+                    elif precision == "bf16x3":
+                        acc = dots_bf16x3(k_ref, qb, block_p=block_p, nq=nq)
+                        plgpu.barrier_arrive(free.at[s])  # wgmma done: refill the buffer
                     else:
                         acc = dots_tf32x3(k_ref, lo_ref, qb, nq=nq, dp=dp, write_hi=write_hi,
                                            fuse_qlo=fuse_qlo)
@@ -359,18 +401,18 @@ def _kernel(ncand_ref, base_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: in
                 plgpu.set_max_registers(producer_regs, action="decrease")
             each_item(produce)
 
-    part = (jnp.bfloat16, (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
-    if precision != "bf16x6":
-        part = (jnp.float32, tf32)
+    bf16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    part = (jnp.bfloat16, bf16) if precision in _BF16_PARTS else (jnp.float32, tf32)
+    ring = (jnp.bfloat16, bf16) if precision == "bf16x3" else (jnp.float32, tf32)
     scratch = [
-        plgpu.SMEM((stages, block_p, dp), jnp.float32, transforms=tf32),  # key ring
+        plgpu.SMEM((stages, block_p, dp), ring[0], transforms=ring[1]),  # key ring
         plgpu.SMEM((q_slots, _PARTS[precision] * nq, dp), part[0], transforms=part[1]),  # qi
         plgpu.Barrier(num_arrivals=1, num_barriers=q_slots),  # qi loaded
         plgpu.Barrier(num_arrivals=consumers, num_barriers=q_slots),  # qi no longer read
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # key buffer filled
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # key buffer consumed
     ]
-    if precision != "bf16x6":  # lo parts of the keys, per consumer
+    if precision == "tf32x3":  # lo parts of the keys, per consumer
         scratch.append(plgpu.SMEM((consumers, block_p, dp), jnp.float32, transforms=tf32))
     pl.run_scoped(scoped, *scratch, collective_axes="wg")
 
@@ -380,7 +422,8 @@ def pool_scores_mgpu(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: 
                      sms: int | None = None, pools=None) -> jax.Array:
     """`pool_scores_xla` as a Mosaic GPU kernel; same arguments, the result within the tf32x3
     bound (tests/test_pool_scores_mgpu.py). qi [B, R, Hi, Di] f32, w [B, R, Hi] f32,
-    pool_keys [B, P, Di] f32, n_cand [B, R] int32 -> [B, R, P] f32. sms: multiprocessors for
+    pool_keys [B, P, Di] f32 or bf16 (read as stored; `MgpuScoresTuning.precision`), n_cand
+    [B, R] int32 -> [B, R, P] f32. sms: multiprocessors for
     `default_chunks` (default `common.sm_count()`). pools: `(base, P)` with base an int32
     scalar (checked by the caller, `pool_scores.pool_range`): the keys are pools base .. base
     + P - 1 of `pool_keys`' pool axis, read in place where P and Di need no padding."""
@@ -389,7 +432,7 @@ def pool_scores_mgpu(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: 
     if pool_keys.shape[::2] != (b, di) or w.shape != (b, r, hi) or n_cand.shape != (b, r):
         raise ValueError(f"pool_scores_mgpu: shapes qi {qi.shape}, w {w.shape}, keys "
                          f"{pool_keys.shape}, n_cand {n_cand.shape} do not agree")
-    t = fit(tuning, hi, di, r)
+    t = fit(tuning, hi, di, r, pool_keys.dtype)
     hp, dp = padded_dims(hi, di, t.precision)
     rb = t.rows
     rp = -(-r // rb) * rb  # rows per sequence, padded
@@ -403,14 +446,14 @@ def pool_scores_mgpu(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: 
     width = chunks * tiles * t.block_p  # >= P: whole tiles are stored
     q = jnp.pad(qi.astype(jnp.float32), ((0, 0), (0, rp - r), (0, hp - hi), (0, dp - di)))
     q = q.reshape(groups, rb * hp, dp)
-    if t.precision == "bf16x6":
+    if t.precision in _BF16_PARTS:
         q = jnp.concatenate(split_bf16(q), axis=1)  # [G, 3 rows Hp, Dp] bf16: q1, q2, q3
     else:
         q = jnp.concatenate(split_tf32(q), axis=1)  # [G, 2 rows Hp, Dp]: hi parts, lo parts
     w_p = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, rp - r), (0, hp - hi)))
     w_p = w_p.reshape(groups, rb * hp)  # [G, rows Hp]
     ncand_p = jnp.pad(n_cand.astype(jnp.int32), ((0, 0), (0, rp - r))).reshape(n)  # pad: none
-    keys = pool_keys.astype(jnp.float32)
+    keys = pool_keys  # [B, Pk, Di] as stored: f32 or bf16 (with_precision checked which)
     p8 = -(-p // 8) * 8  # the bulk copy tiles the pool axis by 8
     if (p8, dp) != (p, di):  # odd P or Di: a padded copy (the GLM shapes need none)
         if keys.shape[1] != p:

@@ -1,6 +1,6 @@
 """The dot products of the Mosaic GPU pool-scores kernel (`pool_scores_mgpu.py`): operand splits
 into exact tf32 or bf16 parts and the wgmmas of one key tile against a row group's qi parts.
-Both precisions stay inside `testing.TF32X3_ROUNDOFF` per product (see each function)."""
+Every precision stays inside `testing.TF32X3_ROUNDOFF` per product (see each function)."""
 
 from __future__ import annotations
 
@@ -104,3 +104,17 @@ def dots_bf16x6(k_ref, qbuf, free, *, block_p: int, nq: int, dp: int):
                                plgpu.ACC((block_p, nq), jnp.float32))
     small = (a1[:, 2 * nq:] + a2[:, nq:]) + a3  # k1 q3 + k2 q2 + k3 q1
     return a1[:, :nq] + ((a1[:, nq:2 * nq] + a2[:, :nq]) + small)  # [BP, nq]
+
+
+def dots_bf16x3(k_ref, qbuf, *, block_p: int, nq: int):
+    """The tile's head dots [BP, nq] f32 for bf16 keys (exact as stored): one wgmma of the key
+    tile k_ref [BP, Dp] bf16 (shared memory) against qi's three bf16 parts side by side in N
+    (qbuf [3 nq, Dp]: q1, q2, q3 of `split_bf16`), summed k q1 + (k q2 + k q3). Each product
+    of two bf16 values is exact in fp32, and qi's parts leave |e| <= 2^-23 |q| (`split_bf16`),
+    so a product is off by less than 2^-22 relative, inside `TF32X3_ROUNDOFF`."""
+    def dots(acc_ref):
+        plgpu.wgmma(acc_ref, k_ref, plgpu.transpose_ref(qbuf, (1, 0)))
+        return acc_ref[...]
+
+    acc = pl.run_scoped(dots, plgpu.ACC((block_p, 3 * nq), jnp.float32))  # [BP, 3 nq]
+    return acc[:, :nq] + (acc[:, nq:2 * nq] + acc[:, 2 * nq:])  # [BP, nq]

@@ -3,8 +3,9 @@
 `pool_topk_xla` is `lax.top_k` (its documented tie rule is that order). The kernel finds the
 same k indices without a sort: a radix select of the k-th largest score on the score bits,
 a compaction of the selected pools in index order, then each selected pool's rank among the
-k by direct comparison. XLA sorts all P scores of a row; this counts over the row 16 times
-(2 bits per pass, the row held in registers) and compares only the k winners with each other.
+k by direct comparison. XLA sorts all P scores of a row; this counts over the row at most 16
+times (2 bits per pass, the row held in registers; fewer once a threshold has exactly k keys
+at or above it) and compares only the k winners with each other.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ class PoolTopkTuning:
     fused_compare: a winner's rank counts the winners with key >= its key + [later in index
     order] (one compare per pair instead of the three of "greater, or equal and earlier");
     measured slower: 9000 prompt rows 1209 vs 1082 us (short_rows both).
+    early_exit: stop the radix passes at the first threshold with exactly k keys at or above
+      it (distinct scores: after 9-10 of the 16 two-bit passes for random rows); False runs
+      every pass (the same indices either way).
     num_warps: Triton's (8 measured slower than 4 for one row).
     backend: "pallas" (the default: this file's kernel, the fields above), "triton" (the raw
     Triton kernel of `pool_topk_triton`, tuned by `triton`: compiled for a GPU only, needs the
@@ -72,6 +76,7 @@ class PoolTopkTuning:
     rank_splits: int | None = None
     short_rows: bool = True
     fused_compare: bool = False
+    early_exit: bool = True
     num_warps: int = 4
     backend: str = "pallas"
     triton: TritonTopkTuning = TritonTopkTuning()
@@ -101,8 +106,9 @@ def sortable_key(x: jax.Array) -> jax.Array:
 # ranks its share of the winners in (3). (0) With `short_rows`: count the finite scores; none
 # (a padded row): the answer is pools 0..k-1 (the index order), written directly; fewer than k:
 # T is -inf's key, no radix passes. (1) Radix select: the k-th largest key T, built digit by
-# digit from the top (32 / radix_bits counting passes over the row; a row of up to `chunk`
-# scores stays in registers).
+# digit from the top (at most 32 / radix_bits counting passes over the row, fewer where a
+# threshold with exactly k keys at or above it turns up first; a row of up to `chunk` scores
+# stays in registers).
 # (2) Compaction, in index order: every key > T, then the first k - count(> T) keys == T
 # (lowest indices: the tie rule), written to scratch at their exclusive prefix-sum position.
 # (3) After a barrier (the scratch is global memory written by other threads of the program),
@@ -124,8 +130,8 @@ class Expansion:
 
 
 def _topk_kernel(*refs, k: int, chunk: int, chunks: int, rank_block: int, radix_bits: int,
-                 splits: int, short_rows: bool, fused_compare: bool, barrier: bool,
-                 expand: Expansion | None):
+                 splits: int, short_rows: bool, fused_compare: bool, early_exit: bool,
+                 barrier: bool, expand: Expansion | None):
     """s_ref [Pp] f32 (one row); o_ref [Kp] int32 out (the row's, shared by its `splits`
     programs: each writes the slots of its winners); ck_ref, ci_ref [Kp] int32 scratch (this
     program's own). With `expand`: pv_ref [N] int32 (whole: each row's position, -1 for a
@@ -159,22 +165,38 @@ def _topk_kernel(*refs, k: int, chunk: int, chunks: int, rank_block: int, radix_
     def settle(prefix, shift, bits):
         # prefix/cand are bits in the unsigned order u = key ^ INT_MIN; thresholds and the max
         # are taken in signed keys, where that order holds. Digit 0 (cand = prefix) always
-        # leaves >= k keys.
+        # leaves >= k keys. -> (the new prefix, whether exactly k keys are >= it).
         digits = jnp.arange(1 << bits, dtype=jnp.int32)  # [D]
         cand = prefix | jnp.left_shift(digits, shift)  # [D]
-        thr = cand ^ jnp.int32(_INT_MIN)  # [D]
+        thr = cand ^ jnp.int32(_INT_MIN)  # [D] ascending (signed), so counts descend
         counts = count(lambda key: key[None, :] >= thr[:, None], digits.shape)  # [D]
-        return jnp.max(jnp.where(counts >= k, thr, jnp.int32(_INT_MIN))) ^ jnp.int32(_INT_MIN)
+        ok = counts >= k
+        best = jnp.max(jnp.where(ok, thr, jnp.int32(_INT_MIN)))  # [] signed
+        at_best = jnp.min(jnp.where(ok, counts, jnp.int32(2 ** 31 - 1)))  # [] its count
+        return best ^ jnp.int32(_INT_MIN), (at_best == k) & (best != jnp.int32(_INT_MIN))
 
     top = 32 % radix_bits  # bits of the first pass where radix_bits does not divide 32
 
-    def radix_pass(i, prefix):
-        return settle(prefix, 32 - top - radix_bits - i * radix_bits, radix_bits)
-
     def radix_select():
-        prefix = settle(jnp.int32(0), 32 - top, top) if top else jnp.int32(0)
-        prefix = lax.fori_loop(0, 32 // radix_bits, radix_pass, prefix)
-        return prefix ^ jnp.int32(_INT_MIN)
+        """The k-th largest key T; or, where a pass finds a threshold t with exactly k keys
+        >= t (distinct scores: after about log2(P) of the 32 bits), t - 1, and no further
+        pass: the keys > t - 1 are then the k winners, as the keys >= T would be, so the
+        compaction below selects the same pools with no tie to break."""
+        prefix, exact = (settle(jnp.int32(0), 32 - top, top) if top
+                         else (jnp.int32(0), jnp.bool_(False)))
+
+        def more(carry):
+            i, _, exact = carry
+            return (i < 32 // radix_bits) & ~(exact & early_exit)
+
+        def radix_pass(carry):
+            i, prefix, _ = carry
+            prefix, exact = settle(prefix, 32 - top - radix_bits - i * radix_bits, radix_bits)
+            return i + 1, prefix, exact
+
+        _, prefix, exact = lax.while_loop(more, radix_pass, (jnp.int32(0), prefix, exact))
+        kth = prefix ^ jnp.int32(_INT_MIN)
+        return jnp.where(exact & early_exit, kth - 1, kth)
 
     blocks = pl.cdiv(k, rank_block)
     per_split = pl.cdiv(blocks, splits)
@@ -183,7 +205,8 @@ def _topk_kernel(*refs, k: int, chunk: int, chunks: int, rank_block: int, radix_
     sub = jnp.arange(rank_block, dtype=jnp.int32)  # [RB]
 
     def select_and_rank(kth):
-        need_eq = k - count(lambda key: key > kth)  # ties at the k-th key to take, >= 1
+        need_eq = k - count(lambda key: key > kth)  # ties at the k-th key to take (0 after
+        # an early exit of the radix select)
 
         def compact(j, carry):
             n_sel, n_eq = carry
@@ -387,7 +410,8 @@ def _topk_call(scores, k, expand, pv, interpret, tuning):
     kernel = functools.partial(_topk_kernel, k=k, chunk=chunk, chunks=pp // chunk,
                                rank_block=rank_block, radix_bits=radix_bits, splits=splits,
                                short_rows=tuning.short_rows,
-                               fused_compare=tuning.fused_compare, barrier=not interpret,
+                               fused_compare=tuning.fused_compare,
+                               early_exit=tuning.early_exit, barrier=not interpret,
                                expand=expand)
     scratch = pl.BlockSpec((None, None, kp), lambda i, s: (i, s, 0))
     in_specs = [pl.BlockSpec((None, pp), lambda i, s: (i, 0))]
