@@ -4,17 +4,22 @@ The same function as `pool_scores.pool_scores_xla` (the definition): `score[b, r
 sum_h w[b, r, h] * relu(qi[b, r, h] . K[b, p])`, -inf for `p >= n_cand[b, r]`, -0.0 -> 0.0.
 
 * one CTA per (query row, pool chunk); the chunk is `tiles` tiles of `block_p` pools;
-* warpgroup 2 (producer) streams the chunk's live key tiles [block_p, Dp] f32 by bulk (TMA)
-  copies into a ring of `stages` buffers; tiles past the row's candidates are never read;
-* warpgroups 0 and 1 (consumers; or only 0) take the tiles in turn. Each splits its tile in
-  registers into exact tf32 values, K = hi + lo + (dropped, <= 2^-20 |K|), writes hi back
-  in place and lo to its own buffer, and runs three wgmmas (tf32 operands from shared memory,
-  fp32 accumulator [block_p, Hp]): hi x qhi + lo x qhi + hi x qlo, the pool tile as M and the
-  heads as N (qi split the same way by `split_tf32`, in jnp, once per row). Every operand is
-  an exact tf32 value, so the result does not depend on whether the tensor core truncates or
-  rounds the low bits of an fp32 word (the bound is `testing.TF32X3_ROUNDOFF`, as for the
-  Triton kernel's tf32x3 dot). The epilogue applies relu, the head weights and the head sum in
-  registers and stores the tile's [block_p] scores;
+* warpgroup 2 (producer) streams the chunk's live key tiles [block_p, Dp] (f32, or bf16 as a
+  bf16 index cache stores them) by bulk (TMA) copies into a ring of `stages` buffers; tiles
+  past the row's candidates are never read;
+* for bf16 keys ("bf16x3", the GLM-5.3 default) each consumer feeds its tile straight from
+  shared memory to one wgmma against qi's three bf16 parts (`split_bf16`, side by side in N):
+  k q1 + (k q2 + k q3), every product exact;
+* for fp32 keys, warpgroups 0 and 1 (consumers; or only 0) take the tiles in turn. Each
+  splits its tile in registers into exact tf32 values, K = hi + lo + (dropped, <= 2^-20
+  |K|), writes hi back in place and lo to its own buffer, and runs three wgmmas (tf32
+  operands from shared memory, fp32 accumulator [block_p, Hp]): hi x qhi + lo x qhi + hi x
+  qlo, the pool tile as M and the heads as N (qi split the same way by `split_tf32`, in jnp,
+  once per row). Every operand is an exact tf32 value, so the result does not depend on
+  whether the tensor core truncates or rounds the low bits of an fp32 word (the bound is
+  `testing.TF32X3_ROUNDOFF`, as for the Triton kernel's tf32x3 dot). The epilogue (every
+  precision) applies relu, the head weights and the head sum in registers and stores the
+  tile's [block_p] scores;
 * or, with `precision="bf16x6"`, each consumer splits its tile into three bf16 parts in
   registers and feeds them to the wgmma as its A operand straight from registers (six
   products; see `MgpuScoresTuning.precision`), releasing the ring buffer as soon as it is read;
@@ -68,8 +73,10 @@ DECODE_ROWS = 4  # rows per sequence of a decode or verify step (max_verify), se
 class MgpuScoresTuning:
     """Tiles and pipeline of the Mosaic GPU scores kernel. The defaults are the fastest variant
     measured on the H200 with a measured prompt too (benchmarks/notes.md, "Pool scores as a
-    Mosaic GPU kernel"): tf32x3, fuse_qlo, raw keys as hi, 4 stages for decode rows and 2 rows
-    per CTA for a prompt's (bf16x6 measured as fast at decode shapes, its prompt unmeasured).
+    Mosaic GPU kernel"; for bf16 keys its tenth session): fp32 keys tf32x3, fuse_qlo, raw keys
+    as hi; bf16 keys bf16x3 (stages 2 / 8, one consumer, block_p 128 measured no faster);
+    4 stages for decode rows and 2 rows per CTA for a prompt's (bf16x6 measured as fast as
+    tf32x3 at decode shapes, its prompt unmeasured).
 
     block_p: pools per tile (the wgmma M): 64 or 128.
     stages: key buffers in the ring, a multiple of `consumers` (consumer c owns the buffers
