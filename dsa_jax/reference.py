@@ -101,8 +101,9 @@ def forward(cfg: DsaConfig, hf: Mapping[str, jax.Array], x: jax.Array, *,
 
     `shared_sel [S, W]` stands in for the indexer of a "shared" layer. `latent_roundtrip` and
     `index_roundtrip` model a cache's storage (e.g. fp8 quantize-dequantize of the latents, bf16
-    of the indexer's k, gate and pool keys), so a paged path can be compared on the same
-    stored values.
+    of the indexer's k, gate and pool keys: `state.index_storage(cfg)`), so a paged path can be
+    compared on the same stored values. Under jit write a bf16 round trip with
+    `lax.reduce_precision` (as `index_storage` does): XLA may drop a cast pair.
     """
     chex.assert_shape(x, (None, cfg.hidden_size))
     if shared_sel is not None:

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsa_jax.config import DsaConfig
-from dsa_jax.pallas.common import next_pow2, quantize
+from dsa_jax.pallas.common import next_pow2, quantize, round_to
 
 
 class StateError(ValueError):
@@ -189,6 +189,14 @@ def dequantize_latent(cfg: DsaConfig, stored: jax.Array, kv_scale: jax.Array) ->
     if cfg.cache_dtype == "float8_e4m3fn":
         return stored.astype(jnp.float32) * kv_scale
     return stored.astype(jnp.float32)
+
+
+def index_storage(cfg: DsaConfig):
+    """The index cache's storage as a round trip f32 -> f32 (the indexer's k, gate and pool
+    keys as a state holds them): for `reference.forward(..., index_roundtrip=)`. Rounds with
+    `lax.reduce_precision`, which XLA keeps inside jit; `v.astype(bf16).astype(f32)` there can
+    be dropped (excess precision), and the reference would score unrounded keys."""
+    return lambda v: round_to(jnp.asarray(v, jnp.float32), cfg.index_cache_dtype)
 
 
 def state_bytes_per_seq(cfg: DsaConfig) -> int:

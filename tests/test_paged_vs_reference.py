@@ -10,7 +10,7 @@ import dsa_jax
 from dsa_jax import reference
 from dsa_jax import testing as T
 from dsa_jax.shapes import ODD
-from dsa_jax.state import dequantize_latent, quantize_latent
+from dsa_jax.state import dequantize_latent, index_storage, quantize_latent
 
 FP32_RTOL = 2e-5  # fp32 everywhere, reductions of <= a few hundred terms
 
@@ -159,3 +159,54 @@ def test_reference_states_its_input_contract():
         reference.forward(cfg, hf, jnp.ones((5, 7)))
     with pytest.raises(AssertionError, match=r"\(5, 14\) but expected \(5, 15\)"):
         reference.forward(cfg, hf, jnp.ones((5, 80)), shared_sel=jnp.zeros((5, 14), jnp.int32))
+
+
+def _bf16_index_case(roundtrip_of):
+    """The tiny shipped config (bf16 index cache), as the notebook runs it: the paged path
+    against the jitted reference given `roundtrip_of(cfg)` as the index storage -> (rows
+    compared, rows whose sets differ)."""
+    from dsa_jax.hf_oracle import boundary_gaps
+    from dsa_jax.shapes import tiny
+
+    cfg = tiny()
+    assert cfg.index_cache_dtype == "bfloat16"
+    hf = dsa_jax.init_random_hf_tensors(cfg, jax.random.key(0))
+    weights = dsa_jax.fold_weights(cfg, hf)
+    x = jax.random.normal(jax.random.key(1), (1, 160, cfg.hidden_size))
+    _, sel, _ = T.prefill_then_decode(cfg, weights, dsa_jax.init_state(cfg, 1), x, 144)
+    ref = jax.jit(lambda x: reference.forward(cfg, hf, x, index_roundtrip=roundtrip_of(cfg)))(
+        x[0])
+    # Rows clear of a near-tie at the top-k boundary: a pool key the two paths summed in
+    # another order could round to the neighbouring bf16 value (2^-8 of one channel).
+    clear = boundary_gaps(np.asarray(ref.pool_scores), cfg.select_k) > 1e-4
+    rows = np.flatnonzero(clear)
+    differ = sum(set(np.asarray(sel[0, t]).tolist()) != set(np.asarray(ref.sel[t]).tolist())
+                 for t in rows)
+    return len(rows), differ
+
+
+def test_bf16_index_cache_matches_reference_on_the_stored_values():
+    """The reference given `state.index_storage` rounds its k, gate and pool keys as the state
+    stores them, inside jit too (`lax.reduce_precision`): the paged path's sets on every row
+    clear of a near-tie. With `v.astype(bf16).astype(f32)` instead, XLA kept this program's
+    pool keys at fp32 (excess precision) and 2 of these rows selected other pools."""
+    compared, differ = _bf16_index_case(index_storage)
+    assert compared > 50 and differ == 0, (compared, differ)
+
+
+def test_index_storage_rounds_as_a_bf16_store_does_inside_jit():
+    """`state.index_storage`: inside jit, after arithmetic XLA could fuse with the rounding,
+    each value is the bf16 value a store keeps (round to nearest even, ties included; XLA
+    flushes subnormals either way); fp32
+    passes through; other dtypes are refused by name."""
+    from dsa_jax.pallas.common import round_to
+
+    rng = np.random.default_rng(5)
+    v = rng.standard_normal(4096).astype(np.float32) * 3
+    v[:4] = [1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 1e30]  # ties to even, a large one
+    want = np.asarray(jnp.asarray(v * 2).astype(jnp.bfloat16).astype(jnp.float32)) / 2
+    got = jax.jit(lambda a: index_storage(ODD.replace(index_cache_dtype="bfloat16"))(a * 2) / 2)(v)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    np.testing.assert_array_equal(np.asarray(index_storage(ODD)(v)), v)  # fp32 index cache
+    with pytest.raises(ValueError, match="float8_e4m3fn is not bfloat16"):
+        round_to(jnp.asarray(v), jnp.float8_e4m3fn)

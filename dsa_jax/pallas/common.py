@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -29,6 +30,20 @@ def quantize(c: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     if jnp.dtype(dtype) == jnp.float8_e4m3fn:
         return jnp.clip(c / scale, -FP8_MAX, FP8_MAX).astype(dtype)
     return c.astype(dtype)
+
+
+def round_to(v: jax.Array, dtype) -> jax.Array:
+    """fp32 values rounded to `dtype`'s (bf16, f16: round to nearest even; f32: as they are),
+    still fp32: what a store in `dtype` and a read give. By `lax.reduce_precision`, which XLA
+    keeps; a cast pair inside one program it may drop (excess precision, measured on the CPU:
+    a reference's pool keys stayed fp32)."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.float32:
+        return v
+    if dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(f"round_to: dtype {dtype.name} is not bfloat16, float16 or float32")
+    info = jnp.finfo(dtype)
+    return lax.reduce_precision(v, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
 # jax's Pallas Triton lowering computes element offsets in 32-bit integers for any array of at

@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from dsa_jax.pallas.common import next_pow2, stacked_weight, with_overrides
+from dsa_jax.pallas.common import next_pow2, round_to, stacked_weight, with_overrides
 
 LN_EPS = 1e-6  # the indexer's k_norm epsilon (HF nn.LayerNorm(eps=1e-6))
 
@@ -53,15 +53,10 @@ def pool_key(k_members: jax.Array, g_members: jax.Array, ape: jax.Array) -> jax.
 
 def stored_keys(keys: jax.Array, dtype) -> jax.Array:
     """fp32 pool keys -> `dtype` as the kernel stores them (round to nearest even). Rounded by
-    `lax.reduce_precision` first, so the cast is exact: XLA may otherwise keep a step's own
+    `common.round_to` first, so the cast is exact: XLA may otherwise keep a step's own
     f32 -> bf16 -> f32 round trip at fp32 (excess precision), and a row of the step that
     writes a pool would score another key than a later step reading it back."""
-    dtype = jnp.dtype(dtype)
-    if dtype == keys.dtype:
-        return keys
-    info = jnp.finfo(dtype)
-    return lax.reduce_precision(keys, exponent_bits=info.nexp,
-                                mantissa_bits=info.nmant).astype(dtype)
+    return round_to(keys, dtype).astype(dtype)
 
 
 def ring_geometry(ape: jax.Array, ring: jax.Array, pool_keys: jax.Array, layers: int
