@@ -22,29 +22,29 @@ from dsa_jax.pallas import pool_scores as ps
 from dsa_jax.pallas import pool_scores_mgpu as pm
 
 M = pm.MgpuScoresTuning
-BF16 = jnp.bfloat16
+F32, BF16 = jnp.float32, jnp.bfloat16
 
 
-@pytest.mark.parametrize("shape,tuning,key_dtype", [(*c, jnp.float32)[:3] for c in [
-    ((2, 4, 32, 128, 4096), M()),  # GLM-5.3-Flash: 2 sequences x 4 rows
-    ((2, 3, 5, 12, 100), M()),  # odd heads, dims, pools (keys padded to 104 x 32)
-    ((1, 9, 32, 128, 200), M(stages=4, chunks=3, write_hi=True)),
-    ((2, 3, 5, 12, 100), M(fuse_qlo=False)),
-    ((2, 3, 5, 12, 100), M(rows=2)),  # rows padded to 4 per sequence
-    ((1, 50, 32, 128, 4096), M(rows=2)),
-    ((2, 3, 5, 12, 100), M(consumers=1, stages=1)),
-    ((64, 1, 32, 128, 4096), M(consumers=1, block_p=128)),
-    ((2, 3, 5, 12, 100), M(precision="bf16x6")),  # Di padded to 64
-    ((1, 9, 32, 128, 4096), M(precision="bf16x6", rows=2, stages=4)),
-    ((2, 3, 5, 12, 100), M(persistent=True, chunks=3)),
-    ((1, 9000, 32, 128, 4096), M(persistent=True, precision="bf16x6", rows=2, stages=4)),
+@pytest.mark.parametrize("shape,tuning,key_dtype", [
+    ((2, 4, 32, 128, 4096), M(), F32),  # GLM-5.3-Flash: 2 sequences x 4 rows
+    ((2, 3, 5, 12, 100), M(), F32),  # odd heads, dims, pools (keys padded to 104 x 32)
+    ((1, 9, 32, 128, 200), M(stages=4, chunks=3, write_hi=True), F32),
+    ((2, 3, 5, 12, 100), M(fuse_qlo=False), F32),
+    ((2, 3, 5, 12, 100), M(rows=2), F32),  # rows padded to 4 per sequence
+    ((1, 50, 32, 128, 4096), M(rows=2), F32),
+    ((2, 3, 5, 12, 100), M(consumers=1, stages=1), F32),
+    ((64, 1, 32, 128, 4096), M(consumers=1, block_p=128), F32),
+    ((2, 3, 5, 12, 100), M(precision="bf16x6"), F32),  # Di padded to 64
+    ((1, 9, 32, 128, 4096), M(precision="bf16x6", rows=2, stages=4), F32),
+    ((2, 3, 5, 12, 100), M(persistent=True, chunks=3), F32),
+    ((1, 9000, 32, 128, 4096), M(persistent=True, precision="bf16x6", rows=2, stages=4), F32),
     ((2, 4, 32, 128, 4096), M(), BF16),  # bf16 keys: "bf16x3"
     ((64, 1, 32, 128, 4096), M(), BF16),
     ((2, 3, 5, 12, 100), M(), BF16),  # Di padded to 64
     ((1, 50, 32, 128, 4096), M(rows=2), BF16),
     ((2, 3, 5, 12, 100), M(consumers=1, stages=1, block_p=128), BF16),
     ((1, 9000, 32, 128, 4096), M(persistent=True, rows=2, stages=4), BF16),
-]])
+])
 def test_variants_lower_for_cuda(shape, tuning, key_dtype):
     """The kernel lowers on any host (the Mosaic GPU lowering rules run here), so a kernel that
     cannot lower fails before the device."""
