@@ -63,16 +63,20 @@ MOSAIC_VARIANTS = {
     "mosaic-producer-full": dict(convert="producer", full_logits=True),
     "mosaic-producer-pingpong": dict(convert="producer", full_logits=True, pingpong=True),
     "mosaic-producer-ahead": dict(convert="producer", gather_ahead=True),
+    # Twelfth session: FlashMLA's split (one warpgroup QK + softmax, the other converts).
+    "mosaic-flashmla": dict(design="flashmla"),
 }
 # `--group mosaic` (run 9, ~90 s in one process): the default and these, the GLM case each.
 QUICK = ("mosaic-producer-r88", "mosaic-producer-pingpong-r88")
 # Variants whose fp32 sums run in another order than the default's: checked against the
 # bound, their bitwise equality to the default recorded but not required.
-REORDERED = ("mosaic-producer-full", "mosaic-producer-pingpong", "mosaic-producer-pingpong-r88")
+REORDERED = ("mosaic-producer-full", "mosaic-producer-pingpong", "mosaic-producer-pingpong-r88",
+             "mosaic-flashmla")
 # `--group mosaic-all`: these on every case, the others on 3 (ONE_CHECK: 1).
-FULL_CHECKS = ("mosaic-default", "mosaic-producer-r88", "mosaic-producer-pingpong-r88")
+FULL_CHECKS = ("mosaic-default", "mosaic-producer-r88", "mosaic-producer-pingpong-r88",
+               "mosaic-flashmla")
 ONE_CHECK = ("mosaic-producer-ahead",)
-P_VARIANTS = ("triton-default", "mosaic-default", "mosaic-producer-r88")  # also timed on "p"
+P_VARIANTS = ("triton-default", "mosaic-default", "mosaic-producer-r88", "mosaic-flashmla")  # also timed on "p"
 
 
 def variants(group: str, only: tuple[str, ...] = ()):

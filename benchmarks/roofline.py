@@ -46,8 +46,8 @@ def step_cost(cfg, param_bytes: int, num_seqs: int, k: int, ctx: int, x_itemsize
     C, Di, KP, W = cfg.kv_lora_rank, cfg.index_head_dim, cfg.index_kpool, cfg.sel_width
     lat = itemsize(cfg.cache_dtype)
     idx = itemsize(cfg.index_cache_dtype)
-    per_seq = (ctx // KP) * Di * 4 + min(W, ctx) * C * lat
-    per_row = (C * lat + 2 * Di * idx + 2 * Di * idx + Di * 4 / KP
+    per_seq = (ctx // KP) * Di * idx + min(W, ctx) * C * lat  # pool keys: the index dtype
+    per_row = (C * lat + 2 * Di * idx + 2 * Di * idx + Di * idx / KP
                + cfg.hidden_size * (x_itemsize + 4) + W * 4)
     nbytes = param_bytes + num_seqs * per_seq + num_seqs * k * per_row
     flops = num_seqs * k * sum(row_flops(cfg, ctx).values())
@@ -63,7 +63,7 @@ def prefill_cost(cfg, param_bytes: int, s: int, x_itemsize: int = 2) -> tuple[in
     idx = itemsize(cfg.index_cache_dtype)
     nbytes = (param_bytes + s * (C * lat + 2 * Di * idx + cfg.hidden_size * (x_itemsize + 4)
                                  + W * 4)
-              + (s // KP) * Di * 4  # pool keys written
+              + (s // KP) * Di * idx  # pool keys written
               + s * C * lat)  # every latent read once
     proj = row_flops(cfg, 0)["proj"] * s
     t = np.arange(s, dtype=np.int64)
@@ -81,10 +81,11 @@ def attend_cost(b: int, r: int, h: int, w: int, c: int, lat_item: int = 1) -> tu
 
 def selection_cost(cfg, b: int, r: int, ctx: int) -> tuple[int, int]:
     """Pool scores over the live keys, top-k and expansion: keys read once per sequence, the
-    queries and head weights per row, the selection written."""
+    queries and head weights per row, the selection written. Pool keys are stored in the index
+    cache's dtype."""
     p = ctx // cfg.index_kpool
     Hi, Di = cfg.index_n_heads, cfg.index_head_dim
-    nbytes = b * p * Di * 4 + b * r * (Hi * Di * 4 + Hi * 4) + b * r * cfg.sel_width * 4
+    nbytes = b * p * Di * itemsize(cfg.index_cache_dtype) + b * r * (Hi * Di * 4 + Hi * 4) + b * r * cfg.sel_width * 4
     return int(nbytes), int(b * r * (2 * Hi * Di * p + 2 * Hi * p))
 
 

@@ -151,7 +151,11 @@ def test_tuning_errors_name_the_value():
                        (dict(full_logits=True), "full_logits"),
                        (dict(convert="producer", full_logits=True, persistent=True),
                         "persistent=False"),
-                       (dict(convert="producer", pingpong=True), "pingpong")):
+                       (dict(convert="producer", pingpong=True), "pingpong"),
+                       (dict(design="fa3"), "design='fa3'"),
+                       (dict(design="flashmla", persistent=True), "persistent"),
+                       (dict(design="flashmla", convert="producer"), "convert='producer'"),
+                       (dict(design="flashmla", block_w=128), "block_w=128")):
         with pytest.raises(ValueError, match=match):
             mg.MgpuTuning(**bad)
 
@@ -289,7 +293,8 @@ def test_mosaic_arithmetic_meets_the_f16_bound(splits, full_logits):
     mg.MgpuTuning(prep="triton", prep_heads=64, prep_warps=16, persistent=True),
     mg.MgpuTuning(prep="triton", q_in_kernel=True), mg.MgpuTuning(convert="producer"),
     mg.MgpuTuning(convert="producer", gather_ahead=True, persistent=True),
-    mg.MgpuTuning(convert="producer", full_logits=True, pingpong=True)])
+    mg.MgpuTuning(convert="producer", full_logits=True, pingpong=True),
+    mg.MgpuTuning(design="flashmla")])
 def test_mosaic_variants_lower_for_cuda(tuning):
     """The Mosaic kernel cannot run here, but it lowers (Pallas -> Mosaic GPU MLIR) on any
     host: each variant traces and lowers at odd shapes (5 heads padded to 64, C = 384, a
@@ -309,7 +314,8 @@ def test_mosaic_variants_lower_for_cuda(tuning):
 
 
 @pytest.mark.parametrize("tuning", [mg.MgpuTuning(), mg.MgpuTuning(prep="jnp"),
-                                    mg.MgpuTuning(q_in_kernel=True)])
+                                    mg.MgpuTuning(q_in_kernel=True),
+                                    mg.MgpuTuning(design="flashmla")])
 def test_mosaic_decode_rows_lower_for_cuda(tuning):
     """A decode's attend (the first of 4 rows per sequence read in place by the prep, the
     padded block written by the merge kernel in bf16) lowers on any host, for each way the

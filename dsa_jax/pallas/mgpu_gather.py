@@ -107,9 +107,11 @@ def check_shapes(block_w: int, c: int):
     return None
 
 
-def make_gather(block_w: int, c: int):
+def make_gather(block_w: int, c: int, slots_first: bool = False):
     """gather(slots [block_w] i32 GMEM ref, latent [NS, C] fp8 GMEM ref) -> the tile's rows,
-    fp8 [block_w * C] in `tile_layout` (row-major; rows of empty slots are zeros)."""
+    fp8 [block_w * C] in `tile_layout` (row-major; rows of empty slots are zeros).
+    slots_first: every chunk's slot index is loaded before the first row load (the branches
+    then wait on registers, not on one index load each)."""
     n_el = block_w * c
     lay = tile_layout(block_w, c)
     chunks = n_el // (WG * VEC)
@@ -125,9 +127,12 @@ def make_gather(block_w: int, c: int):
         zeros = arith.constant(ity, ir.DenseElementsAttr.get_splat(ity, ir.IntegerAttr.get(i8, 0)))
         tid = _tid()
         regs = []
+        places = [chunk_source(_MlirOps, tid, k, c) for k in range(chunks)]
+        first = ([memref.load(slots, [_idx(row)]) for row, _ in places] if slots_first
+                 else None)
         for k in range(chunks):
-            row, col = chunk_source(_MlirOps, tid, k, c)
-            slot = memref.load(slots, [_idx(row)])  # i32
+            row, col = places[k]
+            slot = first[k] if slots_first else memref.load(slots, [_idx(row)])  # i32
             live = arith.cmpi(arith.CmpIPredicate.sge, slot, _i32(0))
             branch = scf.IfOp(live, [ity], has_else=True)  # bytes through the branch
             with ir.InsertionPoint(branch.then_block):

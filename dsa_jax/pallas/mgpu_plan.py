@@ -59,6 +59,12 @@ class MgpuTuning:
       so the output is not bitwise the default's, within the same bound).
     pingpong: with full_logits, a schedule barrier alternates the consumers (as jax's
       attention_mgpu): one's softmax runs while the other's wgmmas hold the tensor cores.
+    design: "exchange" (the fields above: a producer warpgroup and two consumers that each
+      own half of C and exchange partial logits every tile) or "flashmla" (FlashMLA's split,
+      `sparse_attend_mgpu._flashmla_kernel`: warpgroup 0 runs the logits over all C, the
+      softmax and P @ V of half the columns; warpgroup 1 gathers and converts the next tile
+      into a second f16 tile and runs P @ V of the other half; block_w 64, and none of the
+      producer, staging, register-split, persistent or q_in_kernel fields apply).
     """
 
     block_w: int = 64
@@ -79,8 +85,19 @@ class MgpuTuning:
     gather_ahead: bool = False
     full_logits: bool = False
     pingpong: bool = False
+    design: str = "exchange"
 
     def __post_init__(self):
+        if self.design not in ("exchange", "flashmla"):
+            raise ValueError(f"design={self.design!r} must be 'exchange' or 'flashmla'")
+        if self.design == "flashmla":
+            off = {k: getattr(self, k) for k in ("persistent", "q_in_kernel", "full_logits",
+                                                  "pingpong", "gather_ahead")
+                   if getattr(self, k)}
+            if off or self.convert != "consumer" or self.block_w != 64:
+                raise ValueError(f"design='flashmla' runs 64-slot tiles with its own "
+                                 f"gather; got block_w={self.block_w}, "
+                                 f"convert={self.convert!r}, {off or ''}")
         if self.convert not in ("consumer", "producer"):
             raise ValueError(f"convert={self.convert!r} must be 'consumer' or 'producer'")
         if self.gather_ahead and self.convert != "producer":
@@ -115,6 +132,9 @@ class MgpuTuning:
 def smem_bytes(c: int, t: MgpuTuning) -> int:
     """Shared memory the kernel allocates (the H200 gives a CTA at most 227 KiB)."""
     half = c // 2
+    if t.design == "flashmla":  # Q, two f16 tiles, P, the row statistics
+        return (2 * HEADS_PER_CTA * half * 2 + 2 * 2 * t.block_w * half * 2
+                + HEADS_PER_CTA * t.block_w * 2 + 2 * HEADS_PER_CTA * 4)
     tiles16 = t.stages if t.convert == "producer" else 1  # f16 tiles
     staged = 0 if t.convert == "producer" else t.stages * t.block_w * (c + t.row_pad)
     return (2 * HEADS_PER_CTA * half * 2  # Q halves, f16
@@ -129,7 +149,8 @@ def supports(cache_dtype, c: int, t: MgpuTuning = MgpuTuning()) -> str | None:
         return f"cache dtype {jnp.dtype(cache_dtype).name} (the kernel stages fp8 e4m3 rows)"
     if c % 128 or c // 2 > 256:
         return f"C={c} (needs a multiple of 128 with C/2 <= 256)"
-    if t.convert == "producer" and (why := mgpu_gather.check_shapes(t.block_w, c)):
+    if ((t.convert == "producer" or t.design == "flashmla")
+            and (why := mgpu_gather.check_shapes(t.block_w, c))):
         return why
     if smem_bytes(c, t) > 227 * 1024:
         return f"shared memory {smem_bytes(c, t)} B > 227 KiB"

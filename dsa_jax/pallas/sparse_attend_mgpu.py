@@ -331,6 +331,163 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
     )
 
 
+def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_ref,
+                     zero_ref, o_ref, m_ref, l_ref, *, c: int, block_w: int, tiles: int):
+    """`MgpuTuning(design="flashmla")`: one (head block, split, row) CTA of 2 warpgroups with
+    FlashMLA's division of the work, so the conversion runs beside the dots:
+
+    * warpgroup 0 computes the logits over all C (both Q halves against both tile halves,
+      one fp32 accumulator), the online softmax, writes P (f16) and the row statistics to
+      shared memory for warpgroup 1, and accumulates P @ tile[:, :C/2];
+    * warpgroup 1 gathers the next tile's rows by index into registers (`mgpu_gather`, an
+      empty slot loads nothing and yields zeros), converts them e4m3 -> f16 into the other of
+      two f16 tiles, then accumulates P @ tile[:, C/2:] with warpgroup 0's P and its rescale.
+
+    No producer warpgroup and no fp8 staging: Q (64 KiB), two f16 tiles (128 KiB) and P fit
+    in shared memory, and 2 x 128 threads have 255 registers each. Argument shapes as
+    `_kernel` (q f16, already scaled)."""
+    half = c // 2
+    hb, split, row = lax.axis_index("h"), lax.axis_index("s"), lax.axis_index("r")
+    live = live_ref[row]
+    n_tiles = jnp.clip((live + block_w - 1) // block_w - split * tiles, 0, tiles)
+    base0 = split * tiles * block_w
+    heads = pl.ds(hb * HEADS_PER_CTA, HEADS_PER_CTA)
+    swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # f16 wgmma tiles
+    gather = mgpu_gather.make_gather(block_w, c, slots_first=True)
+    store = mgpu_gather.make_store(block_w, c, swz)
+    row_layout = plgpu.Layout.WGMMA.reduce(1)  # [64] one value per head
+
+    def load(ref, layout):
+        return plgpu.load(ref, (), layout=layout, optimized=False)
+
+    def gather_tile(t):  # t clamped into this split's tiles: always in bounds
+        t = jnp.clip(t, 0, tiles - 1)
+        return gather(slots_ref.at[row, pl.ds(base0 + t * block_w, block_w)], lat_ref)
+
+    def finish(acc, l, cols):  # [64, half] normalized into this split's partial
+        inv = scales_ref[1] / jnp.where(l > 0, l, 1.0)
+        o_ref.at[row, split, heads, cols][...] = acc * lax.broadcast_in_dim(inv, acc.shape,
+                                                                            [0])
+
+    def scoped(q16, kv16, p16s, stats, q_bar, full, free, p_full, p_free):
+        # q16 [2, 64, half] f16; kv16 [2 buffers, 2 halves, BW, half] f16; p16s [64, BW] f16;
+        # stats [2, 64] f32 (the tile's rescale alpha, the running denominator l).
+        wg = lax.axis_index("wg")
+        a0 = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA, half), jnp.float32),
+                               plgpu.Layout.WGMMA)
+
+        @pl.when(wg == 0)
+        def _softmax_group():
+            for hh in range(2):
+                plgpu.copy_gmem_to_smem(q_ref.at[row, heads, pl.ds(hh * half, half)],
+                                        q16.at[hh], q_bar.at[hh])
+            for hh in range(2):
+                plgpu.barrier_wait(q_bar.at[hh])
+            logit_scale = scales_ref[0] * rscale_ref[row] * _LOG2E  # log2 units: exp2
+
+            def tile(t, carry):
+                m, l, acc = carry  # [64], [64], [64, half]
+                s = lax.rem(t, 2)
+                valid = load(slots_ref.at[row, pl.ds(base0 + t * block_w, block_w)],
+                             plgpu.Layout.WGMMA.reduce(0)) >= 0  # [BW] per slot
+                plgpu.barrier_wait(full.at[s])
+
+                def qk(acc_ref):
+                    for hh in range(2):
+                        plgpu.wgmma(acc_ref, q16.at[hh],
+                                    plgpu.transpose_ref(kv16.at[s, hh], (1, 0)))
+                    return acc_ref[...]
+
+                logits = pl.run_scoped(qk, plgpu.ACC((HEADS_PER_CTA, block_w), jnp.float32))
+                logits = jnp.where(lax.broadcast_in_dim(valid, logits.shape, [1]),
+                                   logits * logit_scale, -jnp.inf)  # [64, BW]
+                m_new = jnp.maximum(m, logits.max(axis=1))
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
+                l = l * alpha + p.sum(axis=1)
+                p16 = p.astype(jnp.float16)
+
+                @pl.when(t > 0)
+                def _():
+                    plgpu.barrier_wait(p_free)  # group 1 has read the last P and alpha
+
+                p16s[...] = p16
+                stats.at[0][...] = alpha
+                stats.at[1][...] = l
+                plgpu.commit_smem()  # P visible to group 1's wgmma
+                plgpu.barrier_arrive(p_full)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, kv16.at[s, 0])
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # waits for the wgmma
+                plgpu.barrier_arrive(free.at[s])
+                return m_new, l, acc
+
+            m0 = plgpu.layout_cast(jnp.full((HEADS_PER_CTA,), _M_INIT, jnp.float32), row_layout)
+            l0 = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA,), jnp.float32), row_layout)
+            m, l, acc = lax.fori_loop(0, n_tiles, tile, (m0, l0, a0))
+            finish(acc, l, pl.ds(0, half))
+            m_ref.at[row, split, heads][...] = m * (1.0 / _LOG2E)
+            l_ref.at[row, split, heads][...] = l
+
+        @pl.when(wg == 1)
+        def _convert_group():
+            @pl.when(n_tiles > 0)
+            def _():
+                store(gather_tile(0), kv16.at[0])
+                plgpu.commit_smem()  # the f16 tile visible to group 0's wgmma
+                plgpu.barrier_arrive(full.at[0])
+
+            def tile(t, carry):
+                rows, l, acc = carry  # tile t + 1's rows [BW * C] fp8; [64]; [64, half]
+
+                @pl.when(t + 1 < n_tiles)
+                def _():  # tile t + 1 into the other buffer, once tile t - 1 left it
+                    s1 = lax.rem(t + 1, 2)
+
+                    @pl.when(t >= 1)
+                    def _():
+                        plgpu.barrier_wait(free.at[s1])
+
+                    store(rows, kv16.at[s1])
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(full.at[s1])
+
+                ahead = gather_tile(t + 2)  # its loads fly during this tile's P @ V
+                plgpu.barrier_wait(p_full)
+                alpha = load(stats.at[0], row_layout)
+                l = load(stats.at[1], row_layout)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16s, kv16.at[lax.rem(t, 2), 1])
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # waits for the wgmma
+                plgpu.barrier_arrive(p_free)
+                plgpu.barrier_arrive(free.at[lax.rem(t, 2)])
+                return ahead, l, acc
+
+            l0 = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA,), jnp.float32), row_layout)
+            _, l, acc = lax.fori_loop(0, n_tiles, tile, (gather_tile(1), l0, a0))
+            finish(acc, l, pl.ds(half, half))
+
+    pl.run_scoped(
+        scoped,
+        plgpu.SMEM((2, HEADS_PER_CTA, half), jnp.float16, transforms=swz),  # Q halves
+        plgpu.SMEM((2, 2, block_w, half), jnp.float16, transforms=swz),  # f16 tiles
+        plgpu.SMEM((HEADS_PER_CTA, block_w), jnp.float16, transforms=swz),  # P
+        plgpu.SMEM((2, HEADS_PER_CTA), jnp.float32),  # alpha, l
+        plgpu.Barrier(num_barriers=2),  # Q halves loaded
+        plgpu.Barrier(num_arrivals=1, num_barriers=2),  # f16 tile written (group 1)
+        plgpu.Barrier(num_arrivals=2, num_barriers=2),  # f16 tile read by both groups
+        plgpu.Barrier(num_arrivals=1),  # P and stats written (group 0)
+        plgpu.Barrier(num_arrivals=1),  # P and stats read (group 1)
+        collective_axes="wg",
+    )
+
+
 def sparse_attend_mgpu_partials(scales, q_scales, live, q, slots, latent_flat, *, splits: int,
                                 tiles: int, tuning: MgpuTuning = _DEFAULT, sms: int | None = None):
     """The kernel call: q [N, Hp, C] (Hp a multiple of 64): f32 if tuning.q_in_kernel, else
@@ -352,6 +509,17 @@ def sparse_attend_mgpu_partials(scales, q_scales, live, q, slots, latent_flat, *
         raise ValueError(f"sparse_attend_mgpu: slots {slots.shape} != "
                          f"({n}, {splits * tiles * tuning.block_w})")
     zero = jnp.zeros((1, c), latent_flat.dtype)
+    part = jax.ShapeDtypeStruct((n, splits, hp), jnp.float32)
+    out_type = (jax.ShapeDtypeStruct((n, splits, hp, c), jnp.float32), part, part)
+    params = plgpu.CompilerParams(  # Lane semantics named: jax 0.11 defaults to Warpgroup
+        approx_math=True, unsafe_no_auto_barriers=True, reduction_scratch_bytes=0,
+        lowering_semantics=plgpu.LoweringSemantics.Lane)
+    if tuning.design == "flashmla":
+        return plgpu.kernel(
+            functools.partial(_flashmla_kernel, c=c, block_w=tuning.block_w, tiles=tiles),
+            out_type=out_type, grid=(hp // HEADS_PER_CTA, splits, n), grid_names=("h", "s", "r"),
+            num_threads=2, thread_name="wg", compiler_params=params,
+        )(scales, *q_scales, live, q, slots, latent_flat, zero)
     kernel = functools.partial(
         _kernel, c=c, block_w=tuning.block_w, tiles=tiles, stages=tuning.stages,
         row_pad=tuning.row_pad, index_group=tuning.index_group,
@@ -363,16 +531,9 @@ def sparse_attend_mgpu_partials(scales, q_scales, live, q, slots, latent_flat, *
     programs = min(head_blocks * splits * n, sms or sm_count()) if tuning.persistent else 0
     kernel = functools.partial(kernel, programs=programs, head_blocks=head_blocks,
                                splits=splits, rows=n)
-    part = jax.ShapeDtypeStruct((n, splits, hp), jnp.float32)
     return plgpu.kernel(
-        kernel,
-        out_type=(jax.ShapeDtypeStruct((n, splits, hp, c), jnp.float32), part, part),
+        kernel, out_type=out_type,
         grid=(programs,) if programs else (head_blocks, splits, n),
         grid_names=("p",) if programs else ("h", "s", "r"),
-        num_threads=3,
-        thread_name="wg",
-        # Lane semantics named explicitly: jax 0.11 made Warpgroup semantics the default.
-        compiler_params=plgpu.CompilerParams(
-            approx_math=True, unsafe_no_auto_barriers=True, reduction_scratch_bytes=0,
-            lowering_semantics=plgpu.LoweringSemantics.Lane),
+        num_threads=3, thread_name="wg", compiler_params=params,
     )(scales, *q_scales, live, q, slots, latent_flat, zero)
