@@ -126,7 +126,10 @@ def test_prompt_rows_take_the_prompt_tiles():
     """A prompt chunk (more than PROMPT_ROWS rows per sequence, all live) runs
     `mosaic_prompt`; a decode or verify padded to max_verify rows, and every row where it is
     None, runs `mosaic`."""
-    t = sa.AttendTuning()
+    assert sa.AttendTuning().mosaic_prompt is None  # the default: one design for every row
+    assert sa.AttendTuning().mosaic.design == "flashmla"
+    t = sa.AttendTuning(mosaic=mg.MgpuTuning(), mosaic_prompt=mg.MgpuTuning(
+        convert="producer", consumer_regs=208, producer_regs=88))
     assert sa.mosaic_tuning(t, 2048, 2048, 2048) == t.mosaic_prompt != t.mosaic
     assert sa.mosaic_tuning(t, 9, 18, 18) == t.mosaic_prompt  # 2 sequences x 9 rows
     assert sa.mosaic_tuning(t, 8, 16, 16) == t.mosaic  # a short prompt: not prompt-shaped

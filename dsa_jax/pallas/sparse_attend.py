@@ -55,18 +55,20 @@ class AttendTuning:
     col_blocks: Triton only: the output columns split over this many programs, each of which
       recomputes the logits over all of C but accumulates only its C / col_blocks columns
       (smaller accumulator, more programs per multiprocessor).
-    mosaic: the Mosaic GPU kernel's tiles (`sparse_attend_mgpu.MgpuTuning`).
-    mosaic_prompt: its tiles for prompt rows (`prompt_shaped`; None: `mosaic` for every row).
-      The default has the producer warpgroup convert the rows (208 / 88 registers): bitwise
-      the default's output on every check case, 6% faster on a 2048-row prompt chunk and
-      slower on decode rows (h200-attend-20261201-s5-call2.json).
+    mosaic: the Mosaic GPU kernel's tiles (`sparse_attend_mgpu.MgpuTuning`). The default is
+      FlashMLA's split (`design="flashmla"`): on the H200 beside the exchange design, the
+      kernel 433.6 -> 350.8 us on 128 x 2 rows, 1748 -> 1219 on a 2048-row prompt chunk,
+      66.4 -> 63.8 on 64 rows (benchmarks/results/h200-attend-20261202-s11-call1.json).
+    mosaic_prompt: its tiles for prompt rows (`prompt_shaped`; None, the default: `mosaic` for
+      every row, so a prompt's rows and a decode's run the same arithmetic). The two designs
+      sum the logits in other orders: a tuning that mixes them gives other last bits for a
+      prompt's rows than for the same rows decoded.
     """
 
     backend: str = "auto"
     col_blocks: int = 1
-    mosaic: mgpu_op.MgpuTuning = mgpu_op.MgpuTuning()
-    mosaic_prompt: mgpu_op.MgpuTuning | None = mgpu_op.MgpuTuning(
-        convert="producer", consumer_regs=208, producer_regs=88)
+    mosaic: mgpu_op.MgpuTuning = mgpu_op.MgpuTuning(design="flashmla")
+    mosaic_prompt: mgpu_op.MgpuTuning | None = None
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
