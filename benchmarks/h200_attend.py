@@ -63,20 +63,24 @@ MOSAIC_VARIANTS = {
     "mosaic-producer-full": dict(convert="producer", full_logits=True),
     "mosaic-producer-pingpong": dict(convert="producer", full_logits=True, pingpong=True),
     "mosaic-producer-ahead": dict(convert="producer", gather_ahead=True),
-    # Twelfth session: FlashMLA's split (one warpgroup QK + softmax, the other converts).
+    # Eleventh session: FlashMLA's split (one warpgroup QK + softmax, the others convert);
+    # call 1 ran "mosaic-flashmla" as "-noslots" is now (slots read from global per tile).
     "mosaic-flashmla": dict(design="flashmla"),
+    "mosaic-flashmla-noslots": dict(design="flashmla", stage_slots=False),
+    "mosaic-flashmla-c2": dict(design="flashmla", converters=2),
 }
 # `--group mosaic` (run 9, ~90 s in one process): the default and these, the GLM case each.
 QUICK = ("mosaic-producer-r88", "mosaic-producer-pingpong-r88")
 # Variants whose fp32 sums run in another order than the default's: checked against the
 # bound, their bitwise equality to the default recorded but not required.
 REORDERED = ("mosaic-producer-full", "mosaic-producer-pingpong", "mosaic-producer-pingpong-r88",
-             "mosaic-flashmla")
+             "mosaic-flashmla", "mosaic-flashmla-noslots", "mosaic-flashmla-c2")
 # `--group mosaic-all`: these on every case, the others on 3 (ONE_CHECK: 1).
 FULL_CHECKS = ("mosaic-default", "mosaic-producer-r88", "mosaic-producer-pingpong-r88",
-               "mosaic-flashmla")
+               "mosaic-flashmla", "mosaic-flashmla-noslots", "mosaic-flashmla-c2")
 ONE_CHECK = ("mosaic-producer-ahead",)
-P_VARIANTS = ("triton-default", "mosaic-default", "mosaic-producer-r88", "mosaic-flashmla")  # also timed on "p"
+P_VARIANTS = ("triton-default", "mosaic-default", "mosaic-producer-r88", "mosaic-flashmla",
+              "mosaic-flashmla-noslots", "mosaic-flashmla-c2")  # also timed on "p"
 
 
 def variants(group: str, only: tuple[str, ...] = ()):
@@ -91,6 +95,8 @@ def variants(group: str, only: tuple[str, ...] = ()):
     if group == "smoke":  # CPU: the script's machinery, with the Triton kernel interpreted
         return {"triton-interpret": (dict(tuning=tri, interpret=True), "bfloat16"),
                 "triton-interpret-again": (dict(tuning=tri, interpret=True), "bfloat16")}
+    # "mosaic-default" is MgpuTuning(): the exchange design, the library's until the eleventh
+    # session (AttendTuning.mosaic is "mosaic-flashmla" since).
     mos = {"mosaic-default": mg.MgpuTuning()}
     if group == "prep":
         mos.update({k: mg.MgpuTuning(**v) for k, v in PREP_VARIANTS.items()})

@@ -85,7 +85,8 @@ def selection_cost(cfg, b: int, r: int, ctx: int) -> tuple[int, int]:
     cache's dtype."""
     p = ctx // cfg.index_kpool
     Hi, Di = cfg.index_n_heads, cfg.index_head_dim
-    nbytes = b * p * Di * itemsize(cfg.index_cache_dtype) + b * r * (Hi * Di * 4 + Hi * 4) + b * r * cfg.sel_width * 4
+    keys = b * p * Di * itemsize(cfg.index_cache_dtype)
+    nbytes = keys + b * r * (Hi * Di * 4 + Hi * 4) + b * r * cfg.sel_width * 4
     return int(nbytes), int(b * r * (2 * Hi * Di * p + 2 * Hi * p))
 
 

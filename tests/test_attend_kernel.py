@@ -21,6 +21,8 @@ c_j the dequantized latent row, M = max_j |c_j|_inf and L_j = s sum_c |q_c| |c_j
     the fp32 sums: 4 (W + S) e M. => 2 [(exp(2D) - 1) + u + W 2^-25 + 4 (W + S) e] M.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -158,7 +160,12 @@ def test_tuning_errors_name_the_value():
                        (dict(design="fa3"), "design='fa3'"),
                        (dict(design="flashmla", persistent=True), "persistent"),
                        (dict(design="flashmla", convert="producer"), "convert='producer'"),
-                       (dict(design="flashmla", block_w=128), "block_w=128")):
+                       (dict(design="flashmla", block_w=128), "block_w=128"),
+                       (dict(design="flashmla", converters=3), "converters=3"),
+                       (dict(converters=2), "design='flashmla'"),
+                       (dict(stage_slots=False), "design='flashmla'"),
+                       (dict(design="flashmla", converters=2, flashmla_regs=(232, 144)),
+                        "wait forever")):
         with pytest.raises(ValueError, match=match):
             mg.MgpuTuning(**bad)
 
@@ -181,6 +188,12 @@ def test_mosaic_plan_fits_the_h200():
     full = mg.MgpuTuning(convert="producer", full_logits=True)
     assert mg.smem_bytes(512, full) == 65536 + 2 * 65536  # no partial-logit exchange
     assert mg.supports(jnp.float8_e4m3fn, 384, prod) is None
+    # FlashMLA's split: Q, two f16 tiles, P, the row statistics (the slots come on top).
+    fm = mg.MgpuTuning(design="flashmla")
+    assert mg.smem_bytes(512, fm) == 65536 + 2 * 65536 + 8192 + 512 <= mg.SMEM_LIMIT
+    assert mg.supports(jnp.float8_e4m3fn, 384, fm) is None
+    assert "converters" in mg.supports(jnp.float8_e4m3fn, 384,
+                                       mg.MgpuTuning(design="flashmla", converters=2))
     assert "shared memory" in mg.supports(jnp.float8_e4m3fn, 512,
                                           mg.MgpuTuning(convert="producer", stages=3))
 
@@ -297,13 +310,11 @@ def test_mosaic_arithmetic_meets_the_f16_bound(splits, full_logits):
     mg.MgpuTuning(prep="triton", q_in_kernel=True), mg.MgpuTuning(convert="producer"),
     mg.MgpuTuning(convert="producer", gather_ahead=True, persistent=True),
     mg.MgpuTuning(convert="producer", full_logits=True, pingpong=True),
-    mg.MgpuTuning(design="flashmla")])
+    mg.MgpuTuning(design="flashmla"), mg.MgpuTuning(design="flashmla", stage_slots=False)])
 def test_mosaic_variants_lower_for_cuda(tuning):
     """The Mosaic kernel cannot run here, but it lowers (Pallas -> Mosaic GPU MLIR) on any
     host: each variant traces and lowers at odd shapes (5 heads padded to 64, C = 384, a
     partial last tile, 3 splits) before it reaches the device."""
-    import functools
-
     f32, i32 = jnp.float32, jnp.int32
     fn = functools.partial(sa.sparse_attend_pallas, softmax_scale=0.1, num_splits=3,
                            tuning=sa.AttendTuning("mosaic", mosaic=tuning))
@@ -318,7 +329,8 @@ def test_mosaic_variants_lower_for_cuda(tuning):
 
 @pytest.mark.parametrize("tuning", [mg.MgpuTuning(), mg.MgpuTuning(prep="jnp"),
                                     mg.MgpuTuning(q_in_kernel=True),
-                                    mg.MgpuTuning(design="flashmla")])
+                                    mg.MgpuTuning(design="flashmla"),
+                                    mg.MgpuTuning(design="flashmla", converters=2)])
 def test_mosaic_decode_rows_lower_for_cuda(tuning):
     """A decode's attend (the first of 4 rows per sequence read in place by the prep, the
     padded block written by the merge kernel in bf16) lowers on any host, for each way the
@@ -356,3 +368,25 @@ def test_auto_takes_triton_on_a_gpu_that_is_not_hopper(monkeypatch):
         assert sa.pick_backend(sa.AttendTuning(), fp8, 64, 512, False, False) == want
         assert ps.pick_backend(ps.PoolScoresTuning(), 32, 128, False) == want
         assert sa.pick_backend(sa.AttendTuning("mosaic"), fp8, 64, 512, False, False) == "mosaic"
+
+
+def test_flashmla_slot_staging_refuses_past_shared_memory():
+    """design='flashmla' stages a split's slots in shared memory: a split of more tiles than
+    fit is refused with the limit named (stage_slots=False lowers the same call)."""
+    f32, i32 = jnp.float32, jnp.int32
+    w = 107 * 64  # 107 tiles in one split: 27,392 B of slots on 205,312 B
+
+    def fn(t):
+        return functools.partial(sa.sparse_attend_pallas, softmax_scale=0.1, num_splits=1,
+                                 tuning=sa.AttendTuning("mosaic", mosaic=t))
+
+    args = (jax.ShapeDtypeStruct((1, 1, 64, 512), f32),
+            jax.ShapeDtypeStruct((120, 64, 512), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((), f32), jax.ShapeDtypeStruct((1, 120), i32),
+            jax.ShapeDtypeStruct((1, 1, w), i32))
+    with pytest.raises(ValueError, match="107 tiles per split.*> 232448"):
+        jax.jit(fn(mg.MgpuTuning(design="flashmla"))).trace(*args).lower(
+            lowering_platforms=("cuda",))
+    text = jax.jit(fn(mg.MgpuTuning(design="flashmla", stage_slots=False))).trace(
+        *args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1

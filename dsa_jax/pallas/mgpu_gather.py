@@ -147,9 +147,11 @@ def make_gather(block_w: int, c: int, slots_first: bool = False):
     return gather
 
 
-def make_store(block_w: int, c: int, swz):
-    """store(tile, dst): tile from `make_gather`; dst the f16 [2, block_w, C/2] shared ref
-    (column halves, one per consumer), tiled (8, 64) and 128-byte swizzled as `swz`."""
+def make_store(block_w: int, c: int, swz, row0: int = 0):
+    """store(tile, dst): tile from `make_gather`; dst the f16 [2, rows, C/2] shared ref
+    (column halves, one per consumer), tiled (8, 64) and 128-byte swizzled as `swz`; the
+    tile's block_w rows land at rows row0.. (a multiple of 8)."""
+    assert row0 % 8 == 0, row0
     lay = tile_layout(block_w, c)
     chunks = block_w * c // (WG * VEC)
 
@@ -164,7 +166,7 @@ def make_store(block_w: int, c: int, swz):
         f16 = ir.F16Type.get()
         for k, reg in enumerate(regs):
             row, col = chunk_source(_MlirOps, tid, k, c)
-            place = chunk_place(_MlirOps, row, col, c)
+            place = chunk_place(_MlirOps, _MlirOps.add(row, _MlirOps.const(row0)), col, c)
             off = _MlirOps.const(0)
             for i, st in zip(place, strides, strict=True):
                 off = arith.addi(off, arith.muli(i, _MlirOps.const(st)))

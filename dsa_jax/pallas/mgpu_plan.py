@@ -12,6 +12,7 @@ from dsa_jax.pallas import mgpu_gather
 from dsa_jax.pallas.common import check_register_budgets
 
 HEADS_PER_CTA = 64  # the wgmma M of one warpgroup
+SMEM_LIMIT = 227 * 1024  # shared memory one CTA may take on the H200
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +66,15 @@ class MgpuTuning:
       softmax and P @ V of half the columns; warpgroup 1 gathers and converts the next tile
       into a second f16 tile and runs P @ V of the other half; block_w 64, and none of the
       producer, staging, register-split, persistent or q_in_kernel fields apply).
+    converters: with design="flashmla", the warpgroups that gather, convert and run P @ V of
+      the second half of C: 1 (whole tiles, one ahead in registers, C/2 columns) or 2 (half of
+      each tile's rows, two tiles ahead, C/4 columns each: twice the rows in flight, under the
+      setmaxnreg budgets `flashmla_regs`).
+    flashmla_regs: (warpgroup 0, each converter) register budgets with converters=2, multiples
+      of 8 within the CTA's 3 * 168 at launch.
+    stage_slots: with design="flashmla", the split's slot indices are bulk-copied into shared
+      memory once (tiles * block_w * 4 bytes), so no per-tile global load of them sits in the
+      gather's or the mask's path.
     """
 
     block_w: int = 64
@@ -86,8 +96,18 @@ class MgpuTuning:
     full_logits: bool = False
     pingpong: bool = False
     design: str = "exchange"
+    converters: int = 1
+    flashmla_regs: tuple[int, int] = (216, 144)
+    stage_slots: bool = True
 
     def __post_init__(self):
+        if self.converters not in (1, 2):
+            raise ValueError(f"converters={self.converters} must be 1 or 2")
+        if self.design != "flashmla" and (self.converters != 1 or not self.stage_slots):
+            raise ValueError(f"converters={self.converters}, stage_slots={self.stage_slots}: "
+                             f"fields of design='flashmla' (design={self.design!r})")
+        if self.converters == 2:
+            check_register_budgets(2, self.flashmla_regs[1], self.flashmla_regs[0])
         if self.design not in ("exchange", "flashmla"):
             raise ValueError(f"design={self.design!r} must be 'exchange' or 'flashmla'")
         if self.design == "flashmla":
@@ -152,7 +172,9 @@ def supports(cache_dtype, c: int, t: MgpuTuning = MgpuTuning()) -> str | None:
     if ((t.convert == "producer" or t.design == "flashmla")
             and (why := mgpu_gather.check_shapes(t.block_w, c))):
         return why
-    if smem_bytes(c, t) > 227 * 1024:
+    if t.design == "flashmla" and (c // 2 // t.converters) % 64:
+        return f"C={c} with {t.converters} converters (each P @ V needs a multiple of 64 columns)"
+    if smem_bytes(c, t) > SMEM_LIMIT:
         return f"shared memory {smem_bytes(c, t)} B > 227 KiB"
     return None
 

@@ -41,6 +41,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from dsa_jax.pallas import mgpu_gather
 from dsa_jax.pallas.common import sm_count
 from dsa_jax.pallas.mgpu_plan import HEADS_PER_CTA as HEADS_PER_CTA
+from dsa_jax.pallas.mgpu_plan import SMEM_LIMIT
 from dsa_jax.pallas.mgpu_plan import MgpuTuning as MgpuTuning
 from dsa_jax.pallas.mgpu_plan import num_splits as num_splits
 from dsa_jax.pallas.mgpu_plan import row_scales as row_scales
@@ -332,64 +333,82 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
 
 
 def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_ref,
-                     zero_ref, o_ref, m_ref, l_ref, *, c: int, block_w: int, tiles: int):
-    """`MgpuTuning(design="flashmla")`: one (head block, split, row) CTA of 2 warpgroups with
-    FlashMLA's division of the work, so the conversion runs beside the dots:
+                     zero_ref, o_ref, m_ref, l_ref, *, c: int, block_w: int, tiles: int,
+                     converters: int, stage_slots: bool, regs: tuple[int, int]):
+    """`MgpuTuning(design="flashmla")`: one (head block, split, row) CTA with FlashMLA's
+    division of the work, so the conversion runs beside the dots:
 
     * warpgroup 0 computes the logits over all C (both Q halves against both tile halves,
       one fp32 accumulator), the online softmax, writes P (f16) and the row statistics to
-      shared memory for warpgroup 1, and accumulates P @ tile[:, :C/2];
-    * warpgroup 1 gathers the next tile's rows by index into registers (`mgpu_gather`, an
-      empty slot loads nothing and yields zeros), converts them e4m3 -> f16 into the other of
-      two f16 tiles, then accumulates P @ tile[:, C/2:] with warpgroup 0's P and its rescale.
+      shared memory for the others, and accumulates P @ tile[:, :C/2];
+    * `converters` more warpgroups gather the next tiles' rows by index into registers
+      (`mgpu_gather`; an empty slot loads nothing and yields zeros), convert them e4m3 -> f16
+      into the other of two f16 tiles, and accumulate P @ tile[:, C/2:] with warpgroup 0's P
+      and rescale: with 1, one warpgroup gathers whole tiles one ahead and owns C/2 columns;
+      with 2, each gathers half of every tile's rows two tiles ahead and owns C/4 columns (twice
+      the rows in flight; `regs`: the setmaxnreg budgets of warpgroup 0 and the others).
+    * stage_slots: the split's slot indices are bulk-copied to shared memory once, so neither
+      the gather nor the logit mask waits on a global load per tile.
 
-    No producer warpgroup and no fp8 staging: Q (64 KiB), two f16 tiles (128 KiB) and P fit
-    in shared memory, and 2 x 128 threads have 255 registers each. Argument shapes as
-    `_kernel` (q f16, already scaled)."""
+    No producer warpgroup and no fp8 staging: Q (64 KiB), two f16 tiles (128 KiB), P and the
+    slots fit in shared memory. Argument shapes as `_kernel` (q f16, already scaled)."""
     half = c // 2
+    cols = half // converters  # P @ V columns of each converter
+    rows_each = block_w // converters  # tile rows each converter gathers
+    ahead = converters  # tiles each converter holds in registers
     hb, split, row = lax.axis_index("h"), lax.axis_index("s"), lax.axis_index("r")
     live = live_ref[row]
     n_tiles = jnp.clip((live + block_w - 1) // block_w - split * tiles, 0, tiles)
     base0 = split * tiles * block_w
     heads = pl.ds(hb * HEADS_PER_CTA, HEADS_PER_CTA)
     swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # f16 wgmma tiles
-    gather = mgpu_gather.make_gather(block_w, c, slots_first=True)
-    store = mgpu_gather.make_store(block_w, c, swz)
+    gather = mgpu_gather.make_gather(rows_each, c, slots_first=True)
     row_layout = plgpu.Layout.WGMMA.reduce(1)  # [64] one value per head
 
     def load(ref, layout):
         return plgpu.load(ref, (), layout=layout, optimized=False)
 
-    def gather_tile(t):  # t clamped into this split's tiles: always in bounds
-        t = jnp.clip(t, 0, tiles - 1)
-        return gather(slots_ref.at[row, pl.ds(base0 + t * block_w, block_w)], lat_ref)
-
-    def finish(acc, l, cols):  # [64, half] normalized into this split's partial
+    def finish(acc, l, cols_ds):  # [64, cols] normalized into this split's partial
         inv = scales_ref[1] / jnp.where(l > 0, l, 1.0)
-        o_ref.at[row, split, heads, cols][...] = acc * lax.broadcast_in_dim(inv, acc.shape,
-                                                                            [0])
+        o_ref.at[row, split, heads, cols_ds][...] = acc * lax.broadcast_in_dim(
+            inv, acc.shape, [0])
 
-    def scoped(q16, kv16, p16s, stats, q_bar, full, free, p_full, p_free):
+    def scoped(q16, kv16, p16s, stats, slot_s, q_bar, slot_bar, full, free, p_full, p_free):
         # q16 [2, 64, half] f16; kv16 [2 buffers, 2 halves, BW, half] f16; p16s [64, BW] f16;
-        # stats [2, 64] f32 (the tile's rescale alpha, the running denominator l).
+        # stats [2, 64] f32 (the tile's rescale alpha, the running denominator l); slot_s
+        # [tiles * BW] i32 (stage_slots) or None.
         wg = lax.axis_index("wg")
-        a0 = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA, half), jnp.float32),
-                               plgpu.Layout.WGMMA)
+
+        def tile_slots(t, first, count):  # slots of tile t's rows [first, first + count)
+            start = t * block_w + first
+            if stage_slots:
+                return slot_s.at[pl.ds(start, count)]
+            return slots_ref.at[row, pl.ds(base0 + start, count)]
+
+        def wait_slots():
+            if stage_slots:
+                plgpu.barrier_wait(slot_bar)
 
         @pl.when(wg == 0)
         def _softmax_group():
+            if converters > 1:
+                plgpu.set_max_registers(regs[0], action="increase")
+            if stage_slots:
+                plgpu.copy_gmem_to_smem(slots_ref.at[row, pl.ds(base0, tiles * block_w)],
+                                        slot_s, slot_bar,
+                                        oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
             for hh in range(2):
                 plgpu.copy_gmem_to_smem(q_ref.at[row, heads, pl.ds(hh * half, half)],
                                         q16.at[hh], q_bar.at[hh])
             for hh in range(2):
                 plgpu.barrier_wait(q_bar.at[hh])
+            wait_slots()
             logit_scale = scales_ref[0] * rscale_ref[row] * _LOG2E  # log2 units: exp2
 
             def tile(t, carry):
                 m, l, acc = carry  # [64], [64], [64, half]
                 s = lax.rem(t, 2)
-                valid = load(slots_ref.at[row, pl.ds(base0 + t * block_w, block_w)],
-                             plgpu.Layout.WGMMA.reduce(0)) >= 0  # [BW] per slot
+                valid = load(tile_slots(t, 0, block_w), plgpu.Layout.WGMMA.reduce(0)) >= 0
                 plgpu.barrier_wait(full.at[s])
 
                 def qk(acc_ref):
@@ -409,12 +428,12 @@ def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_
 
                 @pl.when(t > 0)
                 def _():
-                    plgpu.barrier_wait(p_free)  # group 1 has read the last P and alpha
+                    plgpu.barrier_wait(p_free)  # the converters have read the last P, alpha
 
                 p16s[...] = p16
                 stats.at[0][...] = alpha
                 stats.at[1][...] = l
-                plgpu.commit_smem()  # P visible to group 1's wgmma
+                plgpu.commit_smem()  # P visible to the converters' wgmma
                 plgpu.barrier_arrive(p_full)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
@@ -427,63 +446,88 @@ def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_
 
             m0 = plgpu.layout_cast(jnp.full((HEADS_PER_CTA,), _M_INIT, jnp.float32), row_layout)
             l0 = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA,), jnp.float32), row_layout)
+            a0 = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA, half), jnp.float32),
+                                   plgpu.Layout.WGMMA)
             m, l, acc = lax.fori_loop(0, n_tiles, tile, (m0, l0, a0))
             finish(acc, l, pl.ds(0, half))
             m_ref.at[row, split, heads][...] = m * (1.0 / _LOG2E)
             l_ref.at[row, split, heads][...] = l
 
-        @pl.when(wg == 1)
-        def _convert_group():
+        def convert_group(g):  # g: 0 .. converters - 1
+            if converters > 1:
+                plgpu.set_max_registers(regs[1], action="decrease")
+            first = g * rows_each
+            store = mgpu_gather.make_store(rows_each, c, swz, row0=first)
+            my_cols = pl.ds(g * cols, cols)
+            wait_slots()
+
+            def gather_tile(t):  # t clamped into this split's tiles: always in bounds
+                t = jnp.clip(t, 0, tiles - 1)
+                return gather(tile_slots(t, first, rows_each), lat_ref)
+
+            def put(rows, t):  # tile t's rows into buffer t % 2, once tile t - 2 left it
+                s = lax.rem(t, 2)
+
+                @pl.when(t >= 2)
+                def _():
+                    plgpu.barrier_wait(free.at[s])
+
+                store(rows, kv16.at[s])
+                plgpu.commit_smem()  # the f16 rows visible to the wgmma
+                plgpu.barrier_arrive(full.at[s])
+
             @pl.when(n_tiles > 0)
             def _():
-                store(gather_tile(0), kv16.at[0])
-                plgpu.commit_smem()  # the f16 tile visible to group 0's wgmma
-                plgpu.barrier_arrive(full.at[0])
+                put(gather_tile(0), 0)
 
             def tile(t, carry):
-                rows, l, acc = carry  # tile t + 1's rows [BW * C] fp8; [64]; [64, half]
+                *held, l, acc = carry  # tiles t + 1 .. t + ahead's rows; [64]; [64, cols]
 
                 @pl.when(t + 1 < n_tiles)
-                def _():  # tile t + 1 into the other buffer, once tile t - 1 left it
-                    s1 = lax.rem(t + 1, 2)
+                def _():
+                    put(held[0], t + 1)
 
-                    @pl.when(t >= 1)
-                    def _():
-                        plgpu.barrier_wait(free.at[s1])
-
-                    store(rows, kv16.at[s1])
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(full.at[s1])
-
-                ahead = gather_tile(t + 2)  # its loads fly during this tile's P @ V
+                held = (*held[1:], gather_tile(t + 1 + ahead))  # loads fly meanwhile
                 plgpu.barrier_wait(p_full)
                 alpha = load(stats.at[0], row_layout)
                 l = load(stats.at[1], row_layout)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
                 def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p16s, kv16.at[lax.rem(t, 2), 1])
+                    plgpu.wgmma(acc_ref, p16s, kv16.at[lax.rem(t, 2), 1, :, my_cols])
 
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # waits for the wgmma
                 plgpu.barrier_arrive(p_free)
                 plgpu.barrier_arrive(free.at[lax.rem(t, 2)])
-                return ahead, l, acc
+                return (*held, l, acc)
 
             l0 = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA,), jnp.float32), row_layout)
-            _, l, acc = lax.fori_loop(0, n_tiles, tile, (gather_tile(1), l0, a0))
-            finish(acc, l, pl.ds(half, half))
+            a0 = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA, cols), jnp.float32),
+                                   plgpu.Layout.WGMMA)
+            init = (*(gather_tile(1 + i) for i in range(ahead)), l0, a0)
+            *_, l, acc = lax.fori_loop(0, n_tiles, tile, init)
+            finish(acc, l, pl.ds(half + g * cols, cols))
 
+        for g in range(converters):
+            pl.when(wg == 1 + g)(functools.partial(convert_group, g))
+
+    slot_smem = (plgpu.SMEM((tiles * block_w,), jnp.int32) if stage_slots else None)
+    run = scoped if stage_slots else (
+        lambda q16, kv16, p16s, stats, *bars: scoped(q16, kv16, p16s, stats, None, bars[0],
+                                                     None, *bars[1:]))
     pl.run_scoped(
-        scoped,
+        run,
         plgpu.SMEM((2, HEADS_PER_CTA, half), jnp.float16, transforms=swz),  # Q halves
         plgpu.SMEM((2, 2, block_w, half), jnp.float16, transforms=swz),  # f16 tiles
         plgpu.SMEM((HEADS_PER_CTA, block_w), jnp.float16, transforms=swz),  # P
         plgpu.SMEM((2, HEADS_PER_CTA), jnp.float32),  # alpha, l
+        *((slot_smem,) if stage_slots else ()),
         plgpu.Barrier(num_barriers=2),  # Q halves loaded
-        plgpu.Barrier(num_arrivals=1, num_barriers=2),  # f16 tile written (group 1)
-        plgpu.Barrier(num_arrivals=2, num_barriers=2),  # f16 tile read by both groups
+        *((plgpu.Barrier(),) if stage_slots else ()),  # slots staged
+        plgpu.Barrier(num_arrivals=converters, num_barriers=2),  # f16 tile written
+        plgpu.Barrier(num_arrivals=1 + converters, num_barriers=2),  # f16 tile read by all
         plgpu.Barrier(num_arrivals=1),  # P and stats written (group 0)
-        plgpu.Barrier(num_arrivals=1),  # P and stats read (group 1)
+        plgpu.Barrier(num_arrivals=converters),  # P and stats read (the converters)
         collective_axes="wg",
     )
 
@@ -515,10 +559,19 @@ def sparse_attend_mgpu_partials(scales, q_scales, live, q, slots, latent_flat, *
         approx_math=True, unsafe_no_auto_barriers=True, reduction_scratch_bytes=0,
         lowering_semantics=plgpu.LoweringSemantics.Lane)
     if tuning.design == "flashmla":
+        need = smem_bytes(c, tuning) + (tiles * tuning.block_w * 4 if tuning.stage_slots else 0)
+        if need > SMEM_LIMIT:
+            raise ValueError(f"sparse_attend_mgpu: design='flashmla' with {tiles} tiles per "
+                             f"split stages {tiles * tuning.block_w * 4} B of slots: {need} B "
+                             f"of shared memory > {SMEM_LIMIT}; use stage_slots=False")
+        kernel = functools.partial(
+            _flashmla_kernel, c=c, block_w=tuning.block_w, tiles=tiles,
+            converters=tuning.converters, stage_slots=tuning.stage_slots,
+            regs=tuning.flashmla_regs)
         return plgpu.kernel(
-            functools.partial(_flashmla_kernel, c=c, block_w=tuning.block_w, tiles=tiles),
-            out_type=out_type, grid=(hp // HEADS_PER_CTA, splits, n), grid_names=("h", "s", "r"),
-            num_threads=2, thread_name="wg", compiler_params=params,
+            kernel, out_type=out_type, grid=(hp // HEADS_PER_CTA, splits, n),
+            grid_names=("h", "s", "r"), num_threads=1 + tuning.converters, thread_name="wg",
+            compiler_params=params,
         )(scales, *q_scales, live, q, slots, latent_flat, zero)
     kernel = functools.partial(
         _kernel, c=c, block_w=tuning.block_w, tiles=tiles, stages=tuning.stages,
