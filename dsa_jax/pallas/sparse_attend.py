@@ -67,7 +67,7 @@ class AttendTuning:
 
     backend: str = "auto"
     col_blocks: int = 1
-    mosaic: mgpu_op.MgpuTuning = mgpu_op.MgpuTuning(design="flashmla")
+    mosaic: mgpu_op.MgpuTuning = mgpu_op.MgpuTuning(design="flashmla", prefetch=2)
     mosaic_prompt: mgpu_op.MgpuTuning | None = None
 
     def __post_init__(self):
