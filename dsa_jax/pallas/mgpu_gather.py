@@ -174,29 +174,3 @@ def make_store(block_w: int, c: int, swz, row0: int = 0):
 
     return store
 
-
-def make_prefetch(block_w: int, c: int):
-    """prefetch(slots [block_w] i32 ref, latent [NS, C] fp8 GMEM ref): thread r < block_w of
-    the warpgroup asks L2 for row r's C bytes (`cp.async.bulk.prefetch.L2`, no registers, no
-    wait), so a later `gather` of the same rows finds them in L2; empty slots ask nothing."""
-    assert block_w <= WG and c % 16 == 0, (block_w, c)
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
-    def prefetch(ctx, slots, lat):
-        del ctx
-        i8 = ir.IntegerType.get_signless(8)
-        tid = _tid()
-        mine = arith.cmpi(arith.CmpIPredicate.ult, tid, _i32(block_w))
-        with ir.InsertionPoint(scf.IfOp(mine).then_block):
-            slot = memref.load(slots, [_idx(tid)])  # i32
-            live = arith.cmpi(arith.CmpIPredicate.sge, slot, _i32(0))
-            with ir.InsertionPoint(scf.IfOp(live).then_block):
-                off = arith.muli(_i64(slot), arith.constant(_i64t(), c))
-                addr = llvm.ptrtoint(_i64t(), _ptr(lat, off, i8))
-                llvm.inline_asm(ir.Type.parse("!llvm.void"), [addr, _i32(c)],
-                                "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r",
-                                has_side_effects=True)
-                scf.yield_([])
-            scf.yield_([])
-
-    return prefetch

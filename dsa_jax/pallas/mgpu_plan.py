@@ -75,8 +75,6 @@ class MgpuTuning:
     stage_slots: with design="flashmla", the split's slot indices are bulk-copied into shared
       memory once (tiles * block_w * 4 bytes), so no per-tile global load of them sits in the
       gather's or the mask's path.
-    prefetch: with design="flashmla", tiles beyond the gathered ones whose rows are asked into
-      L2 ahead of their gather (0: none).
     """
 
     block_w: int = 64
@@ -101,18 +99,13 @@ class MgpuTuning:
     converters: int = 1
     flashmla_regs: tuple[int, int] = (216, 144)
     stage_slots: bool = True
-    prefetch: int = 0
 
     def __post_init__(self):
         if self.converters not in (1, 2):
             raise ValueError(f"converters={self.converters} must be 1 or 2")
-        if self.design != "flashmla" and (self.converters != 1 or not self.stage_slots
-                                          or self.prefetch):
-            raise ValueError(f"converters={self.converters}, stage_slots={self.stage_slots}, "
-                             f"prefetch={self.prefetch}: fields of design='flashmla' "
-                             f"(design={self.design!r})")
-        if not 0 <= self.prefetch <= 4:
-            raise ValueError(f"prefetch={self.prefetch} must be in [0, 4] tiles")
+        if self.design != "flashmla" and (self.converters != 1 or not self.stage_slots):
+            raise ValueError(f"converters={self.converters}, stage_slots={self.stage_slots}: "
+                             f"fields of design='flashmla' (design={self.design!r})")
         if self.converters == 2:
             check_register_budgets(2, self.flashmla_regs[1], self.flashmla_regs[0])
         if self.design not in ("exchange", "flashmla"):

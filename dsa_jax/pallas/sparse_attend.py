@@ -56,9 +56,10 @@ class AttendTuning:
       recomputes the logits over all of C but accumulates only its C / col_blocks columns
       (smaller accumulator, more programs per multiprocessor).
     mosaic: the Mosaic GPU kernel's tiles (`sparse_attend_mgpu.MgpuTuning`). The default is
-      FlashMLA's split (`design="flashmla"`): on the H200 beside the exchange design, the
-      kernel 433.6 -> 350.8 us on 128 x 2 rows, 1748 -> 1219 on a 2048-row prompt chunk,
-      66.4 -> 63.8 on 64 rows (benchmarks/results/h200-attend-20261202-s11-call1.json).
+      FlashMLA's split with the slots staged in shared memory (`design="flashmla"`): on the
+      H200 beside the exchange design, the kernel 66.1 -> 46.4 us on 64 rows, 434.2 -> 303.4
+      on 128 x 2, 1758 -> 1152 on a 2048-row prompt chunk
+      (benchmarks/results/h200-attend-20261202-s11-call2.json).
     mosaic_prompt: its tiles for prompt rows (`prompt_shaped`; None, the default: `mosaic` for
       every row, so a prompt's rows and a decode's run the same arithmetic). The two designs
       sum the logits in other orders: a tuning that mixes them gives other last bits for a
@@ -67,7 +68,7 @@ class AttendTuning:
 
     backend: str = "auto"
     col_blocks: int = 1
-    mosaic: mgpu_op.MgpuTuning = mgpu_op.MgpuTuning(design="flashmla", prefetch=2)
+    mosaic: mgpu_op.MgpuTuning = mgpu_op.MgpuTuning(design="flashmla")
     mosaic_prompt: mgpu_op.MgpuTuning | None = None
 
     def __post_init__(self):

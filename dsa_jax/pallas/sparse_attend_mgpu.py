@@ -334,8 +334,7 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
 
 def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_ref,
                      zero_ref, o_ref, m_ref, l_ref, *, c: int, block_w: int, tiles: int,
-                     converters: int, stage_slots: bool, regs: tuple[int, int],
-                     prefetch_ahead: int):
+                     converters: int, stage_slots: bool, regs: tuple[int, int]):
     """`MgpuTuning(design="flashmla")`: one (head block, split, row) CTA with FlashMLA's
     division of the work, so the conversion runs beside the dots:
 
@@ -350,8 +349,6 @@ def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_
       the rows in flight; `regs`: the setmaxnreg budgets of warpgroup 0 and the others).
     * stage_slots: the split's slot indices are bulk-copied to shared memory once, so neither
       the gather nor the logit mask waits on a global load per tile.
-    * prefetch_ahead: the first converter asks L2 for the rows of the tile this many past the
-      last one it gathers (`mgpu_gather.make_prefetch`), so those gathers read L2, not HBM.
 
     No producer warpgroup and no fp8 staging: Q (64 KiB), two f16 tiles (128 KiB), P and the
     slots fit in shared memory. Argument shapes as `_kernel` (q f16, already scaled)."""
@@ -366,7 +363,6 @@ def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_
     heads = pl.ds(hb * HEADS_PER_CTA, HEADS_PER_CTA)
     swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # f16 wgmma tiles
     gather = mgpu_gather.make_gather(rows_each, c, slots_first=True)
-    prefetch = mgpu_gather.make_prefetch(block_w, c)
     row_layout = plgpu.Layout.WGMMA.reduce(1)  # [64] one value per head
 
     def load(ref, layout):
@@ -469,10 +465,6 @@ def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_
                 t = jnp.clip(t, 0, tiles - 1)
                 return gather(tile_slots(t, first, rows_each), lat_ref)
 
-            def ask_l2(t):  # converter 0 prefetches tile t's rows into L2 (clamped)
-                if g == 0 and prefetch_ahead:
-                    prefetch(tile_slots(jnp.clip(t, 0, tiles - 1), 0, block_w), lat_ref)
-
             def put(rows, t):  # tile t's rows into buffer t % 2, once tile t - 2 left it
                 s = lax.rem(t, 2)
 
@@ -483,9 +475,6 @@ def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_
                 store(rows, kv16.at[s])
                 plgpu.commit_smem()  # the f16 rows visible to the wgmma
                 plgpu.barrier_arrive(full.at[s])
-
-            for i in range(prefetch_ahead):  # the tiles after the first gathers' ones
-                ask_l2(1 + ahead + i)
 
             @pl.when(n_tiles > 0)
             def _():
@@ -499,7 +488,6 @@ def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_
                     put(held[0], t + 1)
 
                 held = (*held[1:], gather_tile(t + 1 + ahead))  # loads fly meanwhile
-                ask_l2(t + 1 + ahead + prefetch_ahead)
                 plgpu.barrier_wait(p_full)
                 alpha = load(stats.at[0], row_layout)
                 l = load(stats.at[1], row_layout)
@@ -579,7 +567,7 @@ def sparse_attend_mgpu_partials(scales, q_scales, live, q, slots, latent_flat, *
         kernel = functools.partial(
             _flashmla_kernel, c=c, block_w=tuning.block_w, tiles=tiles,
             converters=tuning.converters, stage_slots=tuning.stage_slots,
-            regs=tuning.flashmla_regs, prefetch_ahead=tuning.prefetch)
+            regs=tuning.flashmla_regs)
         return plgpu.kernel(
             kernel, out_type=out_type, grid=(hp // HEADS_PER_CTA, splits, n),
             grid_names=("h", "s", "r"), num_threads=1 + tuning.converters, thread_name="wg",
