@@ -1,7 +1,10 @@
 """Sparse MLA gather-attend as a Pallas Mosaic GPU kernel (Hopper: wgmma, bulk copies).
 
 The same function as `sparse_attend.sparse_attend_xla` (the definition), for an fp8 e4m3 cache
-and f16 dot operands (`scale_rows_f16`), in the FlashMLA shape:
+and f16 dot operands (`scale_rows_f16`), in the FlashMLA shape, in two designs
+(`MgpuTuning.design`): "flashmla" (`_flashmla_kernel`, the library's default through
+`AttendTuning`: one warpgroup runs the logits and the softmax, the other gathers and converts
+the next tile; see its docstring) and "exchange" (`_kernel`, below):
 
 * one CTA owns 64 heads of one query row (the wgmma M) and a contiguous share ("split") of
   the row's slots, streamed in tiles of `block_w` slots;
