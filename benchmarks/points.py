@@ -182,11 +182,12 @@ def _step_points(cfg, plan: Plan, tp: int) -> list[Point]:
         Point(f"verify-b1-k3-tp{tp}", group, "step",
               f"verify step, 1 sequence, K=3, context {ctx}{note}",
               times("k1_step_us", 1.3, "the K=1 step"), {"batch": 1, "k": 3, **shape},
-              hf="verify" if tp == 1 else None, relative_to=k1),
+              hf="verify" if tp == 1 else None, relative_to=k1, kernel_time=tp == 1),
         Point(f"decode-b{big}-k1-tp{tp}", group, "step",
               f"decode step, {big} sequences, K=1, context {ctx}{note}",
               time_at_most(250.0) if tp == 1 else times("floor_us", 1.5, "floor"),
-              {"batch": big, "k": 1, **shape}, hf="batch" if tp == 1 else None),
+              {"batch": big, "k": 1, **shape}, hf="batch" if tp == 1 else None,
+              kernel_time=tp == 1),
     ]
     if tp == 1:
         pts.append(Point(

@@ -246,8 +246,9 @@ def test_row_scales_are_exact_powers_of_two():
 
 def _mosaic_model(q, lat, kv, tables, sel, scale, splits, block_w=64, full_logits=False):
     """The Mosaic kernel's arithmetic in numpy float32 (same rounding points), then the same
-    split merge: [B, R, H, C]. full_logits: one fp32 dot over all C (`MgpuTuning.full_logits`)
-    rather than two column halves added (the partial-logit exchange)."""
+    split merge: [B, R, H, C]. full_logits: one fp32 dot over all C (`MgpuTuning.full_logits`,
+    and design="flashmla", the library's default) rather than two column halves added (the
+    exchange design's partial logits)."""
     b, r, h, c = q.shape
     n, w = b * r, sel.shape[-1]
     up, down = (np.asarray(x) for x in mg.row_scales(jnp.asarray(q.reshape(n, h, c))))
