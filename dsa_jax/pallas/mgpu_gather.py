@@ -173,4 +173,3 @@ def make_store(block_w: int, c: int, swz, row0: int = 0):
             llvm.store(reg, _ptr(dst, _i64(off), f16), alignment=2 * VEC)  # 16 bytes
 
     return store
-

@@ -101,6 +101,8 @@ class MgpuTuning:
     stage_slots: bool = True
 
     def __post_init__(self):
+        if self.design not in ("exchange", "flashmla"):
+            raise ValueError(f"design={self.design!r} must be 'exchange' or 'flashmla'")
         if self.converters not in (1, 2):
             raise ValueError(f"converters={self.converters} must be 1 or 2")
         if self.design != "flashmla" and (self.converters != 1 or not self.stage_slots):
@@ -108,8 +110,6 @@ class MgpuTuning:
                              f"fields of design='flashmla' (design={self.design!r})")
         if self.converters == 2:
             check_register_budgets(2, self.flashmla_regs[1], self.flashmla_regs[0])
-        if self.design not in ("exchange", "flashmla"):
-            raise ValueError(f"design={self.design!r} must be 'exchange' or 'flashmla'")
         if self.design == "flashmla":
             off = {k: getattr(self, k) for k in ("persistent", "q_in_kernel", "full_logits",
                                                   "pingpong", "gather_ahead")
