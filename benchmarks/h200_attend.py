@@ -68,6 +68,10 @@ MOSAIC_VARIANTS = {
     "mosaic-flashmla": dict(design="flashmla"),
     "mosaic-flashmla-noslots": dict(design="flashmla", stage_slots=False),
     "mosaic-flashmla-c2": dict(design="flashmla", converters=2),
+    # twelfth session: the next tile's logits issued behind P @ V; the first loads together.
+    "mosaic-flashmla-qk": dict(design="flashmla", qk_ahead=True),
+    "mosaic-flashmla-eg": dict(design="flashmla", early_gather=True),
+    "mosaic-flashmla-qk-eg": dict(design="flashmla", qk_ahead=True, early_gather=True),
     # Call 3 timed an L2 prefetch of the rows (prefetch=1: 64x1 60.6 vs 46.2 us; in git
     # history, removed).
 }
@@ -79,15 +83,18 @@ REORDERED = ("mosaic-producer-full", "mosaic-producer-pingpong", "mosaic-produce
              "mosaic-flashmla", "mosaic-flashmla-noslots", "mosaic-flashmla-c2")
 # `--group mosaic-all`: these on every case, the others on 3 (ONE_CHECK: 1).
 FULL_CHECKS = ("mosaic-default", "mosaic-producer-r88", "mosaic-producer-pingpong-r88",
-               "mosaic-flashmla", "mosaic-flashmla-noslots", "mosaic-flashmla-c2")
+               "mosaic-flashmla", "mosaic-flashmla-noslots", "mosaic-flashmla-c2",
+               "mosaic-flashmla-qk", "mosaic-flashmla-eg", "mosaic-flashmla-qk-eg")
 ONE_CHECK = ("mosaic-producer-ahead",)
 P_VARIANTS = ("triton-default", "mosaic-default", "mosaic-producer-r88", "mosaic-flashmla",
-              "mosaic-flashmla-noslots", "mosaic-flashmla-c2")  # also timed on "p"
+              "mosaic-flashmla-noslots", "mosaic-flashmla-c2", "mosaic-flashmla-qk",
+              "mosaic-flashmla-eg", "mosaic-flashmla-qk-eg")  # also timed on "p"
 
 
-def variants(group: str, only: tuple[str, ...] = ()):
+def variants(group: str, only: tuple[str, ...] = (), base: str = "mosaic-default"):
     """name -> (sparse_attend_pallas kwargs, operand dtype for the bound); `only`: the
-    default and these of the group's variants (all when empty)."""
+    default and these of the group's variants (all when empty). base: the mosaic groups'
+    first variant, whose output the others must equal bitwise (unless REORDERED)."""
     from dsa_jax.pallas import sparse_attend as sa
     from dsa_jax.pallas import sparse_attend_mgpu as mg
 
@@ -100,11 +107,14 @@ def variants(group: str, only: tuple[str, ...] = ()):
     # "mosaic-default" is MgpuTuning(): the exchange design, the library's until the eleventh
     # session (AttendTuning.mosaic is "mosaic-flashmla" since).
     mos = {"mosaic-default": mg.MgpuTuning()}
+    if base != "mosaic-default":  # e.g. the library's default, to compare its variants with
+        mos = {base: mg.MgpuTuning(**MOSAIC_VARIANTS[base])}
     if group == "prep":
         mos.update({k: mg.MgpuTuning(**v) for k, v in PREP_VARIANTS.items()})
     if group in ("mosaic", "mosaic-all", "mosaic-smoke"):
         mos.update({k: mg.MgpuTuning(**v) for k, v in MOSAIC_VARIANTS.items()
-                    if (group != "mosaic" or k in QUICK) and (not only or k in only)})
+                    if (group != "mosaic" or k in QUICK) and (not only or k in only)
+                    and k != base})
     # mosaic_prompt=None: each variant's tiles on every shape, the prompt chunk "p" included
     # (the library runs mosaic-producer-r88's tiles there by default since 20261201-s5).
     return {k: (dict(tuning=sa.AttendTuning(backend="mosaic", mosaic=t, mosaic_prompt=None)),
@@ -113,7 +123,8 @@ def variants(group: str, only: tuple[str, ...] = ()):
 
 # ------------------------------------------------------------------------------ driver
 
-def run_group(group: str, out_path: str, shapes: str, only: tuple[str, ...] = ()):
+def run_group(group: str, out_path: str, shapes: str, only: tuple[str, ...] = (),
+              base: str = "mosaic-default"):
     if group.startswith("mosaic"):  # ptxas' registers and spills of each Mosaic kernel, also
         os.environ.setdefault("MOSAIC_GPU_DUMP_PTXAS", "1")  # when run in this process
     import jax
@@ -128,7 +139,8 @@ def run_group(group: str, out_path: str, shapes: str, only: tuple[str, ...] = ()
         with open(out_path, "w") as f:
             json.dump(res, f, indent=1, default=str)
 
-    vs = variants(group, only)
+    vs = variants(group, only, base)
+    reordered = () if base != "mosaic-default" else REORDERED
     if group == "mosaic-smoke":  # one small case first: a hung kernel costs little here
         shapes = ""
     # Every variant on the same inputs, its output `==` the default's (the same f16 operands
@@ -164,7 +176,7 @@ def run_group(group: str, out_path: str, shapes: str, only: tuple[str, ...] = ()
                     row = check_case(name, kw, op, case, seed=1000 + 17 * i + len(name))
                 else:  # the same inputs for every variant: their outputs compared bitwise
                     row = check_case(name, kw, op, case, seed=1000 + 17 * i, shared=shared[i],
-                                     reordered=REORDERED)
+                                     reordered=reordered)
             except Exception as e:
                 row = {"variant": name, "case": case_label(case), "ok": False,
                        "error": f"{type(e).__name__}: {str(e)[:400]}"}
@@ -185,14 +197,14 @@ def run_group(group: str, out_path: str, shapes: str, only: tuple[str, ...] = ()
                 res["checks"].append(row)
                 print(json.dumps(row), flush=True)
             dump()
-        if variant_major and not (group == "mosaic" and name == "mosaic-default"):
+        if variant_major and not (group == "mosaic" and name == base):
             for key in shapes:  # checked, then timed: a later variant that hangs costs itself
                 if key == "p" and group.startswith("mosaic") and name not in P_VARIANTS:
                     continue
                 time_row(name, kw, key)
     if group == "mosaic":  # the default timed last: runs 4-7 measured it already
         for key in shapes:
-            time_row("mosaic-default", vs["mosaic-default"][0], key)
+            time_row(base, vs[base][0], key)
     for key in "" if variant_major else shapes:
         for name, (kw, _) in vs.items():
             if key == "p" and name not in P_VARIANTS:
@@ -211,6 +223,9 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, in this process")
     ap.add_argument("--variants", default="", help="comma list: only these of the mosaic "
                     "groups' variants beside the default (run 10: the pingpong ones hung)")
+    ap.add_argument("--base", default="mosaic-default", help="the mosaic groups' first "
+                    "variant, which the others must equal bitwise unless REORDERED (with "
+                    "another base nothing is exempt)")
     a = ap.parse_args()
     if a.smoke:
         run_group("smoke", a.out, "s")
@@ -221,7 +236,7 @@ def main():
         sys.exit(1 if bad or res["groups"]["smoke"]["errors"] else 0)
     only = tuple(v for v in a.variants.split(",") if v)
     if a.group:
-        run_group(a.group, a.out, a.shapes, only)
+        run_group(a.group, a.out, a.shapes, only, a.base)
         return
     t_start = time.time()
     res = {"command": " ".join(sys.argv), "groups": {}}
@@ -241,7 +256,8 @@ def main():
         with open(log, "w") as lf:
             try:
                 p = subprocess.run([sys.executable, __file__, "--out", part, "--group", g,
-                                    "--shapes", a.shapes, "--variants", a.variants],
+                                    "--shapes", a.shapes, "--variants", a.variants,
+                                    "--base", a.base],
                                    env=env, stdout=lf,
                                    stderr=subprocess.STDOUT,
                                    timeout=limits[min(gi, len(limits) - 1)])

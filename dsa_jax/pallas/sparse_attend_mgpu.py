@@ -337,7 +337,8 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
 
 def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_ref,
                      zero_ref, o_ref, m_ref, l_ref, *, c: int, block_w: int, tiles: int,
-                     converters: int, stage_slots: bool, regs: tuple[int, int]):
+                     converters: int, stage_slots: bool, regs: tuple[int, int],
+                     qk_ahead: bool = False, early_gather: bool = False):
     """`MgpuTuning(design="flashmla")`: one (head block, split, row) CTA with FlashMLA's
     division of the work, so the conversion runs beside the dots:
 
@@ -352,6 +353,9 @@ def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_
       the rows in flight; `regs`: the setmaxnreg budgets of warpgroup 0 and the others).
     * stage_slots: the split's slot indices are bulk-copied to shared memory once, so neither
       the gather nor the logit mask waits on a global load per tile.
+    * qk_ahead: warpgroup 0 keeps two accumulators in flight: tile t + 1's logits are issued
+      behind tile t's P @ V, and only P @ V is waited for before the tile is released.
+    * early_gather: the converters issue their first tiles' loads before converting tile 0.
 
     No producer warpgroup and no fp8 staging: Q (64 KiB), two f16 tiles (128 KiB), P and the
     slots fit in shared memory. Argument shapes as `_kernel` (q f16, already scaled)."""
@@ -408,19 +412,8 @@ def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_
             wait_slots()
             logit_scale = scales_ref[0] * rscale_ref[row] * _LOG2E  # log2 units: exp2
 
-            def tile(t, carry):
-                m, l, acc = carry  # [64], [64], [64, half]
-                s = lax.rem(t, 2)
+            def softmax_p(t, m, l, logits):  # -> m_new, l, alpha, p16; P and stats published
                 valid = load(tile_slots(t, 0, block_w), plgpu.Layout.WGMMA.reduce(0)) >= 0
-                plgpu.barrier_wait(full.at[s])
-
-                def qk(acc_ref):
-                    for hh in range(2):
-                        plgpu.wgmma(acc_ref, q16.at[hh],
-                                    plgpu.transpose_ref(kv16.at[s, hh], (1, 0)))
-                    return acc_ref[...]
-
-                logits = pl.run_scoped(qk, plgpu.ACC((HEADS_PER_CTA, block_w), jnp.float32))
                 logits = jnp.where(lax.broadcast_in_dim(valid, logits.shape, [1]),
                                    logits * logit_scale, -jnp.inf)  # [64, BW]
                 m_new = jnp.maximum(m, logits.max(axis=1))
@@ -438,6 +431,21 @@ def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_
                 stats.at[1][...] = l
                 plgpu.commit_smem()  # P visible to the converters' wgmma
                 plgpu.barrier_arrive(p_full)
+                return m_new, l, alpha, p16
+
+            def tile(t, carry):
+                m, l, acc = carry  # [64], [64], [64, half]
+                s = lax.rem(t, 2)
+                plgpu.barrier_wait(full.at[s])
+
+                def qk(acc_ref):
+                    for hh in range(2):
+                        plgpu.wgmma(acc_ref, q16.at[hh],
+                                    plgpu.transpose_ref(kv16.at[s, hh], (1, 0)))
+                    return acc_ref[...]
+
+                logits = pl.run_scoped(qk, plgpu.ACC((HEADS_PER_CTA, block_w), jnp.float32))
+                m_new, l, alpha, p16 = softmax_p(t, m, l, logits)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
                 def pv(acc_ref):
@@ -447,11 +455,54 @@ def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_
                 plgpu.barrier_arrive(free.at[s])
                 return m_new, l, acc
 
+            def _softmax_ahead(m0, l0, a0, sacc, oacc):
+                # sacc [64, BW] f32: the logits of the tile after the one being finished;
+                # oacc [64, half] f32: P @ V of this warpgroup's columns.
+                zero_s = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA, block_w), jnp.float32),
+                                           plgpu.Layout.WGMMA)
+                oacc[...] = a0
+
+                def issue_qk(t):  # tile t's logits into sacc (zeroed), not waited for
+                    s = lax.rem(t, 2)
+                    plgpu.barrier_wait(full.at[s])
+                    for hh in range(2):
+                        plgpu.wgmma(sacc, q16.at[hh],
+                                    plgpu.transpose_ref(kv16.at[s, hh], (1, 0)))
+
+                sacc[...] = zero_s
+                pl.when(n_tiles > 0)(lambda: issue_qk(0))
+
+                def tile_ahead(t, carry):
+                    m, l = carry
+                    s = lax.rem(t, 2)
+                    logits = sacc[...]  # waits for tile t's logits (nothing else in flight)
+                    sacc[...] = zero_s
+                    m_new, l, alpha, p16 = softmax_p(t, m, l, logits)
+                    oacc[...] = oacc[...] * lax.broadcast_in_dim(alpha, (HEADS_PER_CTA, half),
+                                                                 [0])
+                    plgpu.wgmma(oacc, p16, kv16.at[s, 0])
+                    pl.when(t + 1 < n_tiles)(lambda: issue_qk(t + 1))
+                    # P @ V retired (groups retire in order; tile t + 1's logits may still
+                    # run). On the last tile nothing follows it, so one wgmma may still be
+                    # in flight: the read below waits for it, and no one refills buffer s.
+                    plgpu.wgmma_wait(1)
+                    plgpu.barrier_arrive(free.at[s])
+                    return m_new, l
+
+                m, l = lax.fori_loop(0, n_tiles, tile_ahead, (m0, l0))
+                return m, l, oacc[...]
+
             m0 = plgpu.layout_cast(jnp.full((HEADS_PER_CTA,), _M_INIT, jnp.float32), row_layout)
             l0 = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA,), jnp.float32), row_layout)
             a0 = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA, half), jnp.float32),
                                    plgpu.Layout.WGMMA)
-            m, l, acc = lax.fori_loop(0, n_tiles, tile, (m0, l0, a0))
+            if qk_ahead:
+                m, l, acc = pl.run_scoped(
+                    functools.partial(_softmax_ahead, m0, l0, a0),
+                    plgpu.ACC((HEADS_PER_CTA, block_w), jnp.float32),
+                    plgpu.ACC((HEADS_PER_CTA, half), jnp.float32))
+            else:
+                m, l, acc = lax.fori_loop(0, n_tiles, tile, (m0, l0, a0))
             finish(acc, l, pl.ds(0, half))
             m_ref.at[row, split, heads][...] = m * (1.0 / _LOG2E)
             l_ref.at[row, split, heads][...] = l
@@ -479,9 +530,13 @@ def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_
                 plgpu.commit_smem()  # the f16 rows visible to the wgmma
                 plgpu.barrier_arrive(full.at[s])
 
-            @pl.when(n_tiles > 0)
-            def _():
-                put(gather_tile(0), 0)
+            if early_gather:  # tiles 0 .. ahead's loads all issued before tile 0 is stored
+                first_rows = gather_tile(0)
+                held0 = tuple(gather_tile(1 + i) for i in range(ahead))
+                pl.when(n_tiles > 0)(lambda: put(first_rows, 0))
+            else:
+                pl.when(n_tiles > 0)(lambda: put(gather_tile(0), 0))
+                held0 = None
 
             def tile(t, carry):
                 *held, l, acc = carry  # tiles t + 1 .. t + ahead's rows; [64]; [64, cols]
@@ -507,7 +562,9 @@ def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_
             l0 = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA,), jnp.float32), row_layout)
             a0 = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA, cols), jnp.float32),
                                    plgpu.Layout.WGMMA)
-            init = (*(gather_tile(1 + i) for i in range(ahead)), l0, a0)
+            if held0 is None:
+                held0 = tuple(gather_tile(1 + i) for i in range(ahead))
+            init = (*held0, l0, a0)
             *_, l, acc = lax.fori_loop(0, n_tiles, tile, init)
             finish(acc, l, pl.ds(half + g * cols, cols))
 
@@ -570,7 +627,8 @@ def sparse_attend_mgpu_partials(scales, q_scales, live, q, slots, latent_flat, *
         kernel = functools.partial(
             _flashmla_kernel, c=c, block_w=tuning.block_w, tiles=tiles,
             converters=tuning.converters, stage_slots=tuning.stage_slots,
-            regs=tuning.flashmla_regs)
+            regs=tuning.flashmla_regs, qk_ahead=tuning.qk_ahead,
+            early_gather=tuning.early_gather)
         return plgpu.kernel(
             kernel, out_type=out_type, grid=(hp // HEADS_PER_CTA, splits, n),
             grid_names=("h", "s", "r"), num_threads=1 + tuning.converters, thread_name="wg",
