@@ -457,7 +457,11 @@ def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_
 
             def _softmax_ahead(m0, l0, a0, sacc, oacc):
                 # sacc [64, BW] f32: the logits of the tile after the one being finished;
-                # oacc [64, half] f32: P @ V of this warpgroup's columns.
+                # oacc [64, half] f32: P @ V of this warpgroup's columns. No wgmma is issued
+                # under a branch and no accumulator is written while one is in flight (ptxas
+                # serializes every wgmma of the kernel otherwise): tile 0's logits are issued
+                # unconditionally (the converters store tile 0 even for an empty split) and
+                # the last tile is peeled off the loop.
                 zero_s = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA, block_w), jnp.float32),
                                            plgpu.Layout.WGMMA)
                 oacc[...] = a0
@@ -469,27 +473,37 @@ def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_
                         plgpu.wgmma(sacc, q16.at[hh],
                                     plgpu.transpose_ref(kv16.at[s, hh], (1, 0)))
 
-                sacc[...] = zero_s
-                pl.when(n_tiles > 0)(lambda: issue_qk(0))
-
-                def tile_ahead(t, carry):
-                    m, l = carry
-                    s = lax.rem(t, 2)
+                def finish_tile(t, m, l):  # tile t's softmax and P @ V issued
                     logits = sacc[...]  # waits for tile t's logits (nothing else in flight)
                     sacc[...] = zero_s
                     m_new, l, alpha, p16 = softmax_p(t, m, l, logits)
                     oacc[...] = oacc[...] * lax.broadcast_in_dim(alpha, (HEADS_PER_CTA, half),
                                                                  [0])
-                    plgpu.wgmma(oacc, p16, kv16.at[s, 0])
-                    pl.when(t + 1 < n_tiles)(lambda: issue_qk(t + 1))
-                    # P @ V retired (groups retire in order; tile t + 1's logits may still
-                    # run). On the last tile nothing follows it, so one wgmma may still be
-                    # in flight: the read below waits for it, and no one refills buffer s.
-                    plgpu.wgmma_wait(1)
-                    plgpu.barrier_arrive(free.at[s])
+                    plgpu.wgmma(oacc, p16, kv16.at[lax.rem(t, 2), 0])
                     return m_new, l
 
-                m, l = lax.fori_loop(0, n_tiles, tile_ahead, (m0, l0))
+                def tile_ahead(t, carry):  # t < n_tiles - 1
+                    m, l = finish_tile(t, *carry)
+                    issue_qk(t + 1)
+                    plgpu.wgmma_wait(1)  # tile t's P @ V retired (groups retire in order)
+                    plgpu.barrier_arrive(free.at[lax.rem(t, 2)])
+                    return m, l
+
+                def last(m, l):
+                    t = n_tiles - 1
+                    m, l = finish_tile(t, m, l)
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(free.at[lax.rem(t, 2)])
+                    return m, l
+
+                def empty(m, l):
+                    plgpu.wgmma_wait(0)  # tile 0's logits, issued for nothing
+                    return m, l
+
+                sacc[...] = zero_s
+                issue_qk(0)
+                carry = lax.fori_loop(0, n_tiles - 1, tile_ahead, (m0, l0))
+                m, l = lax.cond(n_tiles > 0, last, empty, *carry)
                 return m, l, oacc[...]
 
             m0 = plgpu.layout_cast(jnp.full((HEADS_PER_CTA,), _M_INIT, jnp.float32), row_layout)
@@ -530,12 +544,16 @@ def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_
                 plgpu.commit_smem()  # the f16 rows visible to the wgmma
                 plgpu.barrier_arrive(full.at[s])
 
+            # With qk_ahead, warpgroup 0 waits for tile 0 even in an empty split (its rows
+            # are then empty slots: zeros, nothing read).
+            put0 = (lambda rows: put(rows, 0)) if qk_ahead else (
+                lambda rows: pl.when(n_tiles > 0)(lambda: put(rows, 0)))
             if early_gather:  # tiles 0 .. ahead's loads all issued before tile 0 is stored
                 first_rows = gather_tile(0)
                 held0 = tuple(gather_tile(1 + i) for i in range(ahead))
-                pl.when(n_tiles > 0)(lambda: put(first_rows, 0))
+                put0(first_rows)
             else:
-                pl.when(n_tiles > 0)(lambda: put(gather_tile(0), 0))
+                put0(gather_tile(0))
                 held0 = None
 
             def tile(t, carry):
