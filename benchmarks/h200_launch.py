@@ -2,7 +2,9 @@
 (benchmarks.workloads.STEP, GLM-5.3-Flash shapes, context 16K) timed under XLA's
 command-buffer (CUDA graph) settings, each in a fresh process (XLA reads its flags once).
 
-    PYTHONPATH=. python3 benchmarks/h200_launch.py [FLAG_SET ...]   (default: VARIANTS)
+    PYTHONPATH=. python3 benchmarks/h200_launch.py [--shapes TPxBxK,...] [FLAG_SET ...]
+    (default: VARIANTS on SHAPES; with --shapes the Pallas step only, beside the same step fed
+    one input block every call)
 
 Writes $OUT/h200-launch.json (or ./h200-launch.json). Per variant, implementation and shape:
 `step_us` (median of back-to-back steps, benchmarks.harness.measure, as the bench's decode
@@ -32,6 +34,11 @@ VARIANTS = ["default", "off", "default"]
 SHAPES = [(1, 1, 1), (8, 1, 1), (1, 1, 3)]  # (tp degree, sequences, rows per sequence)
 
 
+def _shapes(text: str) -> list[tuple[int, int, int]]:
+    """'1x64x1,1x1x1' -> [(1, 64, 1), (1, 1, 1)] (tp degree, sequences, rows per sequence)."""
+    return [tuple(int(v) for v in part.split("x")) for part in text.split(",")]
+
+
 def _dispatch_us(r, n: int, reps: int = 15) -> tuple[float, float]:
     """Host seconds per call to enqueue n back-to-back steps (no block), and per call until
     the last one has finished; medians over reps, in us. When the first is close to the step
@@ -56,7 +63,7 @@ def _dispatch_us(r, n: int, reps: int = 15) -> tuple[float, float]:
     return float(np.median(host)), float(np.median(total))
 
 
-def child(variant: str) -> list[dict]:
+def child(variant: str, shapes=None) -> list[dict]:
     import jax
 
     from benchmarks.harness import measure, profile_step
@@ -68,14 +75,17 @@ def child(variant: str) -> list[dict]:
     plan = full_plan(cfg0)
     hf = random_hf_tensors(cfg0, 0)
     rows = []
-    for tp, b, k in SHAPES:
+    for tp, b, k in shapes or SHAPES:
         weights = random_weights(cfg0, hf, tp)
-        for impl in ("xla", "pallas"):
-            cfg = cfg0.replace(implementation=impl, tp_degree=tp)
+        # With --shapes, the Pallas step only, and "pallas-same-x": one input block every
+        # call (the bench cycles 3): whether a new input address per call (a command-buffer
+        # update) costs the host.
+        for impl in ("pallas", "pallas-same-x") if shapes else ("xla", "pallas"):
+            cfg = cfg0.replace(implementation=impl.split("-")[0], tp_degree=tp)
             row = {"variant": variant, "impl": impl, "tp": tp, "batch": b, "k": k}
             try:
                 r = StepRunner(cfg, weights, b, k, cfg.max_verify, plan.ctx - plan.inner * k,
-                               3000 + tp + k)
+                               3000 + tp + k, n_inputs=1 if impl.endswith("same-x") else 3)
                 jax.block_until_ready(r())
                 row["dispatch_us"], row["dispatch_then_wait_us"] = _dispatch_us(r, plan.inner)
                 t = measure(r, warmup=3, groups=plan.groups, inner=plan.inner, reset=r.reset)
@@ -91,7 +101,7 @@ def child(variant: str) -> list[dict]:
             rows.append(row)
         rows.append(_trivial_row(variant, cfg0.replace(tp_degree=tp), weights, b, plan))
         if variant.startswith("default") and k == 1:
-            for impl in ("xla", "pallas"):
+            for impl in ("pallas",) if shapes else ("xla", "pallas"):
                 rows.append(_layers_row(variant, cfg0.replace(implementation=impl,
                                                               tp_degree=tp), b, plan))
     return rows
@@ -206,13 +216,17 @@ def _trivial_row(variant, cfg, weights, b, plan) -> dict:
 
 
 def main() -> int:
-    if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        rows = child(sys.argv[2])
+    if len(sys.argv) in (3, 4) and sys.argv[1] == "--child":
+        rows = child(sys.argv[2], _shapes(sys.argv[3]) if len(sys.argv) == 4 else None)
         print("ROWS " + json.dumps(rows), flush=True)
         return 0
     import jax
 
-    variants = sys.argv[1:] or VARIANTS
+    args = sys.argv[1:]
+    shapes = None  # --shapes TPxBxK,...: these shapes (and the same-x rows) instead of SHAPES
+    if args[:1] == ["--shapes"]:
+        shapes, args = args[1], args[2:]
+    variants = args or VARIANTS
     unknown = set(variants) - set(FLAGS)
     if unknown:
         print(f"h200_launch: unknown flag set(s) {sorted(unknown)}; known: {sorted(FLAGS)}",
@@ -226,7 +240,8 @@ def main() -> int:
     for i, flag_set in enumerate(variants):
         name, flags = f"{flag_set}-{i}", FLAGS[flag_set]
         env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flags).strip())
-        p = subprocess.run([sys.executable, __file__, "--child", name], env=env,
+        p = subprocess.run([sys.executable, __file__, "--child", name,
+                            *([shapes] if shapes else [])], env=env,
                            capture_output=True, text=True, timeout=400)
         lines = [ln for ln in p.stdout.splitlines() if ln.startswith("ROWS ")]
         if p.returncode or not lines:

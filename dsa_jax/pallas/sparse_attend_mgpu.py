@@ -456,42 +456,43 @@ def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_
                 return m_new, l, acc
 
             def _softmax_ahead(m0, l0, a0, sacc, oacc):
-                # sacc [64, BW] f32: the logits of the tile after the one being finished;
-                # oacc [64, half] f32: P @ V of this warpgroup's columns. No wgmma is issued
-                # under a branch and no accumulator is written while one is in flight (ptxas
-                # serializes every wgmma of the kernel otherwise): tile 0's logits are issued
-                # unconditionally (the converters store tile 0 even for an empty split) and
-                # the last tile is peeled off the loop.
+                # sacc [64, BW] f32: the next tile's logits; oacc [64, half] f32: P @ V of
+                # this warpgroup's columns. Per tile: wait for everything in flight (tile t's
+                # logits, tile t - 1's P @ V), release tile t - 1, the softmax, then issue
+                # tile t + 1's logits and tile t's P @ V together (one wait per tile, not
+                # two). The accumulators are written only while no wgmma is in flight, and no
+                # wgmma sits under a branch (ptxas serializes every wgmma otherwise: call 1
+                # and 2 of the twelfth session): tile 0's logits are issued unconditionally
+                # (the converters store tile 0 even for an empty split), the last tile peeled.
                 zero_s = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA, block_w), jnp.float32),
                                            plgpu.Layout.WGMMA)
-                oacc[...] = a0
 
-                def issue_qk(t):  # tile t's logits into sacc (zeroed), not waited for
+                def issue_qk(t):  # tile t's logits into sacc (zeroed here), not waited for
+                    sacc[...] = zero_s
                     s = lax.rem(t, 2)
                     plgpu.barrier_wait(full.at[s])
                     for hh in range(2):
                         plgpu.wgmma(sacc, q16.at[hh],
                                     plgpu.transpose_ref(kv16.at[s, hh], (1, 0)))
 
-                def finish_tile(t, m, l):  # tile t's softmax and P @ V issued
-                    logits = sacc[...]  # waits for tile t's logits (nothing else in flight)
-                    sacc[...] = zero_s
+                def softmax_tile(t, m, l):  # after the wait: tile t's softmax, P published
+                    logits = sacc[...]  # waits for every wgmma in flight
+                    pl.when(t > 0)(lambda: plgpu.barrier_arrive(free.at[lax.rem(t + 1, 2)]))
                     m_new, l, alpha, p16 = softmax_p(t, m, l, logits)
                     oacc[...] = oacc[...] * lax.broadcast_in_dim(alpha, (HEADS_PER_CTA, half),
                                                                  [0])
-                    plgpu.wgmma(oacc, p16, kv16.at[lax.rem(t, 2), 0])
-                    return m_new, l
+                    return m_new, l, p16
 
                 def tile_ahead(t, carry):  # t < n_tiles - 1
-                    m, l = finish_tile(t, *carry)
+                    m, l, p16 = softmax_tile(t, *carry)
                     issue_qk(t + 1)
-                    plgpu.wgmma_wait(1)  # tile t's P @ V retired (groups retire in order)
-                    plgpu.barrier_arrive(free.at[lax.rem(t, 2)])
+                    plgpu.wgmma(oacc, p16, kv16.at[lax.rem(t, 2), 0])
                     return m, l
 
                 def last(m, l):
                     t = n_tiles - 1
-                    m, l = finish_tile(t, m, l)
+                    m, l, p16 = softmax_tile(t, m, l)
+                    plgpu.wgmma(oacc, p16, kv16.at[lax.rem(t, 2), 0])
                     plgpu.wgmma_wait(0)
                     plgpu.barrier_arrive(free.at[lax.rem(t, 2)])
                     return m, l
@@ -500,7 +501,7 @@ def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_
                     plgpu.wgmma_wait(0)  # tile 0's logits, issued for nothing
                     return m, l
 
-                sacc[...] = zero_s
+                oacc[...] = a0
                 issue_qk(0)
                 carry = lax.fori_loop(0, n_tiles - 1, tile_ahead, (m0, l0))
                 m, l = lax.cond(n_tiles > 0, last, empty, *carry)
