@@ -68,10 +68,8 @@ MOSAIC_VARIANTS = {
     "mosaic-flashmla": dict(design="flashmla"),
     "mosaic-flashmla-noslots": dict(design="flashmla", stage_slots=False),
     "mosaic-flashmla-c2": dict(design="flashmla", converters=2),
-    # twelfth session: the next tile's logits issued behind P @ V; the first loads together.
-    "mosaic-flashmla-qk": dict(design="flashmla", qk_ahead=True),
-    "mosaic-flashmla-eg": dict(design="flashmla", early_gather=True),
-    "mosaic-flashmla-qk-eg": dict(design="flashmla", qk_ahead=True, early_gather=True),
+    # The twelfth session's "mosaic-flashmla-qk" (qk_ahead: the next tile's logits issued
+    # beside P @ V) and "-qk-eg" (early_gather) were measured and removed (git history: fcba627).
     # Call 3 timed an L2 prefetch of the rows (prefetch=1: 64x1 60.6 vs 46.2 us; in git
     # history, removed).
 }
@@ -83,12 +81,10 @@ REORDERED = ("mosaic-producer-full", "mosaic-producer-pingpong", "mosaic-produce
              "mosaic-flashmla", "mosaic-flashmla-noslots", "mosaic-flashmla-c2")
 # `--group mosaic-all`: these on every case, the others on 3 (ONE_CHECK: 1).
 FULL_CHECKS = ("mosaic-default", "mosaic-producer-r88", "mosaic-producer-pingpong-r88",
-               "mosaic-flashmla", "mosaic-flashmla-noslots", "mosaic-flashmla-c2",
-               "mosaic-flashmla-qk", "mosaic-flashmla-eg", "mosaic-flashmla-qk-eg")
+               "mosaic-flashmla", "mosaic-flashmla-noslots", "mosaic-flashmla-c2")
 ONE_CHECK = ("mosaic-producer-ahead",)
 P_VARIANTS = ("triton-default", "mosaic-default", "mosaic-producer-r88", "mosaic-flashmla",
-              "mosaic-flashmla-noslots", "mosaic-flashmla-c2", "mosaic-flashmla-qk",
-              "mosaic-flashmla-eg", "mosaic-flashmla-qk-eg")  # also timed on "p"
+              "mosaic-flashmla-noslots", "mosaic-flashmla-c2")  # also timed on "p"
 
 
 def variants(group: str, only: tuple[str, ...] = (), base: str = "mosaic-default"):

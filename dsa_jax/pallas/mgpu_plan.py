@@ -75,12 +75,6 @@ class MgpuTuning:
     stage_slots: with design="flashmla", the split's slot indices are bulk-copied into shared
       memory once (tiles * block_w * 4 bytes), so no per-tile global load of them sits in the
       gather's or the mask's path.
-    qk_ahead: with design="flashmla", warpgroup 0 issues tile t + 1's logits wgmma right behind
-      tile t's P @ V (two accumulators in flight) instead of after waiting for it, so the tensor
-      cores run the next logits while P @ V retires; the same arithmetic in the same order.
-    early_gather: with design="flashmla", each converter issues the loads of its first tiles
-      before it converts tile 0 (their latencies overlap at the split's start, where one
-      follows the other otherwise); the same result.
     """
 
     block_w: int = 64
@@ -105,18 +99,14 @@ class MgpuTuning:
     converters: int = 1
     flashmla_regs: tuple[int, int] = (216, 144)
     stage_slots: bool = True
-    qk_ahead: bool = False
-    early_gather: bool = False
 
     def __post_init__(self):
         if self.design not in ("exchange", "flashmla"):
             raise ValueError(f"design={self.design!r} must be 'exchange' or 'flashmla'")
         if self.converters not in (1, 2):
             raise ValueError(f"converters={self.converters} must be 1 or 2")
-        if self.design != "flashmla" and (self.converters != 1 or not self.stage_slots
-                                          or self.qk_ahead or self.early_gather):
-            raise ValueError(f"converters={self.converters}, stage_slots={self.stage_slots}, "
-                             f"qk_ahead={self.qk_ahead}, early_gather={self.early_gather}: "
+        if self.design != "flashmla" and (self.converters != 1 or not self.stage_slots):
+            raise ValueError(f"converters={self.converters}, stage_slots={self.stage_slots}: "
                              f"fields of design='flashmla' (design={self.design!r})")
         if self.converters == 2:
             check_register_budgets(2, self.flashmla_regs[1], self.flashmla_regs[0])

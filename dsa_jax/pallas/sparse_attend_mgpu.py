@@ -337,8 +337,7 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
 
 def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_ref,
                      zero_ref, o_ref, m_ref, l_ref, *, c: int, block_w: int, tiles: int,
-                     converters: int, stage_slots: bool, regs: tuple[int, int],
-                     qk_ahead: bool = False, early_gather: bool = False):
+                     converters: int, stage_slots: bool, regs: tuple[int, int]):
     """`MgpuTuning(design="flashmla")`: one (head block, split, row) CTA with FlashMLA's
     division of the work, so the conversion runs beside the dots:
 
@@ -353,9 +352,6 @@ def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_
       the rows in flight; `regs`: the setmaxnreg budgets of warpgroup 0 and the others).
     * stage_slots: the split's slot indices are bulk-copied to shared memory once, so neither
       the gather nor the logit mask waits on a global load per tile.
-    * qk_ahead: warpgroup 0 keeps two accumulators in flight: tile t + 1's logits are issued
-      behind tile t's P @ V, and only P @ V is waited for before the tile is released.
-    * early_gather: the converters issue their first tiles' loads before converting tile 0.
 
     No producer warpgroup and no fp8 staging: Q (64 KiB), two f16 tiles (128 KiB), P and the
     slots fit in shared memory. Argument shapes as `_kernel` (q f16, already scaled)."""
@@ -412,8 +408,19 @@ def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_
             wait_slots()
             logit_scale = scales_ref[0] * rscale_ref[row] * _LOG2E  # log2 units: exp2
 
-            def softmax_p(t, m, l, logits):  # -> m_new, l, alpha, p16; P and stats published
+            def tile(t, carry):
+                m, l, acc = carry  # [64], [64], [64, half]
+                s = lax.rem(t, 2)
                 valid = load(tile_slots(t, 0, block_w), plgpu.Layout.WGMMA.reduce(0)) >= 0
+                plgpu.barrier_wait(full.at[s])
+
+                def qk(acc_ref):
+                    for hh in range(2):
+                        plgpu.wgmma(acc_ref, q16.at[hh],
+                                    plgpu.transpose_ref(kv16.at[s, hh], (1, 0)))
+                    return acc_ref[...]
+
+                logits = pl.run_scoped(qk, plgpu.ACC((HEADS_PER_CTA, block_w), jnp.float32))
                 logits = jnp.where(lax.broadcast_in_dim(valid, logits.shape, [1]),
                                    logits * logit_scale, -jnp.inf)  # [64, BW]
                 m_new = jnp.maximum(m, logits.max(axis=1))
@@ -431,21 +438,6 @@ def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_
                 stats.at[1][...] = l
                 plgpu.commit_smem()  # P visible to the converters' wgmma
                 plgpu.barrier_arrive(p_full)
-                return m_new, l, alpha, p16
-
-            def tile(t, carry):
-                m, l, acc = carry  # [64], [64], [64, half]
-                s = lax.rem(t, 2)
-                plgpu.barrier_wait(full.at[s])
-
-                def qk(acc_ref):
-                    for hh in range(2):
-                        plgpu.wgmma(acc_ref, q16.at[hh],
-                                    plgpu.transpose_ref(kv16.at[s, hh], (1, 0)))
-                    return acc_ref[...]
-
-                logits = pl.run_scoped(qk, plgpu.ACC((HEADS_PER_CTA, block_w), jnp.float32))
-                m_new, l, alpha, p16 = softmax_p(t, m, l, logits)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
                 def pv(acc_ref):
@@ -455,69 +447,11 @@ def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_
                 plgpu.barrier_arrive(free.at[s])
                 return m_new, l, acc
 
-            def _softmax_ahead(m0, l0, a0, sacc, oacc):
-                # sacc [64, BW] f32: the next tile's logits; oacc [64, half] f32: P @ V of
-                # this warpgroup's columns. Per tile: wait for everything in flight (tile t's
-                # logits, tile t - 1's P @ V), release tile t - 1, the softmax, then issue
-                # tile t + 1's logits and tile t's P @ V together (one wait per tile, not
-                # two). The accumulators are written only while no wgmma is in flight, and no
-                # wgmma sits under a branch (ptxas serializes every wgmma otherwise: call 1
-                # and 2 of the twelfth session): tile 0's logits are issued unconditionally
-                # (the converters store tile 0 even for an empty split), the last tile peeled.
-                zero_s = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA, block_w), jnp.float32),
-                                           plgpu.Layout.WGMMA)
-
-                def issue_qk(t):  # tile t's logits into sacc (zeroed here), not waited for
-                    sacc[...] = zero_s
-                    s = lax.rem(t, 2)
-                    plgpu.barrier_wait(full.at[s])
-                    for hh in range(2):
-                        plgpu.wgmma(sacc, q16.at[hh],
-                                    plgpu.transpose_ref(kv16.at[s, hh], (1, 0)))
-
-                def softmax_tile(t, m, l):  # after the wait: tile t's softmax, P published
-                    logits = sacc[...]  # waits for every wgmma in flight
-                    pl.when(t > 0)(lambda: plgpu.barrier_arrive(free.at[lax.rem(t + 1, 2)]))
-                    m_new, l, alpha, p16 = softmax_p(t, m, l, logits)
-                    oacc[...] = oacc[...] * lax.broadcast_in_dim(alpha, (HEADS_PER_CTA, half),
-                                                                 [0])
-                    return m_new, l, p16
-
-                def tile_ahead(t, carry):  # t < n_tiles - 1
-                    m, l, p16 = softmax_tile(t, *carry)
-                    issue_qk(t + 1)
-                    plgpu.wgmma(oacc, p16, kv16.at[lax.rem(t, 2), 0])
-                    return m, l
-
-                def last(m, l):
-                    t = n_tiles - 1
-                    m, l, p16 = softmax_tile(t, m, l)
-                    plgpu.wgmma(oacc, p16, kv16.at[lax.rem(t, 2), 0])
-                    plgpu.wgmma_wait(0)
-                    plgpu.barrier_arrive(free.at[lax.rem(t, 2)])
-                    return m, l
-
-                def empty(m, l):
-                    plgpu.wgmma_wait(0)  # tile 0's logits, issued for nothing
-                    return m, l
-
-                oacc[...] = a0
-                issue_qk(0)
-                carry = lax.fori_loop(0, n_tiles - 1, tile_ahead, (m0, l0))
-                m, l = lax.cond(n_tiles > 0, last, empty, *carry)
-                return m, l, oacc[...]
-
             m0 = plgpu.layout_cast(jnp.full((HEADS_PER_CTA,), _M_INIT, jnp.float32), row_layout)
             l0 = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA,), jnp.float32), row_layout)
             a0 = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA, half), jnp.float32),
                                    plgpu.Layout.WGMMA)
-            if qk_ahead:
-                m, l, acc = pl.run_scoped(
-                    functools.partial(_softmax_ahead, m0, l0, a0),
-                    plgpu.ACC((HEADS_PER_CTA, block_w), jnp.float32),
-                    plgpu.ACC((HEADS_PER_CTA, half), jnp.float32))
-            else:
-                m, l, acc = lax.fori_loop(0, n_tiles, tile, (m0, l0, a0))
+            m, l, acc = lax.fori_loop(0, n_tiles, tile, (m0, l0, a0))
             finish(acc, l, pl.ds(0, half))
             m_ref.at[row, split, heads][...] = m * (1.0 / _LOG2E)
             l_ref.at[row, split, heads][...] = l
@@ -545,17 +479,9 @@ def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_
                 plgpu.commit_smem()  # the f16 rows visible to the wgmma
                 plgpu.barrier_arrive(full.at[s])
 
-            # With qk_ahead, warpgroup 0 waits for tile 0 even in an empty split (its rows
-            # are then empty slots: zeros, nothing read).
-            put0 = (lambda rows: put(rows, 0)) if qk_ahead else (
-                lambda rows: pl.when(n_tiles > 0)(lambda: put(rows, 0)))
-            if early_gather:  # tiles 0 .. ahead's loads all issued before tile 0 is stored
-                first_rows = gather_tile(0)
-                held0 = tuple(gather_tile(1 + i) for i in range(ahead))
-                put0(first_rows)
-            else:
-                put0(gather_tile(0))
-                held0 = None
+            @pl.when(n_tiles > 0)
+            def _():
+                put(gather_tile(0), 0)
 
             def tile(t, carry):
                 *held, l, acc = carry  # tiles t + 1 .. t + ahead's rows; [64]; [64, cols]
@@ -581,9 +507,7 @@ def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_
             l0 = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA,), jnp.float32), row_layout)
             a0 = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA, cols), jnp.float32),
                                    plgpu.Layout.WGMMA)
-            if held0 is None:
-                held0 = tuple(gather_tile(1 + i) for i in range(ahead))
-            init = (*held0, l0, a0)
+            init = (*(gather_tile(1 + i) for i in range(ahead)), l0, a0)
             *_, l, acc = lax.fori_loop(0, n_tiles, tile, init)
             finish(acc, l, pl.ds(half + g * cols, cols))
 
@@ -646,8 +570,7 @@ def sparse_attend_mgpu_partials(scales, q_scales, live, q, slots, latent_flat, *
         kernel = functools.partial(
             _flashmla_kernel, c=c, block_w=tuning.block_w, tiles=tiles,
             converters=tuning.converters, stage_slots=tuning.stage_slots,
-            regs=tuning.flashmla_regs, qk_ahead=tuning.qk_ahead,
-            early_gather=tuning.early_gather)
+            regs=tuning.flashmla_regs)
         return plgpu.kernel(
             kernel, out_type=out_type, grid=(hp // HEADS_PER_CTA, splits, n),
             grid_names=("h", "s", "r"), num_threads=1 + tuning.converters, thread_name="wg",
