@@ -68,21 +68,14 @@ MOSAIC_VARIANTS = {
     "mosaic-flashmla": dict(design="flashmla"),
     "mosaic-flashmla-noslots": dict(design="flashmla", stage_slots=False),
     "mosaic-flashmla-c2": dict(design="flashmla", converters=2),
-    # The split merge's blocks (twelfth session; the library's default since: 8192 elements,
-    # 4 warps; 1024 is the old 32 columns at 2 splits). Another block may contract another
-    # product into an FMA: their equality to the base is recorded, not required (MERGE).
-    "mosaic-flashmla-m1024": dict(design="flashmla", merge_elements=1024),
-    "mosaic-flashmla-m4096": dict(design="flashmla", merge_elements=4096),
-    "mosaic-flashmla-m8192w8": dict(design="flashmla", merge_warps=8),
-    "mosaic-flashmla-m16384w8": dict(design="flashmla", merge_elements=16384, merge_warps=8),
+    # The twelfth session's merge blocks ("mosaic-flashmla-m1024" .. "-m16384w8": the split
+    # merge's elements per program and warps) were measured and removed (git history: 338c717).
     # The twelfth session's "mosaic-flashmla-qk" (qk_ahead: the next tile's logits issued
     # beside P @ V) and "-qk-eg" (early_gather) were measured and removed (git history: fcba627).
     # Call 3 timed an L2 prefetch of the rows (prefetch=1: 64x1 60.6 vs 46.2 us; in git
     # history, removed).
 }
 # `--group mosaic` (run 9, ~90 s in one process): the default and these, the GLM case each.
-MERGE = ("mosaic-flashmla-m1024", "mosaic-flashmla-m4096", "mosaic-flashmla-m8192w8",
-         "mosaic-flashmla-m16384w8")
 QUICK = ("mosaic-producer-r88", "mosaic-producer-pingpong-r88")
 # Variants whose fp32 sums run in another order than the default's: checked against the
 # bound, their bitwise equality to the default recorded but not required.
@@ -99,8 +92,8 @@ P_VARIANTS = ("triton-default", "mosaic-default", "mosaic-producer-r88", "mosaic
 def variants(group: str, only: tuple[str, ...] = (), base: str = "mosaic-default"):
     """name -> (sparse_attend_pallas kwargs, operand dtype for the bound); `only`: the
     default and these of the group's variants (all when empty). base: the mosaic groups'
-    first variant, whose output the others must equal bitwise (unless REORDERED, or MERGE
-    with another base)."""
+    first variant, whose output the others must equal bitwise (unless REORDERED with the
+    default base)."""
     from dsa_jax.pallas import sparse_attend as sa
     from dsa_jax.pallas import sparse_attend_mgpu as mg
 
@@ -146,7 +139,7 @@ def run_group(group: str, out_path: str, shapes: str, only: tuple[str, ...] = ()
             json.dump(res, f, indent=1, default=str)
 
     vs = variants(group, only, base)
-    reordered = MERGE if base != "mosaic-default" else REORDERED
+    reordered = () if base != "mosaic-default" else REORDERED
     if group == "mosaic-smoke":  # one small case first: a hung kernel costs little here
         shapes = ""
     # Every variant on the same inputs, its output `==` the default's (the same f16 operands
@@ -231,7 +224,7 @@ def main():
                     "groups' variants beside the default (run 10: the pingpong ones hung)")
     ap.add_argument("--base", default="mosaic-default", help="the mosaic groups' first "
                     "variant, which the others must equal bitwise unless REORDERED (with "
-                    "another base: unless MERGE)")
+                    "another base nothing is exempt)")
     a = ap.parse_args()
     if a.smoke:
         run_group("smoke", a.out, "s")

@@ -164,8 +164,6 @@ def test_tuning_errors_name_the_value():
                        (dict(design="flashmla", converters=3), "converters=3"),
                        (dict(converters=2), "design='flashmla'"),
                        (dict(stage_slots=False), "design='flashmla'"),
-                       (dict(merge_elements=3000), "merge_elements=3000"),
-                       (dict(merge_warps=6), "merge_warps=6"),
                        (dict(design="flashmla", converters=2, flashmla_regs=(232, 144)),
                         "wait forever")):
         with pytest.raises(ValueError, match=match):

@@ -92,29 +92,3 @@ def test_merge_kernel_lowers_for_cuda(splits, pad):
             jax.ShapeDtypeStruct((n, 4), f32))
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "custom_call @__gpu$xla.gpu.triton" in text
-
-
-@pytest.mark.parametrize("elems,warps", [(8192, 4), (2048, 8), (1024, 2), (65536, 4)])
-@pytest.mark.parametrize("s", [2, 5])
-def test_merge_kernel_block_shapes(elems, warps, s):
-    """Other blocks per program (`block_elements`, `num_warps`) merge the same partials within
-    the twin's bound (Cp = 384: at most 128 columns, the largest power of two dividing it).
-    Not bitwise one another: the compiler may contract another product into an FMA at
-    another block shape (interpret mode does, with two splits)."""
-    n, hp, cp = 3, 32, 384
-    o, m, l = _partials(n, s, hp, cp, seed=11 * s + warps)
-    got = np.asarray(merge_splits_pallas(o, m, l, interpret=True, block_elements=elems,
-                                         num_warps=warps))
-    want = np.asarray(merge_splits(o, m, l))
-    eps = np.finfo(np.float32).eps
-    bound = (2 * s + 4) * eps * np.abs(np.asarray(o)).max(axis=(1, 3))  # [N, Hp]
-    assert (np.abs(got - want) <= bound[:, :, None]).all()
-    assert (got[1] == 0).all()
-
-
-@pytest.mark.parametrize("bad", [dict(block_elements=3000), dict(num_warps=3),
-                                 dict(block_elements=0)])
-def test_merge_kernel_refuses_bad_blocks(bad):
-    o, m, l = _partials(2, 2, 16, 32, seed=3)
-    with pytest.raises(ValueError, match="powers of two"):
-        merge_splits_pallas(o, m, l, interpret=True, **bad)

@@ -26,10 +26,8 @@ from jax.experimental.pallas import triton as plt
 from dsa_jax.pallas.common import next_pow2
 
 HEADS_PER_PROGRAM = 16
-# The loaded block [S, 16, columns] f32: 8192 elements are 64 registers a thread at 4 warps
-# (16 splits: 32 columns; 2 splits: 256).
-BLOCK_ELEMENTS = 8192
-MIN_COLUMNS = 32
+# The accumulator block [S, 16, 32] f32 of up to 16 splits: 64 registers a thread at 4 warps.
+COLUMNS_PER_PROGRAM = 32
 
 
 def _merge_kernel(o_ref, m_ref, l_ref, *refs, splits: int, hb: int, cb: int, rows_in: int,
@@ -80,36 +78,26 @@ def _merge_kernel(o_ref, m_ref, l_ref, *refs, splits: int, hb: int, cb: int, row
 
 
 def merge_splits_pallas(o: jax.Array, m: jax.Array, l: jax.Array, *, interpret: bool = False,
-                        dtype=jnp.float32, pad: tuple[int, jax.Array] | None = None,
-                        block_elements: int = BLOCK_ELEMENTS, num_warps: int = 4
+                        dtype=jnp.float32, pad: tuple[int, jax.Array] | None = None
                         ) -> jax.Array:
     """`sparse_attend.merge_splits` as a kernel: o [N, S, Hp, Cp], m, l [N, S, Hp] f32 ->
     [N, Hp, Cp] `dtype` (0 where no split saw a valid slot; the fp32 merge rounded once).
-    Hp a multiple of 16 (the attend kernels' padded shapes).
+    Hp a multiple of 16; Cp a multiple of 32 or a power of two below it (the attend kernels'
+    padded shapes).
 
     pad: `(rows_in, fill)`, fill [B, Rt] f32 with `N = B * rows_in` and `Rt >= rows_in`: the N
     rows are each sequence's first `rows_in` rows, and the result is `[B * Rt, Hp, Cp]` with
     row r of sequence b at `b * Rt + r`: merged for `r < rows_in`, `fill[b, r]` after
-    (`padded_rows_jnp(merge_splits(o, m, l), ...)` in one pass).
-
-    block_elements: partial elements a program loads, `[S, 16 heads, columns]` with S the
-    splits padded to a power of two (a power of two: the columns are the largest power of two
-    within it that divides Cp, at least 32 where Cp allows): with few splits fewer, wider
-    programs, each with more loads in flight. num_warps: Triton's. Every program of one call
-    sums its splits in the same order."""
+    (`padded_rows_jnp(merge_splits(o, m, l), ...)` in one pass)."""
     n, splits, hp, cp = o.shape
     dtype = jnp.dtype(dtype)
     if splits == 1 and pad is None and dtype == jnp.float32:
         return o[:, 0]
     hb = HEADS_PER_PROGRAM
-    e = block_elements
-    if e < 1 or e & (e - 1) or num_warps < 1 or num_warps & (num_warps - 1):
-        raise ValueError(f"merge_splits_pallas: block_elements={e} and "
-                         f"num_warps={num_warps} must be powers of two")
-    cols = max(MIN_COLUMNS, e // (next_pow2(splits) * hb))
-    cb = min(cols, cp & -cp)  # a power of two dividing Cp
-    if hp % hb:
-        raise ValueError(f"merge_splits_pallas: heads {hp} must be a multiple of {hb}")
+    cb = COLUMNS_PER_PROGRAM if cp % COLUMNS_PER_PROGRAM == 0 else cp
+    if hp % hb or cb & (cb - 1):
+        raise ValueError(f"merge_splits_pallas: heads {hp} must be a multiple of {hb} and "
+                         f"columns {cp} a multiple of {COLUMNS_PER_PROGRAM} or a power of two")
     rows_in, extra = n, []
     rows_out = rows_in
     if pad is not None:
@@ -129,7 +117,7 @@ def merge_splits_pallas(o: jax.Array, m: jax.Array, l: jax.Array, *, interpret: 
         in_specs=[pl.BlockSpec()] * (3 + len(extra)),
         out_specs=pl.BlockSpec(),
         out_shape=jax.ShapeDtypeStruct((n // rows_in * rows_out, hp, cp), dtype),
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="merge_splits",
     )(o, m, l, *extra)

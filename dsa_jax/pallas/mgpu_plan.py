@@ -42,8 +42,6 @@ class MgpuTuning:
       64-head row stays in registers, read once).
     prep_per_sm: the "triton" prep's programs per multiprocessor, each looping over rows
       (0: one program per row).
-    merge_elements / merge_warps: the split merge kernel's elements loaded per program and
-      warps (`merge_splits.merge_splits_pallas`'s block_elements, num_warps).
     persistent: one CTA per multiprocessor, each looping over (row, split, head block) items
       with its pipeline running on across them (else one CTA per item). Measured slower
       (h200-attend-run6): an option, not the default.
@@ -92,8 +90,6 @@ class MgpuTuning:
     prep_heads: int = 64
     prep_warps: int = 16
     prep_per_sm: int = 0
-    merge_elements: int = 8192
-    merge_warps: int = 4
     persistent: bool = False
     convert: str = "consumer"
     gather_ahead: bool = False
@@ -140,10 +136,6 @@ class MgpuTuning:
             raise ValueError(f"prep_heads={self.prep_heads} must be a power of two")
         if self.prep_per_sm < 0:
             raise ValueError(f"prep_per_sm={self.prep_per_sm} must be >= 0")
-        for name in ("merge_elements", "merge_warps"):
-            v = getattr(self, name)
-            if v < 1 or v & (v - 1):
-                raise ValueError(f"{name}={v} must be a power of two")
         if self.block_w not in (64, 128):
             raise ValueError(f"block_w={self.block_w} must be 64 or 128 (the conversion works "
                              f"on 64-row tiles)")
