@@ -23,6 +23,7 @@ seconds (Triton interpreted at tiny shapes, the prep kernel interpreted).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -31,6 +32,7 @@ import tempfile
 import time
 import traceback
 
+from benchmarks import attend_diag
 from benchmarks import h200_attend_prep as attend_prep_diag
 from benchmarks.attend_checks import (
     CHECK_CASES,
@@ -40,6 +42,7 @@ from benchmarks.attend_checks import (
     check_inputs,
     time_shape,
 )
+from benchmarks.attend_diag import DIAGNOSTICS
 
 # MgpuTuning fields of the prep group's variants beside the default (run 7 ran with the jnp
 # prep as "mosaic-default" and the Triton prep, now the default, as "mosaic-prep-h64-w16").
@@ -114,6 +117,9 @@ def variants(group: str, only: tuple[str, ...] = (), base: str = "mosaic-default
         mos.update({k: mg.MgpuTuning(**v) for k, v in MOSAIC_VARIANTS.items()
                     if (group != "mosaic" or k in QUICK) and (not only or k in only)
                     and k != base})
+    # attend_diag's timing-only converters, on the base's tuning (asked for by name only)
+    if group == "mosaic-all":
+        mos.update({k: mos[next(iter(mos))] for k in DIAGNOSTICS if k in only})
     # mosaic_prompt=None: each variant's tiles on every shape, the prompt chunk "p" included
     # (the library runs mosaic-producer-r88's tiles there by default since 20261201-s5).
     return {k: (dict(tuning=sa.AttendTuning(backend="mosaic", mosaic=t, mosaic_prompt=None)),
@@ -164,43 +170,48 @@ def run_group(group: str, out_path: str, shapes: str, only: tuple[str, ...] = ()
         for diag in diags:
             time_row(f"diag-{diag}", dict(diag=diag), key)
     for name, (kw, op) in vs.items():
-        cases = CHECK_CASES if group in ("mosaic-all", "prep") else CHECK_CASES[:1]
-        if group == "mosaic-all" and name not in FULL_CHECKS:
-            cases = CHECK_CASES[:1] if name in ONE_CHECK else CHECK_CASES[:3]
-        if group in ("mosaic-smoke", "smoke"):
-            cases = CHECK_CASES[2:3]
-        for i, case in enumerate(cases):
-            try:
-                if shared is None:
-                    row = check_case(name, kw, op, case, seed=1000 + 17 * i + len(name))
-                else:  # the same inputs for every variant: their outputs compared bitwise
-                    row = check_case(name, kw, op, case, seed=1000 + 17 * i, shared=shared[i],
-                                     reordered=reordered)
-            except Exception as e:
-                row = {"variant": name, "case": case_label(case), "ok": False,
-                       "error": f"{type(e).__name__}: {str(e)[:400]}"}
-                res["errors"].append(traceback.format_exc()[-1500:])
-            res["checks"].append(row)
-            print(json.dumps(row), flush=True)
-            dump()
-        if (group == "prep" and kw["tuning"].mosaic.prep == "triton") or group == "smoke":
-            try:
-                rows = attend_prep_diag.prep_bitwise(
-                    name, mg.MgpuTuning(prep="triton", prep_per_sm=1) if group == "smoke"
-                    else kw["tuning"].mosaic, check_inputs, interpret=group == "smoke")
-            except Exception as e:
-                rows = [{"variant": name, "case": "prep-bitwise", "ok": False,
-                         "error": f"{type(e).__name__}: {str(e)[:400]}"}]
-                res["errors"].append(traceback.format_exc()[-1500:])
-            for row in rows:
+        diag = name in DIAGNOSTICS  # timing only: a patched converter, wrong outputs
+        with attend_diag.patched(name) if diag else contextlib.nullcontext():
+            cases = CHECK_CASES if group in ("mosaic-all", "prep") else CHECK_CASES[:1]
+            if group == "mosaic-all" and name not in FULL_CHECKS:
+                cases = CHECK_CASES[:1] if name in ONE_CHECK else CHECK_CASES[:3]
+            if group in ("mosaic-smoke", "smoke"):
+                cases = CHECK_CASES[2:3]
+            if diag:  # wrong by design: one case, to record it (and compile before timing)
+                cases = CHECK_CASES[2:3]
+            for i, case in enumerate(cases):
+                try:
+                    if shared is None:
+                        row = check_case(name, kw, op, case, seed=1000 + 17 * i + len(name))
+                    else:  # the same inputs for every variant: their outputs compared bitwise
+                        row = check_case(name, kw, op, case, seed=1000 + 17 * i, shared=shared[i],
+                                         reordered=reordered)
+                except Exception as e:
+                    row = {"variant": name, "case": case_label(case), "ok": False,
+                           "error": f"{type(e).__name__}: {str(e)[:400]}"}
+                    res["errors"].append(traceback.format_exc()[-1500:])
                 res["checks"].append(row)
                 print(json.dumps(row), flush=True)
-            dump()
-        if variant_major and not (group == "mosaic" and name == base):
-            for key in shapes:  # checked, then timed: a later variant that hangs costs itself
-                if key == "p" and group.startswith("mosaic") and name not in P_VARIANTS:
-                    continue
-                time_row(name, kw, key)
+                dump()
+            if (group == "prep" and kw["tuning"].mosaic.prep == "triton") or group == "smoke":
+                try:
+                    rows = attend_prep_diag.prep_bitwise(
+                        name, mg.MgpuTuning(prep="triton", prep_per_sm=1) if group == "smoke"
+                        else kw["tuning"].mosaic, check_inputs, interpret=group == "smoke")
+                except Exception as e:
+                    rows = [{"variant": name, "case": "prep-bitwise", "ok": False,
+                             "error": f"{type(e).__name__}: {str(e)[:400]}"}]
+                    res["errors"].append(traceback.format_exc()[-1500:])
+                for row in rows:
+                    res["checks"].append(row)
+                    print(json.dumps(row), flush=True)
+                dump()
+            if variant_major and not (group == "mosaic" and name == base):
+                for key in shapes:  # checked, then timed: a later variant that hangs costs itself
+                    if (key == "p" and group.startswith("mosaic") and name not in P_VARIANTS
+                        and not diag):
+                        continue
+                    time_row(name, kw, key)
     if group == "mosaic":  # the default timed last: runs 4-7 measured it already
         for key in shapes:
             time_row(base, vs[base][0], key)
