@@ -71,6 +71,9 @@ MOSAIC_VARIANTS = {
     "mosaic-flashmla": dict(design="flashmla"),
     "mosaic-flashmla-noslots": dict(design="flashmla", stage_slots=False),
     "mosaic-flashmla-c2": dict(design="flashmla", converters=2),
+    # pv_behind (twelfth session; lowered on the CPU, not yet run on a GPU): the softmax
+    # beside the previous tile's P @ V. Bitwise the base's expected (same arithmetic).
+    "mosaic-flashmla-pvb": dict(design="flashmla", pv_behind=True),
     # The twelfth session's merge blocks ("mosaic-flashmla-m1024" .. "-m16384w8": the split
     # merge's elements per program and warps) were measured and removed (git history: 338c717).
     # The twelfth session's "mosaic-flashmla-qk" (qk_ahead: the next tile's logits issued
@@ -86,10 +89,12 @@ REORDERED = ("mosaic-producer-full", "mosaic-producer-pingpong", "mosaic-produce
              "mosaic-flashmla", "mosaic-flashmla-noslots", "mosaic-flashmla-c2")
 # `--group mosaic-all`: these on every case, the others on 3 (ONE_CHECK: 1).
 FULL_CHECKS = ("mosaic-default", "mosaic-producer-r88", "mosaic-producer-pingpong-r88",
-               "mosaic-flashmla", "mosaic-flashmla-noslots", "mosaic-flashmla-c2")
+               "mosaic-flashmla", "mosaic-flashmla-noslots", "mosaic-flashmla-c2",
+               "mosaic-flashmla-pvb")
 ONE_CHECK = ("mosaic-producer-ahead",)
 P_VARIANTS = ("triton-default", "mosaic-default", "mosaic-producer-r88", "mosaic-flashmla",
-              "mosaic-flashmla-noslots", "mosaic-flashmla-c2")  # also timed on "p"
+              "mosaic-flashmla-noslots", "mosaic-flashmla-c2",
+              "mosaic-flashmla-pvb")  # also timed on "p"
 
 
 def variants(group: str, only: tuple[str, ...] = (), base: str = "mosaic-default"):

@@ -337,7 +337,8 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
 
 def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_ref,
                      zero_ref, o_ref, m_ref, l_ref, *, c: int, block_w: int, tiles: int,
-                     converters: int, stage_slots: bool, regs: tuple[int, int]):
+                     converters: int, stage_slots: bool, regs: tuple[int, int],
+                     pv_behind: bool = False):
     """`MgpuTuning(design="flashmla")`: one (head block, split, row) CTA with FlashMLA's
     division of the work, so the conversion runs beside the dots:
 
@@ -352,6 +353,8 @@ def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_
       the rows in flight; `regs`: the setmaxnreg budgets of warpgroup 0 and the others).
     * stage_slots: the split's slot indices are bulk-copied to shared memory once, so neither
       the gather nor the logit mask waits on a global load per tile.
+    * pv_behind (`MgpuTuning.pv_behind`): warpgroup 0 runs tile t's softmax while its P @ V of
+      tile t - 1 is still in flight (see `_pv_behind_loop`).
 
     No producer warpgroup and no fp8 staging: Q (64 KiB), two f16 tiles (128 KiB), P and the
     slots fit in shared memory. Argument shapes as `_kernel` (q f16, already scaled)."""
@@ -408,19 +411,7 @@ def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_
             wait_slots()
             logit_scale = scales_ref[0] * rscale_ref[row] * _LOG2E  # log2 units: exp2
 
-            def tile(t, carry):
-                m, l, acc = carry  # [64], [64], [64, half]
-                s = lax.rem(t, 2)
-                valid = load(tile_slots(t, 0, block_w), plgpu.Layout.WGMMA.reduce(0)) >= 0
-                plgpu.barrier_wait(full.at[s])
-
-                def qk(acc_ref):
-                    for hh in range(2):
-                        plgpu.wgmma(acc_ref, q16.at[hh],
-                                    plgpu.transpose_ref(kv16.at[s, hh], (1, 0)))
-                    return acc_ref[...]
-
-                logits = pl.run_scoped(qk, plgpu.ACC((HEADS_PER_CTA, block_w), jnp.float32))
+            def softmax(t, valid, m, l, logits):  # -> m, l, alpha, p16; P and stats published
                 logits = jnp.where(lax.broadcast_in_dim(valid, logits.shape, [1]),
                                    logits * logit_scale, -jnp.inf)  # [64, BW]
                 m_new = jnp.maximum(m, logits.max(axis=1))
@@ -438,6 +429,22 @@ def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_
                 stats.at[1][...] = l
                 plgpu.commit_smem()  # P visible to the converters' wgmma
                 plgpu.barrier_arrive(p_full)
+                return m_new, l, alpha, p16
+
+            def tile(t, carry):
+                m, l, acc = carry  # [64], [64], [64, half]
+                s = lax.rem(t, 2)
+                valid = load(tile_slots(t, 0, block_w), plgpu.Layout.WGMMA.reduce(0)) >= 0
+                plgpu.barrier_wait(full.at[s])
+
+                def qk(acc_ref):
+                    for hh in range(2):
+                        plgpu.wgmma(acc_ref, q16.at[hh],
+                                    plgpu.transpose_ref(kv16.at[s, hh], (1, 0)))
+                    return acc_ref[...]
+
+                logits = pl.run_scoped(qk, plgpu.ACC((HEADS_PER_CTA, block_w), jnp.float32))
+                m_new, l, alpha, p16 = softmax(t, valid, m, l, logits)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
                 def pv(acc_ref):
@@ -447,11 +454,77 @@ def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_
                 plgpu.barrier_arrive(free.at[s])
                 return m_new, l, acc
 
+            def _pv_behind_loop(m0, l0, a0, sacc, oacc):
+                # sacc [64, BW] f32: a tile's logits; oacc [64, half] f32: P @ V of this
+                # warpgroup's columns. Tile t: wait for its logits only (the two QK groups;
+                # tile t - 1's P @ V, issued after them, flies on), its softmax, then wait for
+                # that P @ V, release tile t - 1's buffer, rescale, issue tile t + 1's logits and
+                # tile t's P @ V. The same arithmetic in the same order as `tile`. Written so
+                # that ptxas need not serialize the wgmmas (twelfth session, benchmarks/notes.md):
+                # no wgmma under a branch (tile 0's logits issued unconditionally: the
+                # converters store tile 0 of an empty split too; the last tile peeled) and no
+                # accumulator written while a wgmma is in flight.
+                zero_s = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA, block_w), jnp.float32),
+                                           plgpu.Layout.WGMMA)
+
+                def issue_qk(t):
+                    sacc[...] = zero_s
+                    s = lax.rem(t, 2)
+                    plgpu.barrier_wait(full.at[s])
+                    for hh in range(2):
+                        plgpu.wgmma(sacc, q16.at[hh],
+                                    plgpu.transpose_ref(kv16.at[s, hh], (1, 0)))
+
+                def softmax_behind(t, m, l):  # tile t's softmax beside P @ V of t - 1
+                    valid = load(tile_slots(t, 0, block_w), plgpu.Layout.WGMMA.reduce(0)) >= 0
+
+                    @pl.when(t == 0)
+                    def _():
+                        plgpu.wgmma_wait(0)  # only tile 0's logits fly
+
+                    logits = plgpu.wgmma_accumulator_load(sacc, wait_n=1)
+                    m, l, alpha, p16 = softmax(t, valid, m, l, logits)
+                    plgpu.wgmma_wait(0)  # P @ V of tile t - 1 retired
+                    pl.when(t > 0)(lambda: plgpu.barrier_arrive(free.at[lax.rem(t + 1, 2)]))
+                    oacc[...] = oacc[...] * lax.broadcast_in_dim(alpha, (HEADS_PER_CTA, half),
+                                                                 [0])
+                    return m, l, p16
+
+                def step(t, carry):  # t < n_tiles - 1
+                    m, l, p16 = softmax_behind(t, *carry)
+                    issue_qk(t + 1)
+                    plgpu.wgmma(oacc, p16, kv16.at[lax.rem(t, 2), 0])
+                    return m, l
+
+                def last(m, l):
+                    t = n_tiles - 1
+                    m, l, p16 = softmax_behind(t, m, l)
+                    plgpu.wgmma(oacc, p16, kv16.at[lax.rem(t, 2), 0])
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(free.at[lax.rem(t, 2)])
+                    return m, l
+
+                def empty(m, l):
+                    plgpu.wgmma_wait(0)  # tile 0's logits, issued for nothing
+                    return m, l
+
+                oacc[...] = a0
+                issue_qk(0)
+                carry = lax.fori_loop(0, n_tiles - 1, step, (m0, l0))
+                m, l = lax.cond(n_tiles > 0, last, empty, *carry)
+                return m, l, oacc[...]
+
             m0 = plgpu.layout_cast(jnp.full((HEADS_PER_CTA,), _M_INIT, jnp.float32), row_layout)
             l0 = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA,), jnp.float32), row_layout)
             a0 = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA, half), jnp.float32),
                                    plgpu.Layout.WGMMA)
-            m, l, acc = lax.fori_loop(0, n_tiles, tile, (m0, l0, a0))
+            if pv_behind:
+                m, l, acc = pl.run_scoped(
+                    functools.partial(_pv_behind_loop, m0, l0, a0),
+                    plgpu.ACC((HEADS_PER_CTA, block_w), jnp.float32),
+                    plgpu.ACC((HEADS_PER_CTA, half), jnp.float32))
+            else:
+                m, l, acc = lax.fori_loop(0, n_tiles, tile, (m0, l0, a0))
             finish(acc, l, pl.ds(0, half))
             m_ref.at[row, split, heads][...] = m * (1.0 / _LOG2E)
             l_ref.at[row, split, heads][...] = l
@@ -479,9 +552,12 @@ def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_
                 plgpu.commit_smem()  # the f16 rows visible to the wgmma
                 plgpu.barrier_arrive(full.at[s])
 
-            @pl.when(n_tiles > 0)
-            def _():
+            # pv_behind: warpgroup 0 waits for tile 0 even in an empty split (its rows are then
+            # empty slots: zeros, nothing read).
+            if pv_behind:
                 put(gather_tile(0), 0)
+            else:
+                pl.when(n_tiles > 0)(lambda: put(gather_tile(0), 0))
 
             def tile(t, carry):
                 *held, l, acc = carry  # tiles t + 1 .. t + ahead's rows; [64]; [64, cols]
@@ -570,7 +646,7 @@ def sparse_attend_mgpu_partials(scales, q_scales, live, q, slots, latent_flat, *
         kernel = functools.partial(
             _flashmla_kernel, c=c, block_w=tuning.block_w, tiles=tiles,
             converters=tuning.converters, stage_slots=tuning.stage_slots,
-            regs=tuning.flashmla_regs)
+            regs=tuning.flashmla_regs, pv_behind=tuning.pv_behind)
         return plgpu.kernel(
             kernel, out_type=out_type, grid=(hp // HEADS_PER_CTA, splits, n),
             grid_names=("h", "s", "r"), num_threads=1 + tuning.converters, thread_name="wg",
