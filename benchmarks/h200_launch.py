@@ -91,7 +91,10 @@ def child(variant: str, shapes=None) -> list[dict]:
                 t = measure(r, warmup=3, groups=plan.groups, inner=plan.inner, reset=r.reset)
                 row["step_us"] = t["median_us"]
                 row["step_p10_us"], row["step_p90_us"] = t["p10_us"], t["p90_us"]
-                prof = profile_step(r, 20, top=0)
+                # Traced steps stay within the context the runner starts `plan.inner` steps
+                # below (as the bench's): 20 ran 10 past max_context, whose rows then go
+                # past their promise (NaN), and traced too much kernel time (call 3, 20261202).
+                prof = profile_step(r, max(1, plan.inner - 2), top=0)
                 row["kernel_us"] = prof.get("kernel_us_per_step")
                 row["launches"] = prof.get("launches_per_step")
                 row["idle_us"] = row["step_us"] - (row["kernel_us"] or 0.0)
