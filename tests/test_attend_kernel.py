@@ -395,3 +395,32 @@ def test_flashmla_slot_staging_refuses_past_shared_memory():
     text = jax.jit(fn(mg.MgpuTuning(design="flashmla", stage_slots=False))).trace(
         *args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 1
+
+
+@pytest.mark.parametrize("name", ["diag-noload", "diag-nostore"])
+def test_attend_diagnostics_lower_and_restore_the_gather(name):
+    """benchmarks/attend_diag.py's timing-only converters lower for CUDA inside their patch,
+    the lowering differs from the library's kernel, and the patch leaves `mgpu_gather` as it
+    was (a diagnostic never reaches a later variant)."""
+    from benchmarks import attend_diag
+
+    f32, i32 = jnp.float32, jnp.int32
+    args = (jax.ShapeDtypeStruct((1, 2, 64, 512), f32),
+            jax.ShapeDtypeStruct((30, 16, 512), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((), f32), jax.ShapeDtypeStruct((1, 30), i32),
+            jax.ShapeDtypeStruct((1, 2, 150), i32))
+
+    def lowered():  # a new function each time, as h200_attend's are: no cached trace
+        fn = functools.partial(sa.sparse_attend_pallas, softmax_scale=0.1, num_splits=2,
+                               tuning=sa.AttendTuning("mosaic"))
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    before = (mgpu_gather.make_gather, mgpu_gather.make_store)
+    plain = lowered()
+    with attend_diag.patched(name):
+        diag = lowered()
+    assert (mgpu_gather.make_gather, mgpu_gather.make_store) == before
+    assert diag.count("custom_call @mosaic_gpu") == 1 and diag != plain
+    with pytest.raises(ValueError, match="unknown diagnostic"), attend_diag.patched("diag-x"):
+        pass
+    assert (mgpu_gather.make_gather, mgpu_gather.make_store) == before
