@@ -63,15 +63,15 @@ def kernel_only(b, r, h, w, tables):
     tiles = -(-tiles_all // splits)
     prep = jax.jit(functools.partial(sa.mosaic_inputs_jnp, block_size=64, hp=hp,
                                      wp=splits * tiles * t.block_w))
-    kern = jax.jit(lambda scales, up, down, live, q16, slots, lat: mg.sparse_attend_mgpu_partials(
-        scales, (up, down), live, q16, slots, lat.reshape(-1, 512), splits=splits,
-        tiles=tiles, tuning=t))
+    kern = jax.jit(lambda kv, up, down, live, q16, slots, lat: mg.sparse_attend_mgpu_partials(
+        kv, (up, down), live, q16, slots, lat.reshape(-1, 512), softmax_scale=1 / 16,
+        splits=splits, tiles=tiles, tuning=t))
     memo = {}
 
     def fn(q, lat, kv, tables_, sel):
         if id(q) not in memo:
             q16, up, down, slots, live = prep(q.reshape(n, h, 512), sel, tables_)
-            memo[id(q)] = (jax.numpy.stack([kv / 16, kv]), up, down, live, q16, slots)
+            memo[id(q)] = (kv, up, down, live, q16, slots)
         return kern(*memo[id(q)], lat)
 
     fn.parts = (prep, kern)  # for a lowering check off the GPU

@@ -256,6 +256,17 @@ def _trace_events(call: Callable[[], Any], calls: int) -> list[dict]:
 trace_events = _trace_events
 
 
+def trace_names(ev: list[dict]) -> tuple[dict, dict, set]:
+    """A trace's process names {pid: name}, thread names {(pid, tid): name} and the pids of
+    its devices."""
+    procs = {e["pid"]: e.get("args", {}).get("name", "") for e in ev
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e.get("args", {}).get("name", "") for e in ev
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    dev = {pid for pid, name in procs.items() if "GPU" in name or "/device:" in name}
+    return procs, threads, dev
+
+
 def _busy_us(spans: list[tuple[float, float]]) -> float:
     """Time covered by the union of [start, end) spans."""
     spans = sorted(spans)
@@ -283,11 +294,7 @@ def profile(call: Callable[[], Any], calls: int, *, reset: Callable[[], None] | 
     if reset is not None:
         jax.block_until_ready(reset())
     ev = _trace_events(call, calls)
-    procs = {e["pid"]: e.get("args", {}).get("name", "") for e in ev
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    threads = {(e["pid"], e["tid"]): e.get("args", {}).get("name", "") for e in ev
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    dev = {pid for pid, name in procs.items() if "GPU" in name or "/device:" in name}
+    procs, threads, dev = trace_names(ev)
     dev_ev = [e for e in ev if e.get("ph") == "X" and e.get("pid") in dev]
     by_thread: dict = {}
     for e in dev_ev:

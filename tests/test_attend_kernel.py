@@ -164,7 +164,6 @@ def test_tuning_errors_name_the_value():
                        (dict(design="flashmla", converters=3), "converters=3"),
                        (dict(converters=2), "design='flashmla'"),
                        (dict(stage_slots=False), "design='flashmla'"),
-                       (dict(pv_behind=True), "design='flashmla'"),
                        (dict(design="flashmla", converters=2, flashmla_regs=(232, 144)),
                         "wait forever")):
         with pytest.raises(ValueError, match=match):
@@ -312,9 +311,7 @@ def test_mosaic_arithmetic_meets_the_f16_bound(splits, full_logits):
     mg.MgpuTuning(prep="triton", q_in_kernel=True), mg.MgpuTuning(convert="producer"),
     mg.MgpuTuning(convert="producer", gather_ahead=True, persistent=True),
     mg.MgpuTuning(convert="producer", full_logits=True, pingpong=True),
-    mg.MgpuTuning(design="flashmla"), mg.MgpuTuning(design="flashmla", stage_slots=False),
-    mg.MgpuTuning(design="flashmla", pv_behind=True),
-    mg.MgpuTuning(design="flashmla", pv_behind=True, stage_slots=False)])
+    mg.MgpuTuning(design="flashmla"), mg.MgpuTuning(design="flashmla", stage_slots=False)])
 def test_mosaic_variants_lower_for_cuda(tuning):
     """The Mosaic kernel cannot run here, but it lowers (Pallas -> Mosaic GPU MLIR) on any
     host: each variant traces and lowers at odd shapes (5 heads padded to 64, C = 384, a
@@ -334,8 +331,7 @@ def test_mosaic_variants_lower_for_cuda(tuning):
 @pytest.mark.parametrize("tuning", [mg.MgpuTuning(), mg.MgpuTuning(prep="jnp"),
                                     mg.MgpuTuning(q_in_kernel=True),
                                     mg.MgpuTuning(design="flashmla"),
-                                    mg.MgpuTuning(design="flashmla", converters=2),
-                                    mg.MgpuTuning(design="flashmla", pv_behind=True)])
+                                    mg.MgpuTuning(design="flashmla", converters=2)])
 def test_mosaic_decode_rows_lower_for_cuda(tuning):
     """A decode's attend (the first of 4 rows per sequence read in place by the prep, the
     padded block written by the merge kernel in bf16) lowers on any host, for each way the

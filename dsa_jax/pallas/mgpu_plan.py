@@ -75,11 +75,6 @@ class MgpuTuning:
     stage_slots: with design="flashmla", the split's slot indices are bulk-copied into shared
       memory once (tiles * block_w * 4 bytes), so no per-tile global load of them sits in the
       gather's or the mask's path.
-    pv_behind: with design="flashmla", warpgroup 0 runs each tile's softmax while its P @ V
-      of the previous tile is still in flight (the next logits and this P @ V issued
-      together; only the logits waited for before the softmax). The same arithmetic in the
-      same order. Lowered on the CPU only: not yet compiled or run on a GPU (benchmarks/
-      notes.md, twelfth session).
     """
 
     block_w: int = 64
@@ -104,18 +99,15 @@ class MgpuTuning:
     converters: int = 1
     flashmla_regs: tuple[int, int] = (216, 144)
     stage_slots: bool = True
-    pv_behind: bool = False
 
     def __post_init__(self):
         if self.design not in ("exchange", "flashmla"):
             raise ValueError(f"design={self.design!r} must be 'exchange' or 'flashmla'")
         if self.converters not in (1, 2):
             raise ValueError(f"converters={self.converters} must be 1 or 2")
-        if self.design != "flashmla" and (self.converters != 1 or not self.stage_slots
-                                          or self.pv_behind):
-            raise ValueError(f"converters={self.converters}, stage_slots={self.stage_slots}, "
-                             f"pv_behind={self.pv_behind}: fields of design='flashmla' "
-                             f"(design={self.design!r})")
+        if self.design != "flashmla" and (self.converters != 1 or not self.stage_slots):
+            raise ValueError(f"converters={self.converters}, stage_slots={self.stage_slots}: "
+                             f"fields of design='flashmla' (design={self.design!r})")
         if self.converters == 2:
             check_register_budgets(2, self.flashmla_regs[1], self.flashmla_regs[0])
         if self.design == "flashmla":

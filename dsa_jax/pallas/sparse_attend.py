@@ -500,9 +500,9 @@ def _mosaic_attend(q, latent_flat, kv, sel, block_tables, bs, softmax_scale,
                                                       wp=wp)
     if t.q_in_kernel:  # the kernel scales and converts the f32 rows itself
         qk = q if hp == h else jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
-    scales = jnp.stack([kv * softmax_scale, kv]).astype(jnp.float32)  # [2]
     o, m, l = mgpu_op.sparse_attend_mgpu_partials(
-        scales, (up, down), live, qk, slots, latent_flat, splits=splits, tiles=tiles, tuning=t)
+        kv, (up, down), live, qk, slots, latent_flat, softmax_scale=softmax_scale,
+        splits=splits, tiles=tiles, tuning=t)
     # The merge as a kernel: one summation order in every program. The jnp merge was fused
     # into whatever followed it, which differed between a decode (its rows cut and padded) and
     # a max_verify-row verify, and on the H200 they then differed in y's last bits

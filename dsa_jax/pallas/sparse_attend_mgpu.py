@@ -57,8 +57,9 @@ _M_INIT = -1e30  # running max before any slot: finite, so an all-empty tile res
 _LOG2E = math.log2(math.e)
 
 
-def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_ref, zero_ref,
-            o_ref, m_ref, l_ref, *, c: int, block_w: int, tiles: int, stages: int, row_pad: int,
+def _kernel(kv_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_ref, zero_ref,
+            o_ref, m_ref, l_ref, *, softmax_scale: float, c: int, block_w: int, tiles: int,
+            stages: int, row_pad: int,
             index_group: int, issue_warps: bool, q_in_kernel: bool, consumer_regs: int,
             producer_regs: int, programs: int, head_blocks: int, splits: int,
             rows: int, convert: str, gather_ahead: bool, full_logits: bool, pingpong: bool):
@@ -68,7 +69,8 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
     running on across items, so the producer gathers the next item's first tiles while the
     consumers finish the last one.
 
-    scales_ref [2] f32 (logit scale, output scale); qscale_ref, rscale_ref [N] f32 (each row's
+    kv_ref [1] f32 (the cache's scale: logits scale by it times softmax_scale, the output by
+    it); qscale_ref, rscale_ref [N] f32 (each row's
     q scale 2^k and 2^-k); live_ref [N] int32; q_ref [N, Hp, C] f16 (already scaled), or f32
     when q_in_kernel;
     slots_ref [N, Wp] int32 flat cache slots (-1 empty); lat_ref [NS, C] fp8; zero_ref [1, C]
@@ -133,8 +135,8 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
                 plgpu.barrier_wait(q_bar.at[wg])
                 if full_logits:  # our QK reads the other group's Q half too
                     plgpu.barrier_wait(q_bar.at[1 - wg])
-            logit_scale = scales_ref[0] * rscale_ref[row] * _LOG2E  # log2 units: exp2
-            out_scale = scales_ref[1]
+            logit_scale = kv_ref[0] * softmax_scale * rscale_ref[row] * _LOG2E  # log2: exp2
+            out_scale = kv_ref[0]
 
             def tile(t, carry):
                 m, l, acc = carry  # [64] WGMMA_ROW, [64], [64, half] WGMMA
@@ -335,10 +337,9 @@ def _kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_
     )
 
 
-def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_ref,
-                     zero_ref, o_ref, m_ref, l_ref, *, c: int, block_w: int, tiles: int,
-                     converters: int, stage_slots: bool, regs: tuple[int, int],
-                     pv_behind: bool = False):
+def _flashmla_kernel(kv_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_ref,
+                     o_ref, m_ref, l_ref, *, softmax_scale: float, c: int, block_w: int,
+                     tiles: int, converters: int, stage_slots: bool, regs: tuple[int, int]):
     """`MgpuTuning(design="flashmla")`: one (head block, split, row) CTA with FlashMLA's
     division of the work, so the conversion runs beside the dots:
 
@@ -353,11 +354,10 @@ def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_
       the rows in flight; `regs`: the setmaxnreg budgets of warpgroup 0 and the others).
     * stage_slots: the split's slot indices are bulk-copied to shared memory once, so neither
       the gather nor the logit mask waits on a global load per tile.
-    * pv_behind (`MgpuTuning.pv_behind`): warpgroup 0 runs tile t's softmax while its P @ V of
-      tile t - 1 is still in flight (see `_pv_behind_loop`).
 
     No producer warpgroup and no fp8 staging: Q (64 KiB), two f16 tiles (128 KiB), P and the
-    slots fit in shared memory. Argument shapes as `_kernel` (q f16, already scaled)."""
+    slots fit in shared memory. Argument shapes as `_kernel` (q f16, already scaled; no zero
+    row: an empty slot's row is zeros by the gather)."""
     half = c // 2
     cols = half // converters  # P @ V columns of each converter
     rows_each = block_w // converters  # tile rows each converter gathers
@@ -375,7 +375,7 @@ def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_
         return plgpu.load(ref, (), layout=layout, optimized=False)
 
     def finish(acc, l, cols_ds):  # [64, cols] normalized into this split's partial
-        inv = scales_ref[1] / jnp.where(l > 0, l, 1.0)
+        inv = kv_ref[0] / jnp.where(l > 0, l, 1.0)
         o_ref.at[row, split, heads, cols_ds][...] = acc * lax.broadcast_in_dim(
             inv, acc.shape, [0])
 
@@ -409,7 +409,7 @@ def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_
             for hh in range(2):
                 plgpu.barrier_wait(q_bar.at[hh])
             wait_slots()
-            logit_scale = scales_ref[0] * rscale_ref[row] * _LOG2E  # log2 units: exp2
+            logit_scale = kv_ref[0] * softmax_scale * rscale_ref[row] * _LOG2E  # log2: exp2
 
             def softmax(t, valid, m, l, logits):  # -> m, l, alpha, p16; P and stats published
                 logits = jnp.where(lax.broadcast_in_dim(valid, logits.shape, [1]),
@@ -454,77 +454,11 @@ def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_
                 plgpu.barrier_arrive(free.at[s])
                 return m_new, l, acc
 
-            def _pv_behind_loop(m0, l0, a0, sacc, oacc):
-                # sacc [64, BW] f32: a tile's logits; oacc [64, half] f32: P @ V of this
-                # warpgroup's columns. Tile t: wait for its logits only (the two QK groups;
-                # tile t - 1's P @ V, issued after them, flies on), its softmax, then wait for
-                # that P @ V, release tile t - 1's buffer, rescale, issue tile t + 1's logits and
-                # tile t's P @ V. The same arithmetic in the same order as `tile`. Written so
-                # that ptxas need not serialize the wgmmas (twelfth session, benchmarks/notes.md):
-                # no wgmma under a branch (tile 0's logits issued unconditionally: the
-                # converters store tile 0 of an empty split too; the last tile peeled) and no
-                # accumulator written while a wgmma is in flight.
-                zero_s = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA, block_w), jnp.float32),
-                                           plgpu.Layout.WGMMA)
-
-                def issue_qk(t):
-                    sacc[...] = zero_s
-                    s = lax.rem(t, 2)
-                    plgpu.barrier_wait(full.at[s])
-                    for hh in range(2):
-                        plgpu.wgmma(sacc, q16.at[hh],
-                                    plgpu.transpose_ref(kv16.at[s, hh], (1, 0)))
-
-                def softmax_behind(t, m, l):  # tile t's softmax beside P @ V of t - 1
-                    valid = load(tile_slots(t, 0, block_w), plgpu.Layout.WGMMA.reduce(0)) >= 0
-
-                    @pl.when(t == 0)
-                    def _():
-                        plgpu.wgmma_wait(0)  # only tile 0's logits fly
-
-                    logits = plgpu.wgmma_accumulator_load(sacc, wait_n=1)
-                    m, l, alpha, p16 = softmax(t, valid, m, l, logits)
-                    plgpu.wgmma_wait(0)  # P @ V of tile t - 1 retired
-                    pl.when(t > 0)(lambda: plgpu.barrier_arrive(free.at[lax.rem(t + 1, 2)]))
-                    oacc[...] = oacc[...] * lax.broadcast_in_dim(alpha, (HEADS_PER_CTA, half),
-                                                                 [0])
-                    return m, l, p16
-
-                def step(t, carry):  # t < n_tiles - 1
-                    m, l, p16 = softmax_behind(t, *carry)
-                    issue_qk(t + 1)
-                    plgpu.wgmma(oacc, p16, kv16.at[lax.rem(t, 2), 0])
-                    return m, l
-
-                def last(m, l):
-                    t = n_tiles - 1
-                    m, l, p16 = softmax_behind(t, m, l)
-                    plgpu.wgmma(oacc, p16, kv16.at[lax.rem(t, 2), 0])
-                    plgpu.wgmma_wait(0)
-                    plgpu.barrier_arrive(free.at[lax.rem(t, 2)])
-                    return m, l
-
-                def empty(m, l):
-                    plgpu.wgmma_wait(0)  # tile 0's logits, issued for nothing
-                    return m, l
-
-                oacc[...] = a0
-                issue_qk(0)
-                carry = lax.fori_loop(0, n_tiles - 1, step, (m0, l0))
-                m, l = lax.cond(n_tiles > 0, last, empty, *carry)
-                return m, l, oacc[...]
-
             m0 = plgpu.layout_cast(jnp.full((HEADS_PER_CTA,), _M_INIT, jnp.float32), row_layout)
             l0 = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA,), jnp.float32), row_layout)
             a0 = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA, half), jnp.float32),
                                    plgpu.Layout.WGMMA)
-            if pv_behind:
-                m, l, acc = pl.run_scoped(
-                    functools.partial(_pv_behind_loop, m0, l0, a0),
-                    plgpu.ACC((HEADS_PER_CTA, block_w), jnp.float32),
-                    plgpu.ACC((HEADS_PER_CTA, half), jnp.float32))
-            else:
-                m, l, acc = lax.fori_loop(0, n_tiles, tile, (m0, l0, a0))
+            m, l, acc = lax.fori_loop(0, n_tiles, tile, (m0, l0, a0))
             finish(acc, l, pl.ds(0, half))
             m_ref.at[row, split, heads][...] = m * (1.0 / _LOG2E)
             l_ref.at[row, split, heads][...] = l
@@ -552,12 +486,7 @@ def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_
                 plgpu.commit_smem()  # the f16 rows visible to the wgmma
                 plgpu.barrier_arrive(full.at[s])
 
-            # pv_behind: warpgroup 0 waits for tile 0 even in an empty split (its rows are then
-            # empty slots: zeros, nothing read).
-            if pv_behind:
-                put(gather_tile(0), 0)
-            else:
-                pl.when(n_tiles > 0)(lambda: put(gather_tile(0), 0))
+            pl.when(n_tiles > 0)(lambda: put(gather_tile(0), 0))
 
             def tile(t, carry):
                 *held, l, acc = carry  # tiles t + 1 .. t + ahead's rows; [64]; [64, cols]
@@ -611,12 +540,15 @@ def _flashmla_kernel(scales_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_
     )
 
 
-def sparse_attend_mgpu_partials(scales, q_scales, live, q, slots, latent_flat, *, splits: int,
-                                tiles: int, tuning: MgpuTuning = _DEFAULT, sms: int | None = None):
+def sparse_attend_mgpu_partials(kv_scale, q_scales, live, q, slots, latent_flat, *,
+                                softmax_scale: float, splits: int, tiles: int,
+                                tuning: MgpuTuning = _DEFAULT, sms: int | None = None):
     """The kernel call: q [N, Hp, C] (Hp a multiple of 64): f32 if tuning.q_in_kernel, else
     f16 already scaled (`scale_rows_f16`); q_scales: (2^k, 2^-k) [N] each (`row_scales`);
     slots [N, Wp] int32 flat cache slots with Wp = splits * tiles * block_w; latent_flat
-    [NS, C] fp8; scales [2] (logit, output); live [N] (`live_extent`). sms: multiprocessors
+    [NS, C] fp8; kv_scale [] or [1] f32 (the cache's scale: the logits are scaled by it times
+    softmax_scale, the output by it; read in the kernel, no XLA op of its own); live [N]
+    (`live_extent`). sms: multiprocessors
     for tuning.persistent (default `common.sm_count()`) ->
     (o [N, S, Hp, C] f32, m [N, S, Hp], l [N, S, Hp])."""
     n, hp, c = q.shape
@@ -631,7 +563,7 @@ def sparse_attend_mgpu_partials(scales, q_scales, live, q, slots, latent_flat, *
     if slots.shape != (n, splits * tiles * tuning.block_w):
         raise ValueError(f"sparse_attend_mgpu: slots {slots.shape} != "
                          f"({n}, {splits * tiles * tuning.block_w})")
-    zero = jnp.zeros((1, c), latent_flat.dtype)
+    kv = jnp.asarray(kv_scale, jnp.float32).reshape(1)  # read in the kernel: no XLA op
     part = jax.ShapeDtypeStruct((n, splits, hp), jnp.float32)
     out_type = (jax.ShapeDtypeStruct((n, splits, hp, c), jnp.float32), part, part)
     params = plgpu.CompilerParams(  # Lane semantics named: jax 0.11 defaults to Warpgroup
@@ -644,16 +576,17 @@ def sparse_attend_mgpu_partials(scales, q_scales, live, q, slots, latent_flat, *
                              f"split stages {tiles * tuning.block_w * 4} B of slots: {need} B "
                              f"of shared memory > {SMEM_LIMIT}; use stage_slots=False")
         kernel = functools.partial(
-            _flashmla_kernel, c=c, block_w=tuning.block_w, tiles=tiles,
-            converters=tuning.converters, stage_slots=tuning.stage_slots,
-            regs=tuning.flashmla_regs, pv_behind=tuning.pv_behind)
+            _flashmla_kernel, softmax_scale=softmax_scale, c=c, block_w=tuning.block_w,
+            tiles=tiles, converters=tuning.converters, stage_slots=tuning.stage_slots,
+            regs=tuning.flashmla_regs)
         return plgpu.kernel(
             kernel, out_type=out_type, grid=(hp // HEADS_PER_CTA, splits, n),
             grid_names=("h", "s", "r"), num_threads=1 + tuning.converters, thread_name="wg",
             compiler_params=params,
-        )(scales, *q_scales, live, q, slots, latent_flat, zero)
+        )(kv, *q_scales, live, q, slots, latent_flat)
     kernel = functools.partial(
-        _kernel, c=c, block_w=tuning.block_w, tiles=tiles, stages=tuning.stages,
+        _kernel, softmax_scale=softmax_scale, c=c, block_w=tuning.block_w, tiles=tiles,
+        stages=tuning.stages,
         row_pad=tuning.row_pad, index_group=tuning.index_group,
         issue_warps=tuning.issue_warps, q_in_kernel=tuning.q_in_kernel,
         consumer_regs=tuning.consumer_regs, producer_regs=tuning.producer_regs,
@@ -668,4 +601,4 @@ def sparse_attend_mgpu_partials(scales, q_scales, live, q, slots, latent_flat, *
         grid=(programs,) if programs else (head_blocks, splits, n),
         grid_names=("p",) if programs else ("h", "s", "r"),
         num_threads=3, thread_name="wg", compiler_params=params,
-    )(scales, *q_scales, live, q, slots, latent_flat, zero)
+    )(kv, *q_scales, live, q, slots, latent_flat, jnp.zeros((1, c), latent_flat.dtype))

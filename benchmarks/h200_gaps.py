@@ -1,0 +1,187 @@
+"""H200: where a short call's wall time goes beyond its kernels (the attend-kernel-64x1 and
+selection-b64 points: wall 64-78 us over 45-60 us of kernels), side by side in one process.
+
+    PYTHONPATH=. python3 benchmarks/h200_gaps.py --out $OUT/h200-gaps.json [--flags a,b]
+    PYTHONPATH=. python3 benchmarks/h200_gaps.py --smoke --out /tmp/h200-gaps.json
+
+--flags: each named XLA flag set (FLAGS) in a fresh process (XLA reads its flags once), the
+rows tagged with it; without it, this process's flags.
+
+Per call, each built as the bench builds it (`benchmarks.measures`): `wall_us` (median of
+back-to-back calls, `harness.measure` with the bench plan's groups and inner), `enqueue_us`
+(host time per call to issue `inner` calls without a block: near `wall_us`, the host sets the
+pace), and from a profiler trace the kernel time per call, the time the device had a kernel
+running (`busy_us`), the first kernel's start to the last one's end (`span_us`), launches. If
+`span_us` ~ `wall_us` and `busy_us` < `span_us`, the device idles between its kernels inside
+the pipelined calls (launch gaps); if `enqueue_us` ~ `wall_us`, the host paces them.
+`gap_before_us`: per kernel name, the median idle time of the device before it starts (from
+the trace; the profiler slows the host, so these are upper bounds). Variants: `bench` (the
+point's call: the state pytree, q, sel), `lean` (only the arrays the attend reads), `x8` (8
+attends of distinct inputs in one program: per attend, the device's time with the program's
+own launches, one dispatch for 8), and for the selection `bench` (cfg a static argument, as
+the point) and `bound` (cfg closed over: no hash of the config per call).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+
+from benchmarks.device_script import header, json_parser, run_section, write_json
+from benchmarks.harness import measure, profile, trace_events, trace_names
+from benchmarks.points import full_plan, smoke_plan
+from benchmarks.workloads import Cycle, attend_inputs, selection_inputs
+from dsa_jax import indexer, layer, select
+from dsa_jax.attend import attend as attend_rows
+from dsa_jax.shapes import glm53_flash, tiny
+
+# XLA_FLAGS per flag set: XLA's default; every kernel kind captured in command buffers however
+# short the run; command buffers off.
+FLAGS = {"default": "",
+         "min1": "--xla_gpu_graph_min_graph_size=1",
+         "all-min1": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN "
+                     "--xla_gpu_graph_min_graph_size=1",
+         "off": "--xla_gpu_enable_command_buffer="}
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def selection_static(cfg, qi, w, keys, pos, valid):  # as the selection point's
+    scores = indexer.pool_scores(cfg, qi, w, keys, layer.candidate_pools(cfg, pos, valid))
+    return select.expand_selection(cfg, select.top_pools(cfg, scores), pos, valid)
+
+
+def enqueue_us(call, inner: int, reps: int = 15) -> float:
+    """Median host us per call to issue `inner` calls back to back (then waited for)."""
+    out = []
+    for _ in range(reps):
+        jax.block_until_ready(call())
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            r = call()
+        out.append((time.perf_counter() - t0) / inner * 1e6)
+        jax.block_until_ready(r)
+    return statistics.median(out)
+
+
+def gaps_before(call, calls: int = 20) -> dict:
+    """Per kernel name, the median idle us of the device stream before that kernel starts."""
+    ev = trace_events(call, calls)
+    _, threads, dev = trace_names(ev)
+    kern = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e.get("name", "?"))
+                  for e in ev if e.get("ph") == "X" and e.get("pid") in dev
+                  and "Stream" in threads.get((e["pid"], e.get("tid")), ""))
+    gaps: dict = {}
+    for (_, end0, _), (start, _, name) in zip(kern, kern[1:], strict=False):
+        gaps.setdefault(name[:60], []).append(start - end0)
+    return {n: statistics.median(g) for n, g in gaps.items()}
+
+
+def row(name: str, call, plan, per: int = 1) -> dict:
+    """`per`: calls of the timed work in one call (the rows' times are per work item)."""
+    jax.block_until_ready(call())
+    t = measure(call, warmup=plan.warmup, groups=plan.groups, inner=plan.inner)
+    prof = profile(call, 20, top=8)
+    k = {key: (prof.get(f) / per if prof.get(f) is not None else None) for key, f in (
+        ("kernel_us", "kernel_us_per_step"), ("busy_us", "kernel_busy_us_per_step"),
+        ("span_us", "first_to_last_kernel_us_per_step"), ("launches", "launches_per_step"))}
+    return {"call": name, "flags": os.environ.get("XLA_FLAGS", ""),
+            "wall_us": t["median_us"] / per, "wall_p10_us": t["p10_us"] / per,
+            "enqueue_us": enqueue_us(call, plan.inner) / per, **k, "top": prof.get("top_kernels"),
+            "gap_before_us": gaps_before(call) if prof.get("error") is None else None,
+            "error": prof.get("error")}
+
+
+def attend_calls(cfg, plan):
+    b, r, h, w = plan.kernel_a
+    st, sets = attend_inputs(cfg, b, r, h, w, plan.ctx, 77 + r + b)
+    bench = jax.jit(functools.partial(attend_rows, cfg))
+
+    @jax.jit
+    def lean(latent, kv_scale, tables, q, sel):
+        return attend_rows(cfg, st._replace(latent=latent, kv_scale=kv_scale,
+                                            block_tables=tables), q, sel)
+
+    @jax.jit
+    def x8(st, qs, sels):  # 8 attends of distinct inputs, one program
+        return [attend_rows(cfg, st, q, s) for q, s in zip(qs, sels, strict=True)]
+
+    qs = [sets[i % len(sets)][0] * (1.0 + i / 8) for i in range(8)]
+    sels = [sets[i % len(sets)][1] for i in range(8)]
+    return {"attend-a-bench": (Cycle(lambda q, s: bench(st, q, s), sets), 1),
+            "attend-a-lean": (Cycle(lambda q, s: lean(st.latent, st.kv_scale, st.block_tables,
+                                                      q, s), sets), 1),
+            "attend-a-x8": (lambda: x8(st, qs, sels), 8)}
+
+
+def selection_calls(cfg, plan):
+    keys, pos, valid, sets = selection_inputs(cfg, plan.big_batch, 1, plan.ctx, 301)
+
+    @jax.jit
+    def bound(qi, w, keys, pos, valid):
+        scores = indexer.pool_scores(cfg, qi, w, keys, layer.candidate_pools(cfg, pos, valid))
+        return select.expand_selection(cfg, select.top_pools(cfg, scores), pos, valid)
+
+    return {"selection-b64-bench": (Cycle(
+                lambda qi, w: selection_static(cfg, qi, w, keys, pos, valid), sets), 1),
+            "selection-b64-bound": (Cycle(lambda qi, w: bound(qi, w, keys, pos, valid), sets),
+                                    1)}
+
+
+def measure_all(res: dict, smoke: bool, out: str) -> None:
+    cfg = (tiny() if smoke else glm53_flash()).replace(
+        implementation="xla" if smoke else "pallas")
+    plan = (smoke_plan if smoke else full_plan)(cfg)
+
+    def section(make):
+        def go():
+            for name, (call, per) in make(cfg, plan).items():
+                res["rows"].append(row(name, call, plan, per))
+                print(json.dumps(res["rows"][-1])[:600], flush=True)
+                write_json(res, out)
+        return go
+
+    run_section(res, "attend", section(attend_calls))
+    run_section(res, "selection", section(selection_calls))
+    write_json(res, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = json_parser(__doc__)
+    ap.add_argument("--flags", default="", help=f"comma list of {sorted(FLAGS)}")
+    args = ap.parse_args(argv)
+    res = {**header("h200_gaps.py", argv), "rows": [], "errors": []}
+    if not args.flags:
+        measure_all(res, args.smoke, args.out)
+        return 1 if res["errors"] else 0
+    for name in args.flags.split(","):
+        part = f"{args.out}.{name}.json"
+        flags = f"{os.environ.get('XLA_FLAGS', '')} {FLAGS[name]}".strip()
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        env.update({"XLA_FLAGS": flags} if flags else {})
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # for `benchmarks`
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
+        cmd = [sys.executable, __file__, "--out", part, *(["--smoke"] if args.smoke else [])]
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        print(name, p.returncode, p.stdout[-3000:], p.stderr[-1500:] if p.returncode else "",
+              flush=True)
+        try:
+            with open(part) as f:
+                child = json.load(f)
+        except OSError as e:
+            res["errors"].append({"flags": name, "error": str(e), "stderr": p.stderr[-1500:]})
+            continue
+        res["rows"] += [{**r, "flag_set": name} for r in child["rows"]]
+        res["errors"] += child["errors"]
+        write_json(res, args.out)
+    return 1 if res["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
