@@ -328,6 +328,40 @@ def test_mosaic_variants_lower_for_cuda(tuning):
     assert ("custom_call @__gpu$xla.gpu.triton" in text) == (tuning.prep == "triton")
 
 
+@pytest.mark.parametrize("design", ["flashmla", "exchange"])
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_mosaic_prompt_result_is_written_by_the_kernel(design, direct, splits):
+    """A prompt's attend (no padded block) in bf16: with one split and `direct_out` the Mosaic
+    kernel writes the bf16 result itself and no merge kernel runs (the prep is the program's
+    only Triton call); with two splits, or direct_out=False, the f32 partials go through the
+    merge kernel as before. Lowered for CUDA on any host."""
+    f32, i32 = jnp.float32, jnp.int32
+    tuning = mg.MgpuTuning(design=design, direct_out=direct)
+    fn = functools.partial(sa.sparse_attend_pallas, softmax_scale=0.1, num_splits=splits,
+                           out_dtype=jnp.bfloat16,
+                           tuning=sa.AttendTuning("mosaic", mosaic=tuning))
+    args = (jax.ShapeDtypeStruct((2, 3, 64, 512), f32),
+            jax.ShapeDtypeStruct((30, 16, 512), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((), f32), jax.ShapeDtypeStruct((2, 12), i32),
+            jax.ShapeDtypeStruct((2, 3, 150), i32))
+    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert lowered.out_info.dtype == jnp.bfloat16 and lowered.out_info.shape == (2, 3, 64, 512)
+    assert text.count("custom_call @mosaic_gpu") == 1
+    triton_calls = text.count("custom_call @__gpu$xla.gpu.triton")
+    assert triton_calls == (1 if direct and splits == 1 else 2)  # the prep (+ the merge)
+
+
+def test_mosaic_partials_refuse_a_narrow_dtype_with_splits():
+    z = jnp.zeros
+    with pytest.raises(ValueError, match="partials to be merged stay float32"):
+        mg.sparse_attend_mgpu_partials(
+            jnp.float32(1.0), (z((2,)), z((2,))), z((2,), jnp.int32), z((2, 64, 512), jnp.float16),
+            z((2, 128), jnp.int32), z((30, 512), jnp.float8_e4m3fn), softmax_scale=0.1,
+            splits=2, tiles=1, out_dtype=jnp.bfloat16)
+
+
 @pytest.mark.parametrize("tuning", [mg.MgpuTuning(), mg.MgpuTuning(prep="jnp"),
                                     mg.MgpuTuning(q_in_kernel=True),
                                     mg.MgpuTuning(design="flashmla"),

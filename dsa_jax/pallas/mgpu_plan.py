@@ -75,6 +75,12 @@ class MgpuTuning:
     stage_slots: with design="flashmla", the split's slot indices are bulk-copied into shared
       memory once (tiles * block_w * 4 bytes), so no per-tile global load of them sits in the
       gather's or the mask's path.
+    direct_out: with one split per row and no padded block, the kernel writes the attend's
+      result in the caller's dtype itself (its normalized partial is the result; rounded once,
+      as the merge kernel would round it), so no merge pass reads it back (a prompt's rows:
+      one split each). Lowered on the CPU only, not yet compiled or run on a GPU (the
+      thirteenth session's device time ran out): off by default until
+      `benchmarks/h200_direct_out.py` shows it bitwise equal and faster on the H200.
     """
 
     block_w: int = 64
@@ -99,6 +105,7 @@ class MgpuTuning:
     converters: int = 1
     flashmla_regs: tuple[int, int] = (216, 144)
     stage_slots: bool = True
+    direct_out: bool = False
 
     def __post_init__(self):
         if self.design not in ("exchange", "flashmla"):

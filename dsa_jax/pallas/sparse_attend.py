@@ -500,9 +500,12 @@ def _mosaic_attend(q, latent_flat, kv, sel, block_tables, bs, softmax_scale,
                                                       wp=wp)
     if t.q_in_kernel:  # the kernel scales and converts the f32 rows itself
         qk = q if hp == h else jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
+    direct = t.direct_out and splits == 1 and pad is None  # the partial is the result
     o, m, l = mgpu_op.sparse_attend_mgpu_partials(
         kv, (up, down), live, qk, slots, latent_flat, softmax_scale=softmax_scale,
-        splits=splits, tiles=tiles, tuning=t)
+        splits=splits, tiles=tiles, tuning=t, out_dtype=dtype if direct else jnp.float32)
+    if direct:
+        return o[:, 0, :h]
     # The merge as a kernel: one summation order in every program. The jnp merge was fused
     # into whatever followed it, which differed between a decode (its rows cut and padded) and
     # a max_verify-row verify, and on the H200 they then differed in y's last bits

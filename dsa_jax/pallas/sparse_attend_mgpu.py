@@ -207,8 +207,8 @@ def _kernel(kv_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_ref,
                                    plgpu.Layout.WGMMA)
             m, l, acc = lax.fori_loop(0, n_tiles, tile, (m0, l0, a0))
             inv = out_scale / jnp.where(l > 0, l, 1.0)
-            o_ref.at[row, split, heads, cols][...] = acc * lax.broadcast_in_dim(
-                inv, acc.shape, [0])
+            o_ref.at[row, split, heads, cols][...] = (acc * lax.broadcast_in_dim(
+                inv, acc.shape, [0])).astype(o_ref.dtype)
 
             @pl.when(wg == 0)
             def _():
@@ -376,8 +376,8 @@ def _flashmla_kernel(kv_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref,
 
     def finish(acc, l, cols_ds):  # [64, cols] normalized into this split's partial
         inv = kv_ref[0] / jnp.where(l > 0, l, 1.0)
-        o_ref.at[row, split, heads, cols_ds][...] = acc * lax.broadcast_in_dim(
-            inv, acc.shape, [0])
+        o_ref.at[row, split, heads, cols_ds][...] = (acc * lax.broadcast_in_dim(
+            inv, acc.shape, [0])).astype(o_ref.dtype)
 
     def scoped(q16, kv16, p16s, stats, slot_s, q_bar, slot_bar, full, free, p_full, p_free):
         # q16 [2, 64, half] f16; kv16 [2 buffers, 2 halves, BW, half] f16; p16s [64, BW] f16;
@@ -542,13 +542,15 @@ def _flashmla_kernel(kv_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref,
 
 def sparse_attend_mgpu_partials(kv_scale, q_scales, live, q, slots, latent_flat, *,
                                 softmax_scale: float, splits: int, tiles: int,
-                                tuning: MgpuTuning = _DEFAULT, sms: int | None = None):
+                                tuning: MgpuTuning = _DEFAULT, sms: int | None = None,
+                                out_dtype=jnp.float32):
     """The kernel call: q [N, Hp, C] (Hp a multiple of 64): f32 if tuning.q_in_kernel, else
     f16 already scaled (`scale_rows_f16`); q_scales: (2^k, 2^-k) [N] each (`row_scales`);
     slots [N, Wp] int32 flat cache slots with Wp = splits * tiles * block_w; latent_flat
     [NS, C] fp8; kv_scale [] or [1] f32 (the cache's scale: the logits are scaled by it times
     softmax_scale, the output by it; read in the kernel, no XLA op of its own); live [N]
-    (`live_extent`). sms: multiprocessors
+    (`live_extent`). out_dtype: o's (float32, or with one split the attend's result dtype:
+    the kernel then rounds its normalized rows once, as the merge would). sms: multiprocessors
     for tuning.persistent (default `common.sm_count()`) ->
     (o [N, S, Hp, C] f32, m [N, S, Hp], l [N, S, Hp])."""
     n, hp, c = q.shape
@@ -565,7 +567,10 @@ def sparse_attend_mgpu_partials(kv_scale, q_scales, live, q, slots, latent_flat,
                          f"({n}, {splits * tiles * tuning.block_w})")
     kv = jnp.asarray(kv_scale, jnp.float32).reshape(1)  # read in the kernel: no XLA op
     part = jax.ShapeDtypeStruct((n, splits, hp), jnp.float32)
-    out_type = (jax.ShapeDtypeStruct((n, splits, hp, c), jnp.float32), part, part)
+    if splits > 1 and jnp.dtype(out_dtype) != jnp.float32:
+        raise ValueError(f"sparse_attend_mgpu: out_dtype={jnp.dtype(out_dtype).name} with "
+                         f"{splits} splits: partials to be merged stay float32")
+    out_type = (jax.ShapeDtypeStruct((n, splits, hp, c), out_dtype), part, part)
     params = plgpu.CompilerParams(  # Lane semantics named: jax 0.11 defaults to Warpgroup
         approx_math=True, unsafe_no_auto_barriers=True, reduction_scratch_bytes=0,
         lowering_semantics=plgpu.LoweringSemantics.Lane)

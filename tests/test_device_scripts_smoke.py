@@ -1,9 +1,10 @@
-"""benchmarks/h200_gaps.py runs through on the CPU at tiny shapes (--smoke), in this process and
-with a flag set in a child process: every call's row written, none failed."""
+"""Device scripts run through on the CPU at tiny shapes (--smoke): benchmarks/h200_gaps.py in
+this process and with a flag set in a child process, benchmarks/h200_profile.py; every row
+written, none failed."""
 
 import json
 
-from benchmarks import h200_gaps
+from benchmarks import h200_gaps, h200_profile
 
 CALLS = {"attend-a-bench", "attend-a-lean", "attend-a-x8", "selection-b64-bench",
          "selection-b64-bound"}
@@ -26,3 +27,12 @@ def test_h200_gaps_flag_sets_run_in_fresh_processes(tmp_path):
     res = json.loads(out.read_text())
     assert {(r["call"], r["flag_set"]) for r in res["rows"]} == {(c, "off") for c in CALLS}
     assert all(r["flags"] == h200_gaps.FLAGS["off"] for r in res["rows"])
+
+
+def test_h200_profile_smoke_writes_both_steps(tmp_path):
+    out = tmp_path / "profile.json"
+    assert h200_profile.main(["--smoke", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert not res["errors"], res["errors"]
+    assert [r["step"] for r in res["rows"]] == ["prefill-4", "decode-b1-k1-tp1"]
+    assert all(r["wall_us"] > 0 and r["kernel_us"] is None for r in res["rows"])

@@ -1,0 +1,64 @@
+"""H200: the device kernels of the bench's prefill-9000 and decode-b1 steps, listed per kernel
+(the two points whose targets are kernel time, or a step paced by its kernels): where the
+next lever of each must come from.
+
+    PYTHONPATH=. python3 benchmarks/h200_profile.py --out $OUT/h200-profile.json [--top 40]
+    PYTHONPATH=. python3 benchmarks/h200_profile.py --smoke --out /tmp/h200-profile.json
+
+Each step is the bench's own (`benchmarks.workloads.StepRunner`, as `measures.prefill` and
+`measures.step` build them: GLM-5.3-Flash, pallas): the prompt of 9000 tokens from an empty
+context, and one decode row at context 16384. Per step: its wall time (median of back-to-back
+calls, `harness.measure`) and a profiler trace's kernels (`harness.profile_step`): total,
+launches, and the `--top` largest by time with their launches.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from benchmarks.device_script import header, json_parser, run_section, write_json
+from benchmarks.harness import measure, profile_step
+from benchmarks.points import full_plan, smoke_plan
+from benchmarks.workloads import StepRunner, random_hf_tensors, random_weights
+from dsa_jax.shapes import glm53_flash, tiny
+
+
+def steps(cfg, plan, weights) -> dict:
+    """name -> (runner, traced steps, timed groups)."""
+    s = plan.prefill_tokens
+    return {
+        f"prefill-{s}": (StepRunner(cfg, weights, 1, s, s, 0, 500), 3, plan.long_groups),
+        "decode-b1-k1-tp1": (StepRunner(cfg, weights, 1, 1, cfg.max_verify,
+                                        plan.ctx - plan.inner, 3000), plan.inner - 2,
+                             plan.groups)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = json_parser(__doc__)
+    ap.add_argument("--top", type=int, default=40, help="kernels listed per step")
+    args = ap.parse_args(argv)
+    cfg = (tiny() if args.smoke else glm53_flash()).replace(
+        implementation="xla" if args.smoke else "pallas")
+    plan = (smoke_plan if args.smoke else full_plan)(cfg)
+    weights = random_weights(cfg, random_hf_tensors(cfg, 0), 1)
+    res = {**header("h200_profile.py", argv), "rows": [], "errors": []}
+    for name, (runner, traced, groups) in steps(cfg, plan, weights).items():
+        def one(name=name, runner=runner, traced=traced, groups=groups):
+            jax.block_until_ready(runner())
+            t = measure(runner, warmup=1, groups=groups, inner=1, reset=runner.reset)
+            prof = profile_step(runner, traced, top=args.top)
+            res["rows"].append({"step": name, "wall_us": t["median_us"],
+                                "kernel_us": prof.get("kernel_us_per_step"),
+                                "launches": prof.get("launches_per_step"),
+                                "top": prof.get("top_kernels"), "error": prof.get("error")})
+            print(name, {k: v for k, v in res["rows"][-1].items() if k != "top"}, flush=True)
+            for k in res["rows"][-1]["top"] or []:
+                print(f"   {k['us_per_step']:9.2f} {k['launches_per_step']:5.1f} {k['name'][:90]}")
+            write_json(res, args.out)
+        run_section(res, name, one)
+    write_json(res, args.out)
+    return 1 if res["errors"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
