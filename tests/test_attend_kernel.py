@@ -164,6 +164,10 @@ def test_tuning_errors_name_the_value():
                        (dict(design="flashmla", converters=3), "converters=3"),
                        (dict(converters=2), "design='flashmla'"),
                        (dict(stage_slots=False), "design='flashmla'"),
+                       (dict(design="flashmla", scale_heads=8), "scale_heads=8"),
+                       (dict(scale_heads=16), "needs design='flashmla'"),
+                       (dict(design="flashmla", scale_heads=16, prep_per_sm=1),
+                        "prep_per_sm=0"),
                        (dict(design="flashmla", converters=2, flashmla_regs=(232, 144)),
                         "wait forever")):
         with pytest.raises(ValueError, match=match):
@@ -311,7 +315,9 @@ def test_mosaic_arithmetic_meets_the_f16_bound(splits, full_logits):
     mg.MgpuTuning(prep="triton", q_in_kernel=True), mg.MgpuTuning(convert="producer"),
     mg.MgpuTuning(convert="producer", gather_ahead=True, persistent=True),
     mg.MgpuTuning(convert="producer", full_logits=True, pingpong=True),
-    mg.MgpuTuning(design="flashmla"), mg.MgpuTuning(design="flashmla", stage_slots=False)])
+    mg.MgpuTuning(design="flashmla"), mg.MgpuTuning(design="flashmla", stage_slots=False),
+    mg.MgpuTuning(design="flashmla", scale_heads=16),
+    mg.MgpuTuning(design="flashmla", scale_heads=64)])
 def test_mosaic_variants_lower_for_cuda(tuning):
     """The Mosaic kernel cannot run here, but it lowers (Pallas -> Mosaic GPU MLIR) on any
     host: each variant traces and lowers at odd shapes (5 heads padded to 64, C = 384, a
@@ -353,6 +359,28 @@ def test_mosaic_prompt_result_is_written_by_the_kernel(design, direct, splits):
     assert triton_calls == (1 if direct and splits == 1 else 2)  # the prep (+ the merge)
 
 
+def test_mosaic_partials_check_the_q_scales_shape():
+    z = jnp.zeros
+    args = (z((2, 64, 512), jnp.float16), z((2, 128), jnp.int32), z((30, 512), jnp.float8_e4m3fn))
+    for tuning, scales in ((mg.MgpuTuning(design="flashmla", scale_heads=16), (2,)),
+                           (mg.MgpuTuning(design="flashmla"), (2, 64))):
+        with pytest.raises(ValueError, match="q scales"):
+            mg.sparse_attend_mgpu_partials(jnp.float32(1.0), (z(scales), z(scales)),
+                                           z((2,), jnp.int32), *args, softmax_scale=0.1,
+                                           splits=1, tiles=2, tuning=tuning)
+
+
+def test_head_scales_are_row_scales_of_each_group():
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((3, 64, 32)).astype(np.float32)
+    q[1, 16:32] *= 1e4
+    up, down = (np.asarray(x) for x in mg.head_scales(jnp.asarray(q), 16))
+    ref_up, ref_down = (np.asarray(x) for x in mg.row_scales(jnp.asarray(q.reshape(12, 16, 32))))
+    assert (up == np.repeat(ref_up.reshape(3, 4), 16, axis=1)).all()
+    assert (down == np.repeat(ref_down.reshape(3, 4), 16, axis=1)).all()
+    assert up[1, 0] > up[1, 16]  # the large group's scale alone is smaller
+
+
 def test_mosaic_partials_refuse_a_narrow_dtype_with_splits():
     z = jnp.zeros
     with pytest.raises(ValueError, match="partials to be merged stay float32"):
@@ -365,7 +393,10 @@ def test_mosaic_partials_refuse_a_narrow_dtype_with_splits():
 @pytest.mark.parametrize("tuning", [mg.MgpuTuning(), mg.MgpuTuning(prep="jnp"),
                                     mg.MgpuTuning(q_in_kernel=True),
                                     mg.MgpuTuning(design="flashmla"),
-                                    mg.MgpuTuning(design="flashmla", converters=2)])
+                                    mg.MgpuTuning(design="flashmla", converters=2),
+                                    mg.MgpuTuning(design="flashmla", scale_heads=32),
+                                    mg.MgpuTuning(design="flashmla", scale_heads=16,
+                                                  prep="jnp")])
 def test_mosaic_decode_rows_lower_for_cuda(tuning):
     """A decode's attend (the first of 4 rows per sequence read in place by the prep, the
     padded block written by the merge kernel in bf16) lowers on any host, for each way the

@@ -133,3 +133,63 @@ def test_prep_lowers_for_cuda(shape, chunk, programs):
             jax.ShapeDtypeStruct((b, mb), i32))
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "custom_call @__gpu$xla.gpu.triton" in text
+
+
+# (B, R, H, C, W, block size, blocks per seq, Hp, Wp, heads per scale): groups with padded
+# heads only (a zero group), groups of real and padded heads, 3 column chunks (C = 384).
+GROUP_CASES = [
+    (3, 3, 5, 384, 70, 16, 9, 64, 128, 16),
+    (2, 4, 96, 512, 300, 32, 12, 128, 320, 32),
+    (7, 1, 160, 128, 37, 8, 6, 192, 64, 64),
+]
+
+
+@pytest.mark.parametrize("case", range(len(GROUP_CASES)))
+def test_prep_with_head_group_scales_is_bitwise_the_jnp_twin(case):
+    """scale_heads: one program per (row, head group), each group scaled into [2^13, 2^14) by
+    its own amax; bitwise the twin, and each group's scale at least its row's."""
+    b, r, h, c, w, bs, mb, hp, wp, g = GROUP_CASES[case]
+    q, _, _, tables, sel = T.attend_inputs(90 + case, b, r, h, c, w, bs, mb, "float8_e4m3fn",
+                                           empty=[(1, 0)])
+    q = np.asarray(q).reshape(b * r, h, c)
+    q = _extreme_rows(q) if b * r >= 7 else q
+    q[-1, : min(h, g)] *= 1e3  # one group far larger than the row's others
+    q = jnp.asarray(q)
+    got = ap.prep_pallas(q, sel, tables, bs, hp=hp, wp=wp, scale_heads=g, interpret=True)
+    want = sa.mosaic_inputs_jnp(q, sel, tables, bs, hp=hp, wp=wp, scale_heads=g)
+    T.assert_trees_bitwise_equal(got, want)
+    q16, up, down, slots, live = (np.asarray(x) for x in got)
+    assert up.shape == down.shape == (b * r, hp) and (up * down == 1).all()
+    # Groups holding a real head with a normal amax (not the zero row 0, not row 2's f32
+    # subnormals): scaled into [2^13, 2^14], by at least their row's scale.
+    qg = np.abs(np.pad(np.asarray(q), ((0, 0), (0, hp - h), (0, 0)))).reshape(
+        b * r, hp // g, g * c).max(axis=2)  # [N, G] each group's amax
+    normal = (qg >= np.finfo(np.float32).tiny) & (np.arange(hp // g) * g < h)[None, :]
+    assert normal[:, 0].sum() >= b * r - 2  # every row's first group but rows 0 and 2
+    got16 = np.abs(q16.astype(np.float32)).reshape(b * r, hp // g, g * c).max(axis=2)
+    assert ((got16 >= 2.0 ** 13) & (got16 <= 2.0 ** 14))[normal].all()
+    row_up = np.asarray(mg.row_scales(q)[0])  # [N]
+    assert (up.reshape(b * r, hp // g, g)[:, :, 0] >= row_up[:, None])[normal].all()
+    assert (q16[:, h:] == 0).all() and (slots[:, w:] == -1).all() and live[1 * r] == 0
+
+
+def test_prep_with_head_group_scales_reads_the_first_rows_in_place():
+    b, r, h, c, w, bs, mb = 3, 4, 40, 32, 70, 16, 6
+    q, _, _, tables, sel = T.attend_inputs(97, b, r, h, c, w, bs, mb, "float8_e4m3fn",
+                                           empty=[(1, 0)])
+    got = ap.prep_pallas(q.reshape(b * r, h, c), sel, tables, bs, hp=64, wp=80, rows=1,
+                         scale_heads=16, interpret=True)
+    want = sa.mosaic_inputs_jnp(q[:, :1].reshape(b, h, c), sel[:, :1], tables, bs, hp=64,
+                                wp=80, scale_heads=16)
+    T.assert_trees_bitwise_equal(got, want)
+
+
+@pytest.mark.parametrize("kw,match", [(dict(scale_heads=8), "power of two >= 16"),
+                                      (dict(scale_heads=48), "power of two"),
+                                      (dict(scale_heads=16, programs=2), "programs=2"),
+                                      (dict(scale_heads=16, write_q=False), "write_q=False")])
+def test_prep_refuses_head_groups_it_cannot_run(kw, match):
+    q, _, _, tables, sel = T.attend_inputs(3, 1, 1, 5, 32, 20, 16, 2, "float8_e4m3fn")
+    with pytest.raises(ValueError, match=match):
+        ap.prep_pallas(q.reshape(1, 5, 32), sel, tables, 16, hp=64, wp=32, interpret=True,
+                       **kw)

@@ -87,6 +87,68 @@ def _prep_kernel(q_ref, sel_ref, bt_ref, *outs, n: int, programs: int, write_q: 
     lax.fori_loop(0, -(-n // programs), step, None)
 
 
+def _load_slots(seq, src, sel_ref, bt_ref, *, w: int, wp: int, bs: int, mb: int):
+    """Row `src`'s selected tokens and their blocks' physical ids, piece by piece -> (pieces,
+    tokens, physical blocks), every load issued before anything is stored."""
+    pieces = _pow2_pieces(wp)
+    toks = []
+    for s0, sz in pieces:
+        ws = s0 + jnp.arange(sz, dtype=jnp.int32)  # [SZ]
+        toks.append(plt.load(sel_ref.at[src * w + jnp.minimum(ws, w - 1)], mask=ws < w,
+                             other=-1))
+    phys = []
+    for tok in toks:
+        # The empty slots' arithmetic is masked: keep it in range.
+        logical = jnp.clip(jnp.maximum(tok, 0) // bs, 0, mb - 1)
+        phys.append(plt.load(bt_ref.at[seq * mb + logical], mask=tok >= 0, other=0))
+    return pieces, toks, phys
+
+
+def _store_slots(row, pieces, toks, phys, slots_ref, live_ref, *, wp: int, bs: int):
+    """Output row `row`'s flat slots (-1 empty) and its live extent."""
+    live = jnp.int32(0)
+    for (s0, sz), tok, ph in zip(pieces, toks, phys, strict=True):
+        ws = s0 + jnp.arange(sz, dtype=jnp.int32)
+        valid = tok >= 0
+        slot = jnp.where(valid, ph * bs + jnp.maximum(tok, 0) % bs, -1)  # [SZ]
+        plt.store(slots_ref.at[row * wp + ws], slot)
+        live = jnp.maximum(live, jnp.max(jnp.where(valid, ws + 1, 0)))
+    live_ref[pl.ds(row, 1)] = jnp.full((1,), live, jnp.int32)
+
+
+def _prep_group_kernel(q_ref, sel_ref, bt_ref, q16_ref, up_ref, down_ref, slots_ref, live_ref,
+                       *, groups: int, g: int, h: int, c: int, hp: int, w: int, wp: int,
+                       r: int, r_src: int, bs: int, mb: int, cb: int):
+    """`scale_heads`: program p prepares head group p % groups of output row p // groups (g
+    heads, their own scale); the row's group-0 program also writes its slots and live extent.
+    Refs as `_prep_kernel`'s with up_ref / down_ref [N * Hp] (each head its group's)."""
+    pid = pl.program_id(0)
+    row, j = pid // groups, pid % groups
+    seq = row // r
+    src = seq * r_src + row % r
+
+    @pl.when(j == 0)
+    def _():
+        _store_slots(row, *_load_slots(seq, src, sel_ref, bt_ref, w=w, wp=wp, bs=bs, mb=mb),
+                     slots_ref, live_ref, wp=wp, bs=bs)
+
+    cols = jnp.arange(cb, dtype=jnp.int32)  # [CB]
+    hs = j * g + jnp.arange(g, dtype=jnp.int32)  # [G] this group's heads
+    blocks = []
+    for k in range(c // cb):  # the group's [G, C] in column chunks, 0 past H
+        blocks.append(plt.load(q_ref.at[(src * h + jnp.minimum(hs, h - 1))[:, None],
+                                        (k * cb + cols)[None, :]],
+                               mask=jnp.broadcast_to((hs < h)[:, None], (g, cb)), other=0.0))
+    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x)) for x in blocks])
+    k_exp = scale_exponent(amax)
+    up = _pow2_bits(k_exp)
+    plt.store(up_ref.at[row * hp + hs], jnp.full((g,), up, jnp.float32))
+    plt.store(down_ref.at[row * hp + hs], jnp.full((g,), _pow2_bits(-k_exp), jnp.float32))
+    for k, x in enumerate(blocks):
+        plt.store(q16_ref.at[(row * hp + hs)[:, None], (k * cb + cols)[None, :]],
+                  (x * up).astype(jnp.float16))
+
+
 def _prep_row(row, q_ref, sel_ref, bt_ref, q16_ref, up_ref, down_ref, slots_ref, live_ref, *,
               h: int, c: int, hp: int, w: int, wp: int, r: int, r_src: int, bs: int, mb: int,
               hb: int, cb: int, keep: bool):
@@ -108,17 +170,7 @@ def _prep_row(row, q_ref, sel_ref, bt_ref, q16_ref, up_ref, down_ref, slots_ref,
     # The slots first: every piece's token loads are issued before any store (a store between
     # them would order each piece's two dependent loads after the last: one latency chain per
     # piece), and their latency overlaps the q loads below.
-    pieces = _pow2_pieces(wp)
-    toks = []
-    for s0, sz in pieces:
-        ws = s0 + jnp.arange(sz, dtype=jnp.int32)  # [SZ]
-        toks.append(plt.load(sel_ref.at[src * w + jnp.minimum(ws, w - 1)], mask=ws < w,
-                             other=-1))
-    phys = []
-    for tok in toks:
-        # The empty slots' arithmetic is masked: keep it in range.
-        logical = jnp.clip(jnp.maximum(tok, 0) // bs, 0, mb - 1)
-        phys.append(plt.load(bt_ref.at[seq * mb + logical], mask=tok >= 0, other=0))
+    slots = _load_slots(seq, src, sel_ref, bt_ref, w=w, wp=wp, bs=bs, mb=mb)
 
     blocks = [(j, k) for j in range(-(-h // hb)) for k in range(c // cb)]
     kept = {}
@@ -129,14 +181,7 @@ def _prep_row(row, q_ref, sel_ref, bt_ref, q16_ref, up_ref, down_ref, slots_ref,
             kept[j, k] = x
         a = jnp.max(jnp.abs(x))
         amax = a if amax is None else jnp.maximum(amax, a)
-    live = jnp.int32(0)
-    for (s0, sz), tok, ph in zip(pieces, toks, phys, strict=True):
-        ws = s0 + jnp.arange(sz, dtype=jnp.int32)
-        valid = tok >= 0
-        slot = jnp.where(valid, ph * bs + jnp.maximum(tok, 0) % bs, -1)  # [SZ]
-        plt.store(slots_ref.at[row * wp + ws], slot)
-        live = jnp.maximum(live, jnp.max(jnp.where(valid, ws + 1, 0)))
-    live_ref[pl.ds(row, 1)] = jnp.full((1,), live, jnp.int32)
+    _store_slots(row, *slots, slots_ref, live_ref, wp=wp, bs=bs)
     k_exp = scale_exponent(amax)
     up = _pow2_bits(k_exp)
     up_ref[pl.ds(row, 1)] = jnp.full((1,), up, jnp.float32)
@@ -151,7 +196,7 @@ def _prep_row(row, q_ref, sel_ref, bt_ref, q16_ref, up_ref, down_ref, slots_ref,
 def prep_pallas(q: jax.Array, sel: jax.Array, block_tables: jax.Array, block_size: int, *,
                 hp: int, wp: int, heads_per_chunk: int = 32, num_warps: int = 8,
                 programs: int | None = None, write_q: bool = True, rows: int | None = None,
-                interpret: bool = False):
+                scale_heads: int = 0, interpret: bool = False):
     """q [N, H, C] f32 (N = B * R), sel [B, R, W] int32 tokens (-1 empty), block_tables
     [B, MB] int32 -> (q16 [N, Hp, C] f16 (q * 2^k, zero rows past H), up [N] f32 (2^k),
     down [N] f32 (2^-k), slots [N, Wp] int32 (-1 empty and past W), live [N] int32).
@@ -163,7 +208,10 @@ def prep_pallas(q: jax.Array, sel: jax.Array, block_tables: jax.Array, block_siz
     L2 footprint of the second read). write_q=False: no q16 (None in its place; the Mosaic
     kernel's q_in_kernel scales and converts q itself). rows: only each sequence's first
     `rows` of its R rows, read in place (a decode's real row of its max_verify rows: no slice
-    copies); the outputs then hold N = B * rows rows. Hp, Wp and C multiples
+    copies); the outputs then hold N = B * rows rows. scale_heads: one scale per group of
+    that many heads (a power of two dividing Hp; `MgpuTuning.scale_heads`): one program per
+    (row, group), up and down [N, Hp] (each head its group's); not with programs or
+    write_q=False. Hp, Wp and C multiples
     of 16 (the Mosaic kernel's are multiples of 64). Bitwise equal to
     `sparse_attend.mosaic_inputs_jnp` of those rows."""
     n_src, h, c = q.shape
@@ -188,6 +236,10 @@ def prep_pallas(q: jax.Array, sel: jax.Array, block_tables: jax.Array, block_siz
         raise ValueError(f"prep_pallas: hp={hp}, wp={wp} and C={c} must be multiples of 16")
     if programs is not None and programs < 1:
         raise ValueError(f"prep_pallas: programs={programs} must be >= 1")
+    if scale_heads:
+        return _prep_groups(q, sel, block_tables, block_size, n=n, h=h, c=c, hp=hp, w=w, wp=wp,
+                            r=r, r_src=r_src, mb=mb, g=scale_heads, num_warps=num_warps,
+                            programs=programs, write_q=write_q, interpret=interpret)
     programs = min(n, programs or n)
     hb = _pow2_divisor(hp, min(heads_per_chunk, next_pow2(h)))
     kernel = functools.partial(
@@ -198,7 +250,38 @@ def prep_pallas(q: jax.Array, sel: jax.Array, block_tables: jax.Array, block_siz
               jax.ShapeDtypeStruct((n,), jnp.float32), jax.ShapeDtypeStruct((n,), jnp.float32),
               jax.ShapeDtypeStruct((n * wp,), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.int32)]
     shapes = shapes if write_q else shapes[1:]
-    outs = pl.pallas_call(
+    outs = _launch(kernel, programs, shapes, num_warps, interpret, q, sel, block_tables)
+    q16, up, down, slots, live = outs if write_q else (None, *outs)
+    return (q16 if q16 is None else q16.reshape(n, hp, c)), up, down, slots.reshape(n, wp), live
+
+
+def _prep_groups(q, sel, block_tables, block_size, *, n, h, c, hp, w, wp, r, r_src, mb, g,
+                 num_warps, programs, write_q, interpret):
+    """`prep_pallas` with `scale_heads=g` (arguments checked there)."""
+    if g < 16 or g & (g - 1) or hp % g:
+        raise ValueError(f"prep_pallas: scale_heads={g} must be a power of two >= 16 "
+                         f"dividing hp={hp}")
+    if programs is not None or not write_q:
+        raise ValueError(f"prep_pallas: scale_heads={g} runs one program per (row, head "
+                         f"group) and writes q: programs={programs}, write_q={write_q}")
+    groups = hp // g
+    kernel = functools.partial(
+        _prep_group_kernel, groups=groups, g=g, h=h, c=c, hp=hp, w=w, wp=wp, r=r, r_src=r_src,
+        bs=block_size, mb=mb, cb=_pow2_divisor(c, 512))
+    shapes = [jax.ShapeDtypeStruct((n * hp, c), jnp.float16),
+              jax.ShapeDtypeStruct((n * hp,), jnp.float32),
+              jax.ShapeDtypeStruct((n * hp,), jnp.float32),
+              jax.ShapeDtypeStruct((n * wp,), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.int32)]
+    q16, up, down, slots, live = _launch(kernel, n * groups, shapes, num_warps, interpret, q,
+                                         sel, block_tables)
+    return (q16.reshape(n, hp, c), up.reshape(n, hp), down.reshape(n, hp), slots.reshape(n, wp),
+            live)
+
+
+def _launch(kernel, programs: int, shapes, num_warps: int, interpret: bool, q, sel, tables):
+    """The prep's one launch: `programs` programs over q [N*H, C], sel and the tables flat,
+    writing `shapes` (whole arrays)."""
+    return pl.pallas_call(
         kernel,
         grid=(programs,),
         in_specs=[pl.BlockSpec()] * 3,
@@ -207,6 +290,4 @@ def prep_pallas(q: jax.Array, sel: jax.Array, block_tables: jax.Array, block_siz
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="attend_prep",
-    )(q.reshape(n_src * h, c), sel.reshape(n_src * w), block_tables.reshape(-1))
-    q16, up, down, slots, live = outs if write_q else (None, *outs)
-    return (q16 if q16 is None else q16.reshape(n, hp, c)), up, down, slots.reshape(n, wp), live
+    )(q.reshape(-1, q.shape[-1]), sel.reshape(-1), tables.reshape(-1))

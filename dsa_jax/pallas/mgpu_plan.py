@@ -81,6 +81,13 @@ class MgpuTuning:
       one split each). Lowered on the CPU only, not yet compiled or run on a GPU (the
       thirteenth session's device time ran out): off by default until
       `benchmarks/h200_direct_out.py` shows it bitwise equal and faster on the H200.
+    scale_heads: heads of a row that share one q scale (16, 32 or 64, each group's heads
+      scaled by the power of two that brings their own largest |q| into [2^13, 2^14); 0: one
+      scale for the whole row). With groups the "triton" prep runs one program per (row,
+      group), not one per row (a decode's 64-head row is 128 KiB of f32 that one program reads
+      alone), and the kernel scales each logit row by its head's 2^-k. A group's q is rounded
+      at its own scale (at least the row's): other last bits than 0, within the same bound.
+      design="flashmla" only. Lowered on the CPU only, not yet run on a GPU: 0 by default.
     """
 
     block_w: int = 64
@@ -106,6 +113,7 @@ class MgpuTuning:
     flashmla_regs: tuple[int, int] = (216, 144)
     stage_slots: bool = True
     direct_out: bool = False
+    scale_heads: int = 0
 
     def __post_init__(self):
         if self.design not in ("exchange", "flashmla"):
@@ -115,6 +123,13 @@ class MgpuTuning:
         if self.design != "flashmla" and (self.converters != 1 or not self.stage_slots):
             raise ValueError(f"converters={self.converters}, stage_slots={self.stage_slots}: "
                              f"fields of design='flashmla' (design={self.design!r})")
+        if self.scale_heads not in (0, 16, 32, HEADS_PER_CTA):
+            raise ValueError(f"scale_heads={self.scale_heads} must be 0, 16, 32 or "
+                             f"{HEADS_PER_CTA} (heads per q scale)")
+        if self.scale_heads and (self.design != "flashmla" or self.q_in_kernel
+                                 or self.prep_per_sm):
+            raise ValueError(f"scale_heads={self.scale_heads} needs design='flashmla' and a "
+                             f"prep of one program per (row, head group) (prep_per_sm=0)")
         if self.converters == 2:
             check_register_budgets(2, self.flashmla_regs[1], self.flashmla_regs[0])
         if self.design == "flashmla":
@@ -201,6 +216,15 @@ def row_scales(q: jax.Array) -> tuple[jax.Array, jax.Array]:
     k = jnp.clip(14 - e, -126, 126).astype(jnp.int32)  # [N]
     one = jnp.ones_like(amax)
     return jnp.ldexp(one, k), jnp.ldexp(one, -k)
+
+
+def head_scales(q: jax.Array, group: int) -> tuple[jax.Array, jax.Array]:
+    """q [N, Hp, C] f32 (Hp a multiple of group) -> (2^k, 2^-k) [N, Hp] f32 each: `row_scales`
+    of each group of `group` heads, given to each of its heads (`MgpuTuning.scale_heads`)."""
+    n, hp, c = q.shape
+    up, down = row_scales(q.reshape(n * (hp // group), group, c))  # [N * G] each
+    return (jnp.repeat(up.reshape(n, hp // group), group, axis=1),
+            jnp.repeat(down.reshape(n, hp // group), group, axis=1))
 
 
 def scale_rows_f16(q: jax.Array) -> tuple[jax.Array, jax.Array]:

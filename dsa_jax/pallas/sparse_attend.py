@@ -459,14 +459,22 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
     return out[:, :h, :c].reshape(b, -1, h, c)
 
 
-def mosaic_inputs_jnp(q, sel, block_tables, block_size: int, *, hp: int, wp: int):
+def mosaic_inputs_jnp(q, sel, block_tables, block_size: int, *, hp: int, wp: int,
+                      scale_heads: int = 0):
     """The Mosaic kernel's inputs in jnp (the twin of `attend_prep.prep_pallas`): q [N, H, C]
     f32, sel [B, R, W] tokens, block_tables [B, MB] -> (q16 [N, Hp, C] f16 scaled by 2^k,
-    up = 2^k [N], down = 2^-k [N], slots [N, Wp] (-1 past W), live [N])."""
+    up = 2^k [N], down = 2^-k [N], slots [N, Wp] (-1 past W), live [N]). scale_heads: one
+    scale per group of that many heads (`MgpuTuning.scale_heads`, padded heads zeros): up and
+    down then [N, Hp], each head its group's."""
     n, h, _ = q.shape
     w = sel.shape[-1]
     slots = jax.vmap(token_slots, in_axes=(0, 0, None))(sel, block_tables, block_size)
     slots = jnp.pad(slots.reshape(n, w), ((0, 0), (0, wp - w)), constant_values=-1)  # [N, Wp]
+    if scale_heads:
+        q_p = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))  # [N, Hp, C]
+        up, down = mgpu_op.head_scales(q_p, scale_heads)  # [N, Hp] each
+        return ((q_p * up[:, :, None]).astype(jnp.float16), up, down, slots,
+                live_extent(slots))
     up, down = mgpu_op.row_scales(q)  # [N] each
     q16 = (q * up[:, None, None]).astype(jnp.float16)  # [N, H, C]
     if hp != h:
@@ -492,12 +500,12 @@ def _mosaic_attend(q, latent_flat, kv, sel, block_tables, bs, softmax_scale,
         qk, up, down, slots, live = attend_prep.prep_pallas(
             q, sel, block_tables, bs, hp=hp, wp=wp, heads_per_chunk=t.prep_heads,
             num_warps=t.prep_warps, programs=t.prep_per_sm * sm_count() or None,
-            write_q=not t.q_in_kernel, rows=r)
+            write_q=not t.q_in_kernel, rows=r, scale_heads=t.scale_heads)
     if t.prep != "triton" or t.q_in_kernel:  # these take the attended rows as arrays
         q = q.reshape(b, r_all, h, c)[:, :r].reshape(n, h, c)
     if t.prep != "triton":
         qk, up, down, slots, live = mosaic_inputs_jnp(q, sel[:, :r], block_tables, bs, hp=hp,
-                                                      wp=wp)
+                                                      wp=wp, scale_heads=t.scale_heads)
     if t.q_in_kernel:  # the kernel scales and converts the f32 rows itself
         qk = q if hp == h else jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
     direct = t.direct_out and splits == 1 and pad is None  # the partial is the result

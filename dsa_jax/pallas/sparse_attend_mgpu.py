@@ -46,6 +46,7 @@ from dsa_jax.pallas.common import sm_count
 from dsa_jax.pallas.mgpu_plan import HEADS_PER_CTA as HEADS_PER_CTA
 from dsa_jax.pallas.mgpu_plan import SMEM_LIMIT
 from dsa_jax.pallas.mgpu_plan import MgpuTuning as MgpuTuning
+from dsa_jax.pallas.mgpu_plan import head_scales as head_scales
 from dsa_jax.pallas.mgpu_plan import num_splits as num_splits
 from dsa_jax.pallas.mgpu_plan import row_scales as row_scales
 from dsa_jax.pallas.mgpu_plan import scale_rows_f16 as scale_rows_f16
@@ -339,7 +340,8 @@ def _kernel(kv_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_ref,
 
 def _flashmla_kernel(kv_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_ref,
                      o_ref, m_ref, l_ref, *, softmax_scale: float, c: int, block_w: int,
-                     tiles: int, converters: int, stage_slots: bool, regs: tuple[int, int]):
+                     tiles: int, converters: int, stage_slots: bool, regs: tuple[int, int],
+                     per_head: bool):
     """`MgpuTuning(design="flashmla")`: one (head block, split, row) CTA with FlashMLA's
     division of the work, so the conversion runs beside the dots:
 
@@ -354,6 +356,8 @@ def _flashmla_kernel(kv_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref,
       the rows in flight; `regs`: the setmaxnreg budgets of warpgroup 0 and the others).
     * stage_slots: the split's slot indices are bulk-copied to shared memory once, so neither
       the gather nor the logit mask waits on a global load per tile.
+    * per_head (`MgpuTuning.scale_heads`): rscale_ref is [N, Hp], each head's own 2^-k, and
+      each logit row is scaled by its head's.
 
     No producer warpgroup and no fp8 staging: Q (64 KiB), two f16 tiles (128 KiB), P and the
     slots fit in shared memory. Argument shapes as `_kernel` (q f16, already scaled; no zero
@@ -409,11 +413,20 @@ def _flashmla_kernel(kv_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref,
             for hh in range(2):
                 plgpu.barrier_wait(q_bar.at[hh])
             wait_slots()
-            logit_scale = kv_ref[0] * softmax_scale * rscale_ref[row] * _LOG2E  # log2: exp2
+            if per_head:  # [64]: each head's
+                rs = load(rscale_ref.at[row, heads], row_layout)
+                logit_scale = kv_ref[0] * softmax_scale * rs * _LOG2E  # log2 units: exp2
+            else:
+                logit_scale = kv_ref[0] * softmax_scale * rscale_ref[row] * _LOG2E  # log2: exp2
+
+            def scaled(logits):  # [64, BW] in log2 units
+                if per_head:
+                    return logits * lax.broadcast_in_dim(logit_scale, logits.shape, [0])
+                return logits * logit_scale
 
             def softmax(t, valid, m, l, logits):  # -> m, l, alpha, p16; P and stats published
                 logits = jnp.where(lax.broadcast_in_dim(valid, logits.shape, [1]),
-                                   logits * logit_scale, -jnp.inf)  # [64, BW]
+                                   scaled(logits), -jnp.inf)  # [64, BW]
                 m_new = jnp.maximum(m, logits.max(axis=1))
                 alpha = jnp.exp2(m - m_new)
                 p = jnp.exp2(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
@@ -545,7 +558,8 @@ def sparse_attend_mgpu_partials(kv_scale, q_scales, live, q, slots, latent_flat,
                                 tuning: MgpuTuning = _DEFAULT, sms: int | None = None,
                                 out_dtype=jnp.float32):
     """The kernel call: q [N, Hp, C] (Hp a multiple of 64): f32 if tuning.q_in_kernel, else
-    f16 already scaled (`scale_rows_f16`); q_scales: (2^k, 2^-k) [N] each (`row_scales`);
+    f16 already scaled (`scale_rows_f16`); q_scales: (2^k, 2^-k) [N] each (`row_scales`), or
+    [N, Hp] with tuning.scale_heads (`head_scales`);
     slots [N, Wp] int32 flat cache slots with Wp = splits * tiles * block_w; latent_flat
     [NS, C] fp8; kv_scale [] or [1] f32 (the cache's scale: the logits are scaled by it times
     softmax_scale, the output by it; read in the kernel, no XLA op of its own); live [N]
@@ -557,6 +571,10 @@ def sparse_attend_mgpu_partials(kv_scale, q_scales, live, q, slots, latent_flat,
     want = jnp.float32 if tuning.q_in_kernel else jnp.float16
     if q.dtype != want:
         raise ValueError(f"sparse_attend_mgpu: q is {q.dtype}, want {jnp.dtype(want).name}")
+    want_scales = (n, hp) if tuning.scale_heads else (n,)
+    if any(s.shape != want_scales for s in q_scales):
+        raise ValueError(f"sparse_attend_mgpu: q scales {[s.shape for s in q_scales]}, want "
+                         f"{want_scales} each (scale_heads={tuning.scale_heads})")
     why = supports(latent_flat.dtype, c, tuning)
     if why is not None:
         raise ValueError(f"sparse_attend_mgpu: unsupported {why}")
@@ -583,7 +601,7 @@ def sparse_attend_mgpu_partials(kv_scale, q_scales, live, q, slots, latent_flat,
         kernel = functools.partial(
             _flashmla_kernel, softmax_scale=softmax_scale, c=c, block_w=tuning.block_w,
             tiles=tiles, converters=tuning.converters, stage_slots=tuning.stage_slots,
-            regs=tuning.flashmla_regs)
+            regs=tuning.flashmla_regs, per_head=bool(tuning.scale_heads))
         return plgpu.kernel(
             kernel, out_type=out_type, grid=(hp // HEADS_PER_CTA, splits, n),
             grid_names=("h", "s", "r"), num_threads=1 + tuning.converters, thread_name="wg",
