@@ -1,10 +1,10 @@
 """Device scripts run through on the CPU at tiny shapes (--smoke): benchmarks/h200_gaps.py in
-this process and with a flag set in a child process, benchmarks/h200_profile.py; every row
-written, none failed."""
+this process and with a flag set in a child process, benchmarks/h200_profile.py and
+benchmarks/h200_direct_out.py; every row written, none failed."""
 
 import json
 
-from benchmarks import h200_gaps, h200_profile
+from benchmarks import h200_direct_out, h200_gaps, h200_profile
 
 CALLS = {"attend-a-bench", "attend-a-lean", "attend-a-x8", "selection-b64-bench",
          "selection-b64-bound"}
@@ -36,3 +36,13 @@ def test_h200_profile_smoke_writes_both_steps(tmp_path):
     assert not res["errors"], res["errors"]
     assert [r["step"] for r in res["rows"]] == ["prefill-4", "decode-b1-k1-tp1"]
     assert all(r["wall_us"] > 0 and r["kernel_us"] is None for r in res["rows"])
+
+
+def test_h200_direct_out_smoke_compares_both_paths(tmp_path):
+    """The script's machinery on the CPU (the Triton kernel interpreted: both rows run the
+    same kernel there, so they must agree bit for bit; on the H200 they are the two paths)."""
+    out = tmp_path / "direct.json"
+    assert h200_direct_out.main(["--smoke", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [r["direct_out"] for r in res["rows"]] == [True, False]
+    assert res["bitwise_equal"] is True and res["finite"] is True

@@ -126,8 +126,7 @@ class MgpuTuning:
         if self.scale_heads not in (0, 16, 32, HEADS_PER_CTA):
             raise ValueError(f"scale_heads={self.scale_heads} must be 0, 16, 32 or "
                              f"{HEADS_PER_CTA} (heads per q scale)")
-        if self.scale_heads and (self.design != "flashmla" or self.q_in_kernel
-                                 or self.prep_per_sm):
+        if self.scale_heads and (self.design != "flashmla" or self.prep_per_sm):
             raise ValueError(f"scale_heads={self.scale_heads} needs design='flashmla' and a "
                              f"prep of one program per (row, head group) (prep_per_sm=0)")
         if self.converters == 2:
