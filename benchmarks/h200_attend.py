@@ -71,10 +71,12 @@ MOSAIC_VARIANTS = {
     "mosaic-flashmla": dict(design="flashmla"),
     "mosaic-flashmla-noslots": dict(design="flashmla", stage_slots=False),
     "mosaic-flashmla-c2": dict(design="flashmla", converters=2),
-    # Thirteenth session (lowered on the CPU, not yet run on a GPU): one q scale per group of
-    # 16 or 32 heads, the prep one program per (row, group); other last bits than the base's.
+    # Thirteenth session: one q scale per group of 16 or 32 heads, the prep one program per
+    # (row, group); other last bits than the base's allowed (equal on every case in s14 call 1).
     "mosaic-flashmla-sh16": dict(design="flashmla", scale_heads=16),
     "mosaic-flashmla-sh32": dict(design="flashmla", scale_heads=32),
+    # The library's default since the fourteenth session (AttendTuning.mosaic).
+    "mosaic-lib": dict(design="flashmla", direct_out=True, scale_heads=16),
     # "mosaic-flashmla-pvb" (pv_behind: the softmax beside the previous tile's P @ V, in three
     # forms, each bitwise the base) was measured slower in the thirteenth session and removed
     # (git history: the commit after this session's call 4).
@@ -92,7 +94,7 @@ QUICK = ("mosaic-producer-r88", "mosaic-producer-pingpong-r88")
 REORDERED = ("mosaic-producer-full", "mosaic-producer-pingpong", "mosaic-producer-pingpong-r88",
              "mosaic-flashmla", "mosaic-flashmla-noslots", "mosaic-flashmla-c2")
 # Variants that round q at other scales than every base: exempt with any base.
-RESCALED = ("mosaic-flashmla-sh16", "mosaic-flashmla-sh32")
+RESCALED = ("mosaic-flashmla-sh16", "mosaic-flashmla-sh32", "mosaic-lib")
 # `--group mosaic-all`: these on every case, the others on 3 (ONE_CHECK: 1).
 FULL_CHECKS = ("mosaic-default", "mosaic-producer-r88", "mosaic-producer-pingpong-r88",
                "mosaic-flashmla", "mosaic-flashmla-noslots", "mosaic-flashmla-c2",

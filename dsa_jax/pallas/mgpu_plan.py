@@ -78,16 +78,18 @@ class MgpuTuning:
     direct_out: with one split per row and no padded block, the kernel writes the attend's
       result in the caller's dtype itself (its normalized partial is the result; rounded once,
       as the merge kernel would round it), so no merge pass reads it back (a prompt's rows:
-      one split each). Lowered on the CPU only, not yet compiled or run on a GPU (the
-      thirteenth session's device time ran out): off by default until
-      `benchmarks/h200_direct_out.py` shows it bitwise equal and faster on the H200.
+      one split each). On in the library's default (`SparseAttendTuning.mosaic`): on the
+      H200 bitwise the merge's result and faster (h200-direct-out-20261202-s14-call1.json).
     scale_heads: heads of a row that share one q scale (16, 32 or 64, each group's heads
       scaled by the power of two that brings their own largest |q| into [2^13, 2^14); 0: one
       scale for the whole row). With groups the "triton" prep runs one program per (row,
       group), not one per row (a decode's 64-head row is 128 KiB of f32 that one program reads
       alone), and the kernel scales each logit row by its head's 2^-k. A group's q is rounded
       at its own scale (at least the row's): other last bits than 0, within the same bound.
-      design="flashmla" only. Lowered on the CPU only, not yet run on a GPU: 0 by default.
+      design="flashmla" only. 16 in the library's default (`SparseAttendTuning.mosaic`):
+      on the H200 within the bound on every check case, the prep faster at 16 than at 32
+      (h200-attend-20261202-s14-call1.json). 0 here, the dataclass's own design being
+      "exchange".
     """
 
     block_w: int = 64

@@ -59,7 +59,12 @@ class AttendTuning:
       FlashMLA's split with the slots staged in shared memory (`design="flashmla"`): on the
       H200 beside the exchange design, the kernel 66.1 -> 46.4 us on 64 rows, 434.2 -> 303.4
       on 128 x 2, 1758 -> 1152 on a 2048-row prompt chunk
-      (benchmarks/results/h200-attend-20261202-s11-call2.json).
+      (benchmarks/results/h200-attend-20261202-s11-call2.json); with a prompt's result
+      written by the kernel (`direct_out`: bitwise the merge's, the 2048-row chunk's kernels
+      -7%) and one q scale per 16 heads (`scale_heads=16`: the prep one program per (row,
+      group); within the bound, the same bits on every H200 check case; the prep -15% to
+      -34%): benchmarks/results/h200-direct-out-20261202-s14-call1.json,
+      h200-attend-20261202-s14-call1.json.
     mosaic_prompt: its tiles for prompt rows (`prompt_shaped`; None, the default: `mosaic` for
       every row, so a prompt's rows and a decode's run the same arithmetic). The two designs
       sum the logits in other orders: a tuning that mixes them gives other last bits for a
@@ -68,7 +73,8 @@ class AttendTuning:
 
     backend: str = "auto"
     col_blocks: int = 1
-    mosaic: mgpu_op.MgpuTuning = mgpu_op.MgpuTuning(design="flashmla")
+    mosaic: mgpu_op.MgpuTuning = mgpu_op.MgpuTuning(design="flashmla", direct_out=True,
+                                                    scale_heads=16)
     mosaic_prompt: mgpu_op.MgpuTuning | None = None
 
     def __post_init__(self):

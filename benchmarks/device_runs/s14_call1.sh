@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Written in the thirteenth session for the next one (its device time ran out first): the two
-# attend levers built then, each off by default, lowered on the CPU only.
+# Fourteenth session, call 1 (written in the thirteenth as planned_next_call1.sh, whose device
+# time ran out first): the two attend levers built then, each off by default, lowered on the CPU only.
 # 1. MgpuTuning.direct_out: a prompt's one-split bf16 result written by the Mosaic kernel
 #    itself, beside the f32 partial and the merge kernel's cast: bitwise and timed on the
 #    2048-row prompt chunk (h200_direct_out.py).
