@@ -26,14 +26,18 @@ def write_latents(cfg: DsaConfig, state: DsaState, kv_raw: jax.Array, norm_w,
 
 def attend(cfg: DsaConfig, state: DsaState, q_abs: jax.Array, sel: jax.Array,
            live_rows: int | None = None, *, dtype=jnp.float32, rows: int | None = None,
-           fill: jax.Array | None = None) -> jax.Array:
+           fill: jax.Array | None = None,
+           q_scaled: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """`q_abs [B, R, Hl, C]`, `sel [B, R, W]` -> attended latents `[B, R, Hl, C]` f32.
 
     live_rows: the rows expected to hold a selection (a static hint for the kernel's work
     split; None: all B*R). It changes no result's meaning, only how the work is spread.
     dtype: the result's (rounded from f32). rows, fill: attend only each sequence's first
     `rows` rows; row r >= rows of sequence b is fill[b, r] (fill [B, R] f32;
-    `sparse_attend_xla`)."""
+    `sparse_attend_xla`). q_scaled: `projection.scaled_q_abs` of the same rows (a prompt's):
+    q_abs as the Mosaic kernel takes it (`SparseAttendTuning.mosaic`'s `bound_scales`); no
+    other path reads it."""
     return sparse_attend_op(cfg, q_abs, state.latent, state.kv_scale, state.block_tables, sel,
                             softmax_scale=cfg.qk_nope_head_dim ** -0.5, out_dtype=dtype,
-                            rows=rows, fill=fill, kernel_options=dict(live_rows=live_rows))
+                            rows=rows, fill=fill,
+                            kernel_options=dict(live_rows=live_rows, q_scaled=q_scaled))

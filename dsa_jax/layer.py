@@ -137,14 +137,14 @@ def step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, n_n
     else:
         sel = jnp.where(valid[..., None], shared_sel, -1)
     o_latent = attend_first_rows(cfg, state, proj.q_abs, sel, valid, live_rows(cfg, x),
-                                 attend_rows, weights.u_v.dtype)  # [B, R, Hl, C]
+                                 attend_rows, weights.u_v.dtype, proj.q_scaled)  # [B, R, Hl, C]
     y = output_projection(weights, o_latent, cfg)  # [B, R, D]
     return y, _advance(cfg, state, n_new), sel
 
 
 def attend_first_rows(cfg: DsaConfig, state: DsaState, q_abs: jax.Array, sel: jax.Array,
-                      valid: jax.Array, live: int, rows: int | None, dtype=jnp.float32
-                      ) -> jax.Array:
+                      valid: jax.Array, live: int, rows: int | None, dtype=jnp.float32,
+                      q_scaled: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """`attend` of the first `rows` rows of `q_abs [B, R, Hl, C]` and `sel [B, R, W]`, cast to
     `dtype` (the output projection's operand dtype: the cast it would make anyway, made before
     the padding so that the padded rows are written at its width); the other rows' outputs
@@ -152,7 +152,8 @@ def attend_first_rows(cfg: DsaConfig, state: DsaState, q_abs: jax.Array, sel: ja
     promise). Every attend kernel works per row (its split plan comes from `live`, not from the
     row count), so a row's output is the same bits whether 1 or R rows are attended. The "xla"
     implementation attends every row: XLA compiles the dots of another row count in another
-    order (on the H200 a 1-row decode and a K-row verify then differed in their last bits)."""
+    order (on the H200 a 1-row decode and a K-row verify then differed in their last bits).
+    q_scaled: `Projections.q_scaled` (a prompt's rows: never cut), `attend`'s."""
     r = q_abs.shape[1]
     if resolve(cfg.implementation) == "xla":
         return attend(cfg, state, q_abs, sel, live, dtype=dtype)
@@ -162,7 +163,8 @@ def attend_first_rows(cfg: DsaConfig, state: DsaState, q_abs: jax.Array, sel: ja
         # too). A max_verify-row verify differed from its serial decodes in y's last bits on
         # the H200 (benchmarks/notes.md, 2026-12-01 fifth); the attend's split merge is now a
         # kernel of its own for that reason.
-        return lax.optimization_barrier(attend(cfg, state, q_abs, sel, live, dtype=dtype))
+        return lax.optimization_barrier(attend(cfg, state, q_abs, sel, live, dtype=dtype,
+                                               q_scaled=q_scaled))
     past = valid & (jnp.arange(r) >= rows)  # [B, R]: real rows past the promise
     fill = jnp.where(past, jnp.nan, 0.0)  # [B, R] f32
     # The attended rows read in place and the padded block written whole by the attend (on

@@ -341,7 +341,7 @@ def _block(cfg: DsaConfig, w: DsaWeights, caches: _Caches, rows: _Rows, layer, f
         sel = jnp.where(rows.valid[..., None], shared_sel, -1)
     # As `layer.step` hands it to the output projection (the same ops in both programs).
     o_latent = attend_first_rows(cfg, view, proj.q_abs, sel, rows.valid, rows.live_rows,
-                                 rows.attend_rows, w.u_v.dtype)  # [B, R, Hl, C]
+                                 rows.attend_rows, w.u_v.dtype, proj.q_scaled)  # [B, R, Hl, C]
     caches = _Caches(view.latent, view.index_k, view.index_g, view.pool_keys)
     return output_projection(w, o_latent, cfg), caches, sel
 

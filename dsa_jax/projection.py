@@ -25,7 +25,8 @@ from dsa_jax.stacked import LayerOf, operand
 from dsa_jax.weights import DsaWeights
 
 __all__ = ["Projections", "kernel_rows", "matmul", "norm", "output_projection", "per_head",
-           "project", "project_kv", "rms_norm", "x_columns"]
+           "project", "project_kv", "prompt_rows", "q_abs_bound", "rms_norm", "scaled_q_abs",
+           "x_columns"]
 
 
 class Projections(NamedTuple):
@@ -37,6 +38,8 @@ class Projections(NamedTuple):
     w: jax.Array | None  # [..., Hi] f32: head weights, scales folded
     xw: jax.Array | None = None  # [..., Nx] f32: the x projection's output, which the cache
     # writes read in place at `x_columns(cfg)` (kv_raw, k_raw and g are slices of it)
+    q_scaled: tuple[jax.Array, jax.Array] | None = None  # a prompt's rows (None for a
+    # decode's or a verify's): `scaled_q_abs`, q_abs as the Mosaic attend takes it (`attend`)
 
 
 def x_columns(cfg: DsaConfig) -> dict[str, tuple[int, int]]:
@@ -87,6 +90,42 @@ def norm(cfg: DsaConfig, v: jax.Array, w, eps: float, **kwargs) -> jax.Array:
     return rms_norm_op(cfg, v, w, eps, layer=at, **kwargs)
 
 
+def q_abs_bound(q: jax.Array, u_k) -> jax.Array:
+    """`q [..., Hl, Dn]` f32 (the U_k GEMM's input) -> `[..., Hl]` f32, at least every |a_h|
+    that `per_head(q, u_k, 1)` computes: by Cauchy-Schwarz |a_hc| <= ||q_h|| ||U_k[h, :, c]||,
+    taken at the GEMM's operands (q rounded to the weight dtype) and the largest column, with a
+    2^-10 margin for the f32 rounding of the two norms and of the GEMM's K-term sums (each
+    below K 2^-24 relative). Known before the GEMM runs (`scaled_q_abs`), where an amax of
+    q_abs would read q_abs back."""
+    w = u_k.layer if isinstance(u_k, LayerOf) else u_k  # [Hl, Dn, C]
+    qo = q.astype(w.dtype).astype(jnp.float32)  # [..., Hl, Dn]
+    w32 = w.astype(jnp.float32)
+    col = jnp.sqrt(jnp.max(jnp.sum(w32 * w32, axis=1), axis=-1))  # [Hl]
+    return jnp.sqrt(jnp.sum(qo * qo, axis=-1)) * col * (1 + 2.0 ** -10)  # [..., Hl]
+
+
+def scaled_q_abs(q: jax.Array, u_k, cfg: DsaConfig | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
+    """`q [..., Hl, Dn]` f32 -> (q_abs * 2^k as f16 `[..., Hl, C]`, 2^-k `[..., Hl]` f32), k
+    per (row, head) bringing `q_abs_bound` into [2^13, 2^14) (no |q_abs| 2^k reaches 2^14).
+    The power of two scales the GEMM's input (exact: bf16 has f32's exponents), so the f32
+    products are q_abs's times 2^k and the f16 conversion is the GEMM's epilogue: no f32 q_abs
+    is written or read back. XLA drops `Projections.q_abs` where only this is read."""
+    bound = q_abs_bound(q, u_k)  # [..., Hl]
+    _, e = jnp.frexp(jnp.where(bound > 0, bound, 1.0))
+    k = jnp.clip(14 - e, -126, 126).astype(jnp.int32)  # [..., Hl]
+    one = jnp.ones_like(bound)
+    up, down = jnp.ldexp(one, k), jnp.ldexp(one, -k)
+    return per_head(q * up[..., None], u_k, 1, cfg).astype(jnp.float16), down
+
+
+def prompt_rows(cfg: DsaConfig, lead: tuple[int, ...]) -> bool:
+    """Rows `lead` (`[B, R]`) of a prompt: more per sequence than a verify's max_verify. Only
+    these carry `Projections.q_scaled`: a decode's and a verify's rows keep one arithmetic
+    (decode_k == serial), whatever their GEMMs."""
+    return len(lead) >= 1 and lead[-1] > cfg.max_verify
+
+
 def kernel_rows(cfg: DsaConfig, lead: tuple[int, ...]) -> bool:
     """Rows `lead` (`[B, R]`) of a decode or verify (R <= max_verify) under `row_gemms`: the
     GEMMs whose rows a decode must reproduce bit for bit. A prompt's rows keep XLA's GEMMs."""
@@ -106,8 +145,9 @@ def project(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> Projections:
     kv_raw = _cols(xw, at["kv"])  # [..., C]
     q = matmul(q_resid, weights.q_proj, cfg).reshape(*xw.shape[:-1], Hl, Dn)  # [..., Hl, Dn]
     q_abs = per_head(q, weights.u_k, 1, cfg)  # [..., Hl, C]
+    scaled = scaled_q_abs(q, weights.u_k, cfg) if prompt_rows(cfg, xw.shape[:-1]) else None
     if not weights.has_indexer:
-        return Projections(q_abs, kv_raw, None, None, None, None, xw)
+        return Projections(q_abs, kv_raw, None, None, None, None, xw, scaled)
     # The indexer's query: its own GEMM, of one shape at every TP degree (weights.py). The
     # barrier gives it an operand of its own: XLA:GPU's dot merger would otherwise merge it
     # with the q_b GEMM above (shared operand, a small weight) into one GEMM of a
@@ -115,7 +155,7 @@ def project(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> Projections:
     qi = matmul(lax.optimization_barrier(q_resid), weights.qi_proj, cfg)  # [..., Hi*Di]
     qi = qi.reshape(*xw.shape[:-1], Hi, Di)
     return Projections(q_abs, kv_raw, qi, _cols(xw, at["k"]), _cols(xw, at["g"]),
-                       _cols(xw, at["w"]), xw)
+                       _cols(xw, at["w"]), xw, scaled)
 
 
 def project_kv(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> Projections:

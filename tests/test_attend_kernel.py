@@ -21,6 +21,7 @@ c_j the dequantized latent row, M = max_j |c_j|_inf and L_j = s sum_c |q_c| |c_j
     the fp32 sums: 4 (W + S) e M. => 2 [(exp(2D) - 1) + u + W 2^-25 + 4 (W + S) e] M.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -485,3 +486,87 @@ def test_attend_diagnostics_lower_and_restore_the_gather(name):
     with pytest.raises(ValueError, match="unknown diagnostic"), attend_diag.patched("diag-x"):
         pass
     assert (mgpu_gather.make_gather, mgpu_gather.make_store) == before
+
+
+BOUND = mg.MgpuTuning(design="flashmla", scale_heads=16, bound_scales=True, direct_out=True)
+
+
+def test_bound_scales_need_the_per_head_kernel():
+    with pytest.raises(ValueError, match="bound_scales=True needs scale_heads"):
+        mg.MgpuTuning(design="flashmla", bound_scales=True)
+
+
+def test_q_abs_bound_bounds_the_absorbed_query():
+    """`projection.q_abs_bound` is at least every |a_hc| the U_k GEMM computes: random rows,
+    and rows built to reach the bound (q_h along the largest column of U_k[h], where
+    Cauchy-Schwarz is tight), bf16 weights (q rounded as the GEMM rounds it) and f32."""
+    from dsa_jax import projection
+    rng = np.random.default_rng(3)
+    for wdt in (jnp.bfloat16, jnp.float32):
+        u = jnp.asarray(rng.standard_normal((5, 48, 40)) * 0.3, wdt)  # [H, Dn, C]
+        q = rng.standard_normal((7, 5, 48)).astype(np.float32)  # [N, H, Dn]
+        u32 = np.asarray(u.astype(jnp.float32))
+        best = np.argmax((u32 ** 2).sum(1), axis=-1)  # [H]: the largest column
+        q[:3] = np.stack([u32[h, :, best[h]] for h in range(5)]) * np.float32(7.5)
+        q = jnp.asarray(q)
+        a = np.abs(np.asarray(projection.per_head(q, u, 1)))  # [N, H, C]
+        bound = np.asarray(projection.q_abs_bound(q, u))  # [N, H]
+        assert (a.max(-1) <= bound).all()
+        assert (a[:3].max(-1) >= bound[:3] * (1 - 2.0 ** -8)).all()  # tight where it can be
+
+
+def test_scaled_q_abs_rounds_q_as_the_amax_scales_do():
+    """`projection.scaled_q_abs` (the scale on the GEMM's input, from the bound) holds q_abs's
+    f16 rounding: q16 * down equals q_abs scaled by each head's own amax's power of two and
+    rounded, exactly (power-of-two scaling is exact, f16 rounding relative), also for rows far
+    from 1 and a head 2^40 above its row's others; every |q16| is below 2^14; the slots of
+    `scaled_inputs` are the prep twin's, padded heads zero."""
+    from dsa_jax import projection
+    rng = np.random.default_rng(4)
+    n, h, dn, c = 6, 5, 48, 64
+    u = jnp.asarray(rng.standard_normal((h, dn, c)) * 0.2, jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((n, h, dn)) * np.float32(3.0))
+    q = q.at[1].multiply(2.0 ** -30).at[2, 3].multiply(2.0 ** 40)  # rows far from 1
+    q16, down = projection.scaled_q_abs(q, u)
+    q_abs = projection.per_head(q, u, 1)  # [N, H, C] f32
+    _, _, _, tables, sel = T.attend_inputs(5, 2, 3, h, c, 70, 16, 12, "float8_e4m3fn")
+    sel, tables = jnp.asarray(sel), jnp.asarray(tables)
+    got = sa.scaled_inputs(q16, down, sel, tables, 16, hp=64, wp=80)
+    want = sa.mosaic_inputs_jnp(q_abs, sel, tables, 16, hp=64, wp=80, scale_heads=16)
+    up1, down1 = mg.head_scales(q_abs, 1)  # each head its own amax's scale: [N, H]
+    amax16 = (q_abs * up1[:, :, None]).astype(jnp.float16)
+    deq = lambda q16, down: np.asarray(q16.astype(jnp.float32)) * np.asarray(down)[:, :, None]
+    np.testing.assert_array_equal(deq(got[0][:, :h], got[2][:, :h]), deq(amax16, down1))
+    assert not np.asarray(got[0][:, h:]).any()
+    assert (np.abs(np.asarray(q16, np.float32)).max(-1) < 2.0 ** 14).all()
+    np.testing.assert_array_equal(np.asarray(got[1] * got[2]), 1.0)
+    np.testing.assert_array_equal(np.asarray(got[3]), np.asarray(want[3]))
+    np.testing.assert_array_equal(np.asarray(got[4]), np.asarray(want[4]))
+
+
+def test_bound_scales_lower_for_cuda_without_the_prep():
+    """A prompt's attend given q_scaled lowers with no Triton prep and no merge (one split);
+    without it, or with bound_scales off, the prep runs as before."""
+    f32, i32 = jnp.float32, jnp.int32
+    args = (jax.ShapeDtypeStruct((1, 40, 5, 512), f32),
+            jax.ShapeDtypeStruct((30, 16, 512), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((), f32), jax.ShapeDtypeStruct((1, 12), i32),
+            jax.ShapeDtypeStruct((1, 40, 150), i32),
+            jax.ShapeDtypeStruct((1, 40, 5, 512), jnp.float16),
+            jax.ShapeDtypeStruct((1, 40, 5), f32))
+    for tuning, hint, prep in ((BOUND, True, False), (BOUND, False, True),
+                               (dataclasses.replace(BOUND, bound_scales=False), True, True)):
+        def fn(q, lat, kv, tables, sel, q16, down, tuning=tuning, hint=hint):
+            return sa.sparse_attend_pallas(q, lat, kv, tables, sel, softmax_scale=0.1,
+                                           num_splits=1, out_dtype=jnp.bfloat16,
+                                           q_scaled=(q16, down) if hint else None,
+                                           tuning=sa.AttendTuning("mosaic", mosaic=tuning))
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("custom_call @mosaic_gpu") == 1
+        assert ("custom_call @__gpu$xla.gpu.triton" in text) == prep, (tuning, hint)
+
+
+def test_h200_attend_names_the_library_default():
+    """benchmarks/h200_attend.py's "mosaic-lib" is the tuning the library runs."""
+    from benchmarks import h200_attend
+    assert mg.MgpuTuning(**h200_attend.MOSAIC_VARIANTS["mosaic-lib"]) == sa.AttendTuning().mosaic

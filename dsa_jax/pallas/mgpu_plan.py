@@ -90,6 +90,16 @@ class MgpuTuning:
       on the H200 within the bound on every check case, the prep faster at 16 than at 32
       (h200-attend-20261202-s14-call1.json). 0 here, the dataclass's own design being
       "exchange".
+    bound_scales: where the caller gives q already scaled per (row, head) and in f16 (a
+      prompt's rows: `projection.scaled_q_abs`, its scale from a bound known before the U_k
+      GEMM, so the f16 conversion is that GEMM's epilogue), the kernel takes it as it is: no
+      f32 q written and read back, no prep (the slots in jnp). q_abs's products rounded to f16
+      as `scale_heads` rounds them, except for values below f16's normal range (2^-27 of
+      their bound). Needs scale_heads
+      (the kernel's per-head logit scale). Off in the library's default: on the H200 XLA made
+      the U_k GEMM a cuBLAS one with the f16 conversion a pass of its own, and prefill-9000's
+      kernels were 10.83 ms against 10.88 with the prep (within run-to-run noise;
+      h200-profile-20261202-s14-call5.json). It pays once that GEMM writes f16 itself.
     """
 
     block_w: int = 64
@@ -116,6 +126,7 @@ class MgpuTuning:
     stage_slots: bool = True
     direct_out: bool = False
     scale_heads: int = 0
+    bound_scales: bool = False
 
     def __post_init__(self):
         if self.design not in ("exchange", "flashmla"):
@@ -131,6 +142,9 @@ class MgpuTuning:
         if self.scale_heads and (self.design != "flashmla" or self.prep_per_sm):
             raise ValueError(f"scale_heads={self.scale_heads} needs design='flashmla' and a "
                              f"prep of one program per (row, head group) (prep_per_sm=0)")
+        if self.bound_scales and not self.scale_heads:
+            raise ValueError("bound_scales=True needs scale_heads (the kernel's per-head "
+                             "logit scale)")
         if self.converters == 2:
             check_register_budgets(2, self.flashmla_regs[1], self.flashmla_regs[0])
         if self.design == "flashmla":

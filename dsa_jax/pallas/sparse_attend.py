@@ -366,7 +366,8 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
                          compute_dtype=None, num_warps: int | None = None,
                          num_stages: int = 2, live_rows: int | None = None,
                          tuning: AttendTuning = AttendTuning(), out_dtype=jnp.float32,
-                         rows: int | None = None, fill: jax.Array | None = None) -> jax.Array:
+                         rows: int | None = None, fill: jax.Array | None = None,
+                         q_scaled: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """`sparse_attend_xla` as a Pallas kernel; same arguments, same result (see tolerances in
     tests/test_kernels.py and tests/test_attend_kernel.py). q [B, R, H, C] f32 -> [B, R, H, C]
     f32.
@@ -380,7 +381,10 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
     per tile; compute_dtype: dot operand dtype (None: `default_compute_dtype`); num_warps,
     num_stages. None tile arguments take `default_tiles`. out_dtype, rows, fill: as
     `sparse_attend_xla`'s; the Mosaic path reads the rows in place and writes the padded block
-    with its split merge, in one pass.
+    with its split merge, in one pass. q_scaled: (q16 [B, R, H, C] f16, down [B, R, H] f32),
+    q scaled per (row, head) by a power of two with every |q 2^k| below 2^14 and rounded to
+    f16 (`projection.scaled_q_abs`, made by q's own GEMM): with `MgpuTuning.bound_scales` the
+    Mosaic path takes it in place of q (no prep: q is not read); other paths ignore it.
     """
     b, r_all, h, c = q.shape
     r = _attended_rows((b, r_all), rows, fill)
@@ -395,7 +399,10 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
         out = _mosaic_attend(q.reshape(b * r_all, h, c), latent.reshape(nb * bs, c), kv, sel,
                              block_tables, bs, softmax_scale,
                              mosaic_tuning(tuning, r, live_rows or n, n), num_splits,
-                             live_rows or n, out_dtype, pad)
+                             live_rows or n, out_dtype, pad,
+                             None if q_scaled is None else
+                             (q_scaled[0].reshape(b * r_all, h, c),
+                              q_scaled[1].reshape(b * r_all, h)))
         return out.reshape(b, r_all, h, c)
     q, sel = q[:, :r], sel[:, :r]  # the Triton kernel takes its rows whole
 
@@ -488,20 +495,26 @@ def mosaic_inputs_jnp(q, sel, block_tables, block_size: int, *, hp: int, wp: int
     return q16, up, down, slots, live_extent(slots)
 
 
-def _mosaic_attend(q, latent_flat, kv, sel, block_tables, bs, softmax_scale,
-                   t: mgpu_op.MgpuTuning, num_splits, live_rows, dtype, pad):
-    """q [B * R, H, C] f32, latent_flat [NS, C] fp8, sel [B, R, W] tokens -> [B * R, H, C]
-    `dtype`; with `pad = (r, fill [B, R])` only each sequence's first r rows are attended
-    (read in place by the prep), the others are fill (`merge_splits_pallas`'s padding)."""
-    b, r_all, w = sel.shape
-    r = r_all if pad is None else pad[0]
+def scaled_inputs(q16, down, sel, block_tables, block_size: int, *, hp: int, wp: int):
+    """The Mosaic kernel's inputs from a q already scaled per head (`projection.scaled_q_abs`:
+    q16 [N, H, C] f16, down [N, H] f32 = 2^-k; `MgpuTuning.bound_scales`): (q16 [N, Hp, C],
+    up [N, Hp], down [N, Hp], slots [N, Wp], live [N]), padded heads zero (scale 1)."""
+    n, h, _ = q16.shape
+    w = sel.shape[-1]
+    slots = jax.vmap(token_slots, in_axes=(0, 0, None))(sel, block_tables, block_size)
+    slots = jnp.pad(slots.reshape(n, w), ((0, 0), (0, wp - w)), constant_values=-1)  # [N, Wp]
+    up = 1.0 / down  # exact: powers of two
+    if hp != h:
+        q16 = jnp.pad(q16, ((0, 0), (0, hp - h), (0, 0)))
+        up, down = (jnp.pad(x, ((0, 0), (0, hp - h)), constant_values=1.0) for x in (up, down))
+    return q16, up, down, slots, live_extent(slots)
+
+
+def _prepared_inputs(q, sel, block_tables, bs, t: mgpu_op.MgpuTuning, *, r, hp, wp):
+    """The kernel's inputs from each row's own q (the prep of `t`): q [B * R_all, H, C] f32,
+    sel [B, R_all, W]; only each sequence's first r rows."""
+    b, r_all, _ = sel.shape
     n, h, c = b * r, q.shape[1], q.shape[2]
-    hp = -(-h // mgpu_op.HEADS_PER_CTA) * mgpu_op.HEADS_PER_CTA
-    tiles_all = -(-w // t.block_w)
-    splits = num_splits or mgpu_op.num_splits(live_rows * (hp // mgpu_op.HEADS_PER_CTA),
-                                              tiles_all, sm_count(), t.max_splits)
-    tiles = -(-tiles_all // splits)
-    wp = splits * tiles * t.block_w
     if t.prep == "triton":
         qk, up, down, slots, live = attend_prep.prep_pallas(
             q, sel, block_tables, bs, hp=hp, wp=wp, heads_per_chunk=t.prep_heads,
@@ -514,6 +527,31 @@ def _mosaic_attend(q, latent_flat, kv, sel, block_tables, bs, softmax_scale,
                                                       wp=wp, scale_heads=t.scale_heads)
     if t.q_in_kernel:  # the kernel scales and converts the f32 rows itself
         qk = q if hp == h else jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
+    return qk, up, down, slots, live
+
+
+def _mosaic_attend(q, latent_flat, kv, sel, block_tables, bs, softmax_scale,
+                   t: mgpu_op.MgpuTuning, num_splits, live_rows, dtype, pad, q_scaled=None):
+    """q [B * R, H, C] f32, latent_flat [NS, C] fp8, sel [B, R, W] tokens -> [B * R, H, C]
+    `dtype`; with `pad = (r, fill [B, R])` only each sequence's first r rows are attended
+    (read in place by the prep), the others are fill (`merge_splits_pallas`'s padding).
+    q_scaled (q16 [B * R, H, C], down [B * R, H]): `sparse_attend_pallas`'s (used with
+    t.bound_scales and no pad)."""
+    b, r_all, w = sel.shape
+    r = r_all if pad is None else pad[0]
+    h = q.shape[1]
+    hp = -(-h // mgpu_op.HEADS_PER_CTA) * mgpu_op.HEADS_PER_CTA
+    tiles_all = -(-w // t.block_w)
+    splits = num_splits or mgpu_op.num_splits(live_rows * (hp // mgpu_op.HEADS_PER_CTA),
+                                              tiles_all, sm_count(), t.max_splits)
+    tiles = -(-tiles_all // splits)
+    wp = splits * tiles * t.block_w
+    if t.bound_scales and q_scaled is not None and pad is None:  # a prompt's rows
+        qk, up, down, slots, live = scaled_inputs(*q_scaled, sel, block_tables, bs, hp=hp,
+                                                  wp=wp)
+    else:
+        qk, up, down, slots, live = _prepared_inputs(q, sel, block_tables, bs, t, r=r, hp=hp,
+                                                     wp=wp)
     direct = t.direct_out and splits == 1 and pad is None  # the partial is the result
     o, m, l = mgpu_op.sparse_attend_mgpu_partials(
         kv, (up, down), live, qk, slots, latent_flat, softmax_scale=softmax_scale,
