@@ -18,9 +18,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from dsa_jax.config import DsaConfig
-from dsa_jax.implementation import matmul_op, per_head_op, rms_norm_op, row_gemms
+from dsa_jax.implementation import matmul_op, per_head_op, resolve, rms_norm_op, row_gemms
 from dsa_jax.pallas.matmul import matmul_xla, per_head_xla
 from dsa_jax.pallas.rms_norm import rms_norm_xla as rms_norm  # the definition (public)
+from dsa_jax.pallas.sparse_attend import takes_scaled_q
 from dsa_jax.stacked import LayerOf, operand
 from dsa_jax.weights import DsaWeights
 
@@ -38,8 +39,8 @@ class Projections(NamedTuple):
     w: jax.Array | None  # [..., Hi] f32: head weights, scales folded
     xw: jax.Array | None = None  # [..., Nx] f32: the x projection's output, which the cache
     # writes read in place at `x_columns(cfg)` (kv_raw, k_raw and g are slices of it)
-    q_scaled: tuple[jax.Array, jax.Array] | None = None  # a prompt's rows (None for a
-    # decode's or a verify's): `scaled_q_abs`, q_abs as the Mosaic attend takes it (`attend`)
+    q_scaled: tuple[jax.Array, jax.Array] | None = None  # a prompt's rows where the attend
+    # reads it (`sparse_attend.takes_scaled_q`; else None): `scaled_q_abs` (`attend`)
 
 
 def x_columns(cfg: DsaConfig) -> dict[str, tuple[int, int]]:
@@ -145,7 +146,8 @@ def project(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> Projections:
     kv_raw = _cols(xw, at["kv"])  # [..., C]
     q = matmul(q_resid, weights.q_proj, cfg).reshape(*xw.shape[:-1], Hl, Dn)  # [..., Hl, Dn]
     q_abs = per_head(q, weights.u_k, 1, cfg)  # [..., Hl, C]
-    scaled = scaled_q_abs(q, weights.u_k, cfg) if prompt_rows(cfg, xw.shape[:-1]) else None
+    scaled = (scaled_q_abs(q, weights.u_k, cfg) if prompt_rows(cfg, xw.shape[:-1])
+              and resolve(cfg.implementation) != "xla" and takes_scaled_q() else None)
     if not weights.has_indexer:
         return Projections(q_abs, kv_raw, None, None, None, None, xw, scaled)
     # The indexer's query: its own GEMM, of one shape at every TP degree (weights.py). The

@@ -570,3 +570,27 @@ def test_h200_attend_names_the_library_default():
     """benchmarks/h200_attend.py's "mosaic-lib" is the tuning the library runs."""
     from benchmarks import h200_attend
     assert mg.MgpuTuning(**h200_attend.MOSAIC_VARIANTS["mosaic-lib"]) == sa.AttendTuning().mosaic
+
+
+def test_prompt_rows_carry_the_scaled_q_only_where_the_attend_reads_it(monkeypatch):
+    """`Projections.q_scaled`: None under the default tuning (bound_scales off: the program is
+    the one without it) and for the "xla" implementation; with a tuning that reads it, a
+    prompt's rows carry `scaled_q_abs` and a decode's (<= max_verify rows) none."""
+    import os
+
+    from dsa_jax import config, projection
+    from dsa_jax import weights as W
+    assert not sa.takes_scaled_q()
+    assert sa.takes_scaled_q(sa.AttendTuning(mosaic=BOUND))
+    path = os.path.join(os.path.dirname(__file__), "..", "dsa_jax", "configs", "tiny.json")
+    cfg = config.DsaConfig.from_json(path, implementation="pallas-interpret")
+    w = W.fold_weights(cfg, T.random_hf_numpy(cfg, np.random.default_rng(0)))
+    prompt = jnp.asarray(np.random.default_rng(1).standard_normal((2, 9, cfg.hidden_size)),
+                         jnp.float32)
+    assert projection.project(cfg, w, prompt).q_scaled is None
+    monkeypatch.setattr(projection, "takes_scaled_q", lambda: True)
+    got = projection.project(cfg, w, prompt).q_scaled
+    assert got is not None and got[0].dtype == jnp.float16
+    assert got[1].shape == (2, 9, cfg.local_heads) and (np.asarray(got[1]) > 0).all()
+    assert projection.project(cfg, w, prompt[:, :cfg.max_verify]).q_scaled is None
+    assert projection.project(cfg.replace(implementation="xla"), w, prompt).q_scaled is None

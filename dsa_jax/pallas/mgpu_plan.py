@@ -95,8 +95,9 @@ class MgpuTuning:
       GEMM, so the f16 conversion is that GEMM's epilogue), the kernel takes it as it is: no
       f32 q written and read back, no prep (the slots in jnp). q_abs's products rounded to f16
       as `scale_heads` rounds them, except for values below f16's normal range (2^-27 of
-      their bound). Needs scale_heads
-      (the kernel's per-head logit scale). Off in the library's default: on the H200 XLA made
+      their bound). Needs scale_heads (the kernel's per-head logit scale). Off in the
+      library's default (the layer then makes no scaled q: `sparse_attend.takes_scaled_q`):
+      on the H200 XLA made
       the U_k GEMM a cuBLAS one with the f16 conversion a pass of its own, and prefill-9000's
       kernels were 10.83 ms against 10.88 with the prep (within run-to-run noise;
       h200-profile-20261202-s14-call5.json). It pays once that GEMM writes f16 itself.

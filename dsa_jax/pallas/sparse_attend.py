@@ -84,6 +84,13 @@ class AttendTuning:
             raise ValueError(f"col_blocks={self.col_blocks} must be a power of two >= 1")
 
 
+def takes_scaled_q(tuning: AttendTuning = AttendTuning()) -> bool:
+    """Whether `tuning`'s Mosaic path reads `sparse_attend_pallas(q_scaled=)` (a prompt's rows,
+    `MgpuTuning.bound_scales`): the layer makes that q only then."""
+    return tuning.mosaic.bound_scales or bool(tuning.mosaic_prompt
+                                              and tuning.mosaic_prompt.bound_scales)
+
+
 def token_slots(tokens: jax.Array, block_table: jax.Array, block_size: int) -> jax.Array:
     """Token positions `[...]` of one sequence -> flat cache slots; -1 stays -1."""
     logical = jnp.clip(tokens // block_size, 0, block_table.shape[0] - 1)
