@@ -76,7 +76,7 @@ MOSAIC_VARIANTS = {
     "mosaic-flashmla-sh16": dict(design="flashmla", scale_heads=16),
     "mosaic-flashmla-sh32": dict(design="flashmla", scale_heads=32),
     # The library's default since the fourteenth session (AttendTuning.mosaic).
-    "mosaic-lib": dict(design="flashmla", direct_out=True, scale_heads=16),
+    "mosaic-lib": dict(design="flashmla", direct_out=True, scale_heads=16, bound_scales=True),
     # "mosaic-flashmla-pvb" (pv_behind: the softmax beside the previous tile's P @ V, in three
     # forms, each bitwise the base) was measured slower in the thirteenth session and removed
     # (git history: the commit after this session's call 4).

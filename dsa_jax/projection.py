@@ -18,7 +18,15 @@ import jax.numpy as jnp
 from jax import lax
 
 from dsa_jax.config import DsaConfig
-from dsa_jax.implementation import matmul_op, per_head_op, resolve, rms_norm_op, row_gemms
+from dsa_jax.implementation import (
+    matmul_op,
+    per_head_op,
+    resolve,
+    rms_norm_op,
+    row_gemms,
+    scaled_q_abs_op,
+)
+from dsa_jax.pallas import scaled_q_abs as sqa
 from dsa_jax.pallas.matmul import matmul_xla, per_head_xla
 from dsa_jax.pallas.rms_norm import rms_norm_xla as rms_norm  # the definition (public)
 from dsa_jax.pallas.sparse_attend import takes_scaled_q
@@ -93,31 +101,24 @@ def norm(cfg: DsaConfig, v: jax.Array, w, eps: float, **kwargs) -> jax.Array:
 
 def q_abs_bound(q: jax.Array, u_k) -> jax.Array:
     """`q [..., Hl, Dn]` f32 (the U_k GEMM's input) -> `[..., Hl]` f32, at least every |a_h|
-    that `per_head(q, u_k, 1)` computes: by Cauchy-Schwarz |a_hc| <= ||q_h|| ||U_k[h, :, c]||,
-    taken at the GEMM's operands (q rounded to the weight dtype) and the largest column, with a
-    2^-10 margin for the f32 rounding of the two norms and of the GEMM's K-term sums (each
-    below K 2^-24 relative). Known before the GEMM runs (`scaled_q_abs`), where an amax of
-    q_abs would read q_abs back."""
-    w = u_k.layer if isinstance(u_k, LayerOf) else u_k  # [Hl, Dn, C]
-    qo = q.astype(w.dtype).astype(jnp.float32)  # [..., Hl, Dn]
-    w32 = w.astype(jnp.float32)
-    col = jnp.sqrt(jnp.max(jnp.sum(w32 * w32, axis=1), axis=-1))  # [Hl]
-    return jnp.sqrt(jnp.sum(qo * qo, axis=-1)) * col * (1 + 2.0 ** -10)  # [..., Hl]
+    that `per_head(q, u_k, 1)` computes (Cauchy-Schwarz at the GEMM's operands, with a margin
+    for the f32 roundings: `pallas.scaled_q_abs.q_abs_bound`). Known before the GEMM runs
+    (`scaled_q_abs`), where an amax of q_abs would read q_abs back. u_k: an array or a
+    `LayerOf`."""
+    return sqa.q_abs_bound(q, u_k.layer if isinstance(u_k, LayerOf) else u_k)
 
 
 def scaled_q_abs(q: jax.Array, u_k, cfg: DsaConfig | None = None
                  ) -> tuple[jax.Array, jax.Array]:
     """`q [..., Hl, Dn]` f32 -> (q_abs * 2^k as f16 `[..., Hl, C]`, 2^-k `[..., Hl]` f32), k
-    per (row, head) bringing `q_abs_bound` into [2^13, 2^14) (no |q_abs| 2^k reaches 2^14).
-    The power of two scales the GEMM's input (exact: bf16 has f32's exponents), so the f32
-    products are q_abs's times 2^k and the f16 conversion is the GEMM's epilogue: no f32 q_abs
-    is written or read back. XLA drops `Projections.q_abs` where only this is read."""
-    bound = q_abs_bound(q, u_k)  # [..., Hl]
-    _, e = jnp.frexp(jnp.where(bound > 0, bound, 1.0))
-    k = jnp.clip(14 - e, -126, 126).astype(jnp.int32)  # [..., Hl]
-    one = jnp.ones_like(bound)
-    up, down = jnp.ldexp(one, k), jnp.ldexp(one, -k)
-    return per_head(q * up[..., None], u_k, 1, cfg).astype(jnp.float16), down
+    per (row, head) bringing `q_abs_bound` into [2^13, 2^14) (no |q_abs| 2^k reaches 2^14):
+    the attend's input for a prompt's rows (`MgpuTuning.bound_scales`). With cfg, the kernel
+    `cfg.implementation` names (`pallas/scaled_q_abs.py`: q read once, only the f16 result
+    and the scale written); without, the definition. u_k: an array or a `LayerOf`."""
+    if cfg is None:
+        return scaled_q_abs_op.reference(q, u_k.layer if isinstance(u_k, LayerOf) else u_k)
+    w, at = operand(cfg, u_k)
+    return scaled_q_abs_op(cfg, q, w, at)
 
 
 def prompt_rows(cfg: DsaConfig, lead: tuple[int, ...]) -> bool:
@@ -146,8 +147,11 @@ def project(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> Projections:
     kv_raw = _cols(xw, at["kv"])  # [..., C]
     q = matmul(q_resid, weights.q_proj, cfg).reshape(*xw.shape[:-1], Hl, Dn)  # [..., Hl, Dn]
     q_abs = per_head(q, weights.u_k, 1, cfg)  # [..., Hl, C]
+    impl = resolve(cfg.implementation)
     scaled = (scaled_q_abs(q, weights.u_k, cfg) if prompt_rows(cfg, xw.shape[:-1])
-              and resolve(cfg.implementation) != "xla" and takes_scaled_q() else None)
+              and impl != "xla" and takes_scaled_q(jnp.dtype(cfg.cache_dtype), Hl,
+                                                   cfg.kv_lora_rank, impl != "pallas")
+              else None)
     if not weights.has_indexer:
         return Projections(q_abs, kv_raw, None, None, None, None, xw, scaled)
     # The indexer's query: its own GEMM, of one shape at every TP degree (weights.py). The

@@ -573,23 +573,31 @@ def test_h200_attend_names_the_library_default():
 
 
 def test_prompt_rows_carry_the_scaled_q_only_where_the_attend_reads_it(monkeypatch):
-    """`Projections.q_scaled`: None under the default tuning (bound_scales off: the program is
-    the one without it) and for the "xla" implementation; with a tuning that reads it, a
-    prompt's rows carry `scaled_q_abs` and a decode's (<= max_verify rows) none."""
+    """`sparse_attend.takes_scaled_q`: only where the tuning has bound_scales and picks the
+    Mosaic kernel (fp8 cache, 64 heads, compiled: never in interpret mode). `Projections
+    .q_scaled` follows it: None for a decode's rows (<= max_verify) and for "xla"; with the
+    gate open, a prompt's rows carry `scaled_q_abs`."""
     import os
 
     from dsa_jax import config, projection
     from dsa_jax import weights as W
-    assert not sa.takes_scaled_q()
-    assert sa.takes_scaled_q(sa.AttendTuning(mosaic=BOUND))
+    fp8, on = jnp.dtype(jnp.float8_e4m3fn), sa.AttendTuning(mosaic=BOUND)
+    off = sa.AttendTuning(mosaic=dataclasses.replace(BOUND, bound_scales=False))
+    assert sa.takes_scaled_q(fp8, 64, 512, False, on)
+    assert not sa.takes_scaled_q(fp8, 64, 512, False, off)
+    assert not sa.takes_scaled_q(fp8, 64, 512, True, on)  # interpret: the Triton kernel
+    assert not sa.takes_scaled_q(jnp.dtype(jnp.bfloat16), 64, 512, False, on)
+    assert not sa.takes_scaled_q(fp8, 64, 512, False, sa.AttendTuning("triton", mosaic=BOUND))
     path = os.path.join(os.path.dirname(__file__), "..", "dsa_jax", "configs", "tiny.json")
     cfg = config.DsaConfig.from_json(path, implementation="pallas-interpret")
     w = W.fold_weights(cfg, T.random_hf_numpy(cfg, np.random.default_rng(0)))
     prompt = jnp.asarray(np.random.default_rng(1).standard_normal((2, 9, cfg.hidden_size)),
                          jnp.float32)
-    assert projection.project(cfg, w, prompt).q_scaled is None
-    monkeypatch.setattr(projection, "takes_scaled_q", lambda: True)
+    assert projection.project(cfg, w, prompt).q_scaled is None  # interpret mode
+    seen = []
+    monkeypatch.setattr(projection, "takes_scaled_q", lambda *a: seen.append(a) or True)
     got = projection.project(cfg, w, prompt).q_scaled
+    assert seen[-1] == (jnp.dtype(cfg.cache_dtype), cfg.local_heads, cfg.kv_lora_rank, True)
     assert got is not None and got[0].dtype == jnp.float16
     assert got[1].shape == (2, 9, cfg.local_heads) and (np.asarray(got[1]) > 0).all()
     assert projection.project(cfg, w, prompt[:, :cfg.max_verify]).q_scaled is None

@@ -92,15 +92,16 @@ class MgpuTuning:
       "exchange".
     bound_scales: where the caller gives q already scaled per (row, head) and in f16 (a
       prompt's rows: `projection.scaled_q_abs`, its scale from a bound known before the U_k
-      GEMM, so the f16 conversion is that GEMM's epilogue), the kernel takes it as it is: no
-      f32 q written and read back, no prep (the slots in jnp). q_abs's products rounded to f16
-      as `scale_heads` rounds them, except for values below f16's normal range (2^-27 of
-      their bound). Needs scale_heads (the kernel's per-head logit scale). Off in the
-      library's default (the layer then makes no scaled q: `sparse_attend.takes_scaled_q`):
-      on the H200 XLA made
-      the U_k GEMM a cuBLAS one with the f16 conversion a pass of its own, and prefill-9000's
-      kernels were 10.83 ms against 10.88 with the prep (within run-to-run noise;
-      h200-profile-20261202-s14-call5.json). It pays once that GEMM writes f16 itself.
+      GEMM, made by one Pallas kernel, `pallas/scaled_q_abs.py`: q read once, the f16 result
+      and the scale written), the kernel takes it as it is: no f32 q_abs written and read
+      back, no prep (the slots in jnp). q_abs's products rounded to f16 as `scale_heads`
+      rounds them, except for values below f16's normal range (2^-27 of their bound). Needs
+      scale_heads (the kernel's per-head logit scale). On in the library's default
+      (`SparseAttendTuning.mosaic`; the layer makes the scaled q only where the attend reads
+      it: `sparse_attend.takes_scaled_q`): on the H200 prefill-9000's kernels 10.63 ms
+      against 10.88 with the U_k GEMM and the prep, every GPU must-hold passing
+      (h200-profile-20261202-s15-call2.json); with XLA's GEMM in its place (the fourteenth
+      session) 10.83, within noise.
     """
 
     block_w: int = 64

@@ -74,7 +74,7 @@ class AttendTuning:
     backend: str = "auto"
     col_blocks: int = 1
     mosaic: mgpu_op.MgpuTuning = mgpu_op.MgpuTuning(design="flashmla", direct_out=True,
-                                                    scale_heads=16)
+                                                    scale_heads=16, bound_scales=True)
     mosaic_prompt: mgpu_op.MgpuTuning | None = None
 
     def __post_init__(self):
@@ -84,11 +84,15 @@ class AttendTuning:
             raise ValueError(f"col_blocks={self.col_blocks} must be a power of two >= 1")
 
 
-def takes_scaled_q(tuning: AttendTuning = AttendTuning()) -> bool:
-    """Whether `tuning`'s Mosaic path reads `sparse_attend_pallas(q_scaled=)` (a prompt's rows,
-    `MgpuTuning.bound_scales`): the layer makes that q only then."""
-    return tuning.mosaic.bound_scales or bool(tuning.mosaic_prompt
-                                              and tuning.mosaic_prompt.bound_scales)
+def takes_scaled_q(cache_dtype, heads: int, c: int, interpret: bool,
+                   tuning: AttendTuning = AttendTuning()) -> bool:
+    """Whether `sparse_attend_pallas` reads `q_scaled=` (a prompt's rows) for these inputs:
+    `tuning` picks the Mosaic kernel for them (`pick_backend`: never in interpret mode) and
+    that kernel's tiles have `MgpuTuning.bound_scales`. The layer makes that q only then."""
+    if interpret or not (tuning.mosaic.bound_scales or (tuning.mosaic_prompt is not None
+                                                        and tuning.mosaic_prompt.bound_scales)):
+        return False
+    return pick_backend(tuning, cache_dtype, heads, c, interpret, False) == "mosaic"
 
 
 def token_slots(tokens: jax.Array, block_table: jax.Array, block_size: int) -> jax.Array:

@@ -1,0 +1,96 @@
+"""`pallas/scaled_q_abs.py`: a prompt's absorbed query scaled per (row, head) and in f16, the
+kernel against its definition (`scaled_q_abs_xla`), one body run in interpret mode and compiled
+("pallas": `gpu` marker).
+
+The kernel computes the definition's products (power-of-two scaling is exact) in another
+summation order: each f16 value is within one f16 spacing of the definition's (the rounding
+may flip) plus the two fp32 K-term sums' bound 2 K 2^-24 sum_d |q_d 2^k| |u_dc|; the scale
+2^-k is the same (both take the bound of the bf16-rounded q, the definition through
+`reduce_precision`, which XLA keeps). Shapes are odd (rows past a tile, C past a column tile,
+Dn past a K chunk, heads not a power of two), rows far from 1 and zero rows included.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsa_jax import testing as T
+from dsa_jax.pallas import scaled_q_abs as sqa
+
+
+def _inputs(n, h, dn, c, wdt, seed=0):
+    rng = np.random.default_rng(seed)
+    u = jnp.asarray(rng.standard_normal((h, dn, c)) * dn ** -0.5, wdt)  # [H, Dn, C]
+    q = rng.standard_normal((n, h, dn)).astype(np.float32) * np.float32(3.0)  # [N, H, Dn]
+    q[1] *= np.float32(2.0 ** -30)
+    q[2, h - 1] *= np.float32(2.0 ** 40)
+    q[3] = 0.0
+    return jnp.asarray(q), u
+
+
+def _assert_close(got, want, q, u):
+    (g16, gd), (w16, wd) = got, want
+    np.testing.assert_array_equal(np.asarray(gd), np.asarray(wd))
+    up = np.asarray(1.0 / wd, np.float64)  # [N, H]
+    qo = np.asarray(q.astype(u.dtype).astype(jnp.float32), np.float64) * up[..., None]
+    s = np.einsum("nhd,hdc->nhc", np.abs(qo), np.abs(np.asarray(u, np.float64)))
+    g, w = (np.asarray(x, np.float32) for x in (g16, w16))
+    tol = np.spacing(np.abs(w).astype(np.float16)).astype(np.float64) + (
+        2 * q.shape[-1] * 2.0 ** -24 * s)
+    assert np.isfinite(g).all() and (np.abs(g) < 2.0 ** 14).all()
+    bad = np.abs(g - w) > tol
+    assert not bad.any(), (np.argwhere(bad)[:5], np.abs(g - w).max())
+
+
+@pytest.mark.parametrize("n,h,dn,c,wdt,tiles", [
+    (37, 3, 48, 80, jnp.bfloat16, dict(block_m=16, block_n=32, block_k=16)),
+    (70, 5, 40, 64, jnp.bfloat16, {}),
+    (9, 2, 40, 48, jnp.float32, dict(block_m=16, block_n=16, block_k=32)),
+])
+def test_kernel_matches_its_definition(kernel_impl, n, h, dn, c, wdt, tiles):
+    q, u = _inputs(n, h, dn, c, wdt)
+    want = jax.jit(sqa.scaled_q_abs_xla)(q, u)
+    got = T.run_op("scaled_q_abs", kernel_impl, q, u, kernel_options=tiles)
+    _assert_close(got, want, q, u)
+
+
+def test_kernel_reads_a_stacked_weight_in_place(kernel_impl):
+    """u_k a stack [G, H, Dn, C] at a layer index (clamped as XLA's dynamic index)."""
+    q, u = _inputs(21, 3, 40, 64, jnp.bfloat16, seed=1)
+    stack = jnp.stack([u * 0.5, u, u * 3.0])
+    for layer, want_w in ((1, u), (7, u * 3.0)):
+        got = T.run_op("scaled_q_abs", kernel_impl, q, stack, jnp.int32(layer))
+        _assert_close(got, jax.jit(sqa.scaled_q_abs_xla)(q, want_w), q, want_w)
+
+
+def test_kernel_rows_keep_their_bits_at_any_row_count(kernel_impl):
+    """A row's result is its own: the same bits in a 5-row call and a 70-row one (what lets
+    the wrapper split a call whose result would wrap Triton's 32-bit offsets)."""
+    q, u = _inputs(70, 2, 40, 64, jnp.bfloat16, seed=2)
+    full = T.run_op("scaled_q_abs", kernel_impl, q, u)
+    part = T.run_op("scaled_q_abs", kernel_impl, q[33:38], u)
+    for a, b in zip(full, part, strict=True):
+        np.testing.assert_array_equal(np.asarray(a[33:38]), np.asarray(b))
+
+
+def test_the_bound_is_that_of_the_rounded_operand_under_jit():
+    """`q_abs_bound` under jit equals it op by op: XLA keeps the rounding of q to the weight's
+    dtype (a convert pair it would drop: the norm was q's own, up to 2^-9 off)."""
+    q, u = _inputs(16, 4, 40, 64, jnp.bfloat16, seed=3)
+    np.testing.assert_array_equal(np.asarray(jax.jit(sqa.q_abs_bound)(q, u)),
+                                  np.asarray(sqa.q_abs_bound(q, u)))
+    qo = np.asarray(q.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+    col = np.sqrt((np.asarray(u, np.float64) ** 2).sum(1).max(-1))  # [H]
+    want = np.sqrt((qo ** 2).sum(-1)) * col * sqa.BOUND_MARGIN
+    np.testing.assert_allclose(np.asarray(sqa.q_abs_bound(q, u)), want, rtol=2.0 ** -20)
+
+
+def test_bad_shapes_are_refused():
+    q, u = _inputs(4, 3, 40, 64, jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"q's last axes \[3, 39\] must be u_k's"):
+        sqa.scaled_q_abs_pallas(q[..., :39], u, interpret=True)
+    with pytest.raises(ValueError, match="block_n=48 must be a power of two"):
+        sqa.ScaledQAbsTuning(block_n=48)
+    with pytest.raises(ValueError, match="stacked u_k must be"):
+        sqa.scaled_q_abs_pallas(q, u, jnp.int32(0), interpret=True)
