@@ -602,3 +602,15 @@ def test_prompt_rows_carry_the_scaled_q_only_where_the_attend_reads_it(monkeypat
     assert got[1].shape == (2, 9, cfg.local_heads) and (np.asarray(got[1]) > 0).all()
     assert projection.project(cfg, w, prompt[:, :cfg.max_verify]).q_scaled is None
     assert projection.project(cfg.replace(implementation="xla"), w, prompt).q_scaled is None
+    # bf16 weights: the q_b GEMM writes bf16 q, whose scaled q is that of the f32 q rounded
+    cfg16 = cfg.replace(param_dtype="bfloat16")
+    w16 = W.fold_weights(cfg16, T.random_hf_numpy(cfg16, np.random.default_rng(0)))
+    got = projection.project(cfg16, w16, prompt).q_scaled
+    monkeypatch.setattr(projection, "takes_scaled_q", lambda *a: False)
+    q_resid = projection.norm(cfg16, projection.matmul(prompt, w16.x_proj), w16.q_a_norm,
+                              cfg16.rms_norm_eps, cols=projection.x_columns(cfg16)["q_a"],
+                              dtype=jnp.bfloat16)
+    q = projection.matmul(q_resid, w16.q_proj).reshape(2, 9, cfg.local_heads, -1)  # f32
+    want = projection.scaled_q_abs(q, w16.u_k, cfg16)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

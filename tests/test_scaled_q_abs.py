@@ -10,6 +10,8 @@ may flip) plus the two fp32 K-term sums' bound 2 K 2^-24 sum_d |q_d 2^k| |u_dc|;
 Dn past a K chunk, heads not a power of two), rows far from 1 and zero rows included.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,16 +45,20 @@ def _assert_close(got, want, q, u):
     assert not bad.any(), (np.argwhere(bad)[:5], np.abs(g - w).max())
 
 
-@pytest.mark.parametrize("n,h,dn,c,wdt,tiles", [
-    (37, 3, 48, 80, jnp.bfloat16, dict(block_m=16, block_n=32, block_k=16)),
-    (70, 5, 40, 64, jnp.bfloat16, {}),
-    (9, 2, 40, 48, jnp.float32, dict(block_m=16, block_n=16, block_k=32)),
+@pytest.mark.parametrize("n,h,dn,c,wdt,qdt,tiles", [
+    (37, 3, 48, 80, jnp.bfloat16, jnp.float32, dict(block_m=16, block_n=32, block_k=16)),
+    (37, 3, 48, 80, jnp.bfloat16, jnp.bfloat16, dict(block_m=16, block_n=32, block_k=16)),
+    (70, 5, 40, 64, jnp.bfloat16, jnp.float32, {}),
+    (130, 5, 72, 96, jnp.bfloat16, jnp.bfloat16, {}),  # the default tiles, partial tiles
+    (9, 2, 40, 48, jnp.float32, jnp.float32, dict(block_m=16, block_n=16, block_k=32)),
 ])
-def test_kernel_matches_its_definition(kernel_impl, n, h, dn, c, wdt, tiles):
+def test_kernel_matches_its_definition(kernel_impl, n, h, dn, c, wdt, qdt, tiles):
+    """q in f32 and in bf16 (as a prompt's q_b GEMM writes it with bf16 weights)."""
     q, u = _inputs(n, h, dn, c, wdt)
+    q = q.astype(qdt)
     want = jax.jit(sqa.scaled_q_abs_xla)(q, u)
     got = T.run_op("scaled_q_abs", kernel_impl, q, u, kernel_options=tiles)
-    _assert_close(got, want, q, u)
+    _assert_close(got, want, q.astype(jnp.float32), u)
 
 
 def test_kernel_reads_a_stacked_weight_in_place(kernel_impl):
@@ -76,10 +82,14 @@ def test_kernel_rows_keep_their_bits_at_any_row_count(kernel_impl):
 
 def test_the_bound_is_that_of_the_rounded_operand_under_jit():
     """`q_abs_bound` under jit equals it op by op: XLA keeps the rounding of q to the weight's
-    dtype (a convert pair it would drop: the norm was q's own, up to 2^-9 off)."""
+    dtype (a convert pair it would drop: the norm was q's own, up to 2^-9 off), and so does
+    the kernel where XLA runs it (interpret mode under jit)."""
     q, u = _inputs(16, 4, 40, 64, jnp.bfloat16, seed=3)
     np.testing.assert_array_equal(np.asarray(jax.jit(sqa.q_abs_bound)(q, u)),
                                   np.asarray(sqa.q_abs_bound(q, u)))
+    kernel = jax.jit(functools.partial(sqa.scaled_q_abs_pallas, interpret=True))
+    np.testing.assert_array_equal(np.asarray(kernel(q, u)[1]),  # the kernel's, under jit too
+                                  np.asarray(jax.jit(sqa.scaled_q_abs_xla)(q, u)[1]))
     qo = np.asarray(q.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
     col = np.sqrt((np.asarray(u, np.float64) ** 2).sum(1).max(-1))  # [H]
     want = np.sqrt((qo ** 2).sum(-1)) * col * sqa.BOUND_MARGIN

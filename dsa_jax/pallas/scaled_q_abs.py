@@ -69,14 +69,14 @@ def column_norm(w: jax.Array) -> jax.Array:
 
 
 def q_abs_bound(q: jax.Array, u_k: jax.Array, layer: jax.Array | None = None) -> jax.Array:
-    """`q [..., Hl, Dn]` f32 (the U_k GEMM's input), `u_k [Hl, Dn, C]` (a stack `[G, ...]` at
+    """`q [..., Hl, Dn]` (the U_k GEMM's input), `u_k [Hl, Dn, C]` (a stack `[G, ...]` at
     `layer`) -> `[..., Hl]` f32, at least every |a_h| the GEMM computes: by Cauchy-Schwarz
     |a_hc| <= ||q_h|| ||U_k[h, :, c]||, taken at the GEMM's operands (q rounded to the weight
     dtype) and the largest column, times BOUND_MARGIN."""
     w = _weight(u_k, layer)  # [Hl, Dn, C]
     # reduce_precision, not a convert pair: XLA drops a convert pair under its default
     # xla_allow_excess_precision, and the norm would be q's, not the GEMM operand's.
-    qo = round_to(q, w.dtype)  # [..., Hl, Dn] f32
+    qo = round_to(q.astype(jnp.float32), w.dtype)  # [..., Hl, Dn] f32
     return jnp.sqrt(jnp.sum(qo * qo, axis=-1)) * column_norm(w) * BOUND_MARGIN  # [..., Hl]
 
 
@@ -89,7 +89,7 @@ def scale_exponent(bound: jax.Array) -> jax.Array:
 
 def scaled_q_abs_xla(q: jax.Array, u_k: jax.Array, layer: jax.Array | None = None
                      ) -> tuple[jax.Array, jax.Array]:
-    """The definition: `q [..., Hl, Dn]` f32, `u_k [Hl, Dn, C]` (or a stack at `layer`) ->
+    """The definition: `q [..., Hl, Dn]` (f32 or bf16), `u_k [Hl, Dn, C]` (or a stack at `layer`) ->
     (q_abs 2^k as f16 `[..., Hl, C]`, 2^-k `[..., Hl]` f32), k = `scale_exponent` of
     `q_abs_bound` per (row, head): the f32 q_abs (the U_k GEMM, fp32 accumulation) times the
     power of two (exact), rounded to f16 once."""
@@ -111,11 +111,26 @@ def _pow2(k: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type((k + 127) << 23, jnp.float32)
 
 
+def _rounded(x: jax.Array, dtype) -> jax.Array:
+    """x rounded to `dtype` (to nearest even), as f32. From f32 to bf16 by the bits: a cast
+    pair would be dropped where XLA runs the kernel (interpret mode, excess precision)."""
+    if x.dtype == jnp.float32 and jnp.dtype(dtype) == jnp.bfloat16:
+        bits = lax.bitcast_convert_type(x, jnp.uint32)
+        bits = (bits + (jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1)))) & jnp.uint32(
+            0xFFFF0000)
+        return lax.bitcast_convert_type(bits, jnp.float32)
+    return x.astype(dtype).astype(jnp.float32)
+
+
 def _kernel(*refs, m: int, k: int, bm: int, bn: int, bk: int, heads: int, stacked: bool):
     """Program (j, i, h): rows i*bm.. of head h, C columns j*bn.. (j fastest: the programs
-    sharing a row tile run together and read it from L2). One loop over K's chunks (Triton
-    pipelines its loads) sums the GEMM and each row's squares; the bound's power of two then
-    scales the f32 result, which is rounded to f16 once.
+    sharing a row tile run together and read it from L2). A first loop over K's chunks sums
+    each row's squares (the bound), a second one the GEMM (Triton pipelines its loads); the
+    bound's power of two then scales the f32 result, which is rounded to f16 once.
+
+    Two loops, not one: with bf16 rows, a loaded tile that fed both the dot and the squares
+    came out wrong on the H200 (Triton 3.6; f32 rows, converted before both uses, were right:
+    h200-scaled-q-20261202-s15-call3.json), so the dot's operands are loads of their own.
 
     [l_ref [1] int32 when `stacked`]; col_ref [H] f32 (`column_norm`); v_ref [M, H, K]; w_ref
     [H, K, C] ([G*H, K, C] when stacked); o_ref [M, H, C] f16; d_ref [M, H] f32 (2^-k)."""
@@ -127,22 +142,30 @@ def _kernel(*refs, m: int, k: int, bm: int, bn: int, bk: int, heads: int, stacke
     cols = j * bn + jnp.arange(bn, dtype=jnp.int32)  # [bn]
     row_ok, col_ok = rows < m, cols < o_ref.shape[-1]
     precision = lax.Precision.HIGHEST if w_ref.dtype == jnp.float32 else None
+    chunks = -(-k // bk)
 
-    def chunk(t, carry):
-        acc, ss = carry  # [bm, bn] f32, [bm] f32
-        ks = t * bk + jnp.arange(bk, dtype=jnp.int32)  # [bk]
-        k_ok = ks < k
-        a = plt.load(v_ref.at[rows[:, None], h, ks[None, :]],
-                     mask=row_ok[:, None] & k_ok[None, :], other=0.0).astype(w_ref.dtype)
+    def rows_chunk(t):  # [bm, bk] in w's dtype: the operand as the definition rounds it
+        ks = t * bk + jnp.arange(bk, dtype=jnp.int32)
+        return plt.load(v_ref.at[rows[:, None], h, ks[None, :]],
+                        mask=row_ok[:, None] & (ks < k)[None, :], other=0.0
+                        ).astype(w_ref.dtype), ks
+
+    def squares(t, ss):  # ss [bm] f32
+        ks = t * bk + jnp.arange(bk, dtype=jnp.int32)
+        x = plt.load(v_ref.at[rows[:, None], h, ks[None, :]],
+                     mask=row_ok[:, None] & (ks < k)[None, :], other=0.0)  # [bm, bk]
+        a32 = _rounded(x, w_ref.dtype)
+        return ss + jnp.sum(a32 * a32, axis=1)
+
+    def product(t, acc):  # acc [bm, bn] f32
+        a, ks = rows_chunk(t)
         b = plt.load(w_ref.at[hw, ks[:, None], cols[None, :]],
-                     mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [bk, bn]
-        a32 = a.astype(jnp.float32)  # [bm, bk]: the operand as the definition rounds it
-        return (acc + lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision,
-                                      preferred_element_type=jnp.float32),
-                ss + jnp.sum(a32 * a32, axis=1))
+                     mask=(ks < k)[:, None] & col_ok[None, :], other=0.0)  # [bk, bn]
+        return acc + lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision,
+                                     preferred_element_type=jnp.float32)
 
-    acc, ss = lax.fori_loop(0, -(-k // bk), chunk, (jnp.zeros((bm, bn), jnp.float32),
-                                                    jnp.zeros((bm,), jnp.float32)))
+    ss = lax.fori_loop(0, chunks, squares, jnp.zeros((bm,), jnp.float32))
+    acc = lax.fori_loop(0, chunks, product, jnp.zeros((bm, bn), jnp.float32))
     bound = jnp.sqrt(ss) * col_ref[h] * BOUND_MARGIN  # [bm]
     bits = lax.bitcast_convert_type(jnp.where(bound > 0, bound, 1.0), jnp.int32)
     e = jnp.where(bits >> 23 == 0, -126, (bits >> 23) - 126)  # frexp's exponent (a subnormal:
