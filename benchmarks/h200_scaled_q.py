@@ -32,7 +32,8 @@ from dsa_jax.shapes import glm53_flash, tiny
 TILINGS = {  # name -> ScaledQAbsTuning fields (the first: the library's default); the others
     # of h200-scaled-q-20261202-s15-call{2,3}.json were slower
     "m128-n256-w8-s3": dict(),
-    "m64-n256-w4-s3": dict(block_m=64, num_warps=4),
+    "apart m128-n256-w8-s3": dict(squares_apart=True),
+    "apart m64-n256-w4-s3": dict(squares_apart=True, block_m=64, num_warps=4),
 }
 
 
@@ -110,10 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     def qb_bf16(x, w_q):  # the q_b GEMM writing bf16 itself (fp32 accumulation, one rounding)
         return jnp.einsum("mi,oi->mo", x, w_q, preferred_element_type=jnp.bfloat16)
 
-    def with_qb_out(x, w_q, u):
-        return sqa.scaled_q_abs_pallas(qb_bf16(x, w_q).reshape(m, h, dn), u, interpret=interp)
+    def with_qb_out(x, w_q, u):  # the kernel reading the bf16 q as it is (squares_apart)
+        return sqa.scaled_q_abs_pallas(qb_bf16(x, w_q).reshape(m, h, dn), u, interpret=interp,
+                                       squares_apart=True)
 
-    row("q_b GEMM (bf16 out) + kernel", jax.jit(with_qb_out), x, w_q, u)
+    row("q_b GEMM (bf16 out) + kernel (apart)", jax.jit(with_qb_out), x, w_q, u)
     row("q_b GEMM alone (f32 q)", jax.jit(lambda x, w: matmul.matmul_xla(x, w)), x, w_q)
     row("q_b GEMM alone (bf16 out)", jax.jit(qb_bf16), x, w_q)
     ref = jax.jit(lambda x, w: matmul.matmul_xla(x, w).astype(jnp.bfloat16))(x, w_q)

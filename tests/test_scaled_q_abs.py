@@ -51,6 +51,9 @@ def _assert_close(got, want, q, u):
     (70, 5, 40, 64, jnp.bfloat16, jnp.float32, {}),
     (130, 5, 72, 96, jnp.bfloat16, jnp.bfloat16, {}),  # the default tiles, partial tiles
     (9, 2, 40, 48, jnp.float32, jnp.float32, dict(block_m=16, block_n=16, block_k=32)),
+    (37, 3, 48, 80, jnp.bfloat16, jnp.float32, dict(block_m=16, block_n=32, block_k=16,
+                                                     squares_apart=True)),
+    (130, 5, 72, 96, jnp.bfloat16, jnp.bfloat16, dict(squares_apart=True)),
 ])
 def test_kernel_matches_its_definition(kernel_impl, n, h, dn, c, wdt, qdt, tiles):
     """q in f32 and in bf16 (as a prompt's q_b GEMM writes it with bf16 weights)."""
@@ -87,9 +90,11 @@ def test_the_bound_is_that_of_the_rounded_operand_under_jit():
     q, u = _inputs(16, 4, 40, 64, jnp.bfloat16, seed=3)
     np.testing.assert_array_equal(np.asarray(jax.jit(sqa.q_abs_bound)(q, u)),
                                   np.asarray(sqa.q_abs_bound(q, u)))
-    kernel = jax.jit(functools.partial(sqa.scaled_q_abs_pallas, interpret=True))
-    np.testing.assert_array_equal(np.asarray(kernel(q, u)[1]),  # the kernel's, under jit too
-                                  np.asarray(jax.jit(sqa.scaled_q_abs_xla)(q, u)[1]))
+    for apart in (False, True):
+        kernel = jax.jit(functools.partial(sqa.scaled_q_abs_pallas, interpret=True,
+                                           squares_apart=apart))
+        np.testing.assert_array_equal(np.asarray(kernel(q, u)[1]),  # the kernel's under jit
+                                      np.asarray(jax.jit(sqa.scaled_q_abs_xla)(q, u)[1]))
     qo = np.asarray(q.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
     col = np.sqrt((np.asarray(u, np.float64) ** 2).sum(1).max(-1))  # [H]
     want = np.sqrt((qo ** 2).sum(-1)) * col * sqa.BOUND_MARGIN

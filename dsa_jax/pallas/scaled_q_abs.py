@@ -43,12 +43,19 @@ class ScaledQAbsTuning:
     """Tiles of `scaled_q_abs_pallas`: block_m rows times block_n of the C columns of one head
     per program, K in chunks of block_k (powers of two, >= 16). The bound needs a row's whole
     K, which every program loads anyway; the C columns may be split (each program recomputes
-    its rows' bound: the same bits)."""
+    its rows' bound: the same bits).
+
+    squares_apart: the bound's squares summed in a loop of their own before the GEMM's, whose
+    loads then feed the dot alone, so bf16 rows are read as they are (half the bytes of f32
+    ones). Off: one loop, and rows of another dtype than f32 converted to f32 first: bf16
+    rows feeding both the dot and the squares came out wrong on the H200 (Triton 3.6,
+    h200-scaled-q-20261202-s15-call3.json). Not yet run on a GPU: off by default."""
     block_m: int = 128
     block_n: int = 256
     block_k: int = 64
     num_warps: int = 8
     num_stages: int = 3
+    squares_apart: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -122,15 +129,13 @@ def _rounded(x: jax.Array, dtype) -> jax.Array:
     return x.astype(dtype).astype(jnp.float32)
 
 
-def _kernel(*refs, m: int, k: int, bm: int, bn: int, bk: int, heads: int, stacked: bool):
+def _kernel(*refs, m: int, k: int, bm: int, bn: int, bk: int, heads: int, stacked: bool,
+            apart: bool):
     """Program (j, i, h): rows i*bm.. of head h, C columns j*bn.. (j fastest: the programs
-    sharing a row tile run together and read it from L2). A first loop over K's chunks sums
-    each row's squares (the bound), a second one the GEMM (Triton pipelines its loads); the
-    bound's power of two then scales the f32 result, which is rounded to f16 once.
-
-    Two loops, not one: with bf16 rows, a loaded tile that fed both the dot and the squares
-    came out wrong on the H200 (Triton 3.6; f32 rows, converted before both uses, were right:
-    h200-scaled-q-20261202-s15-call3.json), so the dot's operands are loads of their own.
+    sharing a row tile run together and read it from L2). One loop over K's chunks (Triton
+    pipelines its loads) sums the GEMM and each row's squares; the bound's power of two then
+    scales the f32 result, which is rounded to f16 once. apart (`squares_apart`): the squares
+    in a first loop of their own, then the GEMM's.
 
     [l_ref [1] int32 when `stacked`]; col_ref [H] f32 (`column_norm`); v_ref [M, H, K]; w_ref
     [H, K, C] ([G*H, K, C] when stacked); o_ref [M, H, C] f16; d_ref [M, H] f32 (2^-k)."""
@@ -142,30 +147,43 @@ def _kernel(*refs, m: int, k: int, bm: int, bn: int, bk: int, heads: int, stacke
     cols = j * bn + jnp.arange(bn, dtype=jnp.int32)  # [bn]
     row_ok, col_ok = rows < m, cols < o_ref.shape[-1]
     precision = lax.Precision.HIGHEST if w_ref.dtype == jnp.float32 else None
-    chunks = -(-k // bk)
 
-    def rows_chunk(t):  # [bm, bk] in w's dtype: the operand as the definition rounds it
-        ks = t * bk + jnp.arange(bk, dtype=jnp.int32)
-        return plt.load(v_ref.at[rows[:, None], h, ks[None, :]],
-                        mask=row_ok[:, None] & (ks < k)[None, :], other=0.0
-                        ).astype(w_ref.dtype), ks
+    def chunk(t, carry):
+        acc, ss = carry  # [bm, bn] f32, [bm] f32
+        ks = t * bk + jnp.arange(bk, dtype=jnp.int32)  # [bk]
+        k_ok = ks < k
+        a = plt.load(v_ref.at[rows[:, None], h, ks[None, :]],
+                     mask=row_ok[:, None] & k_ok[None, :], other=0.0).astype(w_ref.dtype)
+        b = plt.load(w_ref.at[hw, ks[:, None], cols[None, :]],
+                     mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [bk, bn]
+        a32 = a.astype(jnp.float32)  # [bm, bk]: the operand as the definition rounds it
+        return (acc + lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision,
+                                      preferred_element_type=jnp.float32),
+                ss + jnp.sum(a32 * a32, axis=1))
 
-    def squares(t, ss):  # ss [bm] f32
+    def squares(t, ss):  # squares_apart: ss [bm] f32 from loads of their own
         ks = t * bk + jnp.arange(bk, dtype=jnp.int32)
         x = plt.load(v_ref.at[rows[:, None], h, ks[None, :]],
                      mask=row_ok[:, None] & (ks < k)[None, :], other=0.0)  # [bm, bk]
         a32 = _rounded(x, w_ref.dtype)
         return ss + jnp.sum(a32 * a32, axis=1)
 
-    def product(t, acc):  # acc [bm, bn] f32
-        a, ks = rows_chunk(t)
+    def product(t, acc):  # squares_apart: the dot's operands used by the dot alone
+        ks = t * bk + jnp.arange(bk, dtype=jnp.int32)
+        a = plt.load(v_ref.at[rows[:, None], h, ks[None, :]],
+                     mask=row_ok[:, None] & (ks < k)[None, :], other=0.0).astype(w_ref.dtype)
         b = plt.load(w_ref.at[hw, ks[:, None], cols[None, :]],
                      mask=(ks < k)[:, None] & col_ok[None, :], other=0.0)  # [bk, bn]
         return acc + lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision,
                                      preferred_element_type=jnp.float32)
 
-    ss = lax.fori_loop(0, chunks, squares, jnp.zeros((bm,), jnp.float32))
-    acc = lax.fori_loop(0, chunks, product, jnp.zeros((bm, bn), jnp.float32))
+    chunks = -(-k // bk)
+    if apart:
+        ss = lax.fori_loop(0, chunks, squares, jnp.zeros((bm,), jnp.float32))
+        acc = lax.fori_loop(0, chunks, product, jnp.zeros((bm, bn), jnp.float32))
+    else:
+        acc, ss = lax.fori_loop(0, chunks, chunk, (jnp.zeros((bm, bn), jnp.float32),
+                                                   jnp.zeros((bm,), jnp.float32)))
     bound = jnp.sqrt(ss) * col_ref[h] * BOUND_MARGIN  # [bm]
     bits = lax.bitcast_convert_type(jnp.where(bound > 0, bound, 1.0), jnp.int32)
     e = jnp.where(bits >> 23 == 0, -126, (bits >> 23) - 126)  # frexp's exponent (a subnormal:
@@ -188,7 +206,7 @@ def _call(q: jax.Array, w: jax.Array, col: jax.Array, layer: jax.Array | None,
     grid = (pl.cdiv(c, t.block_n), pl.cdiv(m, t.block_m), heads)
     return pl.pallas_call(
         functools.partial(_kernel, m=m, k=k, bm=t.block_m, bn=t.block_n, bk=t.block_k,
-                          heads=heads, stacked=stacked),
+                          heads=heads, stacked=stacked, apart=t.squares_apart),
         out_shape=(jax.ShapeDtypeStruct((m, heads, c), jnp.float16),
                    jax.ShapeDtypeStruct((m, heads), jnp.float32)),
         grid=grid,
@@ -201,11 +219,16 @@ def _call(q: jax.Array, w: jax.Array, col: jax.Array, layer: jax.Array | None,
 def scaled_q_abs_pallas(q: jax.Array, u_k: jax.Array, layer: jax.Array | None = None, *,
                         interpret: bool = False, tuning: ScaledQAbsTuning | None = None,
                         **overrides) -> tuple[jax.Array, jax.Array]:
-    """`scaled_q_abs_xla` as one kernel: `q [..., Hl, Dn]` (any float dtype; rounded to u_k's
-    in the kernel), `u_k [Hl, Dn, C]` or a stack `[G, Hl, Dn, C]` read in place at `layer` ->
-    (f16 `[..., Hl, C]`, 2^-k `[..., Hl]` f32). tuning: the tiles (`ScaledQAbsTuning()` when
-    None); overrides: single fields of it."""
+    """`scaled_q_abs_xla` as one kernel: `q [..., Hl, Dn]` (rounded to u_k's dtype in the
+    kernel), `u_k [Hl, Dn, C]` or a stack `[G, Hl, Dn, C]` read in place at `layer` -> (f16
+    `[..., Hl, C]`, 2^-k `[..., Hl]` f32). tuning: the tiles (`ScaledQAbsTuning()` when
+    None); overrides: single fields of it.
+
+    Without `squares_apart` the kernel reads f32 rows: q of another dtype is converted first
+    (exact; `ScaledQAbsTuning` says why)."""
     t = with_overrides(tuning or ScaledQAbsTuning(), overrides)
+    if not t.squares_apart:
+        q = q.astype(jnp.float32)
     one = u_k.shape[-3:]  # [Hl, Dn, C]
     if q.shape[-2:] != one[:2]:
         raise ValueError(f"scaled_q_abs: q's last axes {list(q.shape[-2:])} must be u_k's "
