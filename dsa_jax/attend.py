@@ -35,7 +35,7 @@ def attend(cfg: DsaConfig, state: DsaState, q_abs: jax.Array, sel: jax.Array,
     dtype: the result's (rounded from f32). rows, fill: attend only each sequence's first
     `rows` rows; row r >= rows of sequence b is fill[b, r] (fill [B, R] f32;
     `sparse_attend_xla`). q_scaled: `projection.scaled_q_abs` of the same rows (a prompt's):
-    q_abs as the Mosaic kernel takes it (`SparseAttendTuning.mosaic`'s `bound_scales`); no
+    q_abs as the Mosaic kernel takes it (`AttendTuning.mosaic`'s `bound_scales`); no
     other path reads it."""
     return sparse_attend_op(cfg, q_abs, state.latent, state.kv_scale, state.block_tables, sel,
                             softmax_scale=cfg.qk_nope_head_dim ** -0.5, out_dtype=dtype,

@@ -78,7 +78,7 @@ class MgpuTuning:
     direct_out: with one split per row and no padded block, the kernel writes the attend's
       result in the caller's dtype itself (its normalized partial is the result; rounded once,
       as the merge kernel would round it), so no merge pass reads it back (a prompt's rows:
-      one split each). On in the library's default (`SparseAttendTuning.mosaic`): on the
+      one split each). On in the library's default (`AttendTuning.mosaic`): on the
       H200 bitwise the merge's result and faster (h200-direct-out-20261202-s14-call1.json).
     scale_heads: heads of a row that share one q scale (16, 32 or 64, each group's heads
       scaled by the power of two that brings their own largest |q| into [2^13, 2^14); 0: one
@@ -86,7 +86,7 @@ class MgpuTuning:
       group), not one per row (a decode's 64-head row is 128 KiB of f32 that one program reads
       alone), and the kernel scales each logit row by its head's 2^-k. A group's q is rounded
       at its own scale (at least the row's): other last bits than 0, within the same bound.
-      design="flashmla" only. 16 in the library's default (`SparseAttendTuning.mosaic`):
+      design="flashmla" only. 16 in the library's default (`AttendTuning.mosaic`):
       on the H200 within the bound on every check case, the prep faster at 16 than at 32
       (h200-attend-20261202-s14-call1.json). 0 here, the dataclass's own design being
       "exchange".
@@ -97,7 +97,7 @@ class MgpuTuning:
       back, no prep (the slots in jnp). q_abs's products rounded to f16 as `scale_heads`
       rounds them, except for values below f16's normal range (2^-27 of their bound). Needs
       scale_heads (the kernel's per-head logit scale). On in the library's default
-      (`SparseAttendTuning.mosaic`; the layer makes the scaled q only where the attend reads
+      (`AttendTuning.mosaic`; the layer makes the scaled q only where the attend reads
       it: `sparse_attend.takes_scaled_q`): on the H200 prefill-9000's kernels 10.63 ms
       against 10.88 with the U_k GEMM and the prep, every GPU must-hold passing
       (h200-profile-20261202-s15-call2.json); with XLA's GEMM in its place (the fourteenth

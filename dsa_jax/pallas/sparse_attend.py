@@ -64,7 +64,9 @@ class AttendTuning:
       -7%) and one q scale per 16 heads (`scale_heads=16`: the prep one program per (row,
       group); within the bound, the same bits on every H200 check case; the prep -15% to
       -34%): benchmarks/results/h200-direct-out-20261202-s14-call1.json,
-      h200-attend-20261202-s14-call1.json.
+      h200-attend-20261202-s14-call1.json; and a prompt's q taken already scaled
+      (`bound_scales`: prefill-9000's kernels 10.88 -> 10.63 ms,
+      h200-profile-20261202-s15-call2.json).
     mosaic_prompt: its tiles for prompt rows (`prompt_shaped`; None, the default: `mosaic` for
       every row, so a prompt's rows and a decode's run the same arithmetic). The two designs
       sum the logits in other orders: a tuning that mixes them gives other last bits for a
@@ -394,7 +396,7 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
     `sparse_attend_xla`'s; the Mosaic path reads the rows in place and writes the padded block
     with its split merge, in one pass. q_scaled: (q16 [B, R, H, C] f16, down [B, R, H] f32),
     q scaled per (row, head) by a power of two with every |q 2^k| below 2^14 and rounded to
-    f16 (`projection.scaled_q_abs`, made by q's own GEMM): with `MgpuTuning.bound_scales` the
+    f16 (`projection.scaled_q_abs`, the U_k GEMM's kernel): with `MgpuTuning.bound_scales` the
     Mosaic path takes it in place of q (no prep: q is not read); other paths ignore it.
     """
     b, r_all, h, c = q.shape
@@ -483,6 +485,14 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
     return out[:, :h, :c].reshape(b, -1, h, c)
 
 
+def padded_slots(sel, block_tables, block_size: int, wp: int):
+    """sel [B, R, W] tokens, block_tables [B, MB] -> the flat cache slots [B * R, Wp] int32,
+    -1 where empty and past W."""
+    b, r, w = sel.shape
+    slots = jax.vmap(token_slots, in_axes=(0, 0, None))(sel, block_tables, block_size)
+    return jnp.pad(slots.reshape(b * r, w), ((0, 0), (0, wp - w)), constant_values=-1)
+
+
 def mosaic_inputs_jnp(q, sel, block_tables, block_size: int, *, hp: int, wp: int,
                       scale_heads: int = 0):
     """The Mosaic kernel's inputs in jnp (the twin of `attend_prep.prep_pallas`): q [N, H, C]
@@ -491,9 +501,7 @@ def mosaic_inputs_jnp(q, sel, block_tables, block_size: int, *, hp: int, wp: int
     scale per group of that many heads (`MgpuTuning.scale_heads`, padded heads zeros): up and
     down then [N, Hp], each head its group's."""
     n, h, _ = q.shape
-    w = sel.shape[-1]
-    slots = jax.vmap(token_slots, in_axes=(0, 0, None))(sel, block_tables, block_size)
-    slots = jnp.pad(slots.reshape(n, w), ((0, 0), (0, wp - w)), constant_values=-1)  # [N, Wp]
+    slots = padded_slots(sel, block_tables, block_size, wp)  # [N, Wp]
     if scale_heads:
         q_p = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))  # [N, Hp, C]
         up, down = mgpu_op.head_scales(q_p, scale_heads)  # [N, Hp] each
@@ -511,9 +519,7 @@ def scaled_inputs(q16, down, sel, block_tables, block_size: int, *, hp: int, wp:
     q16 [N, H, C] f16, down [N, H] f32 = 2^-k; `MgpuTuning.bound_scales`): (q16 [N, Hp, C],
     up [N, Hp], down [N, Hp], slots [N, Wp], live [N]), padded heads zero (scale 1)."""
     n, h, _ = q16.shape
-    w = sel.shape[-1]
-    slots = jax.vmap(token_slots, in_axes=(0, 0, None))(sel, block_tables, block_size)
-    slots = jnp.pad(slots.reshape(n, w), ((0, 0), (0, wp - w)), constant_values=-1)  # [N, Wp]
+    slots = padded_slots(sel, block_tables, block_size, wp)  # [N, Wp]
     up = 1.0 / down  # exact: powers of two
     if hp != h:
         q16 = jnp.pad(q16, ((0, 0), (0, hp - h), (0, 0)))
