@@ -35,6 +35,18 @@ TILINGS = {  # name -> ScaledQAbsTuning fields (the first: the library's default
     "apart m128-n256-w8-s3": dict(squares_apart=True),
     "apart m64-n256-w4-s3": dict(squares_apart=True, block_m=64, num_warps=4),
 }
+# --bf16-sweep: the apart form (the default for bf16 rows) at other tiles, bf16 rows only
+# (h200-scaled-q-20261202-s16-call1.json: m128-n256-w8-s3 708.7 us, m64-n256-w4-s3 984.3)
+BF16_TILINGS = {
+    "apart m128-n256-w8-s3": dict(),
+    "apart m128-n256-w8-s4": dict(num_stages=4),
+    "apart m128-n256-k128-w8-s2": dict(block_k=128, num_stages=2),
+    "apart m128-n256-k32-w8-s4": dict(block_k=32, num_stages=4),
+    "apart m64-n512-w8-s3": dict(block_m=64, block_n=512),
+    "apart m128-n512-w16-s2": dict(block_n=512, num_warps=16, num_stages=2),
+    "apart m256-n256-w16-s2": dict(block_m=256, num_warps=16, num_stages=2),
+    "apart m128-n256-w4-s3": dict(num_warps=4),
+}
 
 
 def check(got, want, q, u) -> dict:
@@ -56,7 +68,10 @@ def check(got, want, q, u) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = json_parser(__doc__).parse_args(argv)
+    ap = json_parser(__doc__)
+    ap.add_argument("--bf16-sweep", action="store_true",
+                    help="only BF16_TILINGS on bf16 rows (no q_b GEMM rows)")
+    args = ap.parse_args(argv)
     cfg = tiny() if args.smoke else glm53_flash()
     m = 40 if args.smoke else 9000
     h, dn, c, r = cfg.local_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank, cfg.q_lora_rank
@@ -85,6 +100,24 @@ def main(argv: list[str] | None = None) -> int:
     row("scaled_q_abs_xla", jax.jit(sqa.scaled_q_abs_xla), q, u)
     ok = True
     qb = q.astype(jnp.bfloat16)
+    if args.bf16_sweep:
+        for name, fields in BF16_TILINGS.items():
+            fn = jax.jit(functools.partial(sqa.scaled_q_abs_pallas, interpret=interp,
+                                           tuning=sqa.ScaledQAbsTuning(**fields)))
+            try:
+                e = row(f"kernel {name}, q bf16", fn, qb, u, checked=True)
+            except Exception as err:  # noqa: BLE001 (a tiling the compiler refuses: recorded)
+                res["errors"].append(f"{name} q bf16: {str(err)[:300]}")
+                print("error", name, str(err)[:200], flush=True)
+                continue
+            ok &= e["down_equal"] and e["within"]
+            if args.smoke:
+                break
+        res["all_checked"] = bool(ok)
+        res["tunings"] = {k: dataclasses.asdict(sqa.ScaledQAbsTuning(**v)) for k, v in
+                          BF16_TILINGS.items()}
+        write_json(res, args.out)
+        return 0 if ok else 1
     for name, fields in TILINGS.items():
         t = sqa.ScaledQAbsTuning(**fields)
         fn = jax.jit(functools.partial(sqa.scaled_q_abs_pallas, tuning=t, interpret=interp))

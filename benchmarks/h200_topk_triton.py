@@ -76,6 +76,10 @@ SELECTION = ["pallas"]  # + the fastest checked Triton variant of the case
 SECOND = ["triton-sample8-w16", "triton-radix8-w16", "triton-topk-w8", "triton-radix4-w8",
           "triton-sample4-w8"]
 PREFILL = ["triton-sample8-w8", "triton-radix8-w8", "pallas"]
+# --prefill-only: the prompt's rows alone, the radix method's digits and warps (the "auto"
+# default for a prompt, radix8-w8, first)
+PREFILL_SWEEP = ["triton-radix8-w8", "triton-radix8-w4", "triton-radix8-w16", "triton-radix4-w8",
+                 "triton-radix4-w16", "pallas"]
 LATER = ["triton-radix8-w4", "triton-radix8-w8-noshort", "triton-radix4-w16",
          "triton-topk-w4", "triton-sort-w8"]
 ODD_VARIANTS = ["triton-sample8-w8", "triton-radix8-w8", "triton-topk-w8", "triton-radix4-w8",
@@ -268,8 +272,11 @@ def _run_odd(res, path, names, smoke):
 
 
 def main() -> int:
-    args = sweep_parser("tiny shapes, interpret mode (CPU)", 110.0,
-                        "no new row starts after this many seconds").parse_args()
+    ap = sweep_parser("tiny shapes, interpret mode (CPU)", 110.0,
+                      "no new row starts after this many seconds")
+    ap.add_argument("--prefill-only", action="store_true",
+                    help="only the 9000-row prompt, PREFILL_SWEEP's variants")
+    args = ap.parse_args()
     path = results_path(args.out, "h200-topk-triton.json")
     smoke = args.smoke
     cfg = index_config(smoke)
@@ -290,6 +297,10 @@ def main() -> int:
         scores, heavy = cases[case]
         _run_topk(res, path, case, scores, heavy, names, k, smoke)
 
+    if args.prefill_only:
+        topk("prefill-40" if smoke else "prefill-9000", PREFILL_SWEEP)
+        print(f"errors: {len(res['errors'])}; wrote {path}", flush=True)
+        return 0
     # In order of what matters, each row skipped past the deadline (--budget-s).
     for case in ("selection-b64", "selection-b64-r4", "decode-b1-r4"):
         topk(case, FIRST)

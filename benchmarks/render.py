@@ -6,7 +6,8 @@ the README's marked bench block.
 
 Every point shows its latest result: the newest full (non-smoke) run that measured it (or, when
 none did, the newest that holds it); results of superseded runs leave the tables, their files
-stay in results/, as do runs marked `superseded` (of defaults since reverted). The breakdown,
+stay in results/, as do runs marked `superseded` (of defaults since reverted) and the points a
+run lists in `superseded_points` (those of its points that ran such a default). The breakdown,
 levers, Hugging Face baseline and scaling plot come from the newest run that has them. Points
 of the current plan (benchmarks/points.py) that no result holds yet are listed with their
 targets. The hand-written analysis, benchmarks/notes.md, is linked, not copied.
@@ -48,13 +49,16 @@ def latest_points(runs: list[tuple[str, dict]]) -> list[tuple[dict, str]]:
     chosen: dict[str, tuple[dict, str]] = {}
     for want_result in (True, False):
         for path, res in newest:
+            gone = set(res.get("superseded_points", ()))  # run on a default since reverted
             for p in res["points"]:
+                if p["name"] in gone:
+                    continue
                 if p["name"] not in chosen and (has_result(p) or not want_result):
                     chosen[p["name"]] = (p, path)
     order: list[str] = []
     for _, res in sorted(newest, key=lambda r: -len(r[1]["points"])):
         order += [p["name"] for p in res["points"] if p["name"] not in order]
-    return [chosen[n] for n in order]
+    return [chosen[n] for n in order if n in chosen]  # (a point superseded everywhere: none)
 
 
 def newest_with(runs, has) -> tuple[str, dict] | None:

@@ -63,17 +63,22 @@ def _cols(xw: jax.Array, where: tuple[int, int]) -> jax.Array:
     return xw[..., where[0]:where[0] + where[1]]
 
 
-def matmul(v: jax.Array, w: jax.Array, cfg: DsaConfig | None = None) -> jax.Array:
+def matmul(v: jax.Array, w: jax.Array, cfg: DsaConfig | None = None, out_dtype=jnp.float32
+           ) -> jax.Array:
     """`v [..., in] @ w.T` for an `[out, in]` weight -> `[..., out]` f32: operands in the
     weight dtype, fp32 accumulation (HIGHEST: fp32 weights mean fp32 arithmetic, not a GPU's
     tf32). Every GEMM of the block is this one op (public so that a benchmark can time other
     arrangements of the same GEMMs). cfg: the row-invariant kernel where `kernel_rows` says
-    so; XLA's dot without it. w: an array or a `LayerOf`."""
+    so; XLA's dot without it. w: an array or a `LayerOf`. out_dtype: XLA's result dtype (a
+    prompt's q in bf16: `project`); the row-invariant kernel's rows are f32 only."""
     if cfg is not None and kernel_rows(cfg, v.shape[:-1]):
+        if jnp.dtype(out_dtype) != jnp.float32:
+            raise ValueError(f"matmul: out_dtype={jnp.dtype(out_dtype).name} for a decode's "
+                             f"or verify's rows; the row-invariant kernel writes float32")
         if isinstance(w, LayerOf):
             return matmul_op(cfg, v, w.stack, w.index)
         return matmul_op(cfg, v, w)
-    return matmul_xla(v, w.layer if isinstance(w, LayerOf) else w)
+    return matmul_xla(v, w.layer if isinstance(w, LayerOf) else w, out_dtype=out_dtype)
 
 
 def per_head(v: jax.Array, w: jax.Array, w_contract: int, cfg: DsaConfig | None = None
@@ -145,13 +150,19 @@ def project(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> Projections:
     q_resid = norm(cfg, xw, weights.q_a_norm, cfg.rms_norm_eps, cols=at["q_a"],
                           dtype=dt.pop() if len(dt) == 1 else jnp.float32)  # [..., R_q]
     kv_raw = _cols(xw, at["kv"])  # [..., C]
-    q = matmul(q_resid, weights.q_proj, cfg).reshape(*xw.shape[:-1], Hl, Dn)  # [..., Hl, Dn]
-    q_abs = per_head(q, weights.u_k, 1, cfg)  # [..., Hl, C]
     impl = resolve(cfg.implementation)
-    scaled = (scaled_q_abs(q, weights.u_k, cfg) if prompt_rows(cfg, xw.shape[:-1])
-              and impl != "xla" and takes_scaled_q(jnp.dtype(cfg.cache_dtype), Hl,
-                                                   cfg.kv_lora_rank, impl != "pallas")
-              else None)
+    scaled = (prompt_rows(cfg, xw.shape[:-1]) and impl != "xla"
+              and takes_scaled_q(jnp.dtype(cfg.cache_dtype), Hl, cfg.kv_lora_rank,
+                                 impl != "pallas"))
+    # With bf16 q_b and U_k weights q is only ever read rounded to bf16 (both U_k GEMMs round
+    # it): a prompt's q_b GEMM (XLA's) then writes bf16 itself, half the bytes written and
+    # read back, the same values (its fp32 sums rounded once; on the H200 equal bits to the
+    # f32 result rounded: h200-scaled-q-20261202-s15-call3.json).
+    q_bf16 = scaled and weights.q_proj.dtype == weights.u_k.dtype == jnp.bfloat16
+    q = matmul(q_resid, weights.q_proj, cfg, out_dtype=jnp.bfloat16 if q_bf16 else jnp.float32)
+    q = q.reshape(*xw.shape[:-1], Hl, Dn)  # [..., Hl, Dn]
+    q_abs = per_head(q, weights.u_k, 1, cfg)  # [..., Hl, C]
+    scaled = scaled_q_abs(q, weights.u_k, cfg) if scaled else None
     if not weights.has_indexer:
         return Projections(q_abs, kv_raw, None, None, None, None, xw, scaled)
     # The indexer's query: its own GEMM, of one shape at every TP degree (weights.py). The

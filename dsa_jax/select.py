@@ -3,7 +3,7 @@
 Total order: score descending, then pool index ascending. `lax.top_k` documents that equal
 values keep the lower index first, and pool scores carry no -0.0 (pool_scores.py), so its
 order is exactly that one; the Pallas top-k (pallas/pool_topk.py) and the raw Triton one
-(pallas/pool_topk_triton.py, `PoolTopkTuning(backend="triton")`) return the same indices.
+(pallas/pool_topk_triton.py; by default for a compiled prompt's rows) return the same indices.
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ def top_pools(cfg: DsaConfig, scores: jax.Array,
     """`scores [..., P]` -> the best `min(select_k, P)` pool indices `[..., k]`, best first.
     Every implementation returns the same indices (the kernels are tested with `==`); the
     pallas path runs a kernel for rows of at most `pallas.pool_topk.KERNEL_MAX_P` pools,
-    lax.top_k beyond (measured faster there). tuning: the kernel's (None: its defaults;
-    `PoolTopkTuning(backend="triton")` picks the raw Triton kernel; `pool_topk.runs_triton`
-    says which one runs)."""
+    lax.top_k beyond (measured faster there). tuning: the kernel's (None: its defaults, the
+    raw Triton kernel for a compiled prompt's rows; `pool_topk.runs_triton` says which one runs)."""
     options = None if tuning is None else dict(tuning=tuning)
     return pool_topk_op(cfg, scores, min(cfg.select_k, scores.shape[-1]),
                         kernel_options=options)
@@ -58,9 +57,8 @@ def select_slots(cfg: DsaConfig, scores: jax.Array, pos: jax.Array, valid: jax.A
     scores [..., P], pos and valid [...] -> [..., W]. Where the pallas path runs the top-k
     kernel (rows of at most `pool_topk.KERNEL_MAX_P` pools) the kernel writes the slots
     itself (`pool_topk.pool_topk_expand_pallas`: no separate expansion pass) unless the raw
-    Triton kernel runs (`pool_topk.runs_triton`: it returns the pools, the expansion runs
-    apart; not by default);
-    `tuning`: the kernel's (None: its defaults)."""
+    Triton kernel runs (`pool_topk.runs_triton`, by default for a compiled prompt's rows: it returns
+    the pools, the expansion runs apart); `tuning`: the kernel's (None: its defaults)."""
     impl = resolve(cfg.implementation)
     k = min(cfg.select_k, scores.shape[-1])
     tuning = tuning or pool_topk.PoolTopkTuning()

@@ -19,7 +19,7 @@ from dsa_jax.checkpoint import CheckpointError
 from dsa_jax.config import ConfigError, DsaConfig
 from dsa_jax.implementation import ImplementationError, resolve
 from dsa_jax.pallas.common import KernelLimitError
-from dsa_jax.pallas.pool_topk import PoolTopkTuning, pool_topk_pallas
+from dsa_jax.pallas.pool_topk import AUTO_TRITON_MIN_ROWS, PoolTopkTuning, pool_topk_pallas
 from dsa_jax.pallas.pool_topk_triton import MissingDependencyError
 from dsa_jax.pallas.sparse_attend import sparse_attend_pallas
 from dsa_jax.shapes import ODD
@@ -133,11 +133,11 @@ def _donated(c):
 
 # (id, condition, type, message regex, call)
 def without_jax_triton(c):
-    """The compiled top-k with backend "auto" (16+ rows: the raw Triton kernel) where jax-triton
-    cannot be imported (as on a machine without the `gpu` extra; hidden here so that the case holds
-    where it is installed)."""
+    """The compiled top-k with backend "auto" (a prompt's rows: the raw Triton kernel) where
+    jax-triton cannot be imported (as on a machine without the `gpu` extra; hidden here so
+    that the case holds where it is installed)."""
     with mock.patch.dict(sys.modules, {"jax_triton": None}):
-        return pool_topk_pallas(jnp.zeros((16, 64)), 8,  # 16 rows: AUTO_TRITON_MIN_ROWS
+        return pool_topk_pallas(jnp.zeros((AUTO_TRITON_MIN_ROWS, 64)), 8,
                                 tuning=PoolTopkTuning(backend="auto"))
 
 

@@ -602,7 +602,7 @@ def test_prompt_rows_carry_the_scaled_q_only_where_the_attend_reads_it(monkeypat
     assert got[1].shape == (2, 9, cfg.local_heads) and (np.asarray(got[1]) > 0).all()
     assert projection.project(cfg, w, prompt[:, :cfg.max_verify]).q_scaled is None
     assert projection.project(cfg.replace(implementation="xla"), w, prompt).q_scaled is None
-    # bf16 weights: the scaled q is `scaled_q_abs` of the q_b GEMM's f32 q
+    # bf16 weights: the q_b GEMM writes bf16 q, whose scaled q is that of the f32 q rounded
     cfg16 = cfg.replace(param_dtype="bfloat16")
     w16 = W.fold_weights(cfg16, T.random_hf_numpy(cfg16, np.random.default_rng(0)))
     got = projection.project(cfg16, w16, prompt).q_scaled

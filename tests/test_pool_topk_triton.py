@@ -137,7 +137,7 @@ def test_backend_and_tuning_are_checked():
         ptt.TritonTopkTuning(digit_bits=5)
     with pytest.raises(ValueError, match="num_warps=3"):
         ptt.TritonTopkTuning(num_warps=3)
-    assert pt.PoolTopkTuning().backend == "pallas"  # see PoolTopkTuning.backend
+    assert pt.PoolTopkTuning().backend == "auto"  # see PoolTopkTuning.backend
 
 
 def test_auto_picks_sample_for_decode_rows_and_radix_for_prompts():
@@ -219,8 +219,8 @@ def _gpu_topk(s, k, **kw):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kw", [dict(), dict(method="radix"), dict(method="topk"),
-                                dict(method="radix", short_rows=False)])
+@pytest.mark.parametrize("kw", [dict(), dict(method="radix"), dict(method="radix", digit_bits=4),
+                                dict(method="topk"), dict(method="radix", short_rows=False)])
 def test_compiled_equals_the_total_order(kw):
     for name, seed, n, p, k, live, ties in CASES:
         s = T.topk_scores(seed, n, p, live, ties)
@@ -242,6 +242,23 @@ def test_compiled_at_glm53_flash_shapes(method):
         s = T.topk_scores(11 + ties, len(live), p, live, ties).reshape(3, 4, p)
         got = _gpu_topk(s, k, method=method)
         chex.assert_shape(got, (3, 4, k))
+        chex.assert_trees_all_equal(got, T.topk_definition(s, k))
+
+
+@pytest.mark.gpu
+def test_the_default_at_a_prompts_rows():
+    """The default tuning (backend "auto": the Triton kernel from AUTO_TRITON_MIN_ROWS rows,
+    its "auto" method: radix) at GLM-5.3-Flash's P and k: rows with a causal prompt's
+    candidate counts (fewer than k, exactly k, up to P), ties."""
+    pytest.importorskip("jax_triton", reason="the raw Triton top-k needs jax-triton "
+                                             "(gpu extra)")
+    cfg = shapes.glm53_flash()
+    p, k, n = cfg.num_pools, cfg.select_k, pt.AUTO_TRITON_MIN_ROWS + 37
+    assert pt.runs_triton(pt.PoolTopkTuning(), n, interpret=False)
+    live = [min(p, (2 * i + 1) % (p + 1)) for i in range(n)]
+    for ties in (False, True):
+        s = T.topk_scores(21 + ties, n, p, live, ties)
+        got = np.asarray(pt.pool_topk_pallas(s, k))
         chex.assert_trees_all_equal(got, T.topk_definition(s, k))
 
 

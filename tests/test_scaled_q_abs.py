@@ -54,6 +54,8 @@ def _assert_close(got, want, q, u):
     (37, 3, 48, 80, jnp.bfloat16, jnp.float32, dict(block_m=16, block_n=32, block_k=16,
                                                      squares_apart=True)),
     (130, 5, 72, 96, jnp.bfloat16, jnp.bfloat16, dict(squares_apart=True)),
+    (37, 3, 48, 80, jnp.bfloat16, jnp.bfloat16, dict(block_m=16, block_n=32, block_k=16,
+                                                      squares_apart=False)),  # converted
 ])
 def test_kernel_matches_its_definition(kernel_impl, n, h, dn, c, wdt, qdt, tiles):
     """q in f32 and in bf16 (as a prompt's q_b GEMM writes it with bf16 weights)."""
@@ -62,6 +64,19 @@ def test_kernel_matches_its_definition(kernel_impl, n, h, dn, c, wdt, qdt, tiles
     want = jax.jit(sqa.scaled_q_abs_xla)(q, u)
     got = T.run_op("scaled_q_abs", kernel_impl, q, u, kernel_options=tiles)
     _assert_close(got, want, q.astype(jnp.float32), u)
+
+
+def test_the_default_form_follows_the_rows_dtype():
+    """squares_apart None: the apart form for bf16 rows (the one-loop form is wrong for them on
+    the H200), the one-loop form for f32 rows (faster there); an explicit choice is kept."""
+    t = sqa.ScaledQAbsTuning()
+    assert t.squares_apart is None
+    assert sqa.resolved_tuning(t, jnp.bfloat16).squares_apart is True
+    assert sqa.resolved_tuning(t, jnp.float32).squares_apart is False
+    for fixed in (False, True):
+        kept = sqa.ScaledQAbsTuning(squares_apart=fixed)
+        assert sqa.resolved_tuning(kept, jnp.bfloat16).squares_apart is fixed
+        assert sqa.resolved_tuning(kept, jnp.float32).squares_apart is fixed
 
 
 def test_kernel_reads_a_stacked_weight_in_place(kernel_impl):

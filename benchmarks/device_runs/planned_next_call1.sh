@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# Planned by the fifteenth session for the next one's first call (the fifteenth's device time ran
-# out before it: four calls, then refusals): the scaled_q_abs kernel's squares_apart form (the
-# bound's squares in a loop of their own, bf16 rows read as they are; off by default, never run on
-# a GPU) checked and timed beside the default from f32 and bf16 q, its GPU tests; then the bench
-# on the default of the fifteenth session's calls 1-2 (bound_scales on, the one-loop kernel from
-# f32 q; every GPU must-hold passed on it in call 2). If the apart form is right and faster, the
-# next step is squares_apart on with a prompt's q_b GEMM writing bf16 (git show 8d25d17 --
-# dsa_jax/projection.py) and the must-hold tests again.
+# Planned by the sixteenth session (its device time ran out before it: "too little device-machine
+# time is left"). First make the two defaults that call 3's sweeps measured faster alone (both
+# checked on the GPU there at prefill-9000's rows): ScaledQAbsTuning's apart form at 64 x 512
+# for bf16 rows (642.6 vs 714.6 us, h200-scaled-q-20261202-s16-call3.json) and
+# TritonTopkTuning's "auto" radix with 4-bit digits for a prompt's rows (635.3 vs 698.2 us,
+# h200-topk-triton-20261202-s16-call3.json); predicted prefill-9000 10.07 -> ~9.94 ms. Then
+# this call: the prefill bench point, then the two kernels' GPU tests; then the must-hold
+# groups of s16_call3.sh (give tests/test_kernels.py a group of its own: with the selection and
+# top-k files beside it the group ran past 330 s in calls 2 and 3, no failure seen).
 set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
+export PYTHONUNBUFFERED=1
 mkdir -p $OUT
-timeout 90 python3 benchmarks/h200_scaled_q.py --out $OUT/h200-scaled-q.json 2>&1 | grep -v "^WARNING" | cut -c1-260 | tail -12
-timeout 120 python3 -m pytest -q -m gpu tests/test_scaled_q_abs.py > $OUT/pytest0.log 2>&1; tail -3 $OUT/pytest0.log
-timeout 200 python3 -m benchmarks --no-hf --no-progress --only decode,kernels,selection,prefill --budget-s 170 --out $OUT --name h200-bench.json 2>&1 | tail -8
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site benchmarks/wheels/jax_triton-0.3.1-py3-none-any.whl || exit 1
+export PYTHONPATH=.:/tmp/site
+timeout 110 python3 -m benchmarks --no-hf --no-progress --only prefill --budget-s 90 --out $OUT --name h200-bench.json 2>&1 | tail -4
+timeout 60 python3 -m pytest -q -m gpu tests/test_scaled_q_abs.py tests/test_pool_topk_triton.py > $OUT/h200-gpu-tests.log 2>&1; tail -3 $OUT/h200-gpu-tests.log

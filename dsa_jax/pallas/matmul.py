@@ -97,13 +97,16 @@ def default_tuning(n: int, k: int, heads: int = 1, m: int = 64) -> MatmulTuning:
                         num_warps=warps, num_stages=stages)
 
 
-def matmul_xla(v: jax.Array, w: jax.Array, layer: jax.Array | None = None) -> jax.Array:
+def matmul_xla(v: jax.Array, w: jax.Array, layer: jax.Array | None = None, *,
+               out_dtype=jnp.float32) -> jax.Array:
     """The definition: `v [..., K] @ w.T` for an `[N, K]` weight -> `[..., N]` f32 (operands in
     the weight's dtype, fp32 accumulation), as `projection.matmul` computes it. layer: `w` is a
-    stack `[G, N, K]` and this is the index `[]` int32 of the weight to use (clamped to G)."""
+    stack `[G, N, K]` and this is the index `[]` int32 of the weight to use (clamped to G).
+    out_dtype: the GEMM's result dtype (its fp32 sums rounded once; for a caller that rounds
+    the result to that dtype anyway)."""
     w = w if layer is None else lax.dynamic_index_in_dim(w, layer, keepdims=False)
     return jnp.einsum("...i,oi->...o", v.astype(w.dtype), w, precision=lax.Precision.HIGHEST,
-                      preferred_element_type=jnp.float32)
+                      preferred_element_type=out_dtype)
 
 
 def per_head_xla(v: jax.Array, w: jax.Array, w_contract: int,

@@ -33,10 +33,13 @@ _NEG_INF_KEY = -2139095041
 # was slower (benchmarks/results/h200-topk.json).
 KERNEL_MAX_P = 4096
 BACKENDS = ("auto", "pallas", "triton")
-# backend "auto" runs the raw Triton kernel for at least this many rows. Below, at a batch of
-# one (4 padded rows), it measured only 0.7 us faster (12.9 vs 13.6 us), and its custom call
-# is a legacy one that XLA may leave out of the step's command buffer.
-AUTO_TRITON_MIN_ROWS = 16
+# backend "auto" runs the raw Triton kernel for at least this many rows: a prompt chunk, whose
+# step is paced by its kernels (9000 rows: 793 vs 1024 us). Decode and verify steps (up to 512
+# sequences of max_verify 4 rows) keep the Pallas kernel: at selection-b64 the Triton one's 6 us
+# less of kernel time came with 37 us of wall over the kernels against 22 on the Pallas one
+# (h200-bench-20261202-s16-call{2,1}.json, two hosts); a suspect is jax-triton's legacy custom
+# call, which XLA may leave out of the step's command buffer.
+AUTO_TRITON_MIN_ROWS = 2048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,15 +63,16 @@ class PoolTopkTuning:
       it (distinct scores: after 9-10 of the 16 two-bit passes for random rows); False runs
       every pass (the same indices either way).
     num_warps: Triton's (8 measured slower than 4 for one row).
-    backend: "pallas" (the default: this file's kernel, the fields above), "triton" (the raw
-    Triton kernel of `pool_topk_triton`, tuned by `triton`: compiled for a GPU only, needs the
-    jax-triton package of the `gpu` extra; a missing package or interpret mode raises,
-    nothing falls back), or "auto": "triton" when compiled for at least
-    `AUTO_TRITON_MIN_ROWS` rows, else "pallas" (`runs_triton`). Measured apart in the
-    decode-b64 step (benchmarks/results/h200-decode-variants-20261201-s4.json): 23 vs 32 us of
-    top-k, the step's kernels -10 us, its wall time within the noise (the 430 -> 565 us of an
-    earlier run, with the attend cut, did not recur). Opt-in all the same: as the default it
-    would make jax-triton a requirement of every GPU install for ~3% of that step.
+    backend: "pallas" (this file's kernel, the fields above), "triton" (the raw Triton kernel
+    of `pool_topk_triton`, tuned by `triton`: compiled for a GPU only, needs the jax-triton
+    package of the `gpu` extra; a missing package or interpret mode raises, nothing falls
+    back), or "auto" (the default): "triton" when compiled for at least
+    `AUTO_TRITON_MIN_ROWS` rows (a prompt chunk), else "pallas" (`runs_triton`; interpret
+    mode, every decode and verify step). The same indices either way (both `==` lax.top_k).
+    On the H200 a 9000-row prompt's top-k took 793 vs 1024 us in the layer (prefill-9000's
+    largest piece after the attend and the GEMMs). The default since the sixteenth session:
+    it makes the `gpu` extra's jax-triton a requirement of a compiled prompt of 2048+ rows
+    (`docs/decisions.md`).
     H200 sweeps: benchmarks/results/h200-topk.json, h200-selection.json."""
     chunk: int = 4096
     rank_block: int = 32
@@ -78,7 +82,7 @@ class PoolTopkTuning:
     fused_compare: bool = False
     early_exit: bool = True
     num_warps: int = 4
-    backend: str = "pallas"
+    backend: str = "auto"
     triton: TritonTopkTuning = TritonTopkTuning()
 
     def __post_init__(self):

@@ -32,9 +32,11 @@ class MissingDependencyError(ImportError):
 
 
 # "auto" runs "sample" with 4-bit digits up to this many rows (a decode's 4 to 256 rows:
-# fastest measured there) and "radix" with 8-bit digits beyond (a 9000-row prompt: fastest
-# there; benchmarks/results/h200-topk-triton-20261201-s3.json). Nothing was measured between
-# 256 and 9000 rows: the threshold sits at a decode batch of 256 sequences x 4 rows.
+# fastest measured there) and "radix" with 8-bit digits beyond (a 9000-row prompt, the one
+# the layer's prefill-9000 ran on the H200; 4-bit digits measured faster there alone, 635 vs
+# 698 us, h200-topk-triton-20261202-s16-call3.json, and are the next default to try in the
+# layer). Nothing was measured between 256 and 9000 rows: the threshold sits at a decode
+# batch of 256 sequences x 4 rows.
 AUTO_SAMPLE_MAX_ROWS = 1024
 
 
@@ -80,8 +82,8 @@ class TritonTopkTuning:
 
 def load_jax_triton():
     """(jax_triton, the kernel module), or `MissingDependencyError` naming what is missing."""
-    what = ("the raw Triton top-k (PoolTopkTuning(backend='triton'), or 'auto' at 16+ rows "
-            "compiled)")
+    what = ("the raw Triton top-k (PoolTopkTuning(backend='triton'), or 'auto' (the default) "
+            "compiled for pool_topk.AUTO_TRITON_MIN_ROWS or more rows: a prompt's)")
     fix = "Install 'dsa_jax[gpu]', or pass PoolTopkTuning(backend='pallas')"
     try:
         import triton  # noqa: F401

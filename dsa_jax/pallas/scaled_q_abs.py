@@ -28,7 +28,7 @@ from jax.experimental.pallas import triton as plt
 from dsa_jax.pallas.common import layer_index, round_to, triton_offsets_wrap, with_overrides
 
 __all__ = ["BOUND_MARGIN", "SCALE_TOP", "ScaledQAbsTuning", "column_norm", "q_abs_bound",
-           "scale_exponent", "scaled_q_abs_pallas", "scaled_q_abs_xla"]
+           "resolved_tuning", "scale_exponent", "scaled_q_abs_pallas", "scaled_q_abs_xla"]
 
 # The bound's margin for the f32 rounding of the two norms and of the GEMM's K-term sums
 # (each below K 2^-24 relative).
@@ -43,19 +43,24 @@ class ScaledQAbsTuning:
     """Tiles of `scaled_q_abs_pallas`: block_m rows times block_n of the C columns of one head
     per program, K in chunks of block_k (powers of two, >= 16). The bound needs a row's whole
     K, which every program loads anyway; the C columns may be split (each program recomputes
-    its rows' bound: the same bits).
+    its rows' bound: the same bits). From bf16 rows the apart form at 64 x 512 (one head's C
+    whole, q read once) measured faster than this default, 642.6 vs 714.6 us
+    (h200-scaled-q-20261202-s16-call3.json): not yet the default, as the layer and the GPU
+    tests have not run with it (benchmarks/notes.md).
 
     squares_apart: the bound's squares summed in a loop of their own before the GEMM's, whose
     loads then feed the dot alone, so bf16 rows are read as they are (half the bytes of f32
-    ones). Off: one loop, and rows of another dtype than f32 converted to f32 first: bf16
-    rows feeding both the dot and the squares came out wrong on the H200 (Triton 3.6,
-    h200-scaled-q-20261202-s15-call3.json). Not yet run on a GPU: off by default."""
+    ones). False: one loop, rows of another dtype than f32 converted to f32 first (bf16 rows
+    feeding both the dot and the squares came out wrong on the H200, Triton 3.6:
+    h200-scaled-q-20261202-s15-call3.json). None (the default): apart exactly for rows that
+    are not f32, the faster form of each on the H200 (h200-scaled-q-20261202-s16-call1.json;
+    both forms right there from f32 and bf16 rows)."""
     block_m: int = 128
     block_n: int = 256
     block_k: int = 64
     num_warps: int = 8
     num_stages: int = 3
-    squares_apart: bool = False
+    squares_apart: bool | None = None
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -216,6 +221,13 @@ def _call(q: jax.Array, w: jax.Array, col: jax.Array, layer: jax.Array | None,
     )(*([jnp.reshape(layer, (1,))] if stacked else []), col, q, w)
 
 
+def resolved_tuning(tuning: ScaledQAbsTuning, q_dtype) -> ScaledQAbsTuning:
+    """`tuning` with `squares_apart` decided for rows of `q_dtype` (None: apart unless f32)."""
+    if tuning.squares_apart is not None:
+        return tuning
+    return dataclasses.replace(tuning, squares_apart=jnp.dtype(q_dtype) != jnp.float32)
+
+
 def scaled_q_abs_pallas(q: jax.Array, u_k: jax.Array, layer: jax.Array | None = None, *,
                         interpret: bool = False, tuning: ScaledQAbsTuning | None = None,
                         **overrides) -> tuple[jax.Array, jax.Array]:
@@ -224,9 +236,10 @@ def scaled_q_abs_pallas(q: jax.Array, u_k: jax.Array, layer: jax.Array | None = 
     `[..., Hl, C]`, 2^-k `[..., Hl]` f32). tuning: the tiles (`ScaledQAbsTuning()` when
     None); overrides: single fields of it.
 
-    Without `squares_apart` the kernel reads f32 rows: q of another dtype is converted first
-    (exact; `ScaledQAbsTuning` says why)."""
+    With `squares_apart` False the kernel reads f32 rows: q of another dtype is converted
+    first (exact; `ScaledQAbsTuning` says why)."""
     t = with_overrides(tuning or ScaledQAbsTuning(), overrides)
+    t = resolved_tuning(t, q.dtype)
     if not t.squares_apart:
         q = q.astype(jnp.float32)
     one = u_k.shape[-3:]  # [Hl, Dn, C]
