@@ -15,3 +15,19 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 export PYTHONPATH=.:/tmp/site
 timeout 110 python3 -m benchmarks --no-hf --no-progress --only prefill --budget-s 90 --out $OUT --name h200-bench.json 2>&1 | tail -4
 timeout 60 python3 -m pytest -q -m gpu tests/test_scaled_q_abs.py tests/test_pool_topk_triton.py > $OUT/h200-gpu-tests.log 2>&1; tail -3 $OUT/h200-gpu-tests.log
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+G0="tests/test_attend_kernel.py tests/test_scaled_q_abs.py tests/test_pool_topk_triton.py"
+G1="tests/test_kernels.py"
+G2="tests/test_selection_kernels.py"
+G3="tests/test_serving_paths.py"
+G4="tests/test_model.py tests/test_bitwise.py"
+for i in 0 1 2 3 4; do
+  eval files=\$G$i
+  (timeout 330 python3 -m pytest -q -m gpu $files > $OUT/pytest$i.log 2>&1; echo "rc=$?" >> $OUT/pytest$i.log) &
+done
+timeout 330 python3 benchmarks/h200_loop.py --only checks --out $OUT/h200-loop-checks.json > $OUT/loop-checks.log 2>&1
+wait
+for i in 0 1 2 3 4; do grep -E "passed|failed|rc=" $OUT/pytest$i.log | tail -2; done
+grep -E "^FAILED|^ERROR|^E  " $OUT/pytest*.log | head -10
+tail -6 $OUT/loop-checks.log
+cat $OUT/pytest[0-4].log >> $OUT/h200-gpu-tests.log; rm $OUT/pytest[0-4].log

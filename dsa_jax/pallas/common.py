@@ -24,6 +24,16 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def check_triton_blocks(tuning, names: tuple[str, ...]) -> None:
+    """Refuse a tuning whose block fields `names` are not powers of two >= 16 (Triton's block
+    shapes and dot tiles), naming the field and its value."""
+    for name in names:
+        b = getattr(tuning, name)
+        if b < 16 or b & (b - 1):
+            raise ValueError(f"{type(tuning).__name__}.{name}={b} must be a power of two >= 16 "
+                             f"(Triton)")
+
+
 def quantize(c: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     """fp32 values -> a cache dtype. float8_e4m3fn: `clip(c / scale, -448, 448)`, saturating
     (the cast alone would turn values past 448 into NaN); any other dtype: a plain cast."""

@@ -24,7 +24,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from dsa_jax.pallas.common import check_triton_addressable, layer_index, with_overrides
+from dsa_jax.pallas.common import (
+    check_triton_addressable,
+    check_triton_blocks,
+    layer_index,
+    with_overrides,
+)
 
 __all__ = ["MatmulTuning", "default_tuning", "matmul_pallas", "matmul_xla", "per_head_pallas",
            "per_head_xla", "splits_for"]
@@ -164,10 +169,7 @@ def _kernel(*refs, m: int, n: int, k: int, bm: int, bn: int, bk: int, tiles: int
 
 def _check(tuning: MatmulTuning, k: int) -> int:
     """Refuse tiles Triton cannot take; return the K chunks per split."""
-    for name in ("block_m", "block_n", "block_k"):
-        b = getattr(tuning, name)
-        if b < 16 or b & (b - 1):
-            raise ValueError(f"MatmulTuning.{name}={b} must be a power of two >= 16 (Triton)")
+    check_triton_blocks(tuning, ("block_m", "block_n", "block_k"))
     tiles = -(-k // (tuning.splits * tuning.block_k)) if tuning.splits >= 1 else 0
     if tuning.splits < 1 or (tuning.splits - 1) * tiles * tuning.block_k >= k:
         raise ValueError(f"MatmulTuning.splits={tuning.splits} must be >= 1 and leave every "

@@ -25,7 +25,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from dsa_jax.pallas.common import layer_index, round_to, triton_offsets_wrap, with_overrides
+from dsa_jax.pallas.common import (
+    check_triton_blocks,
+    layer_index,
+    round_to,
+    triton_offsets_wrap,
+    with_overrides,
+)
 
 __all__ = ["BOUND_MARGIN", "SCALE_TOP", "ScaledQAbsTuning", "column_norm", "q_abs_bound",
            "resolved_tuning", "scale_exponent", "scaled_q_abs_pallas", "scaled_q_abs_xla"]
@@ -63,11 +69,7 @@ class ScaledQAbsTuning:
     squares_apart: bool | None = None
 
     def __post_init__(self):
-        for name in ("block_m", "block_n", "block_k"):
-            b = getattr(self, name)
-            if b < 16 or b & (b - 1):
-                raise ValueError(f"ScaledQAbsTuning.{name}={b} must be a power of two >= 16 "
-                                 f"(Triton)")
+        check_triton_blocks(self, ("block_m", "block_n", "block_k"))
 
 
 def _weight(u_k: jax.Array, layer: jax.Array | None) -> jax.Array:
