@@ -65,8 +65,8 @@ def _cols(xw: jax.Array, where: tuple[int, int]) -> jax.Array:
 
 def matmul(v: jax.Array, w: jax.Array, cfg: DsaConfig | None = None, out_dtype=jnp.float32
            ) -> jax.Array:
-    """`v [..., in] @ w.T` for an `[out, in]` weight -> `[..., out]` f32: operands in the
-    weight dtype, fp32 accumulation (HIGHEST: fp32 weights mean fp32 arithmetic, not a GPU's
+    """`v [..., in] @ w.T` for an `[out, in]` weight -> `[..., out]` (f32 unless out_dtype):
+    operands in the weight dtype, fp32 accumulation (HIGHEST: fp32 weights mean fp32 arithmetic, not a GPU's
     tf32). Every GEMM of the block is this one op (public so that a benchmark can time other
     arrangements of the same GEMMs). cfg: the row-invariant kernel where `kernel_rows` says
     so; XLA's dot without it. w: an array or a `LayerOf`. out_dtype: XLA's result dtype (a
@@ -115,7 +115,8 @@ def q_abs_bound(q: jax.Array, u_k) -> jax.Array:
 
 def scaled_q_abs(q: jax.Array, u_k, cfg: DsaConfig | None = None
                  ) -> tuple[jax.Array, jax.Array]:
-    """`q [..., Hl, Dn]` f32 -> (q_abs * 2^k as f16 `[..., Hl, C]`, 2^-k `[..., Hl]` f32), k
+    """`q [..., Hl, Dn]` f32 or bf16 (a prompt's q_b GEMM writes bf16 with bf16 weights) ->
+    (q_abs * 2^k as f16 `[..., Hl, C]`, 2^-k `[..., Hl]` f32), k
     per (row, head) bringing `q_abs_bound` into [2^13, 2^14) (no |q_abs| 2^k reaches 2^14):
     the attend's input for a prompt's rows (`MgpuTuning.bound_scales`). With cfg, the kernel
     `cfg.implementation` names (`pallas/scaled_q_abs.py`: q read once, only the f16 result
