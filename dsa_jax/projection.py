@@ -66,11 +66,12 @@ def _cols(xw: jax.Array, where: tuple[int, int]) -> jax.Array:
 def matmul(v: jax.Array, w: jax.Array, cfg: DsaConfig | None = None, out_dtype=jnp.float32
            ) -> jax.Array:
     """`v [..., in] @ w.T` for an `[out, in]` weight -> `[..., out]` (f32 unless out_dtype):
-    operands in the weight dtype, fp32 accumulation (HIGHEST: fp32 weights mean fp32 arithmetic, not a GPU's
-    tf32). Every GEMM of the block is this one op (public so that a benchmark can time other
-    arrangements of the same GEMMs). cfg: the row-invariant kernel where `kernel_rows` says
-    so; XLA's dot without it. w: an array or a `LayerOf`. out_dtype: XLA's result dtype (a
-    prompt's q in bf16: `project`); the row-invariant kernel's rows are f32 only."""
+    operands in the weight dtype, fp32 accumulation (HIGHEST: fp32 weights mean fp32
+    arithmetic, not a GPU's tf32). Every GEMM of the block is this one op (public so that a
+    benchmark can time other arrangements of the same GEMMs). cfg: the row-invariant kernel
+    where `kernel_rows` says so; XLA's dot without it. w: an array or a `LayerOf`. out_dtype:
+    XLA's result dtype (a prompt's q in bf16: `project`); the row-invariant kernel's rows are
+    f32 only."""
     if cfg is not None and kernel_rows(cfg, v.shape[:-1]):
         if jnp.dtype(out_dtype) != jnp.float32:
             raise ValueError(f"matmul: out_dtype={jnp.dtype(out_dtype).name} for a decode's "
