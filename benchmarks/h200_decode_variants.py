@@ -1,7 +1,7 @@
 """H200: the decode step (`decode-b64-k1-tp1`, `decode-b1-k1-tp1` shapes) in variants, timed
 and profiled side by side in one process, each traced afresh: "now" (the library: the
 gather-attend on the call's rows, `attend_rows=1`), "before" (every padded row attended),
-"topk" (now + the raw Triton top-k for 16+ rows, `PoolTopkTuning(backend="auto")`), "cublas"
+"topk" (now + the raw Triton top-k for 16+ rows, `PoolTopkTuning(backend="triton")`), "cublas"
 (now + every GEMM through cuBLAS, `xla_gpu_enable_triton_gemm=False`), "headmajor" (now with
 the attended latents laid out head-major for the `U_v` GEMM: a lever under test, below),
 "autotune0" (now with GEMM autotuning off), "cublas0" (every GEMM through cuBLAS's heuristic
@@ -139,8 +139,9 @@ def _run(cfg, weights, b: int, ctx: int, name: str, smoke: bool, hlo_dir: str | 
     cut, triton, options, pair, _ = VARIANTS[name]
     cfg = cfg.replace(**CFG_CHANGES.get(name, {}))
     layer.attend_first_rows, layer.output_projection = PAIRS[pair]
+    # the variant's rule, explicit (the library's "auto" moved to a prompt's 2048+ rows)
     layer.top_pools = functools.partial(select.top_pools, tuning=pool_topk.PoolTopkTuning(
-        backend="auto" if triton else "pallas"))
+        backend="triton" if triton and b * k >= 16 else "pallas"))
     # A fresh function per variant: the top-k rule is read when the step is traced, and jax
     # reuses one function's trace across jit wrappers (the 20261201-s4 run wrapped layer.step
     # itself: "cut-only" then ran the Triton top-k of "now", "topk-only" the Pallas one).
