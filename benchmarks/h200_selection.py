@@ -40,7 +40,8 @@ from dsa_jax import testing as T
 from dsa_jax.pallas import pool_scores as ps
 from dsa_jax.pallas import pool_topk as pt
 
-S, K = ps.PoolScoresTuning, pt.PoolTopkTuning
+# K: the Pallas top-k's variants (the library's "auto" runs the Triton one at a prompt's rows)
+S, K = ps.PoolScoresTuning, functools.partial(pt.PoolTopkTuning, backend="pallas")
 
 # The first run (benchmarks/results/h200-selection-run1.json, commit 8e3429f: 20 score variants)
 # found keys x qi^T with 64-pool tiles, one tile per program, fastest at 64 sequences (74 vs 95
