@@ -29,23 +29,27 @@ from dsa_jax.pallas import matmul
 from dsa_jax.pallas import scaled_q_abs as sqa
 from dsa_jax.shapes import glm53_flash, tiny
 
+M128 = dict(block_m=128, block_n=256)  # the tiles of f32 rows (sqa.F32_TILES)
 TILINGS = {  # name -> ScaledQAbsTuning fields (the first: the library's default); the others
     # of h200-scaled-q-20261202-s15-call{2,3}.json were slower
-    "m128-n256-w8-s3": dict(),
-    "apart m128-n256-w8-s3": dict(squares_apart=True),
-    "apart m64-n256-w4-s3": dict(squares_apart=True, block_m=64, num_warps=4),
+    "default": dict(),
+    "m128-n256-w8-s3": dict(squares_apart=False, **M128),
+    "apart m128-n256-w8-s3": dict(squares_apart=True, **M128),
+    "apart m64-n256-w4-s3": dict(squares_apart=True, block_m=64, block_n=256, num_warps=4),
 }
 # --bf16-sweep: the apart form (the default for bf16 rows) at other tiles, bf16 rows only
-# (h200-scaled-q-20261202-s16-call1.json: m128-n256-w8-s3 708.7 us, m64-n256-w4-s3 984.3)
+# (h200-scaled-q-20261202-s16-call1.json: m128-n256-w8-s3 708.7 us, m64-n256-w4-s3 984.3;
+# s16-call3: m64-n512-w8-s3, since the default for bf16 rows, 642.6)
 BF16_TILINGS = {
-    "apart m128-n256-w8-s3": dict(),
-    "apart m128-n256-w8-s4": dict(num_stages=4),
-    "apart m128-n256-k128-w8-s2": dict(block_k=128, num_stages=2),
-    "apart m128-n256-k32-w8-s4": dict(block_k=32, num_stages=4),
-    "apart m64-n512-w8-s3": dict(block_m=64, block_n=512),
-    "apart m128-n512-w16-s2": dict(block_n=512, num_warps=16, num_stages=2),
-    "apart m256-n256-w16-s2": dict(block_m=256, num_warps=16, num_stages=2),
-    "apart m128-n256-w4-s3": dict(num_warps=4),
+    "apart m64-n512-w8-s3": dict(),
+    "apart m128-n256-w8-s3": dict(**M128),
+    "apart m128-n256-w8-s4": dict(num_stages=4, **M128),
+    "apart m128-n256-k128-w8-s2": dict(block_k=128, num_stages=2, **M128),
+    "apart m128-n256-k32-w8-s4": dict(block_k=32, num_stages=4, **M128),
+    "apart m64-n512-w8-s2": dict(num_stages=2),
+    "apart m64-n512-w16-s3": dict(num_warps=16),
+    "apart m128-n512-w16-s2": dict(block_m=128, num_warps=16, num_stages=2),
+    "apart m256-n256-w16-s2": dict(block_m=256, block_n=256, num_warps=16, num_stages=2),
 }
 
 

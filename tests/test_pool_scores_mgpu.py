@@ -10,6 +10,7 @@ odd heads and dims), -inf exactly past the candidates, and the SPEC's batch inde
 `==`: a row alone against the same row in a batch, 1 vs 4 rows per sequence, chunk counts.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -44,6 +45,10 @@ F32, BF16 = jnp.float32, jnp.bfloat16
     ((1, 50, 32, 128, 4096), M(rows=2), BF16),
     ((2, 3, 5, 12, 100), M(consumers=1, stages=1, block_p=128), BF16),
     ((1, 9000, 32, 128, 4096), M(persistent=True, rows=2, stages=4), BF16),
+    ((1, 9000, 32, 128, 4096), M(split_q=False), BF16),  # qi split in jnp
+    ((1, 50, 32, 128, 4096), M(rows=2, consumers=1), BF16),  # one consumer splits qi
+    ((1, 7, 64, 72, 333), M(), BF16),  # qi split in the kernel, Di padded to 128
+    ((1, 50, 32, 128, 4096), M(precision="bf16x6", rows=2, stages=2), F32),
 ])
 def test_variants_lower_for_cuda(shape, tuning, key_dtype):
     """The kernel lowers on any host (the Mosaic GPU lowering rules run here), so a kernel that
@@ -57,6 +62,8 @@ def test_variants_lower_for_cuda(shape, tuning, key_dtype):
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 1
     assert "custom_call @__gpu$xla.gpu.triton" not in text
+    split = pm.fit(tuning, hi, di, r, key_dtype).split_q
+    assert ("stablehlo.concatenate" in text) == (not split)  # qi's parts split in jnp
 
 
 def _trunc(x, mask=pm.TF32_MASK):
@@ -191,6 +198,29 @@ def test_fit_chooses_the_schedule():
         pm.fit(M(fuse_qlo=True), 200, 128, 1)
 
 
+def test_fit_splits_qi_in_the_kernel_where_it_can():
+    """split_q None: in the kernel for the bf16 parts where rows x Hp is a multiple of 64 (a
+    prompt's two rows of 32 heads; one row of 64), in jnp elsewhere (a decode row of 32 heads,
+    tf32 parts); an explicit True that cannot run raises naming why; False is kept."""
+    assert pm.fit(M(), 32, 128, 9000, BF16).split_q is True
+    assert pm.fit(M(), 32, 128, 4, BF16).split_q is False  # one row of 32 heads: N 32
+    assert pm.fit(M(), 64, 128, 4, BF16).split_q is True
+    assert pm.fit(M(precision="bf16x6"), 32, 128, 9000).split_q is True
+    assert pm.fit(M(), 32, 128, 9000).split_q is False  # tf32x3: qi's parts are tf32
+    assert pm.fit(M(split_q=False), 32, 128, 9000, BF16).split_q is False
+    t = pm.fit(M(), 32, 128, 9000, BF16)
+    hp, dp = pm.padded_dims(32, 128, t.precision)
+    assert pm.smem_bytes(hp, dp, t) == pm.smem_bytes(
+        hp, dp, dataclasses.replace(t, split_q=False)) + 4 * 2 * 32 * 128  # the f32 qi
+    with pytest.raises(ValueError, match="split_q=True needs .* rows x Hp a multiple of 64"):
+        pm.fit(M(split_q=True), 32, 128, 4, BF16)
+    with pytest.raises(ValueError, match=r"split_q=True needs .*\(precision tf32x3"):
+        pm.fit(M(split_q=True), 32, 128, 9000)
+    qi, w, keys, n_cand = T.pool_inputs(1, 1, 4, 32, 128, 16)
+    with pytest.raises(ValueError, match="split_q=True needs"):
+        pm.pool_scores_mgpu(qi, w, keys.astype(BF16), n_cand, tuning=M(split_q=True))
+
+
 def test_pick_backend():
     """"auto": mosaic where it runs (not interpret mode, no explicit Triton field, Hi and Di
     it supports), decided on Hi and Di only; "mosaic" raises where it cannot run."""
@@ -300,3 +330,27 @@ def test_gpu_rows_per_cta_same_bits(kw):
     n_cand = jnp.asarray(np.random.default_rng(3).integers(0, 778, (2, 7)).astype(np.int32))
     np.testing.assert_array_equal(_mosaic((qi, w, keys, n_cand), rows=2, **kw),
                                   _mosaic((qi, w, keys, n_cand), rows=1, **kw))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw,dims", [
+    (dict(key_dtype=BF16), (1, 37, 32, 128, 2000)),  # a prompt: two rows of 32 heads per CTA
+    (dict(key_dtype=BF16, consumers=1), (2, 9, 32, 128, 777)),
+    (dict(key_dtype=BF16, persistent=True, rows=2, stages=4), (1, 37, 32, 128, 2000)),
+    (dict(key_dtype=BF16), (2, 7, 64, 72, 333)),  # one row of 64 heads, Di padded
+    (dict(precision="bf16x6", rows=2, stages=2), (1, 21, 32, 128, 1000))])
+def test_gpu_split_in_the_kernel_same_bits(kw, dims):
+    """qi's bf16 parts split by the consumers in shared memory score every pool with the same
+    bits as the parts split in jnp (split_q True == False), and within the bound."""
+    b, r, hi, di, p = dims
+    qi, w, keys, _ = T.pool_inputs(11, b, r, hi, di, p)
+    n_cand = np.random.default_rng(4).integers(0, p + 1, (b, r)).astype(np.int32)
+    n_cand[0, 0] = p
+    args = (qi, w, keys, jnp.asarray(n_cand))
+    assert pm.fit(M(**{k: v for k, v in kw.items() if k != "key_dtype"}), hi, di, r,
+                  kw.get("key_dtype", F32)).split_q
+    inside = _mosaic(args, **kw, split_q=True)
+    np.testing.assert_array_equal(inside, _mosaic(args, **kw, split_q=False))
+    keys = keys.astype(kw.get("key_dtype", F32))
+    T.assert_pool_scores_close(inside, T.pool_scores_definition(qi, w, keys, n_cand),
+                               T.pool_scores_bound(qi, w, keys, T.TF32X3_ROUNDOFF))

@@ -148,8 +148,9 @@ def test_auto_picks_sample_for_decode_rows_and_radix_for_prompts():
     n = ptt.AUTO_SAMPLE_MAX_ROWS
     assert (auto.resolved(4).method, auto.resolved(4).digit_bits) == ("sample", 4)
     assert (auto.resolved(n).method, auto.resolved(n).digit_bits) == ("sample", 4)
-    assert (auto.resolved(n + 1).method, auto.resolved(n + 1).digit_bits) == ("radix", 8)
+    assert (auto.resolved(n + 1).method, auto.resolved(n + 1).digit_bits) == ("radix", 4)
     assert ptt.TritonTopkTuning(method="sample").resolved(4).digit_bits == 8
+    assert ptt.TritonTopkTuning(method="radix").resolved(9000).digit_bits == 8
     assert ptt.TritonTopkTuning(digit_bits=8).resolved(4).method == "sample"
     assert ptt.TritonTopkTuning(method="radix", digit_bits=4).resolved(9000).digit_bits == 4
     assert ptt.kernel_constants(4096, 512, auto, rows=9000)["METHOD"] == ptt.METHODS["radix"]

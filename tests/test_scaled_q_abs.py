@@ -79,6 +79,19 @@ def test_the_default_form_follows_the_rows_dtype():
         assert sqa.resolved_tuning(kept, jnp.float32).squares_apart is fixed
 
 
+def test_the_default_tiles_follow_the_rows_dtype():
+    """block_m, block_n None: 64 x 512 for bf16 rows (faster there on the H200), 128 x 256 for
+    f32 rows; a tile that is set is kept, one that is not a power of two >= 16 refused."""
+    t = sqa.ScaledQAbsTuning()
+    got = {dt: sqa.resolved_tuning(t, dt) for dt in (jnp.bfloat16, jnp.float32)}
+    assert (got[jnp.bfloat16].block_m, got[jnp.bfloat16].block_n) == (64, 512)
+    assert (got[jnp.float32].block_m, got[jnp.float32].block_n) == (128, 256)
+    kept = sqa.resolved_tuning(sqa.ScaledQAbsTuning(block_n=128), jnp.bfloat16)
+    assert (kept.block_m, kept.block_n) == (64, 128)
+    with pytest.raises(ValueError, match="block_m=96"):
+        sqa.ScaledQAbsTuning(block_m=96)
+
+
 def test_kernel_reads_a_stacked_weight_in_place(kernel_impl):
     """u_k a stack [G, H, Dn, C] at a layer index (clamped as XLA's dynamic index)."""
     q, u = _inputs(21, 3, 40, 64, jnp.bfloat16, seed=1)

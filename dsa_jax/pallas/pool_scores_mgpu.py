@@ -9,7 +9,8 @@ sum_h w[b, r, h] * relu(qi[b, r, h] . K[b, p])`, -inf for `p >= n_cand[b, r]`, -
   past the row's candidates are never read;
 * for bf16 keys ("bf16x3", the GLM-5.3 default) each consumer feeds its tile straight from
   shared memory to one wgmma against qi's three bf16 parts (`split_bf16`, side by side in N):
-  k q1 + (k q2 + k q3), every product exact;
+  k q1 + (k q2 + k q3), every product exact; the parts are split from the row group's f32 qi
+  by the consumers in shared memory (`MgpuScoresTuning.split_q`; or in jnp before the call);
 * for fp32 keys, warpgroups 0 and 1 (consumers; or only 0) take the tiles in turn. Each
   splits its tile in registers into exact tf32 values, K = hi + lo + (dropped, <= 2^-20
   |K|), writes hi back in place and lo to its own buffer, and runs three wgmmas (tf32
@@ -56,6 +57,7 @@ from dsa_jax.pallas.pool_scores_mgpu_dots import (
     dots_bf16x6,
     dots_tf32x3,
     split_bf16,
+    split_bf16_into,
     split_tf32,
 )
 
@@ -116,6 +118,13 @@ class MgpuScoresTuning:
       chunk) items with its ring running on across them (the next item's first keys load while
       the last one computes; qi double-buffered, reloaded where the row group changes); for a
       prompt's many rows, whose CTAs would otherwise each fill and drain the ring.
+    split_q: for the precisions that split qi into bf16 parts, where the split is done: True:
+      in the kernel, the producer loading the row group's f32 qi and the consumers writing
+      its parts in shared memory (`split_bf16_into`; rows x Hp must be a multiple of 64, the
+      register layout's rows), instead of a jnp split whose three bf16 copies of a prompt's qi
+      XLA writes and the kernel reads back (an 88 us fusion at 9000 rows on the H200,
+      h200-profile-20261202-s16-call2.json); False: in jnp; None (the default): in the kernel
+      wherever it can. The parts have the same bits either way (exact masks, one rounding).
     consumer_regs / producer_regs: per-thread register budgets (setmaxnreg), within the CTA's
       registers at launch (`common.check_register_budgets`).
     """
@@ -129,6 +138,7 @@ class MgpuScoresTuning:
     rows: int | None = None
     precision: str | None = None
     persistent: bool | None = None
+    split_q: bool | None = None
     consumer_regs: int = 232
     producer_regs: int = 40
 
@@ -178,6 +188,9 @@ def padded_dims(hi: int, di: int, precision: str = "tf32x3") -> tuple[int, int]:
 def smem_bytes(hp: int, dp: int, t: MgpuScoresTuning) -> int:
     """Shared memory the kernel allocates (the H200 gives a CTA at most 227 KiB)."""
     slots = 2 if t.persistent else 1  # qi buffers
+    if t.split_q:  # the f32 qi the parts are split from
+        return 4 * dp * slots * t.rows * hp + smem_bytes(hp, dp, dataclasses.replace(
+            t, split_q=False))
     if t.precision == "bf16x3":  # bf16 keys, no lo buffers; qi in three bf16 parts
         return 2 * dp * t.stages * t.block_p + slots * 2 * dp * 3 * t.rows * hp
     if t.precision == "bf16x6":  # no lo buffers; qi in three bf16 parts
@@ -194,10 +207,10 @@ DECODE_PLANS = ((1, False, 4), (1, False, 2))
 
 def fit(t: MgpuScoresTuning, hi: int, di: int, r: int, key_dtype=jnp.float32
         ) -> MgpuScoresTuning:
-    """t with its None fields (precision for `key_dtype` keys, rows, persistent, stages)
-    chosen for Hi, Di and r rows per sequence: the first plan of PROMPT_PLANS (r >
-    DECODE_ROWS) or DECODE_PLANS whose wgmma N and shared memory fit, fields set in t kept.
-    Raises (naming the limit) if none fits."""
+    """t with its None fields (precision for `key_dtype` keys, rows, persistent, stages,
+    split_q) chosen for Hi, Di and r rows per sequence: the first plan of PROMPT_PLANS (r >
+    DECODE_ROWS) or DECODE_PLANS whose wgmma N and shared memory fit, qi split in the kernel
+    wherever it can be, fields set in t kept. Raises (naming the limit) if none fits."""
     t = with_precision(t, key_dtype)
     plans = PROMPT_PLANS if r > DECODE_ROWS else DECODE_PLANS
     last = None
@@ -206,6 +219,9 @@ def fit(t: MgpuScoresTuning, hi: int, di: int, r: int, key_dtype=jnp.float32
             t, rows=t.rows if t.rows is not None else rows,
             persistent=t.persistent if t.persistent is not None else persistent,
             stages=t.stages if t.stages is not None else max(stages, t.consumers))
+        if t.split_q is None:
+            split = dataclasses.replace(cand, split_q=True)
+            cand = dataclasses.replace(cand, split_q=why_not(split, hi, di) is None)
         last = why_not(cand, hi, di)
         if last is None:
             return cand
@@ -220,6 +236,10 @@ def why_not(t: MgpuScoresTuning, hi: int, di: int) -> str | None:
     if n_max > 256:
         return (f"wgmma N = {n_max} > 256 (Hi {hi} padded to {hp}, rows {t.rows}, fuse_qlo "
                 f"{t.fuse_qlo}, precision {t.precision})")
+    if t.split_q and (t.precision not in _BF16_PARTS or t.rows * hp % 64):
+        return (f"split_q=True needs a precision that splits qi into bf16 parts "
+                f"{_BF16_PARTS} and rows x Hp a multiple of 64 (precision {t.precision}, rows "
+                f"{t.rows}, Hi {hi} padded to {hp})")
     if smem_bytes(hp, dp, t) > 227 * 1024:
         return (f"shared memory {smem_bytes(hp, dp, t)} B > 227 KiB (Hi {hi}, Di {di}, "
                 f"block_p {t.block_p}, stages {t.stages}, rows {t.rows}, persistent "
@@ -238,7 +258,7 @@ def supports(t: MgpuScoresTuning, hi: int, di: int, key_dtype=jnp.float32) -> st
     least = dataclasses.replace(
         t, rows=1 if t.rows is None else t.rows,
         persistent=False if t.persistent is None else t.persistent,
-        stages=t.consumers if t.stages is None else t.stages)
+        stages=t.consumers if t.stages is None else t.stages, split_q=bool(t.split_q))
     return why_not(least, hi, di)
 
 
@@ -253,8 +273,8 @@ def default_chunks(b: int, r: int, tiles_all: int, sms: int) -> int:
 
 def _kernel(ncand_ref, base_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: int, tiles: int,
             chunks: int, stages: int, consumers: int, groups_per_seq: int, rows: int, hp: int,
-            dp: int, write_hi: bool, fuse_qlo: bool, precision: str, consumer_regs: int,
-            producer_regs: int, programs: int, items: int):
+            dp: int, write_hi: bool, fuse_qlo: bool, precision: str, split_q: bool,
+            consumer_regs: int, producer_regs: int, programs: int, items: int):
     """CTAs of consumers + 1 warpgroups; see the module docstring. An item is a (row group,
     chunk) pair; with programs == 0 each CTA takes one item (grid index i: chunk fastest,
     then sequence, then the row group within its sequence), else CTA p
@@ -264,8 +284,9 @@ def _kernel(ncand_ref, base_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: in
 
     ncand_ref [N] int32 (N = G * rows); base_ref [1] int32: pool p's key is read at pool
     `base + p` of keys_ref's pool axis; q_ref [G, 2 rows Hp, Dp] f32 (the group's qi split:
-    every row's tf32 hi parts, then every row's lo parts; for bf16x6 [G, 3 rows Hp, Dp] bf16,
-    the three parts); w_ref [G, rows Hp] f32 (padded heads 0); keys_ref [B, Pk, Dp] f32;
+    every row's tf32 hi parts, then every row's lo parts; for bf16x6 and bf16x3 [G, 3 rows Hp,
+    Dp] bf16, the three parts; with split_q the f32 qi [G, rows Hp, Dp]); w_ref [G, rows Hp]
+    f32 (padded heads 0); keys_ref [B, Pk, Dp] f32;
     out_ref [N, Pc] f32 with Pc = chunks * tiles * block_p >= P (every element written).
     """
     nq = rows * hp  # the wgmma N of one of qi's parts
@@ -297,7 +318,8 @@ def _kernel(ncand_ref, base_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: in
         lax.fori_loop(pid * items // programs, (pid + 1) * items // programs,
                       lambda i, carry: body(item(i), carry), init)
 
-    def scoped(kbuf, qbuf, q_full, q_free, full, free, lobuf=None):
+    def scoped(kbuf, qbuf, q_full, q_free, full, free, lobuf=None, q_f32=None,
+               q_split=None):
         wg = lax.axis_index("wg")
 
         def store(group, first, r, t, scores):  # row r of the group; [block_p] row_layout
@@ -315,7 +337,14 @@ def _kernel(ncand_ref, base_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: in
                     def _():  # done with the last group's qi
                         plgpu.barrier_arrive(q_free.at[lax.rem(qc - 1, q_slots)])
 
-                plgpu.barrier_wait(q_full.at[lax.rem(qc, q_slots)])
+                slot = lax.rem(qc, q_slots)
+                plgpu.barrier_wait(q_full.at[slot])
+                if split_q:  # qi's parts from its f32 values, by every consumer's share
+                    split_bf16_into(q_f32.at[slot], qbuf.at[slot], wg, consumers=consumers)
+                    plgpu.commit_smem()  # the parts visible to wgmma
+                    if consumers > 1:  # and the other consumers' parts to this one's
+                        plgpu.barrier_arrive(q_split.at[slot])
+                        plgpu.barrier_wait(q_split.at[slot])
 
             qc = qc + new_q.astype(jnp.int32)
             qb = qbuf.at[lax.rem(qc + q_slots - 1, q_slots)]
@@ -378,7 +407,8 @@ def _kernel(ncand_ref, base_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: in
                     def _():  # the consumers are done with the qi loaded two groups ago
                         plgpu.barrier_wait(q_free.at[slot])
 
-                plgpu.copy_gmem_to_smem(q_ref.at[group], qbuf.at[slot], q_full.at[slot])
+                plgpu.copy_gmem_to_smem(q_ref.at[group], (q_f32 if split_q else qbuf).at[slot],
+                                        q_full.at[slot])
 
             def fill(t, c):
                 s = lax.rem(gt + t, stages)
@@ -419,9 +449,13 @@ def _kernel(ncand_ref, base_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: in
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # key buffer filled
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # key buffer consumed
     ]
+    extra = {}
     if precision == "tf32x3":  # lo parts of the keys, per consumer
-        scratch.append(plgpu.SMEM((consumers, block_p, dp), jnp.float32, transforms=tf32))
-    pl.run_scoped(scoped, *scratch, collective_axes="wg")
+        extra["lobuf"] = plgpu.SMEM((consumers, block_p, dp), jnp.float32, transforms=tf32)
+    if split_q:  # the row group's f32 qi; all consumers' parts written
+        extra["q_f32"] = plgpu.SMEM((q_slots, nq, dp), jnp.float32, transforms=tf32)
+        extra["q_split"] = plgpu.Barrier(num_arrivals=consumers, num_barriers=q_slots)
+    pl.run_scoped(scoped, *scratch, collective_axes="wg", **extra)
 
 
 def pool_scores_mgpu(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: jax.Array, *,
@@ -452,10 +486,10 @@ def pool_scores_mgpu(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: 
     chunks = pl.cdiv(tiles_all, tiles)  # no chunk without a tile
     width = chunks * tiles * t.block_p  # >= P: whole tiles are stored
     q = jnp.pad(qi.astype(jnp.float32), ((0, 0), (0, rp - r), (0, hp - hi), (0, dp - di)))
-    q = q.reshape(groups, rb * hp, dp)
-    if t.precision in _BF16_PARTS:
+    q = q.reshape(groups, rb * hp, dp)  # [G, rows Hp, Dp] f32: what the kernel reads if split_q
+    if t.precision in _BF16_PARTS and not t.split_q:
         q = jnp.concatenate(split_bf16(q), axis=1)  # [G, 3 rows Hp, Dp] bf16: q1, q2, q3
-    else:
+    elif not t.split_q:
         q = jnp.concatenate(split_tf32(q), axis=1)  # [G, 2 rows Hp, Dp]: hi parts, lo parts
     w_p = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, rp - r), (0, hp - hi)))
     w_p = w_p.reshape(groups, rb * hp)  # [G, rows Hp]
@@ -470,7 +504,8 @@ def pool_scores_mgpu(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: 
     kernel = functools.partial(
         _kernel, block_p=t.block_p, tiles=tiles, stages=t.stages, consumers=t.consumers,
         groups_per_seq=rp // rb, rows=rb, hp=hp, dp=dp, write_hi=t.write_hi,
-        fuse_qlo=t.fuse_qlo, precision=t.precision, consumer_regs=t.consumer_regs,
+        fuse_qlo=t.fuse_qlo, precision=t.precision, split_q=t.split_q,
+        consumer_regs=t.consumer_regs,
         producer_regs=t.producer_regs, chunks=chunks)
     items = groups * chunks
     programs = min(items, sms or sm_count()) if t.persistent else 0  # (else one CTA per item)

@@ -76,6 +76,22 @@ def split_bf16(x):
             (r - x2).astype(jnp.bfloat16))
 
 
+def split_bf16_into(q_ref, qbuf, wg, *, consumers: int):
+    """qi's three bf16 parts written in shared memory by the consumers: q_ref [nq, Dp] f32 (a
+    row group's qi as loaded) -> qbuf [3 nq, Dp] bf16 (q1, q2, q3 of `split_bf16`, the same
+    bits as split in jnp). Consumer `wg` takes the 64-column blocks c = wg mod consumers, in
+    64-row blocks (the wgmma register layout's rows); nq and Dp multiples of 64."""
+    nq, dp = q_ref.shape
+    for c in range(dp // 64):
+        @pl.when(wg == c % consumers)
+        def _(c=c):
+            cols = pl.ds(c * 64, 64)
+            for r in range(nq // 64):
+                parts = split_bf16(q_ref.at[pl.ds(r * 64, 64), cols][...])  # 3 x [64, 64]
+                for i, part in enumerate(parts):
+                    qbuf.at[pl.ds(i * nq + r * 64, 64), cols][...] = part
+
+
 def dots_bf16x6(k_ref, qbuf, free, *, block_p: int, nq: int, dp: int):
     """The tile's head dots [BP, nq] f32 as six bf16 products (k1 q1 + k1 q2 + k2 q1 +
     k1 q3 + k2 q2 + k3 q1; with `split_bf16`' bounds the dropped k2 q3 + k3 q2 + k3 q3 and the

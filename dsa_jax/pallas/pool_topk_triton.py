@@ -2,8 +2,8 @@
 indices, bit for bit, with what the Pallas-Triton lowering lacks (`tl.histogram`, `tl.sort`).
 
 The kernel (`triton_topk_kernel.py`) runs one program per row with the row in registers: a
-radix select of the k-th largest key in 4 histogram passes of 8-bit digits, the k winners
-compacted and sorted on a composite key (score, then index). The Pallas kernel
+radix select of the k-th largest key in histogram passes (by default 8 of 4-bit digits), the
+k winners compacted and sorted on a composite key (score, then index). The Pallas kernel
 (`pool_topk.py`) needs 16 counting passes and a k^2 ranking for the same answer.
 
 jax-triton and triton are optional GPU dependencies (`pip install 'dsa_jax[gpu]'`): they are
@@ -31,12 +31,10 @@ class MissingDependencyError(ImportError):
     """The raw Triton top-k was asked for and jax-triton or triton is not installed."""
 
 
-# "auto" runs "sample" with 4-bit digits up to this many rows (a decode's 4 to 256 rows:
-# fastest measured there) and "radix" with 8-bit digits beyond (a 9000-row prompt, the one
-# the layer's prefill-9000 ran on the H200; 4-bit digits measured faster there alone, 635 vs
-# 698 us, h200-topk-triton-20261202-s16-call3.json, and are the next default to try in the
-# layer). Nothing was measured between 256 and 9000 rows: the threshold sits at a decode
-# batch of 256 sequences x 4 rows.
+# "auto" runs "sample" up to this many rows (a decode's 4 to 256 rows: fastest measured there)
+# and "radix" beyond (a 9000-row prompt), both with 4-bit digits (at 9000 rows 635 vs 698 us
+# for 8-bit ones, h200-topk-triton-20261202-s16-call3.json). Nothing was measured between 256
+# and 9000 rows: the threshold sits at a decode batch of 256 sequences x 4 rows.
 AUTO_SAMPLE_MAX_ROWS = 1024
 
 
@@ -47,11 +45,12 @@ class TritonTopkTuning:
     method: "radix" (histogram select, the k winners compacted and sorted), "sample" (a
     threshold from the maxima of blocks of 4 keys, the candidates above it compacted and
     sorted; radix where they do not fit), "topk" (Triton's bitonic `tl.topk` over the whole
-    row), "sort" (`tl.sort` of the whole row), or "auto" (the default): "sample" with 4-bit
-    digits for up to `AUTO_SAMPLE_MAX_ROWS` rows, "radix" with 8-bit digits beyond, a static
-    rule on the row count (`resolved`).
+    row), "sort" (`tl.sort` of the whole row), or "auto" (the default): "sample" for up to
+    `AUTO_SAMPLE_MAX_ROWS` rows, "radix" beyond, a static rule on the row count (`resolved`).
     digit_bits: radix (and sample's radix passes): bits per histogram pass (8: 4 passes of
-    256 bins; 4: 8 passes of 16); None: 4 where "auto" picks "sample", else 8.
+    256 bins; 4: 8 passes of 16); None: 4 under "auto" (both of its methods: 4-bit radix
+    measured faster at a prompt's 9000 rows, h200-topk-triton-20261202-s16-call3.json), else
+    8.
     num_warps: Triton's. short_rows: radix and sample: a row with fewer than k scores above
     -inf skips the passes (its kth is -inf); a row of only -inf (padding) stores 0..k-1
     directly. H200 sweeps: benchmarks/results/h200-topk-triton-20261201-*.json."""
@@ -76,7 +75,7 @@ class TritonTopkTuning:
             method = "sample" if rows <= AUTO_SAMPLE_MAX_ROWS else "radix"
         bits = self.digit_bits
         if bits is None:
-            bits = 4 if self.method == "auto" and method == "sample" else 8
+            bits = 4 if self.method == "auto" else 8
         return dataclasses.replace(self, method=method, digit_bits=bits)
 
 

@@ -49,10 +49,10 @@ class ScaledQAbsTuning:
     """Tiles of `scaled_q_abs_pallas`: block_m rows times block_n of the C columns of one head
     per program, K in chunks of block_k (powers of two, >= 16). The bound needs a row's whole
     K, which every program loads anyway; the C columns may be split (each program recomputes
-    its rows' bound: the same bits). From bf16 rows the apart form at 64 x 512 (one head's C
-    whole, q read once) measured faster than this default, 642.6 vs 714.6 us
-    (h200-scaled-q-20261202-s16-call3.json): not yet the default, as the layer and the GPU
-    tests have not run with it (benchmarks/notes.md).
+    its rows' bound: the same bits). block_m, block_n None (the default): chosen by the rows'
+    dtype (`resolved_tuning`): 128 x 256 for f32 rows, 64 x 512 for others (one GLM head's
+    C whole, q read once; 642.6 vs 714.6 us at 128 x 256 from a prompt's bf16 rows on the
+    H200, h200-scaled-q-20261202-s16-call3.json).
 
     squares_apart: the bound's squares summed in a loop of their own before the GEMM's, whose
     loads then feed the dot alone, so bf16 rows are read as they are (half the bytes of f32
@@ -61,15 +61,16 @@ class ScaledQAbsTuning:
     h200-scaled-q-20261202-s15-call3.json). None (the default): apart exactly for rows that
     are not f32, the faster form of each on the H200 (h200-scaled-q-20261202-s16-call1.json;
     both forms right there from f32 and bf16 rows)."""
-    block_m: int = 128
-    block_n: int = 256
+    block_m: int | None = None
+    block_n: int | None = None
     block_k: int = 64
     num_warps: int = 8
     num_stages: int = 3
     squares_apart: bool | None = None
 
     def __post_init__(self):
-        check_triton_blocks(self, ("block_m", "block_n", "block_k"))
+        check_triton_blocks(self, tuple(n for n in ("block_m", "block_n", "block_k")
+                                        if getattr(self, n) is not None))
 
 
 def _weight(u_k: jax.Array, layer: jax.Array | None) -> jax.Array:
@@ -223,11 +224,19 @@ def _call(q: jax.Array, w: jax.Array, col: jax.Array, layer: jax.Array | None,
     )(*([jnp.reshape(layer, (1,))] if stacked else []), col, q, w)
 
 
+# (block_m, block_n) where the tuning leaves them None, by whether the rows are f32.
+F32_TILES, OTHER_TILES = (128, 256), (64, 512)
+
+
 def resolved_tuning(tuning: ScaledQAbsTuning, q_dtype) -> ScaledQAbsTuning:
-    """`tuning` with `squares_apart` decided for rows of `q_dtype` (None: apart unless f32)."""
-    if tuning.squares_apart is not None:
-        return tuning
-    return dataclasses.replace(tuning, squares_apart=jnp.dtype(q_dtype) != jnp.float32)
+    """`tuning` with its None fields decided for rows of `q_dtype`: `squares_apart` (apart
+    unless f32) and the tiles (`F32_TILES` or `OTHER_TILES`); fields it sets are kept."""
+    f32 = jnp.dtype(q_dtype) == jnp.float32
+    bm, bn = F32_TILES if f32 else OTHER_TILES
+    return dataclasses.replace(
+        tuning, squares_apart=not f32 if tuning.squares_apart is None else tuning.squares_apart,
+        block_m=bm if tuning.block_m is None else tuning.block_m,
+        block_n=bn if tuning.block_n is None else tuning.block_n)
 
 
 def scaled_q_abs_pallas(q: jax.Array, u_k: jax.Array, layer: jax.Array | None = None, *,
