@@ -301,11 +301,11 @@ def test_render_shows_the_latest_result_of_each_point(tmp_path):
     assert "notes.md" in text and "### Changes (prediction" not in text  # linked, not copied
     # Today's targets are applied to the stored results (the run's own verdict stays in it).
     assert "float8_e4m3fn: <= 55 us | **no** |" in table  # attend 64x1: 74.6 us stored
-    assert "context 16384: <= 250 us | **no** |" in table  # decode-b64: 253.2 us stored
-    # points a run lists in `superseded_points` come from an older run (s16 call 2's
-    # selection-b64-r4 ran a top-k default reverted since: call 1's is shown)
+    assert "context 16384: <= 250 us | yes |" in table  # decode-b64: 241.6 us stored (s17)
+    # points a run lists in `superseded_points` never show (s16 call 2's selection-b64-r4 ran
+    # a top-k default reverted since); the newest run's (s17 call 1) does
     row = next(r for r in table.splitlines() if r.startswith("| selection-b64-r4 |"))
-    assert "| 102.5 us (kernels 59.0 us) |" in row
+    assert "| 77.7 us (kernels 59.0 us) |" in row
     # The serving-loop points come from benchmarks/h200_loop.py's run, per token per layer.
     row = next(r for r in table.splitlines() if r.startswith("| loop-b1-l8 |"))
     assert "per token per layer" in row
