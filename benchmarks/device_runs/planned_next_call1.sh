@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Run by the seventeenth session as s17_call1.sh and s17_call2.sh (its groups there).
 # Planned by the sixteenth session (its device time ran out before it: "too little device-machine
 # time is left"). First make the two defaults that call 3's sweeps measured faster alone (both
 # checked on the GPU there at prefill-9000's rows): ScaledQAbsTuning's apart form at 64 x 512

@@ -487,10 +487,9 @@ def pool_scores_mgpu(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: 
     width = chunks * tiles * t.block_p  # >= P: whole tiles are stored
     q = jnp.pad(qi.astype(jnp.float32), ((0, 0), (0, rp - r), (0, hp - hi), (0, dp - di)))
     q = q.reshape(groups, rb * hp, dp)  # [G, rows Hp, Dp] f32: what the kernel reads if split_q
-    if t.precision in _BF16_PARTS and not t.split_q:
-        q = jnp.concatenate(split_bf16(q), axis=1)  # [G, 3 rows Hp, Dp] bf16: q1, q2, q3
-    elif not t.split_q:
-        q = jnp.concatenate(split_tf32(q), axis=1)  # [G, 2 rows Hp, Dp]: hi parts, lo parts
+    if not t.split_q:  # bf16 parts [G, 3 rows Hp, Dp]: q1, q2, q3; or tf32 [G, 2 rows Hp, Dp]
+        q = jnp.concatenate((split_bf16 if t.precision in _BF16_PARTS else split_tf32)(q),
+                            axis=1)
     w_p = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, rp - r), (0, hp - hi)))
     w_p = w_p.reshape(groups, rb * hp)  # [G, rows Hp]
     ncand_p = jnp.pad(n_cand.astype(jnp.int32), ((0, 0), (0, rp - r))).reshape(n)  # pad: none
