@@ -3,6 +3,7 @@
 next lever of each must come from.
 
     PYTHONPATH=. python3 benchmarks/h200_profile.py --out $OUT/h200-profile.json [--top 40]
+        [--gemm xla] [--steps prefill-9000]
     PYTHONPATH=. python3 benchmarks/h200_profile.py --smoke --out /tmp/h200-profile.json
 
 Each step is the bench's own (`benchmarks.workloads.StepRunner`, as `measures.prefill` and
@@ -36,13 +37,17 @@ def steps(cfg, plan, weights) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = json_parser(__doc__)
     ap.add_argument("--top", type=int, default=40, help="kernels listed per step")
+    ap.add_argument("--gemm", default="auto", help="the config's gemm (a side by side)")
+    ap.add_argument("--steps", nargs="*", default=None, help="step names (default: all)")
     args = ap.parse_args(argv)
     cfg = (tiny() if args.smoke else glm53_flash()).replace(
-        implementation="xla" if args.smoke else "pallas")
+        implementation="xla" if args.smoke else "pallas", gemm=args.gemm)
     plan = (smoke_plan if args.smoke else full_plan)(cfg)
     weights = random_weights(cfg, random_hf_tensors(cfg, 0), 1)
     res = {**header("h200_profile.py", argv), "rows": [], "errors": []}
     for name, (runner, traced, groups) in steps(cfg, plan, weights).items():
+        if args.steps is not None and name not in args.steps:
+            continue
         def one(name=name, runner=runner, traced=traced, groups=groups):
             jax.block_until_ready(runner())
             t = measure(runner, warmup=1, groups=groups, inner=1, reset=runner.reset)

@@ -34,8 +34,8 @@ from dsa_jax.stacked import LayerOf, operand
 from dsa_jax.weights import DsaWeights
 
 __all__ = ["Projections", "kernel_rows", "matmul", "norm", "output_projection", "per_head",
-           "project", "project_kv", "prompt_rows", "q_abs_bound", "rms_norm", "scaled_q_abs",
-           "x_columns"]
+           "project", "project_kv", "prompt_rows", "prompt_u_v_kernel", "q_abs_bound",
+           "rms_norm", "scaled_q_abs", "x_columns"]
 
 
 class Projections(NamedTuple):
@@ -188,9 +188,24 @@ def project_kv(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> Projections
                        None)
 
 
+def prompt_u_v_kernel(cfg: DsaConfig, lead: tuple[int, ...], u_v, o_proj) -> bool:
+    """Whether a prompt's U_v product (rows `lead`) runs the per-head Pallas kernel writing
+    bf16 (`output_projection`): prompt rows, the kernels on (`cfg.implementation`), `cfg.gemm`
+    not "xla", and bf16 U_v and o_proj weights (o_proj rounds its operand to bf16 anyway, so
+    the kernel's rounding is that one). On the H200 it is faster than XLA's GEMM there
+    (benchmarks/notes.md, lever MM). A decode's and a verify's rows keep `per_head`."""
+    return (prompt_rows(cfg, lead) and resolve(cfg.implementation) != "xla"
+            and cfg.gemm != "xla" and u_v.dtype == o_proj.dtype == jnp.bfloat16)
+
+
 def output_projection(weights: DsaWeights, o_latent: jax.Array, cfg: DsaConfig | None = None
                       ) -> jax.Array:
     """Attended latents `[..., Hl, C]` -> `y [..., D]` (this rank's partial sum under TP).
     cfg: as `matmul`'s (the step passes it)."""
-    o = per_head(o_latent, weights.u_v, 2, cfg)  # [..., Hl, Dv]
+    lead = o_latent.shape[:-2]
+    if cfg is not None and prompt_u_v_kernel(cfg, lead, weights.u_v, weights.o_proj):
+        w, at = operand(cfg, weights.u_v)
+        o = per_head_op(cfg, o_latent, w, 2, at, out_dtype=jnp.bfloat16)  # [..., Hl, Dv]
+    else:
+        o = per_head(o_latent, weights.u_v, 2, cfg)  # [..., Hl, Dv]
     return matmul(o.reshape(*o.shape[:-2], -1), weights.o_proj, cfg)

@@ -39,10 +39,15 @@ def expand_selection(cfg: DsaConfig, pools: jax.Array, pos: jax.Array, valid: ja
     (t+1)//KP)`; the tail's `(t+1) % KP` tokens follow at `n_sel*KP` (per row); the rest -1.
     """
     kp, width = cfg.index_kpool, cfg.sel_width
+    *lead, k = pools.shape
     slot = jnp.arange(width)  # [W]
-    n_sel = jnp.minimum(min(cfg.select_k, pools.shape[-1]), (pos + 1) // kp)[..., None]
-    rank = jnp.minimum(slot // kp, pools.shape[-1] - 1)
-    from_pool = jnp.take(pools, rank, axis=-1) * kp + slot % kp
+    n_sel = jnp.minimum(min(cfg.select_k, k), (pos + 1) // kp)[..., None]
+    # The pools' tokens as a broadcast (slot s < k*KP holds pool s // KP's token s % KP), not
+    # a gather by rank: XLA writes the broadcast at the copy rate. Slots past k*KP are never
+    # below n_sel*KP.
+    tokens = (pools[..., :, None] * kp + jnp.arange(kp)).reshape(*lead, k * kp)  # [..., k*KP]
+    from_pool = (tokens[..., :width] if k * kp >= width else
+                 jnp.pad(tokens, [(0, 0)] * len(lead) + [(0, width - k * kp)]))  # [..., W]
     tail_j = slot - n_sel * kp
     tail_count = ((pos + 1) % kp)[..., None] if cfg.always_select_tail else 0
     from_tail = ((pos + 1) // kp * kp)[..., None] + tail_j

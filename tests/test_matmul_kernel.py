@@ -173,3 +173,25 @@ def test_the_stacked_operand_lowers_for_cuda(heads, w_contract, shape, m):
     text = jax.jit(lambda v, w, layer: fn(v, w, layer=layer)).trace(
         *args, jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
     assert "custom_call @__gpu$xla.gpu.triton" in text
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_a_bf16_result_is_the_f32_result_rounded(kernel_impl, splits):
+    """`out_dtype=bf16` (a prompt's U_v product, `projection.output_projection`): the kernel
+    rounds its fp32 sums once (in the kernel with one K part, after the split sum with two),
+    so its result is the f32 result rounded, bit for bit; the twin rounds its own the same
+    way."""
+    interpret = kernel_impl == "pallas-interpret"
+    m, heads, n, k = 70, 3, 40, 256
+    v, w = _operands(m, n, k, seed=splits, heads=heads, w_contract=2)
+    v = v.astype(jnp.bfloat16)  # the attend's bf16 result
+    f32 = mm.per_head_pallas(v, w, 2, interpret=interpret, splits=splits, block_k=64)
+    b16 = mm.per_head_pallas(v, w, 2, out_dtype=jnp.bfloat16, interpret=interpret,
+                             splits=splits, block_k=64)
+    assert b16.dtype == jnp.bfloat16 and b16.shape == (m, heads, n)
+    np.testing.assert_array_equal(np.asarray(b16), np.asarray(f32.astype(jnp.bfloat16)))
+    twin = mm.per_head_xla(v, w, 2, out_dtype=jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(twin),
+                                  np.asarray(mm.per_head_xla(v, w, 2).astype(jnp.bfloat16)))
+    assert mm.per_head_pallas(v[:0], w, 2, out_dtype=jnp.bfloat16,
+                              interpret=True).dtype == jnp.bfloat16

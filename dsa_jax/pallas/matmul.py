@@ -115,17 +115,19 @@ def matmul_xla(v: jax.Array, w: jax.Array, layer: jax.Array | None = None, *,
 
 
 def per_head_xla(v: jax.Array, w: jax.Array, w_contract: int,
-                 layer: jax.Array | None = None) -> jax.Array:
+                 layer: jax.Array | None = None, *, out_dtype=jnp.float32) -> jax.Array:
     """The definition: `v [..., H, K]` times each head's `w [H, ., .]` contracting `w`'s axis
     `w_contract` (1: `w [H, K, N]`, 2: `w [H, N, K]`) -> `[..., H, N]` f32. layer: `w` is a
-    stack `[G, H, ., .]` and this is the index `[]` int32 of the weight to use."""
+    stack `[G, H, ., .]` and this is the index `[]` int32 of the weight to use. out_dtype:
+    the f32 result rounded to it (for a caller that rounds it anyway: a prompt's U_v product,
+    which o_proj reads in the weights' dtype)."""
     w = w if layer is None else lax.dynamic_index_in_dim(w, layer, keepdims=False)
     lead = v.shape[:-2]
     rows = v.reshape(-1, *v.shape[-2:]).astype(w.dtype)  # [M, H, K]
     out = lax.dot_general(rows, w, (((2,), (w_contract,)), ((1,), (0,))),
                           precision=lax.Precision.HIGHEST,
                           preferred_element_type=jnp.float32)  # [H, M, N]
-    return jnp.swapaxes(out, 0, 1).reshape(*lead, *out.shape[::2])
+    return jnp.swapaxes(out, 0, 1).reshape(*lead, *out.shape[::2]).astype(out_dtype)
 
 
 def _kernel(*refs, m: int, n: int, k: int, bm: int, bn: int, bk: int, tiles: int,
@@ -135,7 +137,8 @@ def _kernel(*refs, m: int, n: int, k: int, bm: int, bn: int, bk: int, tiles: int
     [l_ref [1] int32: the layer, when `stacked`]; v_ref [M, H, K]; w_ref [H, N, K] (or
     [H, K, N] when w_kn; [G*H, ...] when stacked: layer l's heads at l*H..); o_ref
     [S, M, H, N] f32, the part's sum over its `tiles` K chunks, in order (columns past K read
-    as zeros). A stacked weight gives the same tiles the same numbers: the same bits."""
+    as zeros), or with one part its sum rounded to o_ref's dtype. A stacked weight gives the
+    same tiles the same numbers: the same bits."""
     l_ref, (v_ref, w_ref, o_ref) = (refs[0], refs[1:]) if stacked else (None, refs)
     i, j, hs = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     h, s = hs // splits, lax.rem(hs, splits)
@@ -163,7 +166,7 @@ def _kernel(*refs, m: int, n: int, k: int, bm: int, bn: int, bk: int, tiles: int
         return acc + lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
     acc = lax.fori_loop(0, tiles, chunk, jnp.zeros((bm, bn), jnp.float32))  # [bm, bn]
-    plt.store(o_ref.at[s, rows[:, None], h, cols[None, :]], acc,
+    plt.store(o_ref.at[s, rows[:, None], h, cols[None, :]], acc.astype(o_ref.dtype),
               mask=(rows < m)[:, None] & col_ok[None, :])
 
 
@@ -178,10 +181,11 @@ def _check(tuning: MatmulTuning, k: int) -> int:
 
 
 def _gemm(v: jax.Array, w: jax.Array, w_kn: bool, interpret: bool, tuning: MatmulTuning,
-          layer: jax.Array | None = None) -> jax.Array:
+          layer: jax.Array | None = None, out_dtype=jnp.float32) -> jax.Array:
     """v [M, H, K] (any float dtype: rounded to w's in the kernel), w [H, N, K] or [H, K, N]
-    -> [M, H, N] f32. layer: w is a stack [G, H, ., .] read in place at this index [] int32
-    (no copy of the layer's weight: a kernel operand must be a whole buffer)."""
+    -> [M, H, N] f32, or the f32 sums rounded to out_dtype (in the kernel where there is one
+    K part). layer: w is a stack [G, H, ., .] read in place at this index [] int32 (no copy
+    of the layer's weight: a kernel operand must be a whole buffer)."""
     m, heads, k = v.shape
     n = w.shape[-1] if w_kn else w.shape[-2]
     stacked = layer is not None
@@ -190,7 +194,7 @@ def _gemm(v: jax.Array, w: jax.Array, w_kn: bool, interpret: bool, tuning: Matmu
         w = w.reshape(-1, *w.shape[2:])  # [G*H, ., .]: a bitcast
     tiles = _check(tuning, k)
     if m == 0:
-        return jnp.zeros((0, heads, n), jnp.float32)
+        return jnp.zeros((0, heads, n), out_dtype)
     if m > CONVERT_IN_KERNEL_ROWS:
         v = v.astype(w.dtype)
     for name, arr in (("v", v), ("w", w)):
@@ -201,7 +205,8 @@ def _gemm(v: jax.Array, w: jax.Array, w_kn: bool, interpret: bool, tuning: Matmu
         functools.partial(_kernel, m=m, n=n, k=k, bm=t.block_m, bn=t.block_n, bk=t.block_k,
                           tiles=tiles, splits=t.splits, heads=heads, w_kn=w_kn,
                           stacked=stacked, evict="evict_first" if t.evict_weights else None),
-        out_shape=jax.ShapeDtypeStruct((t.splits, m, heads, n), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((t.splits, m, heads, n),
+                                       out_dtype if t.splits == 1 else jnp.float32),
         grid=grid,
         compiler_params=plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
         interpret=interpret,
@@ -210,7 +215,7 @@ def _gemm(v: jax.Array, w: jax.Array, w_kn: bool, interpret: bool, tuning: Matmu
     out = parts[0]
     for s in range(1, t.splits):  # split order, elementwise: the same for every row
         out = out + parts[s]
-    return out
+    return out.astype(out_dtype)
 
 
 def matmul_pallas(v: jax.Array, w: jax.Array, layer: jax.Array | None = None, *,
@@ -229,11 +234,13 @@ def matmul_pallas(v: jax.Array, w: jax.Array, layer: jax.Array | None = None, *,
 
 
 def per_head_pallas(v: jax.Array, w: jax.Array, w_contract: int,
-                    layer: jax.Array | None = None, *, interpret: bool = False,
-                    tuning: MatmulTuning | None = None, **overrides) -> jax.Array:
+                    layer: jax.Array | None = None, *, out_dtype=jnp.float32,
+                    interpret: bool = False, tuning: MatmulTuning | None = None, **overrides
+                    ) -> jax.Array:
     """`per_head_xla` as the row-invariant kernel: `v [..., H, K]`, `w [H, K, N]` (w_contract
-    1) or `[H, N, K]` (2) -> `[..., H, N]` f32. layer: `w` is a stack `[G, H, ., .]`, read in
-    place at this index."""
+    1) or `[H, N, K]` (2) -> `[..., H, N]` f32 (or its rounding to out_dtype: the same bits as
+    the f32 result rounded). layer: `w` is a stack `[G, H, ., .]`, read in place at this
+    index."""
     if w_contract not in (1, 2):
         raise ValueError(f"w_contract={w_contract} must be 1 or 2")
     one = w.shape[-3:]  # [H, ., .]: one layer's
@@ -242,7 +249,7 @@ def per_head_pallas(v: jax.Array, w: jax.Array, w_contract: int,
     lead = v.shape[:-2]
     rows = v.reshape(-1, heads, k)  # [M, H, K]
     tuning = with_overrides(tuning or default_tuning(n, k, heads, rows.shape[0]), overrides)
-    out = _gemm(rows, w, w_contract == 1, interpret, tuning, layer)  # [M, H, N]
+    out = _gemm(rows, w, w_contract == 1, interpret, tuning, layer, out_dtype)  # [M, H, N]
     return out.reshape(*lead, heads, n)
 
 

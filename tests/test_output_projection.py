@@ -1,0 +1,84 @@
+"""A prompt's output projection: the U_v product by the per-head Pallas kernel writing bf16
+(`projection.prompt_u_v_kernel`), against the definition and against the same kernel's f32
+result; where that path is taken and where not."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsa_jax import projection, shapes
+from dsa_jax import testing as T
+from dsa_jax import weights as W
+from dsa_jax.pallas import matmul as mm
+
+EPS32 = np.finfo(np.float32).eps
+
+
+def _block(param_dtype="bfloat16", **kw):
+    cfg = shapes.tiny(implementation="pallas-interpret", param_dtype=param_dtype, **kw)
+    return cfg, W.fold_weights(cfg, T.random_hf_numpy(cfg, np.random.default_rng(0)))
+
+
+def _latents(cfg, rows, seed=1):
+    shape = (2, rows, cfg.local_heads, cfg.kv_lora_rank)
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape),
+                       jnp.bfloat16)  # [B, R, Hl, C]: the attend's bf16 result
+
+
+def test_the_kernel_runs_for_a_prompts_rows_only():
+    cfg, w = _block()
+    lead_prompt, lead_decode = (2, cfg.max_verify + 3), (2, cfg.max_verify)
+    assert projection.prompt_u_v_kernel(cfg, lead_prompt, w.u_v, w.o_proj)
+    assert not projection.prompt_u_v_kernel(cfg, lead_decode, w.u_v, w.o_proj)
+    assert not projection.prompt_u_v_kernel(cfg.replace(gemm="xla"), lead_prompt, w.u_v,
+                                            w.o_proj)
+    assert not projection.prompt_u_v_kernel(cfg.replace(implementation="xla"), lead_prompt,
+                                            w.u_v, w.o_proj)
+    cfg32, w32 = _block("float32")
+    assert not projection.prompt_u_v_kernel(cfg32, lead_prompt, w32.u_v, w32.o_proj)
+    o = _latents(cfg, 9)
+    text = str(jax.make_jaxpr(lambda o: projection.output_projection(w, o, cfg))(o))
+    assert text.count("pallas_call") == 1 and "name=matmul" in text.replace("'", "")
+    text = str(jax.make_jaxpr(lambda o: projection.output_projection(
+        w, o, cfg.replace(gemm="xla")))(o))
+    assert "pallas_call" not in text
+
+
+def test_a_prompts_output_is_the_kernels_bf16_product_through_o_proj():
+    """y = o_proj of the kernel's U_v product rounded to bf16, which is the kernel's f32
+    product rounded (test_matmul_kernel), within the fp32 accumulation bound of the exact
+    product of the operands; the definition's y (XLA's U_v GEMM) is as close."""
+    cfg, w = _block()
+    o = _latents(cfg, 9)  # [2, 9, Hl, C]
+    y = np.asarray(projection.output_projection(w, o, cfg))  # [2, 9, D]
+    uv = mm.per_head_pallas(o, w.u_v, 2, interpret=True).astype(jnp.bfloat16)
+    want = projection.matmul(uv.reshape(2, 9, -1), w.o_proj)
+    np.testing.assert_array_equal(y, np.asarray(want))
+    # The U_v product against the exact one: fp32 accumulation over C, then bf16's rounding.
+    o64, uv64 = np.asarray(o, np.float64), np.asarray(w.u_v, np.float64)
+    exact = np.einsum("brhk,hnk->brhn", o64, uv64)
+    mag = np.einsum("brhk,hnk->brhn", np.abs(o64), np.abs(uv64))
+    bound = cfg.kv_lora_rank * EPS32 * mag + 2.0 ** -8 * (np.abs(exact) + 1e-30)
+    assert (np.abs(np.asarray(uv, np.float64) - exact) <= bound).all()
+    # The definition's y: its bf16 U_v product is within the same bound of the exact one, so
+    # the two y differ by at most o_proj's reach over twice that bound plus both o_proj
+    # GEMMs' fp32 accumulation bounds.
+    ref = np.asarray(projection.output_projection(w, o, None))
+    wo = np.abs(np.asarray(w.o_proj, np.float64))  # [D, Hl*Dv]
+    reach = (2 * bound).reshape(2, 9, -1) @ wo.T
+    n_in = wo.shape[1]
+    acc = 2 * n_in * EPS32 * (np.abs(np.asarray(uv, np.float64)).reshape(2, 9, -1) @ wo.T)
+    assert (np.abs(y - ref) <= reach + acc).all()
+    assert not np.array_equal(y, np.zeros_like(y))
+
+
+def test_a_decodes_rows_keep_the_row_invariant_product():
+    """At max_verify rows or fewer the U_v product is `per_head`'s (the row-invariant kernel
+    under row_gemms, f32): a decode's bits do not move with this path."""
+    cfg, w = _block()
+    o = _latents(cfg, cfg.max_verify)
+    y = projection.output_projection(w, o, cfg)
+    uv = projection.per_head(o, w.u_v, 2, cfg)
+    assert uv.dtype == jnp.float32
+    want = projection.matmul(uv.reshape(2, cfg.max_verify, -1), w.o_proj, cfg)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
