@@ -3,7 +3,7 @@
 next lever of each must come from.
 
     PYTHONPATH=. python3 benchmarks/h200_profile.py --out $OUT/h200-profile.json [--top 40]
-        [--gemm xla] [--steps prefill-9000]
+        [--gemm xla] [--steps prefill-9000] [--hlo $OUT/hlo]
     PYTHONPATH=. python3 benchmarks/h200_profile.py --smoke --out /tmp/h200-profile.json
 
 Each step is the bench's own (`benchmarks.workloads.StepRunner`, as `measures.prefill` and
@@ -14,6 +14,8 @@ launches, and the `--top` largest by time with their launches.
 """
 
 from __future__ import annotations
+
+import os
 
 import jax
 
@@ -39,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=40, help="kernels listed per step")
     ap.add_argument("--gemm", default="auto", help="the config's gemm (a side by side)")
     ap.add_argument("--steps", nargs="*", default=None, help="step names (default: all)")
+    ap.add_argument("--hlo", default=None,
+                    help="a folder: each step's optimized HLO as <step>.hlo.txt (which ops each "
+                         "fusion of the kernel list holds)")
     args = ap.parse_args(argv)
     cfg = (tiny() if args.smoke else glm53_flash()).replace(
         implementation="xla" if args.smoke else "pallas", gemm=args.gemm)
@@ -60,6 +65,12 @@ def main(argv: list[str] | None = None) -> int:
             for k in res["rows"][-1]["top"] or []:
                 print(f"   {k['us_per_step']:9.2f} {k['launches_per_step']:5.1f} {k['name'][:90]}")
             write_json(res, args.out)
+            if args.hlo:
+                os.makedirs(args.hlo, exist_ok=True)
+                text = runner.step.lower(runner.cfg, runner.weights, runner.state, runner.xs[0],
+                                         runner.n_new, None, **runner.kwargs).compile().as_text()
+                with open(os.path.join(args.hlo, f"{name}.hlo.txt"), "w") as f:
+                    f.write(text)
         run_section(res, name, one)
     write_json(res, args.out)
     return 1 if res["errors"] else 0
