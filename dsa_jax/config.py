@@ -93,6 +93,8 @@ class DsaConfig:
     # verify), "pallas" (`pallas/matmul.py`, a row's bits the same at any row count, so a
     # decode runs its one row) wherever the kernels run (`implementation`; bf16 weights), or
     # "auto": "pallas" for bf16 weights, "xla" for fp32 ones (`implementation.row_gemms`).
+    # Anything but "xla" also runs a prompt's U_v product on that kernel, writing bf16, where
+    # U_v and o_proj are bf16 (`projection.prompt_u_v_kernel`); "xla" keeps XLA's GEMM there.
     gemm: str = "auto"
 
     def __post_init__(self):

@@ -82,3 +82,18 @@ def test_a_decodes_rows_keep_the_row_invariant_product():
     assert uv.dtype == jnp.float32
     want = projection.matmul(uv.reshape(2, cfg.max_verify, -1), w.o_proj, cfg)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+
+
+def test_a_stacked_u_v_is_read_in_place_with_the_slices_bits():
+    """The model's scan holds U_v as a `LayerOf` (the stack read in place by the kernel at the
+    layer's index): a prompt's y equals that of the layer's own weight, bit for bit."""
+    from dsa_jax.stacked import LayerOf
+    cfg, w = _block()
+    other = jnp.asarray(np.random.default_rng(7).standard_normal(w.u_v.shape) * 0.05,
+                        w.u_v.dtype)
+    stack = jnp.stack([other, w.u_v, other])  # [3, Hl, Dv, C]: this layer at index 1
+    o = _latents(cfg, 9)
+    want = np.asarray(projection.output_projection(w, o, cfg))
+    w_in_place = w._replace(u_v=LayerOf(stack, jnp.int32(1), stack[1]))
+    got = np.asarray(projection.output_projection(w_in_place, o, cfg))
+    np.testing.assert_array_equal(got, want)
