@@ -21,6 +21,7 @@ SHAPES = {
     "a": ("attend-kernel-64x1-h64-w2051", 64, 1, 64, 2051, 16384),
     "b": ("attend-kernel-128x2-h128-w2048", 128, 2, 128, 2048, 16384),
     "p": ("prefill-chunk-1x2048-h64-w2051", 1, 2048, 64, 2051, 16384),
+    "d": ("decode-b1-1x1-h64-w2051", 1, 1, 64, 2051, 16384),  # decode-b1's attend
     "s": ("smoke-2x1-h5-w70", 2, 1, 5, 70, 256),  # --smoke only (CPU)
 }
 

@@ -77,6 +77,14 @@ MOSAIC_VARIANTS = {
     "mosaic-flashmla-sh32": dict(design="flashmla", scale_heads=32),
     # The library's default since the fourteenth session (AttendTuning.mosaic).
     "mosaic-lib": dict(design="flashmla", direct_out=True, scale_heads=16, bound_scales=True),
+    # Nineteenth session: one row's 33 tiles over 11 splits of 3 (the default's 16 splits of 3
+    # tiles, 15 of them padding), 17 of 2 or 33 of 1 (max_splits; decode-b1's attend, "d").
+    "mosaic-lib-ms11": dict(design="flashmla", direct_out=True, scale_heads=16,
+                            bound_scales=True, max_splits=11),
+    "mosaic-lib-ms17": dict(design="flashmla", direct_out=True, scale_heads=16,
+                            bound_scales=True, max_splits=17),
+    "mosaic-lib-ms33": dict(design="flashmla", direct_out=True, scale_heads=16,
+                            bound_scales=True, max_splits=33),
     # "mosaic-flashmla-pvb" (pv_behind: the softmax beside the previous tile's P @ V, in three
     # forms, each bitwise the base) was measured slower in the thirteenth session and removed
     # (git history: the commit after this session's call 4).
@@ -95,6 +103,9 @@ REORDERED = ("mosaic-producer-full", "mosaic-producer-pingpong", "mosaic-produce
              "mosaic-flashmla", "mosaic-flashmla-noslots", "mosaic-flashmla-c2")
 # Variants that round q at other scales than every base: exempt with any base.
 RESCALED = ("mosaic-flashmla-sh16", "mosaic-flashmla-sh32", "mosaic-lib")
+# Variants that split a row's slots over other counts than the base (the merge sums in
+# another order): exempt with any base.
+RESPLIT = ("mosaic-lib-ms11", "mosaic-lib-ms17", "mosaic-lib-ms33")
 # `--group mosaic-all`: these on every case, the others on 3 (ONE_CHECK: 1).
 FULL_CHECKS = ("mosaic-default", "mosaic-producer-r88", "mosaic-producer-pingpong-r88",
                "mosaic-flashmla", "mosaic-flashmla-noslots", "mosaic-flashmla-c2",
@@ -158,7 +169,7 @@ def run_group(group: str, out_path: str, shapes: str, only: tuple[str, ...] = ()
             json.dump(res, f, indent=1, default=str)
 
     vs = variants(group, only, base)
-    reordered = (() if base != "mosaic-default" else REORDERED) + RESCALED
+    reordered = (() if base != "mosaic-default" else REORDERED) + RESCALED + RESPLIT
     if group == "mosaic-smoke":  # one small case first: a hung kernel costs little here
         shapes = ""
     # Every variant on the same inputs, its output `==` the default's (the same f16 operands

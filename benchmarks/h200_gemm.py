@@ -54,7 +54,23 @@ VARIANTS = {"default": {}, "bn128": {"block_n": 128}, "bk128": {"block_k": 128},
             "bk128_evict": {"block_k": 128, "evict_weights": True},
             "bk128_x2_evict": {"block_k": 128, "splits_x": 2, "evict_weights": True},
             # another row tile: do a row's bits depend on it? (row0_sha1 across variants)
-            "bm128": {"block_m": 128}, "bm16": {"block_m": 16}}
+            "bm128": {"block_m": 128}, "bm16": {"block_m": 16},
+            # Nineteenth session: one K part ("splits": absolute; no split-sum launch after
+            # the GEMM) with narrow column tiles for enough programs, and deeper K chunks.
+            "s1": {"splits": 1}, "s1_bn32": {"splits": 1, "block_n": 32},
+            "s1_bn32_bk256": {"splits": 1, "block_n": 32, "block_k": 256},
+            "s1_bn32_bk256_st5": {"splits": 1, "block_n": 32, "block_k": 256, "num_stages": 5},
+            "s1_bn16_bk256": {"splits": 1, "block_n": 16, "block_k": 256},
+            "s1_bn16_bk512_st4": {"splits": 1, "block_n": 16, "block_k": 512, "num_stages": 4},
+            "s1_bn64_bk256": {"splits": 1, "block_n": 64, "block_k": 256},
+            "s1_bn128_bk128": {"splits": 1, "block_n": 128, "block_k": 128},
+            "s1_bn128_bk256_w8": {"splits": 1, "block_n": 128, "block_k": 256, "num_warps": 8},
+            "bk256_st4": {"block_k": 256, "num_stages": 4},
+            "bn32_bk256_st5": {"block_n": 32, "block_k": 256, "num_stages": 5}}
+# The nineteenth session's sweep (M = 1 and 64): the default and these.
+S19 = ("default", "s1", "s1_bn32", "s1_bn32_bk256", "s1_bn32_bk256_st5", "s1_bn16_bk256",
+       "s1_bn16_bk512_st4", "s1_bn64_bk256", "s1_bn128_bk128", "s1_bn128_bk256_w8",
+       "bk256_st4", "bn32_bk256_st5")
 
 
 def _tuning(contract, shape, variant, m):
@@ -65,7 +81,14 @@ def _tuning(contract, shape, variant, m):
     k = shape[contract] if contract else shape[1]
     t = mm.default_tuning(n, k, heads, m)
     ov = dict(VARIANTS[variant])
-    t = dataclasses.replace(t, splits=t.splits * ov.pop("splits_x", 1), **ov)
+    splits = ov.pop("splits", t.splits) * ov.pop("splits_x", 1)
+    t = dataclasses.replace(t, splits=splits, **ov)
+    stage = t.block_k * (t.block_m * (4 if m <= mm.CONVERT_IN_KERNEL_ROWS else 2)
+                         + t.block_n * 2)
+    fit = 227 * 1024 // stage  # pipeline stages in a block's shared memory (bits: any)
+    if fit < 1:
+        return None
+    t = dataclasses.replace(t, num_stages=min(t.num_stages, fit))
     return None if k % (t.splits * t.block_k) else t
 
 
@@ -83,9 +106,12 @@ def _inputs(contract, shape, m, key):
 def main(argv=None) -> None:
     ap = sweep_parser("CPU, small shapes, interpret mode", 200.0, "stop starting rows after this")
     ap.add_argument("--gemms", nargs="*", default=None)
-    ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS),
+                    help='names of VARIANTS, or "s19" for the nineteenth session\'s set')
     ap.add_argument("--rows", nargs="*", type=int, default=list(ROWS))
     args = ap.parse_args(argv)
+    if args.variants == ["s19"]:
+        args.variants = list(S19)
     t_end = time.perf_counter() + args.budget_s
     interpret = args.smoke
     cfg = glm53_flash() if not args.smoke else glm53_flash(

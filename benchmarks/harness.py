@@ -302,7 +302,7 @@ def profile(call: Callable[[], Any], calls: int, *, reset: Callable[[], None] | 
         by_thread[tname] = by_thread.get(tname, 0.0) + float(e.get("dur", 0.0))
     has_streams = any("Stream" in t for t in by_thread)
     kern: dict = {}
-    spans, modules = [], []
+    spans, modules, counted = [], [], []
     for e in dev_ev:
         tname = threads.get((e["pid"], e.get("tid")), "")
         dur = float(e.get("dur", 0.0))
@@ -312,6 +312,7 @@ def profile(call: Callable[[], Any], calls: int, *, reset: Callable[[], None] | 
             k[0] += dur
             k[1] += 1
             spans.append((float(e["ts"]), float(e["ts"]) + dur))
+            counted.append(e)
         elif "Module" in tname:
             modules.append(dur)
     if not spans:
@@ -319,7 +320,12 @@ def profile(call: Callable[[], Any], calls: int, *, reset: Callable[[], None] | 
                 "processes": sorted(procs.values()), "threads": sorted(set(threads.values()))}
     rows = sorted(kern.items(), key=lambda kv: -kv[1][0])
     first, last = min(s for s, _ in spans), max(e for _, e in spans)
+    per_call = round(len(counted) / calls)
+    in_order = sorted(counted, key=lambda e: float(e["ts"]))
     return {
+        # the first traced call's launches in issue order (the same name may launch twice)
+        "first_call": [{"name": e.get("name", "?")[:160], "us": float(e.get("dur", 0.0))}
+                       for e in in_order[:per_call]],
         "steps": calls,
         "kernel_us_per_step": sum(v[0] for v in kern.values()) / calls,
         "kernel_busy_us_per_step": _busy_us(spans) / calls,
