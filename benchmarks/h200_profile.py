@@ -42,13 +42,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = json_parser(__doc__)
     ap.add_argument("--top", type=int, default=40, help="kernels listed per step")
     ap.add_argument("--gemm", default="auto", help="the config's gemm (a side by side)")
+    ap.add_argument("--colaunch", default="on", choices=("on", "off"),
+                    help="the config's colaunch (the top-k and q_b GEMM in one launch)")
     ap.add_argument("--steps", nargs="*", default=None, help="step names (default: all)")
     ap.add_argument("--hlo", default=None,
                     help="a folder: each step's optimized HLO as <step>.hlo.txt (which ops each "
                          "fusion of the kernel list holds)")
     args = ap.parse_args(argv)
     cfg = (tiny() if args.smoke else glm53_flash()).replace(
-        implementation="xla" if args.smoke else "pallas", gemm=args.gemm)
+        implementation="xla" if args.smoke else "pallas", gemm=args.gemm,
+        colaunch=args.colaunch == "on")
     plan = (smoke_plan if args.smoke else full_plan)(cfg)
     weights = random_weights(cfg, random_hf_tensors(cfg, 0), 1)
     res = {**header("h200_profile.py", argv), "rows": [], "errors": []}

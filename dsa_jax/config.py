@@ -96,6 +96,10 @@ class DsaConfig:
     # Anything but "xla" also runs a prompt's U_v product on that kernel, writing bf16, where
     # U_v and o_proj are bf16 (`projection.prompt_u_v_kernel`); "xla" keeps XLA's GEMM there.
     gemm: str = "auto"
+    # A decode's or verify's pool top-k and q_b GEMM in one launch where both run as kernels
+    # (`pallas/topk_matmul.py`, `layer.shares_q_launch`): the same results as one after the
+    # other (False), in less device time.
+    colaunch: bool = True
 
     def __post_init__(self):
         if isinstance(self.indexer_types, list):
@@ -145,6 +149,8 @@ class DsaConfig:
         _require(self.implementation in IMPLEMENTATIONS,
                  f"implementation must be one of {IMPLEMENTATIONS}, got {self.implementation!r}")
         _require(self.gemm in GEMMS, f"gemm must be one of {GEMMS}, got {self.gemm!r}")
+        _require(isinstance(self.colaunch, bool),
+                 f"colaunch must be a bool (true or false), got {self.colaunch!r}")
         _require(self.gemm != "pallas" or self.param_dtype == "bfloat16",
                  f"gemm='pallas' runs bf16 weights (the kernel's MMA operands); param_dtype "
                  f"is {self.param_dtype!r}: use gemm='xla' for it")

@@ -26,6 +26,7 @@ from dsa_jax.pallas import (
     rms_norm,
     scaled_q_abs,
     sparse_attend,
+    topk_matmul,
 )
 
 
@@ -73,13 +74,16 @@ rms_norm_op = Op("rms_norm", rms_norm.rms_norm_xla, rms_norm.rms_norm_pallas)
 # The decode and verify rows' GEMMs where `row_gemms(cfg)` says so.
 matmul_op = Op("matmul", matmul.matmul_xla, matmul.matmul_pallas)
 per_head_op = Op("per_head", matmul.per_head_xla, matmul.per_head_pallas)
+# A decode's top-k and q_b GEMM in one launch (`layer.shares_q_launch`).
+topk_matmul_op = Op("topk_matmul", topk_matmul.topk_matmul_xla, topk_matmul.topk_matmul_pallas)
 # A prompt's absorbed query as the Mosaic attend takes it (`MgpuTuning.bound_scales`).
 scaled_q_abs_op = Op("scaled_q_abs", scaled_q_abs.scaled_q_abs_xla,
                      scaled_q_abs.scaled_q_abs_pallas)
 
 OPS: dict[str, Op] = {op.name: op for op in (latent_write_op, index_write_op, pool_scores_op,
                                              pool_topk_op, sparse_attend_op, rms_norm_op,
-                                             matmul_op, per_head_op, scaled_q_abs_op)}
+                                             matmul_op, per_head_op, scaled_q_abs_op,
+                                             topk_matmul_op)}
 
 
 def row_gemms(cfg) -> bool:

@@ -38,11 +38,20 @@ from jax import lax
 from dsa_jax.attend import attend, write_latents
 from dsa_jax.bitwise import bitwise_jit
 from dsa_jax.config import DsaConfig
-from dsa_jax.implementation import resolve, row_gemms
+from dsa_jax.implementation import resolve, row_gemms, topk_matmul_op
 from dsa_jax.indexer import pool_scores, write_index_rows
 from dsa_jax.mirror import host_numbers, known, remember
-from dsa_jax.projection import output_projection, project, project_kv, x_columns
+from dsa_jax.pallas.pool_topk import KERNEL_MAX_P
+from dsa_jax.projection import (
+    absorb_q,
+    kernel_rows,
+    output_projection,
+    project,
+    project_kv,
+    x_columns,
+)
 from dsa_jax.select import expand_selection, top_pools
+from dsa_jax.stacked import LayerOf
 from dsa_jax.state import DsaState, ring_mark_after, ring_mark_after_rewind
 from dsa_jax.step_checks import (
     StepError,
@@ -127,12 +136,20 @@ def step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, n_n
     selection holds only tokens <= its position, all written, and no later row's write can
     change them, so this equals processing the rows one after another.
     """
-    proj = project(cfg, weights, x)
+    shared_launch = select is select_pools and shares_q_launch(cfg, weights, state, x)
+    proj = project(cfg, weights, x, defer_q=shared_launch)
     state, pos, valid = _write_rows(cfg, weights, state, proj, n_new)
     if weights.has_indexer:
         k = cut_rows(cfg, attend_rows, x.shape[1])
         qi, w, pos_k, valid_k = first_rows(k, proj.qi, proj.w, pos, valid)
-        pools = select(cfg, qi, w, state.pool_keys, pos_k, valid_k)  # [B, k, n]
+        if shared_launch:  # select_pools with the q_b GEMM in the top-k's launch
+            scores = pool_scores(cfg, qi, w, state.pool_keys,
+                                 candidate_pools(cfg, pos_k, valid_k))  # [B, k, P]
+            pools, q = topk_matmul_op(cfg, scores, min(cfg.select_k, scores.shape[-1]),
+                                      proj.q_resid, weights.q_proj)  # [B, k, n], [B, R, Hl*Dn]
+            proj = proj._replace(q_abs=absorb_q(cfg, weights, q))
+        else:
+            pools = select(cfg, qi, w, state.pool_keys, pos_k, valid_k)  # [B, k, n]
         sel = pad_rows(expand_selection(cfg, pools, pos_k, valid_k), x.shape[1])  # [B, R, W]
     else:
         sel = jnp.where(valid[..., None], shared_sel, -1)
@@ -140,6 +157,18 @@ def step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, n_n
                                  attend_rows, weights.u_v.dtype, proj.q_scaled)  # [B, R, Hl, C]
     y = output_projection(weights, o_latent, cfg)  # [B, R, D]
     return y, _advance(cfg, state, n_new), sel
+
+
+def shares_q_launch(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array
+                    ) -> bool:
+    """Whether `step` (with `select_pools`) runs the q_b GEMM in the top-k's launch
+    (`pallas/topk_matmul.py`; `cfg.colaunch`): a decode's or verify's rows under the
+    row-invariant GEMMs (the kernels on), a layer with an indexer, rows of at most the top-k
+    kernel's pools, and a q_b weight of its own (not a stack's layer). The same results
+    either way."""
+    return (cfg.colaunch and weights.has_indexer and kernel_rows(cfg, x.shape[:-1])
+            and not isinstance(weights.q_proj, LayerOf)
+            and state.pool_keys.shape[1] <= KERNEL_MAX_P)
 
 
 def attend_first_rows(cfg: DsaConfig, state: DsaState, q_abs: jax.Array, sel: jax.Array,

@@ -33,8 +33,8 @@ from dsa_jax.pallas.sparse_attend import takes_scaled_q
 from dsa_jax.stacked import LayerOf, operand
 from dsa_jax.weights import DsaWeights
 
-__all__ = ["Projections", "kernel_rows", "matmul", "norm", "output_projection", "per_head",
-           "project", "project_kv", "prompt_rows", "prompt_u_v_kernel", "q_abs_bound",
+__all__ = ["Projections", "absorb_q", "kernel_rows", "matmul", "norm", "output_projection",
+           "per_head", "project", "project_kv", "prompt_rows", "prompt_u_v_kernel", "q_abs_bound",
            "rms_norm", "scaled_q_abs", "x_columns"]
 
 
@@ -49,6 +49,8 @@ class Projections(NamedTuple):
     # writes read in place at `x_columns(cfg)` (kv_raw, k_raw and g are slices of it)
     q_scaled: tuple[jax.Array, jax.Array] | None = None  # a prompt's rows where the attend
     # reads it (`sparse_attend.takes_scaled_q`; else None): `scaled_q_abs` (`attend`)
+    q_resid: jax.Array | None = None  # [..., R_q]: the q GEMMs' normalized operand, where
+    # `project(defer_q=True)` left q_abs (None) to the caller (`absorb_q`)
 
 
 def x_columns(cfg: DsaConfig) -> dict[str, tuple[int, int]]:
@@ -141,8 +143,18 @@ def kernel_rows(cfg: DsaConfig, lead: tuple[int, ...]) -> bool:
     return row_gemms(cfg) and len(lead) >= 1 and lead[-1] <= cfg.max_verify
 
 
-def project(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> Projections:
-    """`x [..., D]` -> every per-token quantity the block needs."""
+def absorb_q(cfg: DsaConfig, weights: DsaWeights, q: jax.Array) -> jax.Array:
+    """The q_b GEMM's result `q [..., Hl*Dn]` f32 -> the absorbed query `[..., Hl, C]`."""
+    q = q.reshape(*q.shape[:-1], cfg.local_heads, cfg.qk_nope_head_dim)  # [..., Hl, Dn]
+    return per_head(q, weights.u_k, 1, cfg)
+
+
+def project(cfg: DsaConfig, weights: DsaWeights, x: jax.Array, *, defer_q: bool = False
+            ) -> Projections:
+    """`x [..., D]` -> every per-token quantity the block needs. defer_q: leave the q_b GEMM
+    and the absorption to the caller (q_abs None; `q_resid` their operand, `absorb_q` the
+    rest), who runs the GEMM in a launch of its own choice (`layer.step`: beside the
+    top-k). Not for a prompt's rows, whose q takes another path (`scaled_q_abs`)."""
     Hl, Dn, Hi, Di = cfg.local_heads, cfg.qk_nope_head_dim, cfg.index_n_heads, cfg.index_head_dim
     at = x_columns(cfg)
     xw = matmul(x, weights.x_proj, cfg)  # [..., Nx]
@@ -161,12 +173,19 @@ def project(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> Projections:
     # read back, the same values (its fp32 sums rounded once; on the H200 equal bits to the
     # f32 result rounded: h200-scaled-q-20261202-s15-call3.json).
     q_bf16 = scaled and weights.q_proj.dtype == weights.u_k.dtype == jnp.bfloat16
-    q = matmul(q_resid, weights.q_proj, cfg, out_dtype=jnp.bfloat16 if q_bf16 else jnp.float32)
-    q = q.reshape(*xw.shape[:-1], Hl, Dn)  # [..., Hl, Dn]
-    q_abs = per_head(q, weights.u_k, 1, cfg)  # [..., Hl, C]
-    scaled = scaled_q_abs(q, weights.u_k, cfg) if scaled else None
+    if defer_q:
+        if scaled:
+            raise ValueError("project: defer_q for a prompt's rows (their q is scaled here)")
+        q_abs, scaled = None, None
+    else:
+        q = matmul(q_resid, weights.q_proj, cfg,
+                   out_dtype=jnp.bfloat16 if q_bf16 else jnp.float32)
+        q = q.reshape(*xw.shape[:-1], Hl, Dn)  # [..., Hl, Dn]
+        q_abs = per_head(q, weights.u_k, 1, cfg)  # [..., Hl, C]
+        scaled = scaled_q_abs(q, weights.u_k, cfg) if scaled else None
+    kept = q_resid if defer_q else None
     if not weights.has_indexer:
-        return Projections(q_abs, kv_raw, None, None, None, None, xw, scaled)
+        return Projections(q_abs, kv_raw, None, None, None, None, xw, scaled, kept)
     # The indexer's query: its own GEMM, of one shape at every TP degree (weights.py). The
     # barrier gives it an operand of its own: XLA:GPU's dot merger would otherwise merge it
     # with the q_b GEMM above (shared operand, a small weight) into one GEMM of a
@@ -174,7 +193,7 @@ def project(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> Projections:
     qi = matmul(lax.optimization_barrier(q_resid), weights.qi_proj, cfg)  # [..., Hi*Di]
     qi = qi.reshape(*xw.shape[:-1], Hi, Di)
     return Projections(q_abs, kv_raw, qi, _cols(xw, at["k"]), _cols(xw, at["g"]),
-                       _cols(xw, at["w"]), xw, scaled)
+                       _cols(xw, at["w"]), xw, scaled, kept)
 
 
 def project_kv(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> Projections:

@@ -186,7 +186,17 @@ def test_mosaic_plan_fits_the_h200():
     # 64 rows x 1 head block: 2 splits fill 132 multiprocessors; 256 x 2 need no split.
     assert mg.num_splits(64, 33, 132, 16) == 2
     assert mg.num_splits(512, 32, 132, 16) == 1
-    assert mg.num_splits(1, 33, 132, 16) == 16 and mg.num_splits(1, 3, 132, 16) == 3
+    # One row: 16 splits at most would run 3 tiles each, so 11 splits run them all (no split
+    # of padding only); the default's 64 run one tile per split.
+    assert mg.num_splits(1, 33, 132, 16) == 11 and mg.num_splits(1, 3, 132, 16) == 3
+    assert mg.num_splits(1, 33, 132, t.max_splits) == 33
+    assert mg.num_splits(8, 33, 132, t.max_splits) == 11  # 16 fit: 3 tiles each
+    for ps in range(1, 300):  # never an idle split, never more tiles per split than `most`'s
+        for tiles in (1, 2, 3, 16, 33, 64):
+            s = mg.num_splits(ps, tiles, 132, 64)
+            most = max(1, min(64, tiles, 132 // ps))
+            per = -(-tiles // s)
+            assert (s - 1) * per < tiles and per == -(-tiles // most)
     # The producer-converted plan: no fp8 staging, two f16 tiles in its place.
     prod = mg.MgpuTuning(convert="producer")
     assert mg.smem_bytes(512, prod) == 65536 + 2 * 65536 + 32768 <= 227 * 1024

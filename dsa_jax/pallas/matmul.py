@@ -24,6 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from dsa_jax.pallas.colaunch import Part
 from dsa_jax.pallas.common import (
     check_triton_addressable,
     check_triton_blocks,
@@ -31,8 +32,8 @@ from dsa_jax.pallas.common import (
     with_overrides,
 )
 
-__all__ = ["MatmulTuning", "default_tuning", "matmul_pallas", "matmul_xla", "per_head_pallas",
-           "per_head_xla", "splits_for"]
+__all__ = ["MatmulTuning", "default_tuning", "matmul_pallas", "matmul_part", "matmul_xla",
+           "per_head_pallas", "per_head_xla", "splits_for"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,9 +131,10 @@ def per_head_xla(v: jax.Array, w: jax.Array, w_contract: int,
     return jnp.swapaxes(out, 0, 1).reshape(*lead, *out.shape[::2]).astype(out_dtype)
 
 
-def _kernel(*refs, m: int, n: int, k: int, bm: int, bn: int, bk: int, tiles: int,
-            splits: int, heads: int, w_kn: bool, stacked: bool, evict: str | None):
-    """Program (i, j, hs): rows i*bm.., columns j*bn.. of head hs // splits, K part hs % splits.
+def _tile(ids, *refs, m: int, n: int, k: int, bm: int, bn: int, bk: int, tiles: int,
+          splits: int, heads: int, w_kn: bool, stacked: bool, evict: str | None):
+    """Program ids (i, j, hs): rows i*bm.., columns j*bn.. of head hs // splits, K part
+    hs % splits (the kernel's program ids, or a co-launch's: `colaunch.Part`).
 
     [l_ref [1] int32: the layer, when `stacked`]; v_ref [M, H, K]; w_ref [H, N, K] (or
     [H, K, N] when w_kn; [G*H, ...] when stacked: layer l's heads at l*H..); o_ref
@@ -140,7 +142,7 @@ def _kernel(*refs, m: int, n: int, k: int, bm: int, bn: int, bk: int, tiles: int
     as zeros), or with one part its sum rounded to o_ref's dtype. A stacked weight gives the
     same tiles the same numbers: the same bits."""
     l_ref, (v_ref, w_ref, o_ref) = (refs[0], refs[1:]) if stacked else (None, refs)
-    i, j, hs = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    i, j, hs = ids
     h, s = hs // splits, lax.rem(hs, splits)
     hw = h + l_ref[0] * heads if stacked else h  # the weight's head in w_ref
     rows = i * bm + jnp.arange(bm, dtype=jnp.int32)  # [bm]
@@ -180,12 +182,10 @@ def _check(tuning: MatmulTuning, k: int) -> int:
     return tiles
 
 
-def _gemm(v: jax.Array, w: jax.Array, w_kn: bool, interpret: bool, tuning: MatmulTuning,
-          layer: jax.Array | None = None, out_dtype=jnp.float32) -> jax.Array:
-    """v [M, H, K] (any float dtype: rounded to w's in the kernel), w [H, N, K] or [H, K, N]
-    -> [M, H, N] f32, or the f32 sums rounded to out_dtype (in the kernel where there is one
-    K part). layer: w is a stack [G, H, ., .] read in place at this index [] int32 (no copy
-    of the layer's weight: a kernel operand must be a whole buffer)."""
+def _gemm_part(v: jax.Array, w: jax.Array, w_kn: bool, tuning: MatmulTuning,
+               layer: jax.Array | None = None, out_dtype=jnp.float32):
+    """The kernel for `_gemm`'s operands as a `colaunch.Part`, and `finish(outs) -> [M, H, N]`
+    (the K parts summed in split order). v has M >= 1 rows."""
     m, heads, k = v.shape
     n = w.shape[-1] if w_kn else w.shape[-2]
     stacked = layer is not None
@@ -193,29 +193,67 @@ def _gemm(v: jax.Array, w: jax.Array, w_kn: bool, interpret: bool, tuning: Matmu
         layer = _check_layer(w, layer, heads)  # clamped, as the twin's dynamic index
         w = w.reshape(-1, *w.shape[2:])  # [G*H, ., .]: a bitcast
     tiles = _check(tuning, k)
-    if m == 0:
-        return jnp.zeros((0, heads, n), out_dtype)
     if m > CONVERT_IN_KERNEL_ROWS:
         v = v.astype(w.dtype)
     for name, arr in (("v", v), ("w", w)):
         check_triton_addressable(arr.shape, arr.dtype, f"matmul's {name}")
     t = tuning
-    grid = (pl.cdiv(m, t.block_m), pl.cdiv(n, t.block_n), heads * t.splits)
-    parts = pl.pallas_call(
-        functools.partial(_kernel, m=m, n=n, k=k, bm=t.block_m, bn=t.block_n, bk=t.block_k,
-                          tiles=tiles, splits=t.splits, heads=heads, w_kn=w_kn,
-                          stacked=stacked, evict="evict_first" if t.evict_weights else None),
-        out_shape=jax.ShapeDtypeStruct((t.splits, m, heads, n),
-                                       out_dtype if t.splits == 1 else jnp.float32),
-        grid=grid,
+    body = functools.partial(_tile, m=m, n=n, k=k, bm=t.block_m, bn=t.block_n, bk=t.block_k,
+                             tiles=tiles, splits=t.splits, heads=heads, w_kn=w_kn,
+                             stacked=stacked,
+                             evict="evict_first" if t.evict_weights else None)
+    part = Part(body, (pl.cdiv(m, t.block_m), pl.cdiv(n, t.block_n), heads * t.splits),
+                tuple([jnp.reshape(layer, (1,))] if stacked else []) + (v, w),
+                (jax.ShapeDtypeStruct((t.splits, m, heads, n),
+                                      out_dtype if t.splits == 1 else jnp.float32),))
+
+    def finish(outs):
+        parts = outs[0]  # [S, M, H, N]
+        out = parts[0]
+        for s in range(1, t.splits):  # split order, elementwise: the same for every row
+            out = out + parts[s]
+        return out.astype(out_dtype)
+
+    return part, finish
+
+
+def _gemm(v: jax.Array, w: jax.Array, w_kn: bool, interpret: bool, tuning: MatmulTuning,
+          layer: jax.Array | None = None, out_dtype=jnp.float32) -> jax.Array:
+    """v [M, H, K] (any float dtype: rounded to w's in the kernel), w [H, N, K] or [H, K, N]
+    -> [M, H, N] f32, or the f32 sums rounded to out_dtype (in the kernel where there is one
+    K part). layer: w is a stack [G, H, ., .] read in place at this index [] int32 (no copy
+    of the layer's weight: a kernel operand must be a whole buffer)."""
+    if v.shape[0] == 0:  # the same refusals as with rows, then nothing to compute
+        if layer is not None:
+            _check_layer(w, layer, v.shape[1])
+        _check(tuning, v.shape[2])
+        return jnp.zeros((0, v.shape[1], w.shape[-1] if w_kn else w.shape[-2]), out_dtype)
+    part, finish = _gemm_part(v, w, w_kn, tuning, layer, out_dtype)
+    t = tuning
+    outs = pl.pallas_call(
+        lambda *refs: part.body((pl.program_id(0), pl.program_id(1), pl.program_id(2)), *refs),
+        out_shape=part.out_shape,
+        grid=part.grid,
         compiler_params=plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
         interpret=interpret,
         name="matmul",
-    )(*([jnp.reshape(layer, (1,))] if stacked else []), v, w)  # [S, M, H, N]
-    out = parts[0]
-    for s in range(1, t.splits):  # split order, elementwise: the same for every row
-        out = out + parts[s]
-    return out.astype(out_dtype)
+    )(*part.inputs)
+    return finish(outs)
+
+
+def matmul_part(v: jax.Array, w: jax.Array, *, tuning: MatmulTuning | None = None):
+    """`matmul_pallas(v, w)`'s kernel as a `colaunch.Part` and `finish(outs)`, which turns
+    the part's outputs into `matmul_pallas`'s result (for a launch shared with other kernels:
+    `pallas/colaunch.py`). v [..., K] with at least one row, w [N, K]; the same tiles (tuning
+    None: `default_tuning(N, K)` for v's rows), so the same bits."""
+    n, k = w.shape
+    lead = v.shape[:-1]
+    rows = v.reshape(-1, 1, k)  # [M, 1, K]
+    if rows.shape[0] == 0:
+        raise ValueError("matmul_part: v has no rows")
+    part, finish = _gemm_part(rows, w[None], False,
+                              tuning or default_tuning(n, k, 1, rows.shape[0]))
+    return part, lambda outs: finish(outs).reshape(*lead, n)
 
 
 def matmul_pallas(v: jax.Array, w: jax.Array, layer: jax.Array | None = None, *,

@@ -34,7 +34,10 @@ class MgpuTuning:
     consumer_regs / producer_regs: per-thread register budgets (setmaxnreg) of the two compute
       warpgroups and the producer, multiples of 8 with 2 * consumer + producer <= 3 * 168
       (the CTA's registers at launch: a consumer's setmaxnreg.inc beyond them waits forever).
-    max_splits: most programs one row's slots are split over (partials cost a merge).
+    max_splits: most programs one row's slots are split over (partials cost a merge). 64
+      (a 2051-slot row's 33 tiles one per split at up to 4 rows): on the H200 one decode
+      row's attend took 12.3 us of kernels over 33 splits against 16.0 over 16
+      (h200-attend-20261203-s19-call1.json).
     prep: how the kernel's inputs (scaled f16 q, padded slots, live extents) are made: "jnp"
       (~5 XLA passes, q read twice) or "triton" (`attend_prep.prep_pallas`: one launch, q read
       once; bitwise the same inputs, so the same result; with q_in_kernel it makes all but q).
@@ -112,7 +115,7 @@ class MgpuTuning:
     row_pad: int = 16
     consumer_regs: int = 232
     producer_regs: int = 40
-    max_splits: int = 16
+    max_splits: int = 64
     prep: str = "triton"
     prep_heads: int = 64
     prep_warps: int = 16
@@ -220,9 +223,13 @@ def supports(cache_dtype, c: int, t: MgpuTuning = MgpuTuning()) -> str | None:
 
 def num_splits(programs_per_split: int, tiles: int, sm_count: int, max_splits: int) -> int:
     """Splits per row and head block: enough CTAs (one per multiprocessor: the kernel takes
-    most of its shared memory) to fill the GPU once, at most max_splits and tiles."""
+    most of its shared memory) to fill the GPU once, at most max_splits and tiles; then the
+    fewest splits that keep each one's tiles at that count (no split left with padding only:
+    a 33-tile row over 16 splits would run 48 tiles, over 11 it runs 33 in the same time)."""
     fit = sm_count // max(1, programs_per_split)
-    return max(1, min(max_splits, tiles, fit))
+    most = max(1, min(max_splits, tiles, fit))
+    per = -(-tiles // most)  # tiles per split
+    return -(-tiles // per)
 
 
 def row_scales(q: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -20,6 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from dsa_jax.pallas.colaunch import Part
 from dsa_jax.pallas.common import next_pow2, with_overrides
 from dsa_jax.pallas.pool_topk_triton import TritonTopkTuning, pool_topk_triton
 
@@ -133,30 +134,31 @@ class Expansion:
     tail: bool
 
 
-def _topk_kernel(*refs, k: int, chunk: int, chunks: int, rank_block: int, radix_bits: int,
-                 splits: int, short_rows: bool, fused_compare: bool, early_exit: bool,
-                 barrier: bool, expand: Expansion | None):
-    """s_ref [Pp] f32 (one row); o_ref [Kp] int32 out (the row's, shared by its `splits`
-    programs: each writes the slots of its winners); ck_ref, ci_ref [Kp] int32 scratch (this
-    program's own). With `expand`: pv_ref [N] int32 (whole: each row's position, -1 for a
-    padded row) and sel_ref [N, W] int32 out (whole, masked stores)."""
+def _topk_program(ids, *refs, k: int, chunk: int, chunks: int, rank_block: int,
+                  radix_bits: int, splits: int, short_rows: bool, fused_compare: bool,
+                  early_exit: bool, barrier: bool, expand: Expansion | None):
+    """Program ids (row, split) (the kernel's, or a co-launch's: `colaunch.Part`); whole refs:
+    s_ref [N, Pp] f32; o_ref [N, Kp] int32 out (a row's shared by its `splits` programs: each
+    writes the slots of its winners); ck_ref, ci_ref [N, S, Kp] int32 scratch (a program's
+    own row). With `expand`: pv_ref [N] int32 (each row's position, -1 for a padded row) and
+    sel_ref [N, W] int32 out (masked stores)."""
     if expand is None:
         s_ref, o_ref, ck_ref, ci_ref = refs
     else:
         s_ref, pv_ref, o_ref, ck_ref, ci_ref, sel_ref = refs
+    row, split = ids
     lane = jnp.arange(chunk, dtype=jnp.int32)  # [chunk]
-    split = pl.program_id(1)
-    store_winners = _winner_store(pv_ref, sel_ref, k, expand) if expand else None
+    store_winners = _winner_store(pv_ref, sel_ref, k, expand, row) if expand else None
 
     if chunks == 1:
-        row_keys = sortable_key(s_ref[...])  # [chunk], loaded once
+        row_keys = sortable_key(s_ref[row])  # [chunk], loaded once
 
         def keys_of(j):
             del j
             return row_keys
     else:
         def keys_of(j):
-            return sortable_key(s_ref[pl.ds(j * chunk, chunk)])  # [chunk]
+            return sortable_key(s_ref[row, pl.ds(j * chunk, chunk)])  # [chunk]
 
     def count(pred, shape=()):  # pred: [chunk] keys -> shape + [chunk] bool -> counts
         def body(j, acc):
@@ -219,21 +221,21 @@ def _topk_kernel(*refs, k: int, chunk: int, chunks: int, rank_block: int, radix_
             eq_before = n_eq + jnp.cumsum(eq) - eq
             sel = ((key > kth) | ((eq == 1) & (eq_before < need_eq))).astype(jnp.int32)
             pos = n_sel + jnp.cumsum(sel) - sel
-            plt.store(ci_ref.at[pos], j * chunk + lane, mask=sel == 1)
-            plt.store(ck_ref.at[pos], key, mask=sel == 1)
+            plt.store(ci_ref.at[row, split, pos], j * chunk + lane, mask=sel == 1)
+            plt.store(ck_ref.at[row, split, pos], key, mask=sel == 1)
             return n_sel + jnp.sum(sel), n_eq + jnp.sum(eq)
 
         lax.fori_loop(0, chunks, compact, (jnp.int32(0), jnp.int32(0)))
         if barrier:  # interpret mode runs one thread and has no barrier primitive
             plt.debug_barrier()
 
-        kp = o_ref.shape[0]
+        kp = o_ref.shape[1]
         at = jnp.arange(kp, dtype=jnp.int32)  # [Kp] compacted position (= index order)
-        all_keys = jnp.where(at < k, ck_ref[...], jnp.int32(_INT_MIN))  # [Kp]
+        all_keys = jnp.where(at < k, ck_ref[row, split], jnp.int32(_INT_MIN))  # [Kp]
 
         def rank(b, carry):  # returns its carry: a dynamic-bound loop cannot yield a literal
             mine = b * rank_block + sub  # [RB]
-            key = ck_ref[pl.ds(b * rank_block, rank_block)]  # [RB]
+            key = ck_ref[row, split, pl.ds(b * rank_block, rank_block)]  # [RB]
             if fused_compare:
                 # key_j > key_i for j at or after i, key_j >= key_i before it: one compare
                 # against key_i + [j >= i] (no overflow: keys <= +inf's 0x7F800000; the
@@ -246,8 +248,8 @@ def _topk_kernel(*refs, k: int, chunk: int, chunks: int, rank_block: int, radix_
                             & (at[None, :] < mine[:, None])))
                 beats = beats & (at < k)[None, :]  # [RB, Kp]
             r = jnp.sum(beats.astype(jnp.int32), axis=1)  # [RB]
-            pools = ci_ref[pl.ds(b * rank_block, rank_block)]  # [RB]
-            plt.store(o_ref.at[r], pools, mask=mine < k)
+            pools = ci_ref[row, split, pl.ds(b * rank_block, rank_block)]  # [RB]
+            plt.store(o_ref.at[row, r], pools, mask=mine < k)
             if store_winners is not None:
                 store_winners(r, pools, mine < k)
             return carry
@@ -255,7 +257,7 @@ def _topk_kernel(*refs, k: int, chunk: int, chunks: int, rank_block: int, radix_
         lax.fori_loop(lo, hi, rank, 0)
 
     if expand is not None:
-        _store_tail(pv_ref, sel_ref, k, expand, split, splits)
+        _store_tail(pv_ref, sel_ref, k, expand, row, split, splits)
     if not short_rows:
         select_and_rank(radix_select())
         return
@@ -266,7 +268,7 @@ def _topk_kernel(*refs, k: int, chunk: int, chunks: int, rank_block: int, radix_
     def _():  # every score -inf: the order is the index order
         def fill(b, carry):
             mine = b * rank_block + sub  # [RB]
-            plt.store(o_ref.at[mine], mine, mask=mine < k)
+            plt.store(o_ref.at[row, mine], mine, mask=mine < k)
             if store_winners is not None:
                 store_winners(mine, mine, mine < k)
             return carry
@@ -281,10 +283,10 @@ def _topk_kernel(*refs, k: int, chunk: int, chunks: int, rank_block: int, radix_
         select_and_rank(lax.cond(n_finite < k, lambda: neg_inf_key, radix_select))
 
 
-def _row_plan(pv_ref, k: int, expand: Expansion):
-    """This row's (n_sel, first tail token, tail tokens): `select.expand_selection`'s terms;
+def _row_plan(pv_ref, k: int, expand: Expansion, row):
+    """Row `row`'s (n_sel, first tail token, tail tokens): `select.expand_selection`'s terms;
     a padded row (position -1) selects nothing and has no tail."""
-    pv = pv_ref[pl.program_id(0)]  # [] position, -1: padded
+    pv = pv_ref[row]  # [] position, -1: padded
     seen = pv + 1  # tokens visible to the row
     live = pv >= 0
     n_sel = jnp.where(live, jnp.minimum(k, seen // expand.kpool), 0)
@@ -292,13 +294,12 @@ def _row_plan(pv_ref, k: int, expand: Expansion):
     return n_sel, seen // expand.kpool * expand.kpool, tail_count
 
 
-def _winner_store(pv_ref, sel_ref, k: int, expand: Expansion):
-    """-> store(rank [RB], pool [RB], ok [RB]): pool's KP tokens into slots rank*KP.. for
-    the winners ranked below n_sel."""
+def _winner_store(pv_ref, sel_ref, k: int, expand: Expansion, row):
+    """-> store(rank [RB], pool [RB], ok [RB]): pool's KP tokens into slots rank*KP.. of row
+    `row` for the winners ranked below n_sel."""
     kpool = expand.kpool
     j = jnp.arange(next_pow2(kpool), dtype=jnp.int32)  # [KPp] token within the pool
-    n_sel, _, _ = _row_plan(pv_ref, k, expand)
-    row = pl.program_id(0)
+    n_sel, _, _ = _row_plan(pv_ref, k, expand, row)
 
     def store(rank, pool, ok):
         slots = rank[:, None] * kpool + j[None, :]  # [RB, KPp]
@@ -308,11 +309,10 @@ def _winner_store(pv_ref, sel_ref, k: int, expand: Expansion):
     return store
 
 
-def _store_tail(pv_ref, sel_ref, k: int, expand: Expansion, split, splits: int,
+def _store_tail(pv_ref, sel_ref, k: int, expand: Expansion, row, split, splits: int,
                 block: int = 256):
     """Slots from n_sel*KP on: the tail's tokens, then -1; the row's programs share them."""
-    n_sel, tail_base, tail_count = _row_plan(pv_ref, k, expand)
-    row = pl.program_id(0)
+    n_sel, tail_base, tail_count = _row_plan(pv_ref, k, expand, row)
     start = n_sel * expand.kpool
     first, blocks = start // block, pl.cdiv(expand.width, block)
     per = (blocks - first + splits - 1) // splits
@@ -391,8 +391,9 @@ def pool_topk_expand_pallas(scores: jax.Array, k: int, pos: jax.Array, valid: ja
     return _topk_call(scores, k, expand, pv, interpret, tuning)[1]
 
 
-def _topk_call(scores, k, expand, pv, interpret, tuning):
-    """-> (pools [..., k], slots [..., W] or None)."""
+def _topk_part(scores, k, expand, pv, interpret, tuning):
+    """The kernel for `scores [..., P]` as a `colaunch.Part` (grid (rows, rank splits)) and
+    `finish(outs) -> (pools [..., k], slots [..., W] or None)`."""
     radix_bits = tuning.radix_bits
     *lead, p = scores.shape
     if not 1 <= k <= p:
@@ -411,33 +412,53 @@ def _topk_call(scores, k, expand, pv, interpret, tuning):
     kp = max(next_pow2(k), rank_block)
     splits = tuning.rank_splits or default_rank_splits(n)
     splits = max(1, min(splits, pl.cdiv(k, rank_block)))
-    kernel = functools.partial(_topk_kernel, k=k, chunk=chunk, chunks=pp // chunk,
-                               rank_block=rank_block, radix_bits=radix_bits, splits=splits,
-                               short_rows=tuning.short_rows,
-                               fused_compare=tuning.fused_compare,
-                               early_exit=tuning.early_exit, barrier=not interpret,
-                               expand=expand)
-    scratch = pl.BlockSpec((None, None, kp), lambda i, s: (i, s, 0))
-    in_specs = [pl.BlockSpec((None, pp), lambda i, s: (i, 0))]
-    out_specs = [pl.BlockSpec((None, kp), lambda i, s: (i, 0)), scratch, scratch]
+    body = functools.partial(_topk_program, k=k, chunk=chunk, chunks=pp // chunk,
+                             rank_block=rank_block, radix_bits=radix_bits, splits=splits,
+                             short_rows=tuning.short_rows,
+                             fused_compare=tuning.fused_compare,
+                             early_exit=tuning.early_exit, barrier=not interpret,
+                             expand=expand)
     out_shape = [jax.ShapeDtypeStruct((n, kp), jnp.int32),
-                 jax.ShapeDtypeStruct((n, splits, kp), jnp.int32),
-                 jax.ShapeDtypeStruct((n, splits, kp), jnp.int32)]
-    args = [x]
+                 jax.ShapeDtypeStruct((n, splits, kp), jnp.int32),  # scratch
+                 jax.ShapeDtypeStruct((n, splits, kp), jnp.int32)]  # scratch
+    inputs = [x]
     if expand is not None:
-        in_specs.append(pl.BlockSpec())  # pv [N]
-        out_specs.append(pl.BlockSpec())  # slots [N, W], masked stores
         out_shape.append(jax.ShapeDtypeStruct((n, expand.width), jnp.int32))
-        args.append(pv)
+        inputs.append(pv)
+    part = Part(body, (n, splits), tuple(inputs), tuple(out_shape))
+
+    def finish(outs):
+        pools = outs[0][:, :k].reshape(*lead, k)
+        return pools, (outs[3].reshape(*lead, expand.width) if expand is not None else None)
+
+    return part, finish
+
+
+def _topk_call(scores, k, expand, pv, interpret, tuning):
+    """-> (pools [..., k], slots [..., W] or None)."""
+    part, finish = _topk_part(scores, k, expand, pv, interpret, tuning)
     outs = pl.pallas_call(
-        kernel,
-        grid=(n, splits),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
+        lambda *refs: part.body((pl.program_id(0), pl.program_id(1)), *refs),
+        grid=part.grid,
+        out_shape=part.out_shape,
         compiler_params=plt.CompilerParams(num_warps=tuning.num_warps, num_stages=1),
         interpret=interpret,
         name="pool_topk",
-    )(*args)
-    pools = outs[0][:, :k].reshape(*lead, k)
-    return pools, (outs[3].reshape(*lead, expand.width) if expand is not None else None)
+    )(*part.inputs)
+    return finish(outs)
+
+
+def topk_part(scores: jax.Array, k: int, *, interpret: bool = False,
+              tuning: PoolTopkTuning = PoolTopkTuning()):
+    """`pool_topk_pallas(scores, k)`'s kernel as a `colaunch.Part` and `finish(outs)`, which
+    turns the part's outputs into `pool_topk_pallas`'s result (the same indices), for a
+    launch shared with other kernels (`pallas/colaunch.py`). This file's kernel only (the
+    raw Triton one cannot share a Pallas launch), rows of at most `chunk` pools: a row
+    held in registers."""
+    if tuning.backend == "triton":
+        raise ValueError("topk_part: backend='triton' cannot share a Pallas launch")
+    if scores.shape[-1] > tuning.chunk:
+        raise ValueError(f"topk_part: rows of {scores.shape[-1]} pools; at most the chunk's "
+                         f"{tuning.chunk}")
+    part, finish = _topk_part(scores, k, None, None, interpret, tuning)
+    return part, lambda outs: finish(outs)[0]

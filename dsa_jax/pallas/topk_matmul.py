@@ -1,0 +1,72 @@
+"""The pool top-k of a decode's rows and the q_b GEMM of its rows in one launch.
+
+The two are independent (the top-k reads the pool scores, the GEMM the normalized query
+residual) and opposite in kind: the top-k of a few rows is a few programs waiting on their
+own reductions, the GEMM streams a 50 MB weight over every multiprocessor. In one launch
+(`colaunch`: the top-k's programs first, then the GEMM's tiles) the top-k runs beside the
+GEMM instead of before it.
+
+`topk_matmul_xla` is the definition: `pool_topk_xla` and `matmul_xla`. The kernel returns
+what `pool_topk_pallas` and `matmul_pallas` return, bit for bit: each part is its kernel's
+own program with its own tiles. Where the two cannot share a launch (the top-k would run the
+raw Triton kernel, a row longer than the top-k's register chunk, other warp counts, no rows)
+they run one after the other: the same results.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+
+from dsa_jax.pallas import matmul as mm
+from dsa_jax.pallas import pool_topk as tk
+from dsa_jax.pallas.colaunch import colaunch
+
+__all__ = ["shares_launch", "topk_matmul_pallas", "topk_matmul_xla"]
+
+
+def topk_matmul_xla(scores: jax.Array, k: int, v: jax.Array, w: jax.Array
+                    ) -> tuple[jax.Array, jax.Array]:
+    """The definition: scores [..., P] f32 -> pools [..., k] int32 (`pool_topk_xla`); v
+    [..., K] @ w [N, K].T -> [..., N] f32 (`matmul_xla`)."""
+    return tk.pool_topk_xla(scores, k), mm.matmul_xla(v, w)
+
+
+def shares_launch(scores_shape: tuple[int, ...], v_shape: tuple[int, ...],
+                  w_shape: tuple[int, ...], interpret: bool,
+                  topk_tuning: tk.PoolTopkTuning | None = None,
+                  matmul_tuning: mm.MatmulTuning | None = None) -> bool:
+    """Whether the two kernels run in one launch for these shapes (static; tunings None:
+    the kernels' defaults)."""
+    topk_tuning = topk_tuning or tk.PoolTopkTuning()
+    rows = math.prod(scores_shape[:-1])
+    m = math.prod(v_shape[:-1])
+    mt = matmul_tuning or mm.default_tuning(*w_shape, 1, m)
+    return (rows > 0 and m > 0 and not tk.runs_triton(topk_tuning, rows, interpret)
+            and scores_shape[-1] <= min(topk_tuning.chunk, tk.KERNEL_MAX_P)
+            and mt.num_warps == topk_tuning.num_warps)
+
+
+def topk_matmul_pallas(scores: jax.Array, k: int, v: jax.Array, w: jax.Array, *,
+                       interpret: bool = False,
+                       topk_tuning: tk.PoolTopkTuning | None = None,
+                       matmul_tuning: mm.MatmulTuning | None = None
+                       ) -> tuple[jax.Array, jax.Array]:
+    """`topk_matmul_xla` as `pool_topk_pallas` and `matmul_pallas` in one launch (where
+    `shares_launch`; else one after the other): their results, bit for bit. The launch runs
+    the GEMM's pipeline depth (the top-k alone runs 1: its loops hold no streamed loads).
+    Tunings None: the kernels' defaults."""
+    topk_tuning = topk_tuning or tk.PoolTopkTuning()
+    if not shares_launch(scores.shape, v.shape, w.shape, interpret, topk_tuning,
+                         matmul_tuning):
+        return (tk.pool_topk_pallas(scores, k, interpret=interpret, tuning=topk_tuning),
+                mm.matmul_pallas(v, w, interpret=interpret, tuning=matmul_tuning))
+    m = math.prod(v.shape[:-1])
+    mt = matmul_tuning or mm.default_tuning(*w.shape, 1, m)
+    t_part, t_finish = tk.topk_part(scores, k, interpret=interpret, tuning=topk_tuning)
+    m_part, m_finish = mm.matmul_part(v, w, tuning=mt)
+    t_outs, m_outs = colaunch([t_part, m_part], num_warps=mt.num_warps,
+                              num_stages=mt.num_stages, interpret=interpret,
+                              name="topk_matmul")
+    return t_finish(t_outs), m_finish(m_outs)

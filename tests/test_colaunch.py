@@ -1,0 +1,150 @@
+"""Kernels sharing one launch (`pallas/colaunch.py`): each part's programs compute what its
+own kernel computes; the decode's top-k with the q_b GEMM (`pallas/topk_matmul.py`) gives the
+two kernels' results bit for bit, and a step with the shared launch gives the step's bits
+without it. One test body for interpret mode and the GPU (`kernel_impl`)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dsa_jax
+from dsa_jax import layer, shapes
+from dsa_jax import testing as T
+from dsa_jax import weights as W
+from dsa_jax.pallas import matmul as mm
+from dsa_jax.pallas import pool_topk as tk
+from dsa_jax.pallas import topk_matmul as tm
+from dsa_jax.pallas.colaunch import Part, colaunch, unravel
+
+
+def test_unravel_is_row_major():
+    for pid in range(2 * 3 * 5):
+        ids = [int(i) for i in unravel(jnp.int32(pid), (2, 3, 5))]
+        assert ids == list(np.unravel_index(pid, (2, 3, 5)))
+
+
+def _fill_ids(ids, o_ref):  # writes its program ids where only it writes
+    i, j = ids
+    o_ref[i, j] = i * 100 + j
+
+
+def _scaled_rows(ids, x_ref, o_ref):  # row r of x times (r + 1)
+    (r,) = ids
+    o_ref[r, :] = x_ref[r, :] * (r + 1).astype(jnp.float32)
+
+
+def test_each_part_runs_its_own_programs_on_its_own_operands(kernel_impl):
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((7, 16)), jnp.float32)
+    parts = [Part(_fill_ids, (3, 5), (), (jax.ShapeDtypeStruct((3, 5), jnp.int32),)),
+             Part(_scaled_rows, (7,), (x,), (jax.ShapeDtypeStruct((7, 16), jnp.float32),))]
+    (ids,), (scaled,) = colaunch(parts, num_warps=4, num_stages=1,
+                                 interpret=kernel_impl == "pallas-interpret")
+    np.testing.assert_array_equal(np.asarray(ids),
+                                  np.arange(3)[:, None] * 100 + np.arange(5)[None, :])
+    np.testing.assert_array_equal(np.asarray(scaled),
+                                  np.asarray(x) * np.arange(1, 8, dtype=np.float32)[:, None])
+    with pytest.raises(ValueError, match="at least one program"):
+        colaunch([Part(_fill_ids, (0, 5), (), parts[0].out_shape)], num_warps=4, num_stages=1)
+    with pytest.raises(ValueError, match="no parts"):
+        colaunch([], num_warps=4, num_stages=1)
+
+
+def _scores(rng, lead, p, ties=True):
+    s = rng.standard_normal((*lead, p)).astype(np.float32)
+    if ties:  # repeated values (the tie rule), -inf pools and a row of -inf only
+        s.reshape(-1, p)[0, : p // 3] = 0.25
+        s.reshape(-1, p)[-1, p // 2:] = -np.inf
+        if s.reshape(-1, p).shape[0] > 2:
+            s.reshape(-1, p)[1] = -np.inf
+    return jnp.asarray(s)
+
+
+@pytest.mark.parametrize("lead, p, k, m_lead, n, kdim", [
+    ((1, 1), 300, 40, (1, 1), 160, 96),  # one decode row; P padded to the chunk
+    ((3, 2), 257, 64, (3, 4), 48, 128),  # a verify's rows; a short GEMM
+    ((2, 1), 64, 64, (2, 1), 2336 // 16, 256),  # k = P
+])
+def test_topk_matmul_is_the_two_kernels_bit_for_bit(kernel_impl, lead, p, k, m_lead, n, kdim):
+    interpret = kernel_impl == "pallas-interpret"
+    rng = np.random.default_rng(p + k)
+    scores = _scores(rng, lead, p)
+    v = jnp.asarray(rng.standard_normal((*m_lead, kdim)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((n, kdim)) * 0.05, jnp.bfloat16)
+    assert tm.shares_launch(scores.shape, v.shape, w.shape, interpret)
+    fn = jax.jit(lambda s, v, w: tm.topk_matmul_pallas(s, k, v, w, interpret=interpret))
+    pools, q = fn(scores, v, w)
+    np.testing.assert_array_equal(np.asarray(pools), np.asarray(tk.pool_topk_xla(scores, k)))
+    alone = mm.matmul_pallas(v, w, interpret=interpret)
+    np.testing.assert_array_equal(np.asarray(q), np.asarray(alone))
+    # and the definition's pair: the same pools, the GEMM within fp32 accumulation over K
+    ref_pools, ref_q = tm.topk_matmul_xla(scores, k, v, w)
+    np.testing.assert_array_equal(np.asarray(pools), np.asarray(ref_pools))
+    mag = np.abs(np.asarray(v, np.float64)) @ np.abs(np.asarray(w, np.float64)).T
+    bound = kdim * np.finfo(np.float32).eps * mag
+    assert (np.abs(np.asarray(q, np.float64) - np.asarray(ref_q, np.float64)) <= bound).all()
+    if not interpret:  # one launch of both in the compiled program
+        text = jax.jit(fn).lower(scores, v, w).as_text()
+        assert "topk_matmul" in text and "pool_topk" not in text
+
+
+def test_where_the_two_cannot_share_a_launch_they_run_apart_with_the_same_results():
+    s1, v1, w1 = (1, 1, 300), (1, 1, 96), (160, 96)
+    assert tm.shares_launch(s1, v1, w1, True)
+    assert not tm.shares_launch((1, 1, 8192), v1, w1, True)  # past the register chunk
+    assert not tm.shares_launch((0, 1, 300), v1, w1, True)  # no rows
+    assert not tm.shares_launch(s1, (0, 96), w1, True)
+    triton = tk.PoolTopkTuning(backend="triton")
+    assert not tm.shares_launch(s1, v1, w1, False, topk_tuning=triton)
+    many = (tk.AUTO_TRITON_MIN_ROWS, 300)  # a compiled prompt's rows: the raw Triton top-k
+    assert not tm.shares_launch(many, v1, w1, False) and tm.shares_launch(many, v1, w1, True)
+    eight = mm.MatmulTuning(num_warps=8, block_m=16, block_n=64, block_k=32)
+    assert not tm.shares_launch(s1, v1, w1, True, matmul_tuning=eight)
+    rng = np.random.default_rng(3)
+    scores = _scores(rng, (1, 1), 300)
+    v = jnp.asarray(rng.standard_normal(v1), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal(w1) * 0.05, jnp.bfloat16)
+    pools, q = tm.topk_matmul_pallas(scores, 40, v, w, interpret=True, matmul_tuning=eight)
+    np.testing.assert_array_equal(np.asarray(pools), np.asarray(tk.pool_topk_xla(scores, 40)))
+    np.testing.assert_array_equal(
+        np.asarray(q), np.asarray(mm.matmul_pallas(v, w, interpret=True, tuning=eight)))
+
+
+def _block(impl):
+    cfg = shapes.tiny(implementation=impl, param_dtype="bfloat16")
+    return cfg, W.fold_weights(cfg, T.random_hf_numpy(cfg, np.random.default_rng(0)))
+
+
+def test_a_decode_and_a_verify_with_the_shared_launch_keep_their_bits(kernel_impl):
+    """`cfg.colaunch` moves the q_b GEMM into the top-k's launch and changes no bit: y, the
+    state and the selection of a decode and of a verify, with and without it; the serial
+    decodes still equal the verify."""
+    cfg, w = _block(kernel_impl)
+    assert cfg.colaunch and cfg.replace(colaunch=False).colaunch is False
+    state = T.random_state(cfg, w, 2, 70, seed=1)
+    x = T.random_rows(2, 2, 3, cfg.hidden_size, dtype=jnp.bfloat16)  # [B, 3, D]
+    assert layer.shares_q_launch(cfg, w, state, x)
+    assert not layer.shares_q_launch(cfg.replace(colaunch=False), w, state, x)
+    assert not layer.shares_q_launch(cfg, w, state, jnp.zeros((2, cfg.max_verify + 1, 1)))
+    ones = jnp.ones((2,), jnp.int32)
+    for c, want in ((cfg, 1), (cfg.replace(colaunch=False), 0)):  # a decode's one row
+        text = str(jax.make_jaxpr(lambda s, x, c=c: layer.step(c, w, s, x, ones))(
+            state, x[:, :1])).replace("'", "")
+        assert text.count("name=topk_matmul") == want
+        assert text.count("name=pool_topk") == 1 - want
+    outs = {}
+    for on in (True, False):
+        c = cfg.replace(colaunch=on)
+        y_k, s_k, sel_k = dsa_jax.decode_k(c, w, T.copy_tree(state), x)
+        serial, s = [], T.copy_tree(state)
+        for t in range(3):
+            y, s, sel = dsa_jax.decode(c, w, s, x[:, t])
+            serial.append((np.asarray(y), np.asarray(sel)))
+        for t in range(3):
+            np.testing.assert_array_equal(serial[t][0], np.asarray(y_k)[:, t])
+            np.testing.assert_array_equal(serial[t][1], np.asarray(sel_k)[:, t])
+        outs[on] = (np.asarray(y_k), np.asarray(sel_k), jax.tree.map(np.asarray, s_k),
+                    serial, jax.tree.map(np.asarray, s))
+    assert not np.array_equal(outs[True][0], np.zeros_like(outs[True][0]))
+    for a, b in zip(jax.tree.leaves(outs[True]), jax.tree.leaves(outs[False]), strict=True):
+        np.testing.assert_array_equal(a, b)
