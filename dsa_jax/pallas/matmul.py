@@ -84,9 +84,12 @@ def default_tuning(n: int, k: int, heads: int = 1, m: int = 64) -> MatmulTuning:
     products): `splits_for(n, k, heads)`, whatever m (the rows' bits), and the tile shapes
     measured fastest for m rows at the block's shapes (h200-gemm-20261201-s8-call2.json):
     16-row tiles for a few rows, 128-row ones past 64, 128-deep K chunks for the long-K
-    GEMMs, deeper pipelines where a program's K part is long."""
+    GEMMs, deeper pipelines where a program's K part is long; 128-deep K chunks also for the
+    per-head products over K >= 512 at up to 64 rows (U_v: at one row 6.3 vs 7.4 us on cold
+    weights, h200-gemm-20261203-s19-call2.json; a prompt's rows keep 64: 351 vs 433 us)."""
     splits = splits_for(n, k, heads)
-    block_k = 128 if heads == 1 and k % (splits * 128) == 0 else 64
+    deep = heads == 1 or (k >= 512 and m <= 64)
+    block_k = 128 if deep and k % (splits * 128) == 0 else 64
     while block_k > 16 and k % (splits * block_k):  # K chunks that end at K where they can
         block_k //= 2
     block_m = 16 if m <= 16 else 64 if m <= 64 else 128
