@@ -50,7 +50,7 @@ from dsa_jax.projection import (
     project_kv,
     x_columns,
 )
-from dsa_jax.select import expand_selection, top_pools
+from dsa_jax.select import expand_selection, expansion, top_pools
 from dsa_jax.stacked import LayerOf
 from dsa_jax.state import DsaState, ring_mark_after, ring_mark_after_rewind
 from dsa_jax.step_checks import (
@@ -142,15 +142,18 @@ def step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, n_n
     if weights.has_indexer:
         k = cut_rows(cfg, attend_rows, x.shape[1])
         qi, w, pos_k, valid_k = first_rows(k, proj.qi, proj.w, pos, valid)
-        if shared_launch:  # select_pools with the q_b GEMM in the top-k's launch
+        if shared_launch:  # select_pools with the q_b GEMM in the top-k's launch, which
+            # also writes the pools' token slots (`expand_selection`'s)
             scores = pool_scores(cfg, qi, w, state.pool_keys,
                                  candidate_pools(cfg, pos_k, valid_k))  # [B, k, P]
-            pools, q = topk_matmul_op(cfg, scores, min(cfg.select_k, scores.shape[-1]),
-                                      proj.q_resid, weights.q_proj)  # [B, k, n], [B, R, Hl*Dn]
+            slots, q = topk_matmul_op(cfg, scores, min(cfg.select_k, scores.shape[-1]),
+                                      proj.q_resid, weights.q_proj, expand=expansion(cfg),
+                                      pos=pos_k, valid=valid_k)  # [B, k, W], [B, R, Hl*Dn]
             proj = proj._replace(q_abs=absorb_q(cfg, weights, q))
         else:
             pools = select(cfg, qi, w, state.pool_keys, pos_k, valid_k)  # [B, k, n]
-        sel = pad_rows(expand_selection(cfg, pools, pos_k, valid_k), x.shape[1])  # [B, R, W]
+            slots = expand_selection(cfg, pools, pos_k, valid_k)  # [B, k, W]
+        sel = pad_rows(slots, x.shape[1])  # [B, R, W]
     else:
         sel = jnp.where(valid[..., None], shared_sel, -1)
     o_latent = attend_first_rows(cfg, state, proj.q_abs, sel, valid, live_rows(cfg, x),

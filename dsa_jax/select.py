@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
 
 from dsa_jax.config import DsaConfig
 from dsa_jax.implementation import pool_topk_op, resolve
@@ -37,23 +36,15 @@ def expand_selection(cfg: DsaConfig, pools: jax.Array, pos: jax.Array, valid: ja
     pools: [..., k] best first; pos: [...] the row's position t; valid: [...] rows to fill.
     Slots `[0, n_sel*KP)` hold the pools' tokens in selection order, `n_sel = min(select_k,
     (t+1)//KP)`; the tail's `(t+1) % KP` tokens follow at `n_sel*KP` (per row); the rest -1.
+    (`pool_topk.expand_xla`, the top-k kernel's own definition of its slots.)
     """
-    kp, width = cfg.index_kpool, cfg.sel_width
-    *lead, k = pools.shape
-    slot = jnp.arange(width)  # [W]
-    n_sel = jnp.minimum(min(cfg.select_k, k), (pos + 1) // kp)[..., None]
-    # The pools' tokens as a broadcast (slot s < k*KP holds pool s // KP's token s % KP), not
-    # a gather by rank: XLA writes the broadcast at the copy rate. Slots past k*KP are never
-    # below n_sel*KP.
-    tokens = (pools[..., :, None] * kp + jnp.arange(kp)).reshape(*lead, k * kp)  # [..., k*KP]
-    from_pool = (tokens[..., :width] if k * kp >= width else
-                 jnp.pad(tokens, [(0, 0)] * len(lead) + [(0, width - k * kp)]))  # [..., W]
-    tail_j = slot - n_sel * kp
-    tail_count = ((pos + 1) % kp)[..., None] if cfg.always_select_tail else 0
-    from_tail = ((pos + 1) // kp * kp)[..., None] + tail_j
-    sel = jnp.where(slot < n_sel * kp, from_pool,
-                    jnp.where((tail_j >= 0) & (tail_j < tail_count), from_tail, -1))
-    return jnp.where(valid[..., None], sel, -1).astype(jnp.int32)
+    k = min(cfg.select_k, pools.shape[-1])
+    return pool_topk.expand_xla(pools[..., :k], pos, valid, expansion(cfg))
+
+
+def expansion(cfg: DsaConfig) -> pool_topk.Expansion:
+    """The block's token slots as the top-k kernel writes them."""
+    return pool_topk.Expansion(cfg.index_kpool, cfg.sel_width, cfg.always_select_tail)
 
 
 def select_slots(cfg: DsaConfig, scores: jax.Array, pos: jax.Array, valid: jax.Array, *,
@@ -74,6 +65,5 @@ def select_slots(cfg: DsaConfig, scores: jax.Array, pos: jax.Array, valid: jax.A
         # a kernel that writes no slots: the expansion apart
         pools = pool_topk.pool_topk_pallas(scores, k, interpret=interpret, tuning=tuning)
         return expand_selection(cfg, pools, pos, valid)
-    expand = pool_topk.Expansion(cfg.index_kpool, cfg.sel_width, cfg.always_select_tail)
-    return pool_topk.pool_topk_expand_pallas(scores, k, pos, valid, expand,
+    return pool_topk.pool_topk_expand_pallas(scores, k, pos, valid, expansion(cfg),
                                              interpret=interpret, tuning=tuning)

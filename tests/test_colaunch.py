@@ -83,6 +83,19 @@ def test_topk_matmul_is_the_two_kernels_bit_for_bit(kernel_impl, lead, p, k, m_l
     mag = np.abs(np.asarray(v, np.float64)) @ np.abs(np.asarray(w, np.float64)).T
     bound = kdim * np.finfo(np.float32).eps * mag
     assert (np.abs(np.asarray(q, np.float64) - np.asarray(ref_q, np.float64)) <= bound).all()
+    # with the expansion written by the top-k's programs: the expand kernel's slots
+    pos = jnp.asarray(rng.integers(0, 4 * p, lead), jnp.int32)  # [...] rows' positions
+    valid = jnp.asarray(rng.random(lead) < 0.8)
+    ex = tk.Expansion(4, 4 * k + 3, True)
+    fn_ex = jax.jit(lambda s, v, w, pos, valid: tm.topk_matmul_pallas(
+        s, k, v, w, expand=ex, pos=pos, valid=valid, interpret=interpret))
+    slots, q_ex = fn_ex(scores, v, w, pos, valid)
+    np.testing.assert_array_equal(np.asarray(q_ex), np.asarray(alone))
+    np.testing.assert_array_equal(np.asarray(slots), np.asarray(tk.pool_topk_expand_pallas(
+        scores, k, pos, valid, ex, interpret=interpret)))
+    np.testing.assert_array_equal(np.asarray(slots), np.asarray(
+        tm.topk_matmul_xla(scores, k, v, w, expand=ex, pos=pos, valid=valid)[0]))
+    assert (np.asarray(slots) >= 0).any()
     if not interpret:  # one launch of both in the compiled program (the kernels' names)
         text = jax.jit(fn).lower(scores, v, w).as_text().replace('\\"', '"')
         assert 'name = "topk_matmul"' in text

@@ -134,6 +134,31 @@ class Expansion:
     tail: bool
 
 
+def expand_xla(pools: jax.Array, pos: jax.Array, valid: jax.Array, expand: Expansion
+               ) -> jax.Array:
+    """The definition of the kernel's slots (`select.expand_selection`): pools [..., k] best
+    first, pos [...] the row's position t, valid [...] -> slots [..., W] int32. Slots
+    `[0, n_sel*KP)` hold the pools' tokens in selection order, `n_sel = min(k, (t+1)//KP)`;
+    the tail's `(t+1) % KP` tokens follow (with `expand.tail`); the rest -1; a row not
+    valid is all -1."""
+    kp, width = expand.kpool, expand.width
+    *lead, k = pools.shape
+    slot = jnp.arange(width)  # [W]
+    n_sel = jnp.minimum(k, (pos + 1) // kp)[..., None]
+    # The pools' tokens as a broadcast (slot s < k*KP holds pool s // KP's token s % KP), not
+    # a gather by rank: XLA writes the broadcast at the copy rate. Slots past k*KP are never
+    # below n_sel*KP.
+    tokens = (pools[..., :, None] * kp + jnp.arange(kp)).reshape(*lead, k * kp)  # [..., k*KP]
+    from_pool = (tokens[..., :width] if k * kp >= width else
+                 jnp.pad(tokens, [(0, 0)] * len(lead) + [(0, width - k * kp)]))  # [..., W]
+    tail_j = slot - n_sel * kp
+    tail_count = ((pos + 1) % kp)[..., None] if expand.tail else 0
+    from_tail = ((pos + 1) // kp * kp)[..., None] + tail_j
+    sel = jnp.where(slot < n_sel * kp, from_pool,
+                    jnp.where((tail_j >= 0) & (tail_j < tail_count), from_tail, -1))
+    return jnp.where(valid[..., None], sel, -1).astype(jnp.int32)
+
+
 def _topk_program(ids, *refs, k: int, chunk: int, chunks: int, rank_block: int,
                   radix_bits: int, splits: int, short_rows: bool, fused_compare: bool,
                   early_exit: bool, barrier: bool, expand: Expansion | None):
@@ -449,10 +474,12 @@ def _topk_call(scores, k, expand, pv, interpret, tuning):
 
 
 def topk_part(scores: jax.Array, k: int, *, interpret: bool = False,
-              tuning: PoolTopkTuning = PoolTopkTuning()):
-    """`pool_topk_pallas(scores, k)`'s kernel as a `colaunch.Part` and `finish(outs)`, which
-    turns the part's outputs into `pool_topk_pallas`'s result (the same indices), for a
-    launch shared with other kernels (`pallas/colaunch.py`). This file's kernel only (the
+              tuning: PoolTopkTuning = PoolTopkTuning(), expand: Expansion | None = None,
+              pos: jax.Array | None = None, valid: jax.Array | None = None):
+    """`pool_topk_pallas(scores, k)`'s kernel (with `expand`: `pool_topk_expand_pallas`'s,
+    pos and valid [...] as it takes them) as a `colaunch.Part` and `finish(outs)`, which
+    turns the part's outputs into that function's result (the same indices, or slots), for
+    a launch shared with other kernels (`pallas/colaunch.py`). This file's kernel only (the
     raw Triton one cannot share a Pallas launch), rows of at most `chunk` pools: a row
     held in registers."""
     if tuning.backend == "triton":
@@ -460,5 +487,12 @@ def topk_part(scores: jax.Array, k: int, *, interpret: bool = False,
     if scores.shape[-1] > tuning.chunk:
         raise ValueError(f"topk_part: rows of {scores.shape[-1]} pools; at most the chunk's "
                          f"{tuning.chunk}")
-    part, finish = _topk_part(scores, k, None, None, interpret, tuning)
-    return part, lambda outs: finish(outs)[0]
+    pv = None
+    if expand is not None:
+        lead = scores.shape[:-1]
+        if pos is None or valid is None or pos.shape != lead or valid.shape != lead:
+            raise ValueError(f"topk_part: an expansion needs pos and valid of shape "
+                             f"{scores.shape[:-1]}")
+        pv = jnp.where(valid, pos, -1).astype(jnp.int32).reshape(-1)  # [N]
+    part, finish = _topk_part(scores, k, expand, pv, interpret, tuning)
+    return part, lambda outs: finish(outs)[0 if expand is None else 1]

@@ -6,8 +6,9 @@ own reductions, the GEMM streams a 50 MB weight over every multiprocessor. In on
 (`colaunch`: the top-k's programs first, then the GEMM's tiles) the top-k runs beside the
 GEMM instead of before it.
 
-`topk_matmul_xla` is the definition: `pool_topk_xla` and `matmul_xla`. The kernel returns
-what `pool_topk_pallas` and `matmul_pallas` return, bit for bit: each part is its kernel's
+`topk_matmul_xla` is the definition: `pool_topk_xla` (with an `Expansion`, the pools' token
+slots: `pool_topk.expand_xla`) and `matmul_xla`. The kernel returns what `pool_topk_pallas`
+(or `pool_topk_expand_pallas`) and `matmul_pallas` return, bit for bit: each part is its kernel's
 own program with its own tiles. Where the two cannot share a launch (the top-k would run the
 raw Triton kernel, a row longer than the top-k's register chunk, other warp counts, no rows)
 they run one after the other: the same results.
@@ -26,11 +27,16 @@ from dsa_jax.pallas.colaunch import colaunch
 __all__ = ["shares_launch", "topk_matmul_pallas", "topk_matmul_xla"]
 
 
-def topk_matmul_xla(scores: jax.Array, k: int, v: jax.Array, w: jax.Array
-                    ) -> tuple[jax.Array, jax.Array]:
-    """The definition: scores [..., P] f32 -> pools [..., k] int32 (`pool_topk_xla`); v
-    [..., K] @ w [N, K].T -> [..., N] f32 (`matmul_xla`)."""
-    return tk.pool_topk_xla(scores, k), mm.matmul_xla(v, w)
+def topk_matmul_xla(scores: jax.Array, k: int, v: jax.Array, w: jax.Array, *,
+                    expand: tk.Expansion | None = None, pos: jax.Array | None = None,
+                    valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """The definition: scores [..., P] f32 -> pools [..., k] int32 (`pool_topk_xla`), or
+    with `expand` their token slots [..., W] (`pool_topk.expand_xla` at pos, valid [...]);
+    v [..., K] @ w [N, K].T -> [..., N] f32 (`matmul_xla`)."""
+    pools = tk.pool_topk_xla(scores, k)
+    if expand is not None:
+        pools = tk.expand_xla(pools, pos, valid, expand)
+    return pools, mm.matmul_xla(v, w)
 
 
 def shares_launch(scores_shape: tuple[int, ...], v_shape: tuple[int, ...],
@@ -49,22 +55,32 @@ def shares_launch(scores_shape: tuple[int, ...], v_shape: tuple[int, ...],
 
 
 def topk_matmul_pallas(scores: jax.Array, k: int, v: jax.Array, w: jax.Array, *,
-                       interpret: bool = False,
+                       expand: tk.Expansion | None = None, pos: jax.Array | None = None,
+                       valid: jax.Array | None = None, interpret: bool = False,
                        topk_tuning: tk.PoolTopkTuning | None = None,
                        matmul_tuning: mm.MatmulTuning | None = None
                        ) -> tuple[jax.Array, jax.Array]:
-    """`topk_matmul_xla` as `pool_topk_pallas` and `matmul_pallas` in one launch (where
+    """`topk_matmul_xla` as `pool_topk_pallas` (with `expand`, `pool_topk_expand_pallas`:
+    the kernel writes the slots) and `matmul_pallas` in one launch (where
     `shares_launch`; else one after the other): their results, bit for bit. The launch runs
     the GEMM's pipeline depth (the top-k alone runs 1: its loops hold no streamed loads).
     Tunings None: the kernels' defaults."""
     topk_tuning = topk_tuning or tk.PoolTopkTuning()
     if not shares_launch(scores.shape, v.shape, w.shape, interpret, topk_tuning,
                          matmul_tuning):
-        return (tk.pool_topk_pallas(scores, k, interpret=interpret, tuning=topk_tuning),
-                mm.matmul_pallas(v, w, interpret=interpret, tuning=matmul_tuning))
+        if expand is None:
+            pools = tk.pool_topk_pallas(scores, k, interpret=interpret, tuning=topk_tuning)
+        elif tk.runs_triton(topk_tuning, math.prod(scores.shape[:-1]), interpret):
+            pools = tk.expand_xla(tk.pool_topk_pallas(scores, k, interpret=interpret,
+                                                      tuning=topk_tuning), pos, valid, expand)
+        else:
+            pools = tk.pool_topk_expand_pallas(scores, k, pos, valid, expand,
+                                               interpret=interpret, tuning=topk_tuning)
+        return pools, mm.matmul_pallas(v, w, interpret=interpret, tuning=matmul_tuning)
     m = math.prod(v.shape[:-1])
     mt = matmul_tuning or mm.default_tuning(*w.shape, 1, m)
-    t_part, t_finish = tk.topk_part(scores, k, interpret=interpret, tuning=topk_tuning)
+    t_part, t_finish = tk.topk_part(scores, k, interpret=interpret, tuning=topk_tuning,
+                                    expand=expand, pos=pos, valid=valid)
     m_part, m_finish = mm.matmul_part(v, w, tuning=mt)
     t_outs, m_outs = colaunch([t_part, m_part], num_warps=mt.num_warps,
                               num_stages=mt.num_stages, interpret=interpret,
