@@ -91,10 +91,12 @@ def make_setup(args) -> Setup:
         small = tiny(implementation="xla", max_context=64, indexer_types=("full", "shared"))
         return Setup(True, small, None, small, 64, 2, 3, 1, args.acceptance,
                      tuple(args.loop_variants), _hlo_dir(args), args.copied_weights)
-    impl = "pallas"
+    impl, co = "pallas", args.colaunch == "on"
     return Setup(False, tiny(implementation=impl, indexer_types=("full", "shared") * 2),
-                 glm53_flash(implementation=impl, max_context=1024, indexer_types=ALTERNATING8),
-                 glm53_flash(implementation=impl, indexer_types=ALTERNATING8), args.vocab,
+                 glm53_flash(implementation=impl, max_context=1024, indexer_types=ALTERNATING8,
+                             colaunch=co),
+                 glm53_flash(implementation=impl, indexer_types=ALTERNATING8, colaunch=co),
+                 args.vocab,
                  args.tokens, 64, args.reps, args.acceptance, tuple(args.loop_variants),
                  _hlo_dir(args), args.copied_weights)
 
@@ -448,6 +450,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="*", choices=SECTIONS, default=list(SECTIONS))
     ap.add_argument("--copied-weights", action="store_true",
                     help="the checks also under Program(weights_in_place=False)'s options")
+    ap.add_argument("--colaunch", default="on", choices=("on", "off"),
+                    help="the GLM configs' colaunch (the top-k and q_b GEMM in one launch)")
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=32, help="tokens per dispatch")
     ap.add_argument("--reps", type=int, default=5)

@@ -136,7 +136,7 @@ def step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, n_n
     selection holds only tokens <= its position, all written, and no later row's write can
     change them, so this equals processing the rows one after another.
     """
-    shared_launch = select is select_pools and shares_q_launch(cfg, weights, state, x)
+    shared_launch = select is select_pools and shares_q_launch(cfg, weights, x)
     proj = project(cfg, weights, x, defer_q=shared_launch)
     state, pos, valid = _write_rows(cfg, weights, state, proj, n_new)
     if weights.has_indexer:
@@ -146,10 +146,7 @@ def step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, n_n
             # also writes the pools' token slots (`expand_selection`'s)
             scores = pool_scores(cfg, qi, w, state.pool_keys,
                                  candidate_pools(cfg, pos_k, valid_k))  # [B, k, P]
-            slots, q = topk_matmul_op(cfg, scores, min(cfg.select_k, scores.shape[-1]),
-                                      proj.q_resid, weights.q_proj, expand=expansion(cfg),
-                                      pos=pos_k, valid=valid_k)  # [B, k, W], [B, R, Hl*Dn]
-            proj = proj._replace(q_abs=absorb_q(cfg, weights, q))
+            slots, proj = slots_and_q_abs(cfg, weights, proj, scores, pos_k, valid_k)
         else:
             pools = select(cfg, qi, w, state.pool_keys, pos_k, valid_k)  # [B, k, n]
             slots = expand_selection(cfg, pools, pos_k, valid_k)  # [B, k, W]
@@ -162,16 +159,27 @@ def step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, n_n
     return y, _advance(cfg, state, n_new), sel
 
 
-def shares_q_launch(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array
-                    ) -> bool:
-    """Whether `step` (with `select_pools`) runs the q_b GEMM in the top-k's launch
-    (`pallas/topk_matmul.py`; `cfg.colaunch`): a decode's or verify's rows under the
-    row-invariant GEMMs (the kernels on), a layer with an indexer, rows of at most the top-k
-    kernel's pools, and a q_b weight of its own (not a stack's layer). The same results
-    either way."""
+def shares_q_launch(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> bool:
+    """Whether `step` (with `select_pools`) and the model's scan run the q_b GEMM in the
+    top-k's launch (`pallas/topk_matmul.py`; `cfg.colaunch`): a decode's or verify's rows
+    under the row-invariant GEMMs (the kernels on), a layer with an indexer, and rows of at
+    most the top-k kernel's pools. The same results either way."""
     return (cfg.colaunch and weights.has_indexer and kernel_rows(cfg, x.shape[:-1])
-            and not isinstance(weights.q_proj, LayerOf)
-            and state.pool_keys.shape[1] <= KERNEL_MAX_P)
+            and cfg.num_pools <= KERNEL_MAX_P)
+
+
+def slots_and_q_abs(cfg: DsaConfig, weights: DsaWeights, proj, scores: jax.Array,
+                    pos: jax.Array, valid: jax.Array):
+    """Where `shares_q_launch`: the selection's token slots from `scores [B, k, P]` (rows at
+    `pos`, `valid` [B, k]) and the q_b GEMM of `proj.q_resid` in one launch (the top-k's
+    kernel writes the slots), then the absorbed query -> (slots [B, k, W], proj with
+    q_abs). `expand_selection(top_pools(...))` and `project`'s q_abs, bit for bit."""
+    w = weights.q_proj
+    stack, at = (w.stack, w.index) if isinstance(w, LayerOf) else (w, None)
+    slots, q = topk_matmul_op(cfg, scores, min(cfg.select_k, scores.shape[-1]), proj.q_resid,
+                              stack, at, expand=expansion(cfg), pos=pos,
+                              valid=valid)  # [B, k, W], [B, R, Hl*Dn]
+    return slots, proj._replace(q_abs=absorb_q(cfg, weights, q))
 
 
 def attend_first_rows(cfg: DsaConfig, state: DsaState, q_abs: jax.Array, sel: jax.Array,

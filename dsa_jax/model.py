@@ -60,6 +60,8 @@ from dsa_jax.layer import (
     first_rows,
     live_rows,
     pad_rows,
+    shares_q_launch,
+    slots_and_q_abs,
     step,
 )
 from dsa_jax.projection import kernel_rows, matmul, norm, output_projection, project, x_columns
@@ -320,7 +322,8 @@ def _block(cfg: DsaConfig, w: DsaWeights, caches: _Caches, rows: _Rows, layer, f
                     index_k=caches.index_k, index_g=caches.index_g,
                     pool_keys=caches.pool_keys, lengths=rows.lengths,
                     index_lengths=rows.lengths)
-    proj = project(cfg, w, x)
+    shared_launch = shares_q_launch(cfg, w, x)  # as `layer.step`: q_b beside the top-k
+    proj = project(cfg, w, x, defer_q=shared_launch)
     at = x_columns(cfg)  # the writes read their columns of the x projection in place
     view = write_latents(cfg, view, proj.xw, w.kv_a_norm, rows.pos, rows.valid,
                          col=at["kv"][0])
@@ -335,8 +338,11 @@ def _block(cfg: DsaConfig, w: DsaWeights, caches: _Caches, rows: _Rows, layer, f
         qi, wh, pos, valid = first_rows(k, proj.qi, proj.w, rows.pos, rows.valid)
         scores = pool_scores(cfg, qi, wh, view.pool_keys, candidate_pools(cfg, pos, valid),
                              pools=(full * npool, npool))  # [B, k, P]: keys read in place
-        sel = pad_rows(expand_selection(cfg, top_pools(cfg, scores), pos, valid),
-                       x.shape[1])  # [B, R, W]
+        if shared_launch:
+            slots, proj = slots_and_q_abs(cfg, w, proj, scores, pos, valid)  # [B, k, W]
+        else:
+            slots = expand_selection(cfg, top_pools(cfg, scores), pos, valid)  # [B, k, W]
+        sel = pad_rows(slots, x.shape[1])  # [B, R, W]
     else:
         sel = jnp.where(rows.valid[..., None], shared_sel, -1)
     # As `layer.step` hands it to the output projection (the same ops in both programs).

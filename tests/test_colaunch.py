@@ -137,9 +137,9 @@ def test_a_decode_and_a_verify_with_the_shared_launch_keep_their_bits(kernel_imp
     assert cfg.colaunch and cfg.replace(colaunch=False).colaunch is False
     state = T.random_state(cfg, w, 2, 70, seed=1)
     x = T.random_rows(2, 2, 3, cfg.hidden_size, dtype=jnp.bfloat16)  # [B, 3, D]
-    assert layer.shares_q_launch(cfg, w, state, x)
-    assert not layer.shares_q_launch(cfg.replace(colaunch=False), w, state, x)
-    assert not layer.shares_q_launch(cfg, w, state, jnp.zeros((2, cfg.max_verify + 1, 1)))
+    assert layer.shares_q_launch(cfg, w, x)
+    assert not layer.shares_q_launch(cfg.replace(colaunch=False), w, x)
+    assert not layer.shares_q_launch(cfg, w, jnp.zeros((2, cfg.max_verify + 1, 1)))
     ones = jnp.ones((2,), jnp.int32)
     for c, want in ((cfg, 1), (cfg.replace(colaunch=False), 0)):  # a decode's one row
         text = str(jax.make_jaxpr(lambda s, x, c=c: layer.step(c, w, s, x, ones))(

@@ -244,18 +244,21 @@ def _gemm(v: jax.Array, w: jax.Array, w_kn: bool, interpret: bool, tuning: Matmu
     return finish(outs)
 
 
-def matmul_part(v: jax.Array, w: jax.Array, *, tuning: MatmulTuning | None = None):
-    """`matmul_pallas(v, w)`'s kernel as a `colaunch.Part` and `finish(outs)`, which turns
-    the part's outputs into `matmul_pallas`'s result (for a launch shared with other kernels:
-    `pallas/colaunch.py`). v [..., K] with at least one row, w [N, K]; the same tiles (tuning
-    None: `default_tuning(N, K)` for v's rows), so the same bits."""
-    n, k = w.shape
+def matmul_part(v: jax.Array, w: jax.Array, layer: jax.Array | None = None, *,
+                tuning: MatmulTuning | None = None):
+    """`matmul_pallas(v, w, layer)`'s kernel as a `colaunch.Part` and `finish(outs)`, which
+    turns the part's outputs into `matmul_pallas`'s result (for a launch shared with other
+    kernels: `pallas/colaunch.py`). v [..., K] with at least one row, w [N, K] (or a stack
+    [G, N, K] read in place at `layer`); the same tiles (tuning None: `default_tuning(N, K)`
+    for v's rows), so the same bits."""
+    n, k = w.shape[-2:]
     lead = v.shape[:-1]
     rows = v.reshape(-1, 1, k)  # [M, 1, K]
     if rows.shape[0] == 0:
         raise ValueError("matmul_part: v has no rows")
-    part, finish = _gemm_part(rows, w[None], False,
-                              tuning or default_tuning(n, k, 1, rows.shape[0]))
+    heads_w = w[None] if layer is None else w[:, None]  # [1, N, K] or [G, 1, N, K]
+    part, finish = _gemm_part(rows, heads_w, False,
+                              tuning or default_tuning(n, k, 1, rows.shape[0]), layer)
     return part, lambda outs: finish(outs).reshape(*lead, n)
 
 

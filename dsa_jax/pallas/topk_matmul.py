@@ -27,41 +27,45 @@ from dsa_jax.pallas.colaunch import colaunch
 __all__ = ["shares_launch", "topk_matmul_pallas", "topk_matmul_xla"]
 
 
-def topk_matmul_xla(scores: jax.Array, k: int, v: jax.Array, w: jax.Array, *,
-                    expand: tk.Expansion | None = None, pos: jax.Array | None = None,
-                    valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def topk_matmul_xla(scores: jax.Array, k: int, v: jax.Array, w: jax.Array,
+                    layer: jax.Array | None = None, *, expand: tk.Expansion | None = None,
+                    pos: jax.Array | None = None, valid: jax.Array | None = None
+                    ) -> tuple[jax.Array, jax.Array]:
     """The definition: scores [..., P] f32 -> pools [..., k] int32 (`pool_topk_xla`), or
     with `expand` their token slots [..., W] (`pool_topk.expand_xla` at pos, valid [...]);
-    v [..., K] @ w [N, K].T -> [..., N] f32 (`matmul_xla`)."""
+    v [..., K] @ w [N, K].T -> [..., N] f32 (`matmul_xla`; w a stack [G, N, K] at `layer`
+    where given)."""
     pools = tk.pool_topk_xla(scores, k)
     if expand is not None:
         pools = tk.expand_xla(pools, pos, valid, expand)
-    return pools, mm.matmul_xla(v, w)
+    return pools, mm.matmul_xla(v, w, layer)
 
 
 def shares_launch(scores_shape: tuple[int, ...], v_shape: tuple[int, ...],
                   w_shape: tuple[int, ...], interpret: bool,
                   topk_tuning: tk.PoolTopkTuning | None = None,
                   matmul_tuning: mm.MatmulTuning | None = None) -> bool:
-    """Whether the two kernels run in one launch for these shapes (static; tunings None:
-    the kernels' defaults)."""
+    """Whether the two kernels run in one launch for these shapes (static; w_shape [N, K] or
+    a stack's [G, N, K]; tunings None: the kernels' defaults)."""
     topk_tuning = topk_tuning or tk.PoolTopkTuning()
     rows = math.prod(scores_shape[:-1])
     m = math.prod(v_shape[:-1])
-    mt = matmul_tuning or mm.default_tuning(*w_shape, 1, m)
+    mt = matmul_tuning or mm.default_tuning(*w_shape[-2:], 1, m)
     return (rows > 0 and m > 0 and not tk.runs_triton(topk_tuning, rows, interpret)
             and scores_shape[-1] <= min(topk_tuning.chunk, tk.KERNEL_MAX_P)
             and mt.num_warps == topk_tuning.num_warps)
 
 
-def topk_matmul_pallas(scores: jax.Array, k: int, v: jax.Array, w: jax.Array, *,
-                       expand: tk.Expansion | None = None, pos: jax.Array | None = None,
-                       valid: jax.Array | None = None, interpret: bool = False,
+def topk_matmul_pallas(scores: jax.Array, k: int, v: jax.Array, w: jax.Array,
+                       layer: jax.Array | None = None, *, expand: tk.Expansion | None = None,
+                       pos: jax.Array | None = None, valid: jax.Array | None = None,
+                       interpret: bool = False,
                        topk_tuning: tk.PoolTopkTuning | None = None,
                        matmul_tuning: mm.MatmulTuning | None = None
                        ) -> tuple[jax.Array, jax.Array]:
     """`topk_matmul_xla` as `pool_topk_pallas` (with `expand`, `pool_topk_expand_pallas`:
-    the kernel writes the slots) and `matmul_pallas` in one launch (where
+    the kernel writes the slots) and `matmul_pallas` (w a stack [G, N, K] read in place at
+    `layer` where given) in one launch (where
     `shares_launch`; else one after the other): their results, bit for bit. The launch runs
     the GEMM's pipeline depth (the top-k alone runs 1: its loops hold no streamed loads).
     Tunings None: the kernels' defaults."""
@@ -76,12 +80,13 @@ def topk_matmul_pallas(scores: jax.Array, k: int, v: jax.Array, w: jax.Array, *,
         else:
             pools = tk.pool_topk_expand_pallas(scores, k, pos, valid, expand,
                                                interpret=interpret, tuning=topk_tuning)
-        return pools, mm.matmul_pallas(v, w, interpret=interpret, tuning=matmul_tuning)
+        return pools, mm.matmul_pallas(v, w, layer, interpret=interpret,
+                                       tuning=matmul_tuning)
     m = math.prod(v.shape[:-1])
-    mt = matmul_tuning or mm.default_tuning(*w.shape, 1, m)
+    mt = matmul_tuning or mm.default_tuning(*w.shape[-2:], 1, m)
     t_part, t_finish = tk.topk_part(scores, k, interpret=interpret, tuning=topk_tuning,
                                     expand=expand, pos=pos, valid=valid)
-    m_part, m_finish = mm.matmul_part(v, w, tuning=mt)
+    m_part, m_finish = mm.matmul_part(v, w, layer, tuning=mt)
     t_outs, m_outs = colaunch([t_part, m_part], num_warps=mt.num_warps,
                               num_stages=mt.num_stages, interpret=interpret,
                               name="topk_matmul")
