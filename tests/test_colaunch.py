@@ -96,6 +96,11 @@ def test_topk_matmul_is_the_two_kernels_bit_for_bit(kernel_impl, lead, p, k, m_l
     np.testing.assert_array_equal(np.asarray(slots), np.asarray(
         tm.topk_matmul_xla(scores, k, v, w, expand=ex, pos=pos, valid=valid)[0]))
     assert (np.asarray(slots) >= 0).any()
+    # q_b as a stack's layer read in place (the model's scan): the same bits as that layer's
+    stack = jnp.stack([w * 3, w, -w])  # [3, N, K]: this weight at index 1
+    _, q_st = jax.jit(lambda s, v, st, at: tm.topk_matmul_pallas(
+        s, k, v, st, at, interpret=interpret))(scores, v, stack, jnp.int32(1))
+    np.testing.assert_array_equal(np.asarray(q_st), np.asarray(alone))
     if not interpret:  # one launch of both in the compiled program (the kernels' names)
         text = jax.jit(fn).lower(scores, v, w).as_text().replace('\\"', '"')
         assert 'name = "topk_matmul"' in text
