@@ -15,9 +15,9 @@ G3="tests/test_serving_paths.py"
 G4="tests/test_model.py tests/test_bitwise.py"
 for i in 0 3 4; do
   eval files=\$G$i
-  (timeout 250 python3 -m pytest -q -m gpu $files > $OUT/pytest$i.log 2>&1; echo "rc=$?" >> $OUT/pytest$i.log) &
+  (timeout 225 python3 -m pytest -q -m gpu $files > $OUT/pytest$i.log 2>&1; echo "rc=$?" >> $OUT/pytest$i.log) &
 done
-timeout 250 python3 benchmarks/h200_loop.py --only checks --out $OUT/h200-loop-checks.json > $OUT/loop-checks.log 2>&1
+timeout 225 python3 benchmarks/h200_loop.py --only checks --out $OUT/h200-loop-checks.json > $OUT/loop-checks.log 2>&1
 wait
 for i in 0 3 4; do grep -E "passed|failed|rc=" $OUT/pytest$i.log | tail -2; done
 grep -E "^FAILED|^ERROR|^E  " $OUT/pytest*.log | head -10
@@ -25,5 +25,5 @@ tail -6 $OUT/loop-checks.log
 cat $OUT/pytest[034].log > $OUT/h200-gpu-tests.log; rm $OUT/pytest[034].log
 unset XLA_PYTHON_CLIENT_PREALLOCATE
 for c in on off; do
-  timeout 75 python3 benchmarks/h200_loop.py --only loop --loop-variants default --colaunch $c --out $OUT/h200-loop-colaunch-$c.json 2>&1 | tail -4
+  timeout 60 python3 benchmarks/h200_loop.py --only loop --loop-variants default --colaunch $c --out $OUT/h200-loop-colaunch-$c.json 2>&1 | tail -4
 done
