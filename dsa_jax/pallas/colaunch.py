@@ -96,4 +96,3 @@ def colaunch(parts: Sequence[Part], *, num_warps: int, num_stages: int,
         result.append(tuple(outs[at:at + b]))
         at += b
     return result
-

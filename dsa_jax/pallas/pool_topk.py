@@ -405,15 +405,24 @@ def pool_topk_expand_pallas(scores: jax.Array, k: int, pos: jax.Array, valid: ja
                             ) -> jax.Array:
     """`select.expand_selection` of `pool_topk_pallas` in one kernel: the token slots, bit
     for bit. scores [..., P] f32, pos and valid [...] -> [..., W] int32."""
-    if scores.shape[:-1] != pos.shape or pos.shape != valid.shape:
-        raise ValueError(f"pool_topk_expand: scores {scores.shape} need pos and valid of "
-                         f"shape {scores.shape[:-1]}; got {pos.shape} and {valid.shape}")
+    pv = _positions(scores, pos, valid, "pool_topk_expand")
     tuning = with_overrides(tuning, overrides)
     if tuning.backend == "triton":  # "auto" runs this file's kernel: it writes the slots
         raise ValueError(f"pool_topk_expand: backend={tuning.backend!r} writes no token slots; "
                          f"only backend='pallas' does (select.select_slots expands the other)")
-    pv = jnp.where(valid, pos, -1).astype(jnp.int32).reshape(-1)  # [N]
     return _topk_call(scores, k, expand, pv, interpret, tuning)[1]
+
+
+def _positions(scores: jax.Array, pos: jax.Array | None, valid: jax.Array | None,
+               what: str) -> jax.Array:
+    """The rows' positions as the expanding kernel reads them: `pv [N]` int32, -1 for a row
+    not valid; pos and valid must have scores' leading shape."""
+    if (pos is None or valid is None or scores.shape[:-1] != pos.shape
+            or pos.shape != valid.shape):
+        raise ValueError(f"{what}: scores {scores.shape} need pos and valid of shape "
+                         f"{scores.shape[:-1]}; got {getattr(pos, 'shape', None)} and "
+                         f"{getattr(valid, 'shape', None)}")
+    return jnp.where(valid, pos, -1).astype(jnp.int32).reshape(-1)  # [N]
 
 
 def _topk_part(scores, k, expand, pv, interpret, tuning):
@@ -487,12 +496,6 @@ def topk_part(scores: jax.Array, k: int, *, interpret: bool = False,
     if scores.shape[-1] > tuning.chunk:
         raise ValueError(f"topk_part: rows of {scores.shape[-1]} pools; at most the chunk's "
                          f"{tuning.chunk}")
-    pv = None
-    if expand is not None:
-        lead = scores.shape[:-1]
-        if pos is None or valid is None or pos.shape != lead or valid.shape != lead:
-            raise ValueError(f"topk_part: an expansion needs pos and valid of shape "
-                             f"{scores.shape[:-1]}")
-        pv = jnp.where(valid, pos, -1).astype(jnp.int32).reshape(-1)  # [N]
+    pv = None if expand is None else _positions(scores, pos, valid, "topk_part")
     part, finish = _topk_part(scores, k, expand, pv, interpret, tuning)
     return part, lambda outs: finish(outs)[0 if expand is None else 1]
