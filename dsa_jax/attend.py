@@ -12,15 +12,20 @@ from dsa_jax.state import DsaState
 
 
 def write_latents(cfg: DsaConfig, state: DsaState, kv_raw: jax.Array, norm_w,
-                  pos: jax.Array, valid: jax.Array, *, col: int | None = None) -> DsaState:
+                  pos: jax.Array, valid: jax.Array, *, col: int | None = None,
+                  slots: jax.Array | None = None) -> DsaState:
     """RMSNorm `kv_raw [B, R, C]`, quantize, and store row (b, r) at its paged slot for
     `pos [B, R]` (`table[t // bs] * bs + t % bs`) where `valid`; other rows write nothing.
     col: kv_raw is the wider x projection output, its C columns from `col` the raw latent
-    (read in place by the kernel). norm_w: `[C]`, or a `stacked.LayerOf` (the model's scan)."""
+    (read in place by the kernel). norm_w: `[C]`, or a `stacked.LayerOf` (the model's scan).
+    slots: the rows' flat cache rows `[B*R]` as the kernel computes them from pos and valid
+    (`latent_write.flat_slots`), computed already (`layer.step`'s row metadata); the
+    definition ignores it."""
     norm_w, at = operand(cfg, norm_w)  # a LayerOf: read in place in its stack
     latent = latent_write_op(cfg, kv_raw, norm_w, state.latent, state.kv_scale,
                              state.block_tables, pos, valid, eps=cfg.rms_norm_eps, col=col,
-                             layer=at)
+                             layer=at,
+                             kernel_options=None if slots is None else dict(slots=slots))
     return state._replace(latent=latent)
 
 

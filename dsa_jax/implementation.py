@@ -24,6 +24,7 @@ from dsa_jax.pallas import (
     pool_scores,
     pool_topk,
     rms_norm,
+    row_meta,
     scaled_q_abs,
     sparse_attend,
     topk_matmul,
@@ -76,6 +77,8 @@ matmul_op = Op("matmul", matmul.matmul_xla, matmul.matmul_pallas)
 per_head_op = Op("per_head", matmul.per_head_xla, matmul.per_head_pallas)
 # A decode's top-k and q_b GEMM in one launch (`layer.shares_q_launch`).
 topk_matmul_op = Op("topk_matmul", topk_matmul.topk_matmul_xla, topk_matmul.topk_matmul_pallas)
+# A decode's row metadata and x projection GEMM in one launch (`layer.step`).
+meta_matmul_op = Op("meta_matmul", row_meta.meta_matmul_xla, row_meta.meta_matmul_pallas)
 # A prompt's absorbed query as the Mosaic attend takes it (`MgpuTuning.bound_scales`).
 scaled_q_abs_op = Op("scaled_q_abs", scaled_q_abs.scaled_q_abs_xla,
                      scaled_q_abs.scaled_q_abs_pallas)
@@ -83,7 +86,7 @@ scaled_q_abs_op = Op("scaled_q_abs", scaled_q_abs.scaled_q_abs_xla,
 OPS: dict[str, Op] = {op.name: op for op in (latent_write_op, index_write_op, pool_scores_op,
                                              pool_topk_op, sparse_attend_op, rms_norm_op,
                                              matmul_op, per_head_op, scaled_q_abs_op,
-                                             topk_matmul_op)}
+                                             topk_matmul_op, meta_matmul_op)}
 
 
 def row_gemms(cfg) -> bool:

@@ -19,21 +19,25 @@ from dsa_jax.weights import DsaWeights
 
 def write_index_rows(cfg: DsaConfig, weights: DsaWeights, state: DsaState, k_raw: jax.Array,
                      g: jax.Array, pos: jax.Array, valid: jax.Array,
-                     layer: jax.Array | int = 0, *, cols: tuple[int, int] | None = None
-                     ) -> DsaState:
+                     layer: jax.Array | int = 0, *, cols: tuple[int, int] | None = None,
+                     meta: jax.Array | None = None) -> DsaState:
     """Store `k_norm(k_raw)`, `g [B, R, Di]` at positions `pos [B, R]` (consecutive: `pos[b, 0]
     + r`) where `valid`, and the key of every pool those rows complete (from the stored,
     cache-dtype members). `layer`: which of the layers stacked along the state's ring and key
     rows (`[B, L * Rr, Di]`, `[B, L * P, Di]`: the model's scan) these rows belong to.
     cols: `(k_start, g_start)`: k_raw and g are the x projection's wider output, read in place
-    at those columns by the kernels."""
+    at those columns by the kernels. meta: the kernels' per-row metadata `[7, B*R]`
+    (`index_write.row_meta`), computed already (`layer.step`'s row metadata); the definition
+    ignores it."""
     layers = state.index_k.shape[1] // ring_rows(cfg)
     # LayerOfs (the model's scan) share one index: the kernels read their stacks in place.
     (norm_w, at), (norm_b, _), (ape, _) = (operand(cfg, w) for w in (
         weights.k_norm_w, weights.k_norm_b, weights.ape))
     index_k, index_g, keys = index_write_op(cfg, k_raw, g, norm_w, norm_b, ape, state.index_k,
                                             state.index_g, state.pool_keys, pos, valid, layer,
-                                            layers=layers, cols=cols, weight_layer=at)
+                                            layers=layers, cols=cols, weight_layer=at,
+                                            kernel_options=None if meta is None
+                                            else dict(meta=meta))
     return state._replace(index_k=index_k, index_g=index_g, pool_keys=keys)
 
 

@@ -38,10 +38,12 @@ from jax import lax
 from dsa_jax.attend import attend, write_latents
 from dsa_jax.bitwise import bitwise_jit
 from dsa_jax.config import DsaConfig
-from dsa_jax.implementation import resolve, row_gemms, topk_matmul_op
+from dsa_jax.implementation import meta_matmul_op, resolve, row_gemms, topk_matmul_op
 from dsa_jax.indexer import pool_scores, write_index_rows
 from dsa_jax.mirror import host_numbers, known, remember
+from dsa_jax.pallas import row_meta
 from dsa_jax.pallas.pool_topk import KERNEL_MAX_P
+from dsa_jax.pallas.row_meta import RowMeta
 from dsa_jax.projection import (
     absorb_q,
     kernel_rows,
@@ -52,7 +54,7 @@ from dsa_jax.projection import (
 )
 from dsa_jax.select import expand_selection, expansion, top_pools
 from dsa_jax.stacked import LayerOf
-from dsa_jax.state import DsaState, ring_mark_after, ring_mark_after_rewind
+from dsa_jax.state import DsaState, ring_mark_after, ring_mark_after_rewind, ring_rows
 from dsa_jax.step_checks import (
     StepError,
     check_out,
@@ -65,12 +67,14 @@ from dsa_jax.step_checks import (
 from dsa_jax.weights import DsaWeights
 
 
-def _write_rows(cfg: DsaConfig, weights: DsaWeights, state: DsaState, proj, n_new: jax.Array):
+def _write_rows(cfg: DsaConfig, weights: DsaWeights, state: DsaState, proj, n_new: jax.Array,
+                meta: RowMeta | None = None):
     """Store the rows' latents and indexer entries at positions `lengths + r`, r < n_new.
 
     Returns the state, `pos [B, R]` and `valid [B, R]`. An indexer ahead of the sequence (a
     rejected speculation) heals here: its rows are rewritten from `lengths` on (the ring's
-    mark moves on in `_advance`).
+    mark moves on in `_advance`). meta: the rows' metadata, computed already
+    (`meta_and_x_projection`), which the kernels then read instead of computing it.
     """
     r = proj.kv_raw.shape[1]
     pos = state.lengths[:, None] + jnp.arange(r, dtype=jnp.int32)  # [B, R]
@@ -82,21 +86,27 @@ def _write_rows(cfg: DsaConfig, weights: DsaWeights, state: DsaState, proj, n_ne
         return state, pos, valid
     # The writes read their columns of the x projection in place (no slice copies).
     at = x_columns(cfg)
-    state = write_latents(cfg, state, proj.xw, weights.kv_a_norm, pos, valid, col=at["kv"][0])
+    state = write_latents(cfg, state, proj.xw, weights.kv_a_norm, pos, valid, col=at["kv"][0],
+                          slots=None if meta is None else meta.slots)
     if weights.has_indexer:
         state = write_index_rows(cfg, weights, state, proj.xw, proj.xw, pos, valid,
-                                 cols=(at["k"][0], at["g"][0]))
+                                 cols=(at["k"][0], at["g"][0]),
+                                 meta=None if meta is None else meta.index)
     return state, pos, valid
 
 
 def candidate_pools(cfg: DsaConfig, pos: jax.Array, valid: jax.Array) -> jax.Array:
     """Complete pools visible at `pos [B, R]`: `(t + 1) // KP`; 0 on padded rows, so that the
     pool-score kernel reads no key for them (their selection is masked anyway)."""
-    return jnp.where(valid, (pos + 1) // cfg.index_kpool, 0)
+    return row_meta.candidate_pools(pos, valid, cfg.index_kpool)
 
 
-def _advance(cfg: DsaConfig, state: DsaState, n_new: jax.Array) -> DsaState:
-    """Lengths after the step; an indexer state's ring mark as `ring_mark_after` says."""
+def _advance(cfg: DsaConfig, state: DsaState, n_new: jax.Array,
+             meta: RowMeta | None = None) -> DsaState:
+    """Lengths after the step; an indexer state's ring mark as `ring_mark_after` says (meta:
+    both computed already, by the row metadata's launch)."""
+    if meta is not None:
+        return state._replace(lengths=meta.lengths, index_lengths=meta.marks)
     lengths = state.lengths + n_new
     marks = (ring_mark_after(cfg, state.lengths, state.index_lengths, n_new)
              if state.index_k.shape[1] else lengths)
@@ -137,16 +147,19 @@ def step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, n_n
     change them, so this equals processing the rows one after another.
     """
     shared_launch = select is select_pools and shares_q_launch(cfg, weights, x)
-    proj = project(cfg, weights, x, defer_q=shared_launch)
-    state, pos, valid = _write_rows(cfg, weights, state, proj, n_new)
+    k = cut_rows(cfg, attend_rows, x.shape[1])
+    meta, xw = (meta_and_x_projection(cfg, weights, state, x, n_new, k)
+                if shared_launch and state.index_k.shape[1] else (None, None))
+    proj = project(cfg, weights, x, defer_q=shared_launch, xw=xw)
+    state, pos, valid = _write_rows(cfg, weights, state, proj, n_new, meta)
     if weights.has_indexer:
-        k = cut_rows(cfg, attend_rows, x.shape[1])
         qi, w, pos_k, valid_k = first_rows(k, proj.qi, proj.w, pos, valid)
         if shared_launch:  # select_pools with the q_b GEMM in the top-k's launch, which
             # also writes the pools' token slots (`expand_selection`'s)
-            scores = pool_scores(cfg, qi, w, state.pool_keys,
-                                 candidate_pools(cfg, pos_k, valid_k))  # [B, k, P]
-            slots, proj = slots_and_q_abs(cfg, weights, proj, scores, pos_k, valid_k)
+            n_cand = candidate_pools(cfg, pos_k, valid_k) if meta is None else meta.n_cand
+            scores = pool_scores(cfg, qi, w, state.pool_keys, n_cand)  # [B, k, P]
+            slots, proj = slots_and_q_abs(cfg, weights, proj, scores, pos_k, valid_k,
+                                          None if meta is None else meta.pv)
         else:
             pools = select(cfg, qi, w, state.pool_keys, pos_k, valid_k)  # [B, k, n]
             slots = expand_selection(cfg, pools, pos_k, valid_k)  # [B, k, W]
@@ -156,7 +169,26 @@ def step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, n_n
     o_latent = attend_first_rows(cfg, state, proj.q_abs, sel, valid, live_rows(cfg, x),
                                  attend_rows, weights.u_v.dtype, proj.q_scaled)  # [B, R, Hl, C]
     y = output_projection(weights, o_latent, cfg)  # [B, R, D]
-    return y, _advance(cfg, state, n_new), sel
+    return y, _advance(cfg, state, n_new, meta), sel
+
+
+def meta_and_x_projection(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array,
+                          n_new: jax.Array, attended: int | None
+                          ) -> tuple[RowMeta, jax.Array]:
+    """Where `shares_q_launch` (and the state has a ring): the rows' integer metadata
+    (`pallas/row_meta.py`: cache slots, the index write's, candidate pools, the top-k's
+    positions, the lengths and marks after the step) and the x projection's GEMM `[B, R, Nx]`
+    in one launch. The same integers as the consumers compute themselves, and the GEMM's
+    bits (`matmul_pallas`'s tiles)."""
+    rr, ring_len, keys_len = ring_rows(cfg), state.index_k.shape[1], state.pool_keys.shape[1]
+    g = row_meta.RowGeometry(rows=x.shape[1], attended=attended or x.shape[1],
+                             block_size=state.latent.shape[1], kpool=cfg.index_kpool,
+                             ring_rows=rr, ring_len=ring_len,
+                             num_pools=keys_len // (ring_len // rr), keys_len=keys_len)
+    w = weights.x_proj
+    stack, at = (w.stack, w.index) if isinstance(w, LayerOf) else (w, None)
+    return meta_matmul_op(cfg, g, state.lengths, state.index_lengths, n_new,
+                          state.block_tables, x, stack, at)
 
 
 def shares_q_launch(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> bool:
@@ -169,7 +201,7 @@ def shares_q_launch(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> bool:
 
 
 def slots_and_q_abs(cfg: DsaConfig, weights: DsaWeights, proj, scores: jax.Array,
-                    pos: jax.Array, valid: jax.Array):
+                    pos: jax.Array, valid: jax.Array, pv: jax.Array | None = None):
     """Where `shares_q_launch`: the selection's token slots from `scores [B, k, P]` (rows at
     `pos`, `valid` [B, k]) and the q_b GEMM of `proj.q_resid` in one launch (the top-k's
     kernel writes the slots), then the absorbed query -> (slots [B, k, W], proj with
@@ -178,7 +210,9 @@ def slots_and_q_abs(cfg: DsaConfig, weights: DsaWeights, proj, scores: jax.Array
     stack, at = (w.stack, w.index) if isinstance(w, LayerOf) else (w, None)
     slots, q = topk_matmul_op(cfg, scores, min(cfg.select_k, scores.shape[-1]), proj.q_resid,
                               stack, at, expand=expansion(cfg), pos=pos,
-                              valid=valid)  # [B, k, W], [B, R, Hl*Dn]
+                              valid=valid,
+                              kernel_options=None if pv is None else dict(pv=pv)
+                              )  # [B, k, W], [B, R, Hl*Dn]
     return slots, proj._replace(q_abs=absorb_q(cfg, weights, q))
 
 

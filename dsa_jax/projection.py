@@ -149,15 +149,21 @@ def absorb_q(cfg: DsaConfig, weights: DsaWeights, q: jax.Array) -> jax.Array:
     return per_head(q, weights.u_k, 1, cfg)
 
 
-def project(cfg: DsaConfig, weights: DsaWeights, x: jax.Array, *, defer_q: bool = False
-            ) -> Projections:
+def project(cfg: DsaConfig, weights: DsaWeights, x: jax.Array, *, defer_q: bool = False,
+            xw: jax.Array | None = None) -> Projections:
     """`x [..., D]` -> every per-token quantity the block needs. defer_q: leave the q_b GEMM
     and the absorption to the caller (q_abs None; `q_resid` their operand, `absorb_q` the
     rest), who runs the GEMM in a launch of its own choice (`layer.step`: beside the
-    top-k). Not for a prompt's rows, whose q takes another path (`scaled_q_abs`)."""
+    top-k). Not for a prompt's rows, whose q takes another path (`scaled_q_abs`). xw: the x
+    projection's GEMM `matmul(x, weights.x_proj, cfg)` `[..., Nx]`, computed by the caller
+    (`layer.step`: in the row metadata's launch); None: computed here."""
     Hl, Dn, Hi, Di = cfg.local_heads, cfg.qk_nope_head_dim, cfg.index_n_heads, cfg.index_head_dim
     at = x_columns(cfg)
-    xw = matmul(x, weights.x_proj, cfg)  # [..., Nx]
+    if xw is None:
+        xw = matmul(x, weights.x_proj, cfg)  # [..., Nx]
+    elif xw.shape != (*x.shape[:-1], weights.x_proj.shape[-2]):
+        raise ValueError(f"project: xw has shape {xw.shape}; x {x.shape} needs "
+                         f"{(*x.shape[:-1], weights.x_proj.shape[-2])}")
     # The norm reads its columns of xw in place and writes the q GEMMs' operand dtype (the
     # rounding they would apply): no slice, no conversion pass. fp32 where the two differ.
     dt = {w.dtype for w in (weights.q_proj, weights.qi_proj) if w is not None}

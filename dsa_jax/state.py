@@ -25,6 +25,7 @@ import numpy as np
 
 from dsa_jax.config import DsaConfig
 from dsa_jax.pallas.common import next_pow2, quantize, round_to
+from dsa_jax.pallas.row_meta import mark_after
 
 
 class StateError(ValueError):
@@ -275,8 +276,5 @@ def ring_mark_after_rewind(cfg: DsaConfig, lengths, marks):
 
 def ring_mark_after(cfg: DsaConfig, lengths, marks, n_new):
     """The mark after a step writes `n_new` rows at `lengths` (numpy or jnp, [B]): rows
-    `[M' - Rr, lengths + n_new)` are then held. A mark more than Rr ahead (left by a rewind to
-    a pool boundary) says nothing about the rows the step writes, hence the min."""
-    xp = np if isinstance(lengths, np.ndarray) else jnp
-    rows = ring_rows(cfg)
-    return xp.maximum(xp.minimum(marks, lengths + rows), lengths + n_new)
+    `[M' - Rr, lengths + n_new)` are then held (`row_meta.mark_after` at this config's Rr)."""
+    return mark_after(lengths, marks, n_new, ring_rows(cfg))

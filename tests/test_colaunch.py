@@ -50,6 +50,32 @@ def test_each_part_runs_its_own_programs_on_its_own_operands(kernel_impl):
         colaunch([], num_warps=4, num_stages=1)
 
 
+def _bump(ids, x_ref, o_ref):  # o (x's buffer) = x + 1, read before written
+    del ids
+    o_ref[...] = x_ref[...] + 1
+
+
+def test_a_parts_alias_writes_its_output_in_its_inputs_buffer(kernel_impl):
+    interpret = kernel_impl == "pallas-interpret"
+    out = jax.ShapeDtypeStruct((16,), jnp.int32)
+
+    def fn(x, interpret=interpret):
+        parts = [Part(_fill_ids, (3, 5), (), (jax.ShapeDtypeStruct((3, 5), jnp.int32),)),
+                 Part(_bump, (1,), (x,), (out,), aliases={0: 0})]
+        return colaunch(parts, num_warps=4, num_stages=1, interpret=interpret)
+
+    x = jnp.arange(16, dtype=jnp.int32)
+    # the launch's second output (the part's first) in the operand's buffer
+    text = jax.jit(lambda x: fn(x, False)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert "output_tuple_indices = [1], operand_index = 0" in text
+    (ids,), (bumped,) = jax.jit(fn)(x)
+    np.testing.assert_array_equal(np.asarray(bumped), np.arange(1, 17))
+    np.testing.assert_array_equal(np.asarray(ids),
+                                  np.arange(3)[:, None] * 100 + np.arange(5)[None, :])
+    with pytest.raises(ValueError, match="alias 1 -> 0"):
+        colaunch([Part(_bump, (1,), (x,), (out,), aliases={1: 0})], num_warps=4, num_stages=1)
+
+
 def _scores(rng, lead, p, ties=True):
     s = rng.standard_normal((*lead, p)).astype(np.float32)
     if ties:  # repeated values (the tie rule), -inf pools and a row of -inf only
@@ -151,6 +177,9 @@ def test_a_decode_and_a_verify_with_the_shared_launch_keep_their_bits(kernel_imp
             state, x[:, :1])).replace("'", "")
         assert text.count("name=topk_matmul") == want
         assert text.count("name=pool_topk") == 1 - want
+        # the rows' metadata in the x projection's launch (`layer.meta_and_x_projection`)
+        assert text.count("name=meta_matmul") == want
+        assert text.count("name=matmul") == 6 - 2 * want  # x and q_b beside the others
     outs = {}
     for on in (True, False):
         c = cfg.replace(colaunch=on)

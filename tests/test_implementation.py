@@ -47,9 +47,9 @@ def test_op_runs_the_reference_where_the_kernel_does_not_cover_the_shape():
 
 
 def test_every_op_is_registered_under_its_name():
-    assert sorted(OPS) == ["index_write", "latent_write", "matmul", "per_head", "pool_scores",
-                           "pool_topk", "rms_norm", "scaled_q_abs", "sparse_attend",
-                           "topk_matmul"]
+    assert sorted(OPS) == ["index_write", "latent_write", "matmul", "meta_matmul", "per_head",
+                           "pool_scores", "pool_topk", "rms_norm", "scaled_q_abs",
+                           "sparse_attend", "topk_matmul"]
     assert all(name == op.name for name, op in OPS.items())
     assert resolve("xla") == "xla"
 

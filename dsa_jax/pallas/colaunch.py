@@ -33,11 +33,15 @@ class Part:
     body: `body(ids, *refs)`, refs = the part's inputs then its outputs (whole arrays), ids
       the program's index in `grid` (a tuple of scalars, as `pl.program_id` of each axis).
     grid: the part's programs (its standalone kernel's grid).
-    inputs: its operands; out_shape: its results."""
+    inputs: its operands; out_shape: its results.
+    aliases: `{input index: output index}` within the part: that output is written in the
+      input's buffer (`pallas_call`'s `input_output_aliases`; the part reads the input
+      before it writes the output)."""
     body: Callable[..., None]
     grid: tuple[int, ...]
     inputs: tuple[jax.Array, ...]
     out_shape: tuple[jax.ShapeDtypeStruct, ...]
+    aliases: dict[int, int] = dataclasses.field(default_factory=dict)
 
     @property
     def programs(self) -> int:
@@ -83,10 +87,19 @@ def colaunch(parts: Sequence[Part], *, num_warps: int, num_stages: int,
             first, ri, ro = first + p.programs, ri + a, ro + b
 
     out_shape = [s for p in parts for s in p.out_shape]
+    aliases, ri, ro = {}, 0, 0
+    for p, a, b in zip(parts, n_in, n_out, strict=True):
+        for i, o in p.aliases.items():
+            if not (0 <= i < a and 0 <= o < b):
+                raise ValueError(f"colaunch: a part's alias {i} -> {o} is outside its {a} "
+                                 f"inputs and {b} outputs")
+            aliases[ri + i] = ro + o
+        ri, ro = ri + a, ro + b
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=(sum(p.programs for p in parts),),
+        input_output_aliases=aliases,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=name,

@@ -157,6 +157,45 @@ def index_write_xla(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b: j
 _FIRST, _DEST, _SPLIT, _STEP, _RING, _POOL, _LATE = range(7)
 
 
+def meta_rows(pos: jax.Array, valid: jax.Array, base: jax.Array, seq: jax.Array,
+              layer: jax.Array | int, *, kp: int, rows: int, num_pools: int, keys_len: int,
+              ring_len: int, r: int) -> tuple[jax.Array, ...]:
+    """The seven metadata rows of `pos`, `valid` `[B, R]` (elementwise but for the last
+    stored row per sequence), each `[B, R]` int32: rows `_FIRST` .. `_LATE`. base `[B, 1]`:
+    each sequence's first position (`pos[:, :1]`); seq `[B, 1]`: its index. Plain jnp on
+    arrays of any `[B, R]` tile, so that a kernel computing them in its own program
+    (`pallas/row_meta.py`) runs this same code on its padded tiles."""
+    tmax = num_pools * kp
+    valid = valid & (pos >= 0) & (pos < tmax)  # past the cache: dropped, never redirected
+    ring_row = seq * ring_len + layer * rows + pos % rows  # [B, R]
+    stored = _stored_rows(pos, valid, rows)
+    early = rows - (kp - 1)  # rows whose slot no earlier member of this step's pools uses
+    completes = valid & ((pos + 1) % kp == 0)
+    pool_first = pos // kp * kp  # [B, R]
+    none = jnp.full_like(pos, -1)
+    zero = jnp.zeros_like(pos)
+    return (jnp.where(stored & (pos - base < early), ring_row, none),
+            jnp.where(completes, seq * keys_len + layer * num_pools + pos // kp, none),
+            jnp.where(completes, jnp.clip(base - pool_first, 0, kp), zero),
+            jnp.where(completes, seq * r + pool_first - base, zero),
+            jnp.where(completes, seq * ring_len + layer * rows, zero),
+            jnp.where(completes, pool_first, zero),
+            jnp.where(stored & (pos - base >= early), ring_row, none))
+
+
+def row_meta(pos: jax.Array, valid: jax.Array, layer: jax.Array | int = 0, *, kp: int,
+             rows: int, num_pools: int, keys_len: int, ring_len: int) -> jax.Array:
+    """The kernels' per-row metadata `[7, N]` int32 (N = B * R) of rows at `pos`, `valid`
+    `[B, R]`: `meta_rows` flattened and stacked (one array, so that XLA computes every row's
+    metadata in one pass, not one launch each)."""
+    nb, r = pos.shape
+    seq = jnp.arange(nb, dtype=jnp.int32)[:, None]  # [B, 1]
+    parts = meta_rows(pos.astype(jnp.int32), valid, pos[:, :1].astype(jnp.int32), seq, layer,
+                      kp=kp, rows=rows, num_pools=num_pools, keys_len=keys_len,
+                      ring_len=ring_len, r=r)
+    return jnp.stack([a.reshape(nb * r).astype(jnp.int32) for a in parts])  # [7, N]
+
+
 def _weight_layer(norm_w, norm_b, ape, weight_layer):
     """The weights of one layer (`[Di]`, `[Di]`, `[KP, Di]`), or stacks of them and an index:
     checked; the index clamped (None without one)."""
@@ -251,7 +290,8 @@ def index_write_pallas(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b
                        pool_keys: jax.Array, pos: jax.Array, valid: jax.Array,
                        layer: jax.Array | int = 0, *, layers: int = 1,
                        cols: tuple[int, int] | None = None,
-                       weight_layer: jax.Array | None = None, interpret: bool = False,
+                       weight_layer: jax.Array | None = None, meta: jax.Array | None = None,
+                       interpret: bool = False,
                        tuning: IndexWriteTuning = IndexWriteTuning(), **overrides
                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`index_write_xla` as Pallas launches, a program per row, writing the ring and the keys
@@ -260,7 +300,9 @@ def index_write_pallas(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b
     all of a decode or verify) into the ring; (2) the pool keys; (3) only for a step of more
     rows than that (a prompt chunk), the remaining rows into the ring. With `weight_layer`
     the stacked weights are read in place at that index (a kernel operand is a whole buffer:
-    a slice would be a copy). `overrides`: fields of `tuning` by name (`num_warps=2`)."""
+    a slice would be a copy). meta: `row_meta(pos, valid, layer, ...)` of these arrays, computed
+    by the caller (the step's metadata launch, `pallas/row_meta.py`; None: computed here).
+    `overrides`: fields of `tuning` by name (`num_warps=2`)."""
     tuning = with_overrides(tuning, overrides)
     kp, rows, num_pools, tmax = ring_geometry(ape, index_k, pool_keys, layers)
     at = _weight_layer(norm_w, norm_b, ape, weight_layer)
@@ -269,26 +311,12 @@ def index_write_pallas(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b
     k0, g0 = row_columns(k_raw, g, di, cols)
     nb, r = k_raw.shape[:2]
     n, ring_len = nb * r, index_k.shape[1]
-    valid = valid & (pos >= 0) & (pos < tmax)  # past the cache: dropped, never redirected
-    seq = jnp.arange(nb, dtype=jnp.int32)[:, None]  # [B, 1]
-    base = pos[:, :1]  # [B, 1]
-    flat = lambda a: a.reshape(n).astype(jnp.int32)  # noqa: E731
-    ring_row = seq * ring_len + layer * rows + pos % rows  # [B, R]
-    stored = _stored_rows(pos, valid, rows)
     early = rows - (kp - 1)  # rows whose slot no earlier member of this step's pools uses
-    first_rows = flat(jnp.where(stored & (pos - base < early), ring_row, -1))
-    completes = valid & ((pos + 1) % kp == 0)
-    pool_first = pos // kp * kp  # [B, R]
-    dest = flat(jnp.where(completes, seq * pool_keys.shape[1] + layer * num_pools + pos // kp,
-                          -1))
-    split = flat(jnp.where(completes, jnp.clip(base - pool_first, 0, kp), 0))
-    step_first = flat(jnp.where(completes, seq * r + pool_first - base, 0))
-    ring_first = flat(jnp.where(completes, seq * ring_len + layer * rows, 0))
-    pool_first = flat(jnp.where(completes, pool_first, 0))
-    late_rows = flat(jnp.where(stored & (pos - base >= early), ring_row, -1))
-    # One array, so that XLA computes every row's metadata in one pass, not one launch each.
-    meta = jnp.stack([first_rows, dest, split, step_first, ring_first, pool_first,
-                      late_rows])  # [7, N]
+    if meta is None:
+        meta = row_meta(pos, valid, layer, kp=kp, rows=rows, num_pools=num_pools,
+                        keys_len=pool_keys.shape[1], ring_len=ring_len)  # [7, N]
+    elif meta.shape != (7, n):
+        raise ValueError(f"index_write: meta has shape {meta.shape}; {n} rows need (7, {n})")
     params = plt.CompilerParams(num_warps=tuning.num_warps, num_stages=1)
     k_rows = k_raw.reshape(n, k_raw.shape[-1]).astype(jnp.float32)  # [N, >= Di]
     g_rows = g.reshape(n, g.shape[-1]).astype(jnp.float32)  # [N, >= Di]

@@ -62,10 +62,22 @@ def flat_slots(pos: jax.Array, valid: jax.Array, block_tables: jax.Array, block_
                ) -> jax.Array:
     """Positions `[B, R]` -> flat cache rows `[B, R]`; -1 where not valid, and where the
     position lies past the block table (such a write is dropped, never redirected)."""
-    logical = jnp.clip(pos // block_size, 0, block_tables.shape[1] - 1)
-    slots = jnp.take_along_axis(block_tables, logical, axis=1) * block_size + pos % block_size
-    in_table = (pos >= 0) & (pos < block_tables.shape[1] * block_size)
-    return jnp.where(valid & in_table, slots, -1)
+    nblocks = block_tables.shape[1]
+    entry = jnp.take_along_axis(block_tables, table_column(pos, nblocks, block_size), axis=1)
+    return slot_at(entry, pos, valid, nblocks, block_size)
+
+
+def table_column(pos: jax.Array, nblocks: int, block_size: int) -> jax.Array:
+    """The block-table column of each position, clamped into the table."""
+    return jnp.clip(pos // block_size, 0, nblocks - 1)
+
+
+def slot_at(entry: jax.Array, pos: jax.Array, valid: jax.Array, nblocks: int,
+            block_size: int) -> jax.Array:
+    """`flat_slots` from each position's table entry (its physical block): plain jnp, so that
+    a kernel reading the entries itself (`pallas/row_meta.py`) computes the same."""
+    in_table = (pos >= 0) & (pos < nblocks * block_size)
+    return jnp.where(valid & in_table, entry * block_size + pos % block_size, -1)
 
 
 def raw_columns(kv_raw: jax.Array, c: int, col: int | None) -> int:
@@ -153,14 +165,17 @@ def scatter_rows(latent: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Ar
 def latent_write_pallas(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
                         kv_scale: jax.Array, block_tables: jax.Array, pos: jax.Array,
                         valid: jax.Array, *, eps: float, col: int | None = None,
-                        layer: jax.Array | None = None, interpret: bool = False,
+                        layer: jax.Array | None = None, slots: jax.Array | None = None,
+                        interpret: bool = False,
                         tuning: LatentWriteTuning = LatentWriteTuning(), **overrides
                         ) -> jax.Array:
     """`latent_write_xla` as one Pallas launch, a program per row, writing the cache in place
     (the cache is aliased to the output; donate it to avoid a copy); where the kernel cannot
     address the cache, the kernel's rows stored by an XLA scatter (`LatentWriteTuning.store`).
     With `layer`, row `layer` of the stacked `norm_w [G, C]` read in place (a kernel operand
-    is a whole buffer: a slice would be a copy). `overrides`: fields of `tuning` by name
+    is a whole buffer: a slice would be a copy). slots: `flat_slots(pos, valid, block_tables,
+    bs)` flattened `[N]`, computed by the caller (the step's metadata launch,
+    `pallas/row_meta.py`; None: computed here). `overrides`: fields of `tuning` by name
     (`num_warps=4`)."""
     tuning = with_overrides(tuning, overrides)
     store = pick_store(tuning, latent.shape, latent.dtype)
@@ -170,7 +185,10 @@ def latent_write_pallas(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
     b, r, width = kv_raw.shape
     n = b * r
     start = raw_columns(kv_raw, c, col)
-    slots = flat_slots(pos, valid, block_tables, bs).reshape(n).astype(jnp.int32)
+    if slots is None:
+        slots = flat_slots(pos, valid, block_tables, bs).reshape(n).astype(jnp.int32)
+    elif slots.shape != (n,):
+        raise ValueError(f"latent_write: slots has shape {slots.shape}; {n} rows need ({n},)")
     scale = jnp.reshape(jnp.asarray(kv_scale, jnp.float32), (1,))
     kernel = functools.partial(_write_kernel, width=c, eps=eps, to_rows=store == "xla",
                                col=start, stacked=at is not None)

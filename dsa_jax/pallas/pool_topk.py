@@ -414,15 +414,28 @@ def pool_topk_expand_pallas(scores: jax.Array, k: int, pos: jax.Array, valid: ja
 
 
 def _positions(scores: jax.Array, pos: jax.Array | None, valid: jax.Array | None,
-               what: str) -> jax.Array:
+               what: str, pv: jax.Array | None = None) -> jax.Array:
     """The rows' positions as the expanding kernel reads them: `pv [N]` int32, -1 for a row
-    not valid; pos and valid must have scores' leading shape."""
+    not valid (`positions`); pos and valid must have scores' leading shape. pv: that array,
+    computed by the caller (`pallas/row_meta.py`): checked for its shape, used as it is."""
+    n = math.prod(scores.shape[:-1])
+    if pv is not None:
+        if pv.shape != (n,) or pv.dtype != jnp.int32:
+            raise ValueError(f"{what}: pv must be int32 of shape ({n},) for scores "
+                             f"{scores.shape}; got {pv.dtype} {pv.shape}")
+        return pv
     if (pos is None or valid is None or scores.shape[:-1] != pos.shape
             or pos.shape != valid.shape):
         raise ValueError(f"{what}: scores {scores.shape} need pos and valid of shape "
                          f"{scores.shape[:-1]}; got {getattr(pos, 'shape', None)} and "
                          f"{getattr(valid, 'shape', None)}")
-    return jnp.where(valid, pos, -1).astype(jnp.int32).reshape(-1)  # [N]
+    return positions(pos, valid).reshape(-1)  # [N]
+
+
+def positions(pos: jax.Array, valid: jax.Array) -> jax.Array:
+    """The expanding kernel's row positions: `pos` where `valid`, else -1 (int32, pos's
+    shape)."""
+    return jnp.where(valid, pos, -1).astype(jnp.int32)
 
 
 def _topk_part(scores, k, expand, pv, interpret, tuning):
@@ -484,9 +497,11 @@ def _topk_call(scores, k, expand, pv, interpret, tuning):
 
 def topk_part(scores: jax.Array, k: int, *, interpret: bool = False,
               tuning: PoolTopkTuning = PoolTopkTuning(), expand: Expansion | None = None,
-              pos: jax.Array | None = None, valid: jax.Array | None = None):
+              pos: jax.Array | None = None, valid: jax.Array | None = None,
+              pv: jax.Array | None = None):
     """`pool_topk_pallas(scores, k)`'s kernel (with `expand`: `pool_topk_expand_pallas`'s,
-    pos and valid [...] as it takes them) as a `colaunch.Part` and `finish(outs)`, which
+    pos and valid [...] as it takes them, or pv: `positions(pos, valid)` flattened, computed
+    by the caller) as a `colaunch.Part` and `finish(outs)`, which
     turns the part's outputs into that function's result (the same indices, or slots), for
     a launch shared with other kernels (`pallas/colaunch.py`). This file's kernel only (the
     raw Triton one cannot share a Pallas launch), rows of at most `chunk` pools: a row
@@ -496,6 +511,6 @@ def topk_part(scores: jax.Array, k: int, *, interpret: bool = False,
     if scores.shape[-1] > tuning.chunk:
         raise ValueError(f"topk_part: rows of {scores.shape[-1]} pools; at most the chunk's "
                          f"{tuning.chunk}")
-    pv = None if expand is None else _positions(scores, pos, valid, "topk_part")
+    pv = None if expand is None else _positions(scores, pos, valid, "topk_part", pv)
     part, finish = _topk_part(scores, k, expand, pv, interpret, tuning)
     return part, lambda outs: finish(outs)[0 if expand is None else 1]

@@ -59,7 +59,7 @@ def shares_launch(scores_shape: tuple[int, ...], v_shape: tuple[int, ...],
 def topk_matmul_pallas(scores: jax.Array, k: int, v: jax.Array, w: jax.Array,
                        layer: jax.Array | None = None, *, expand: tk.Expansion | None = None,
                        pos: jax.Array | None = None, valid: jax.Array | None = None,
-                       interpret: bool = False,
+                       pv: jax.Array | None = None, interpret: bool = False,
                        topk_tuning: tk.PoolTopkTuning | None = None,
                        matmul_tuning: mm.MatmulTuning | None = None
                        ) -> tuple[jax.Array, jax.Array]:
@@ -68,7 +68,9 @@ def topk_matmul_pallas(scores: jax.Array, k: int, v: jax.Array, w: jax.Array,
     `layer` where given) in one launch (where
     `shares_launch`; else one after the other): their results, bit for bit. The launch runs
     the GEMM's pipeline depth (the top-k alone runs 1: its loops hold no streamed loads).
-    Tunings None: the kernels' defaults."""
+    pv: `pool_topk.positions(pos, valid)` flattened, computed by the caller (the step's
+    metadata launch, `pallas/row_meta.py`; where the two share the launch). Tunings None: the
+    kernels' defaults."""
     topk_tuning = topk_tuning or tk.PoolTopkTuning()
     if not shares_launch(scores.shape, v.shape, w.shape, interpret, topk_tuning,
                          matmul_tuning):
@@ -85,7 +87,7 @@ def topk_matmul_pallas(scores: jax.Array, k: int, v: jax.Array, w: jax.Array,
     m = math.prod(v.shape[:-1])
     mt = matmul_tuning or mm.default_tuning(*w.shape[-2:], 1, m)
     t_part, t_finish = tk.topk_part(scores, k, interpret=interpret, tuning=topk_tuning,
-                                    expand=expand, pos=pos, valid=valid)
+                                    expand=expand, pos=pos, valid=valid, pv=pv)
     m_part, m_finish = mm.matmul_part(v, w, layer, tuning=mt)
     t_outs, m_outs = colaunch([t_part, m_part], num_warps=mt.num_warps,
                               num_stages=mt.num_stages, interpret=interpret,
