@@ -42,18 +42,25 @@ from dsa_jax.implementation import meta_matmul_op, resolve, row_gemms, topk_matm
 from dsa_jax.indexer import pool_scores, write_index_rows
 from dsa_jax.mirror import host_numbers, known, remember
 from dsa_jax.pallas import row_meta
+from dsa_jax.pallas.colaunch import colaunch
+from dsa_jax.pallas.index_write import IndexWriteTuning, index_write_parts
+from dsa_jax.pallas.latent_write import LatentWriteTuning, latent_write_part, pick_store
+from dsa_jax.pallas.matmul import default_tuning, matmul_part
 from dsa_jax.pallas.pool_topk import KERNEL_MAX_P
+from dsa_jax.pallas.rms_norm import RmsNormTuning, rms_norm_part
 from dsa_jax.pallas.row_meta import RowMeta
 from dsa_jax.projection import (
+    Projections,
     absorb_q,
     kernel_rows,
     output_projection,
     project,
     project_kv,
+    q_resid_dtype,
     x_columns,
 )
 from dsa_jax.select import expand_selection, expansion, top_pools
-from dsa_jax.stacked import LayerOf
+from dsa_jax.stacked import LayerOf, operand
 from dsa_jax.state import DsaState, ring_mark_after, ring_mark_after_rewind, ring_rows
 from dsa_jax.step_checks import (
     StepError,
@@ -148,10 +155,12 @@ def step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, n_n
     """
     shared_launch = select is select_pools and shares_q_launch(cfg, weights, x)
     k = cut_rows(cfg, attend_rows, x.shape[1])
-    meta, xw = (meta_and_x_projection(cfg, weights, state, x, n_new, k)
-                if shared_launch and state.index_k.shape[1] else (None, None))
-    proj = project(cfg, weights, x, defer_q=shared_launch, xw=xw)
-    state, pos, valid = _write_rows(cfg, weights, state, proj, n_new, meta)
+    if shared_launch and state.index_k.shape[1]:
+        state, proj, meta, pos, valid = decode_front(cfg, weights, state, x, n_new, k)
+    else:
+        meta = None
+        proj = project(cfg, weights, x, defer_q=shared_launch)
+        state, pos, valid = _write_rows(cfg, weights, state, proj, n_new)
     if weights.has_indexer:
         qi, w, pos_k, valid_k = first_rows(k, proj.qi, proj.w, pos, valid)
         if shared_launch:  # select_pools with the q_b GEMM in the top-k's launch, which
@@ -170,6 +179,66 @@ def step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, n_n
                                  attend_rows, weights.u_v.dtype, proj.q_scaled)  # [B, R, Hl, C]
     y = output_projection(weights, o_latent, cfg)  # [B, R, D]
     return y, _advance(cfg, state, n_new, meta), sel
+
+
+def decode_front(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array,
+                 n_new: jax.Array, attended: int | None):
+    """Where `shares_q_launch` (and the state has a ring): `project(defer_q=True)` and
+    `_write_rows` in three launches. (1) The rows' metadata beside the x projection's GEMM
+    (`meta_and_x_projection`); (2) the GEMM's three readers: the q_a norm, the index rows'
+    write and the latent write; (3) the pool keys (from the index rows) beside the indexer
+    query's GEMM (from the norm). Each part is its kernel's own program at its own warps
+    (`colaunch`), so the same results as one launch each. -> (state, proj, meta, pos,
+    valid)."""
+    meta, xw = meta_and_x_projection(cfg, weights, state, x, n_new, attended)
+    qw, qw_at = operand(cfg, weights.qi_proj)
+    qt = default_tuning(*qw.shape[-2:], 1, x.shape[0] * x.shape[1])
+    warps = {RmsNormTuning().num_warps, LatentWriteTuning().num_warps,
+             IndexWriteTuning().num_warps, qt.num_warps}
+    if len(warps) > 1 or pick_store(LatentWriteTuning(), state.latent.shape,
+                                    state.latent.dtype) != "kernel":
+        # Parts of other warps would not be their kernels' programs; a cache XLA stores
+        # takes no part: one launch each, the same results.
+        proj = project(cfg, weights, x, defer_q=True, xw=xw)
+        state, pos, valid = _write_rows(cfg, weights, state, proj, n_new, meta)
+        return state, proj, meta, pos, valid
+    interpret = resolve(cfg.implementation) == "pallas-interpret"
+    r = x.shape[1]
+    pos = state.lengths[:, None] + jnp.arange(r, dtype=jnp.int32)  # [B, R]
+    valid = jnp.arange(r)[None, :] < n_new[:, None]  # [B, R]
+    at = x_columns(cfg)
+    qn, qn_at = operand(cfg, weights.q_a_norm)
+    norm_part, norm_done = rms_norm_part(xw, qn, cfg.rms_norm_eps, cols=at["q_a"],
+                                         dtype=q_resid_dtype(weights), layer=qn_at)
+    kn, kn_at = operand(cfg, weights.kv_a_norm)
+    lat_part, lat_done = latent_write_part(xw, kn, state.latent, state.kv_scale,
+                                           state.block_tables, pos, valid,
+                                           eps=cfg.rms_norm_eps, col=at["kv"][0],
+                                           layer=kn_at, slots=meta.slots)
+    (nw, w_at), (nb, _), (ape, _) = (operand(cfg, w) for w in (
+        weights.k_norm_w, weights.k_norm_b, weights.ape))
+    ix = index_write_parts(xw, xw, nw, nb, ape, state.index_k, state.index_g,
+                           state.pool_keys, pos, valid,
+                           layers=state.index_k.shape[1] // ring_rows(cfg),
+                           cols=(at["k"][0], at["g"][0]), weight_layer=w_at, meta=meta.index)
+    (warps,) = warps
+    rows_outs, lat_outs, norm_outs = colaunch(
+        [ix.rows, lat_part, norm_part], num_warps=warps, num_stages=1, interpret=interpret,
+        name="x_readers")
+    q_resid = norm_done(norm_outs)  # [B, R, R_q]
+    # The barrier as in `project`: XLA:GPU's dot merger must not merge the two q GEMMs.
+    qi_part, qi_done = matmul_part(lax.optimization_barrier(q_resid), qw, qw_at, tuning=qt)
+    pool_outs, qi_outs = colaunch([ix.pool(rows_outs), qi_part], num_warps=warps,
+                                  num_stages=qt.num_stages, interpret=interpret,
+                                  name="pool_keys_matmul")
+    index_k, index_g, keys = ix.finish(rows_outs, pool_outs)
+    state = state._replace(latent=lat_done(lat_outs), index_k=index_k, index_g=index_g,
+                           pool_keys=keys)
+    cols = {name: xw[..., a:a + n] for name, (a, n) in at.items()}
+    qi = qi_done(qi_outs).reshape(*xw.shape[:-1], cfg.index_n_heads, cfg.index_head_dim)
+    proj = Projections(None, cols["kv"], qi, cols["k"], cols["g"], cols["w"], xw, None,
+                       q_resid)
+    return state, proj, meta, pos, valid
 
 
 def meta_and_x_projection(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array,

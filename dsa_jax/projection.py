@@ -35,7 +35,7 @@ from dsa_jax.weights import DsaWeights
 
 __all__ = ["Projections", "absorb_q", "kernel_rows", "matmul", "norm", "output_projection",
            "per_head", "project", "project_kv", "prompt_rows", "prompt_u_v_kernel", "q_abs_bound",
-           "rms_norm", "scaled_q_abs", "x_columns"]
+           "q_resid_dtype", "rms_norm", "scaled_q_abs", "x_columns"]
 
 
 class Projections(NamedTuple):
@@ -149,6 +149,13 @@ def absorb_q(cfg: DsaConfig, weights: DsaWeights, q: jax.Array) -> jax.Array:
     return per_head(q, weights.u_k, 1, cfg)
 
 
+def q_resid_dtype(weights: DsaWeights):
+    """The q GEMMs' normalized operand's dtype: their weights' where the two agree (the
+    rounding they would apply), else fp32."""
+    dt = {w.dtype for w in (weights.q_proj, weights.qi_proj) if w is not None}
+    return dt.pop() if len(dt) == 1 else jnp.float32
+
+
 def project(cfg: DsaConfig, weights: DsaWeights, x: jax.Array, *, defer_q: bool = False,
             xw: jax.Array | None = None) -> Projections:
     """`x [..., D]` -> every per-token quantity the block needs. defer_q: leave the q_b GEMM
@@ -166,9 +173,8 @@ def project(cfg: DsaConfig, weights: DsaWeights, x: jax.Array, *, defer_q: bool 
                          f"{(*x.shape[:-1], weights.x_proj.shape[-2])}")
     # The norm reads its columns of xw in place and writes the q GEMMs' operand dtype (the
     # rounding they would apply): no slice, no conversion pass. fp32 where the two differ.
-    dt = {w.dtype for w in (weights.q_proj, weights.qi_proj) if w is not None}
     q_resid = norm(cfg, xw, weights.q_a_norm, cfg.rms_norm_eps, cols=at["q_a"],
-                          dtype=dt.pop() if len(dt) == 1 else jnp.float32)  # [..., R_q]
+                   dtype=q_resid_dtype(weights))  # [..., R_q]
     kv_raw = _cols(xw, at["kv"])  # [..., C]
     impl = resolve(cfg.implementation)
     scaled = (prompt_rows(cfg, xw.shape[:-1]) and impl != "xla"

@@ -177,9 +177,13 @@ def test_a_decode_and_a_verify_with_the_shared_launch_keep_their_bits(kernel_imp
             state, x[:, :1])).replace("'", "")
         assert text.count("name=topk_matmul") == want
         assert text.count("name=pool_topk") == 1 - want
-        # the rows' metadata in the x projection's launch (`layer.meta_and_x_projection`)
-        assert text.count("name=meta_matmul") == want
-        assert text.count("name=matmul") == 6 - 2 * want  # x and q_b beside the others
+        # `layer.decode_front`: the rows' metadata beside the x projection's GEMM, its three
+        # readers in one launch, the pool keys beside the indexer query's GEMM
+        for name in ("meta_matmul", "x_readers", "pool_keys_matmul"):
+            assert text.count(f"name={name}") == want, name
+        for name in ("rms_norm", "latent_write", "index_write_rows", "index_write_pool_keys"):
+            assert text.count(f"name={name}") == 1 - want, name
+        assert text.count("name=matmul") == 6 - 3 * want  # x, q_b and qi beside the others
     outs = {}
     for on in (True, False):
         c = cfg.replace(colaunch=on)

@@ -175,6 +175,27 @@ def test_store_rule_follows_the_offset_limit(shape, dtype, wraps):
             lw.pick_store(lw.LatentWriteTuning(store="kernel"), shape, dtype)
 
 
+def test_a_cache_xla_stores_takes_no_shared_launch():
+    """`latent_write_part` (the kernel storing in place, for `layer.decode_front`'s launch)
+    refuses a cache whose offsets would wrap (traced only), where `pick_store` says "xla";
+    the decode front then writes alone."""
+    kv, table = jnp.zeros((1, 1, 512)), jnp.zeros((1, 2), jnp.int32)
+    pos, valid = jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), bool)
+    for nb, ok in ((131072, False), (1024, True)):
+        cache = jax.ShapeDtypeStruct((nb, 64, 512), jnp.float8_e4m3fn)
+        def fn(c):
+            part, _ = lw.latent_write_part(kv, jnp.ones(512), c, 1.0, table, pos, valid,
+                                           eps=1e-6)
+            return part.out_shape[0]
+
+        if ok:
+            assert jax.eval_shape(fn, cache).shape == (nb * 64, 512)
+        else:
+            assert lw.pick_store(lw.LatentWriteTuning(), cache.shape, cache.dtype) == "xla"
+            with pytest.raises(KernelLimitError, match=r"latent cache .* bytes"):
+                jax.eval_shape(fn, cache)
+
+
 def _write_call(store="auto"):
     kv = jax.random.normal(jax.random.key(0), (2, 3, 512))
     # The top blocks of a 4 GiB pool: flat rows up to 2**23 - 1, byte offsets past 2**31.

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from dsa_jax.pallas.colaunch import Part
 from dsa_jax.pallas.common import next_pow2, round_to, stacked_weight, with_overrides
 
 LN_EPS = 1e-6  # the indexer's k_norm epsilon (HF nn.LayerNorm(eps=1e-6))
@@ -35,8 +38,10 @@ class IndexWriteTuning:
     """Launch parameters of `index_write_pallas` (one program per row, in each of its
     launches).
 
-    num_warps: warps per program; a program handles one Di-wide row (Di = 128 for GLM-5.3)."""
-    num_warps: int = 1
+    num_warps: warps per program; a program handles one Di-wide row (Di = 128 for GLM-5.3).
+    4, as the decode's other x-projection readers and the indexer query's GEMM take: they
+    share launches (`layer.decode_front`), the same programs at the same warps."""
+    num_warps: int = 4
 
 
 def layer_norm(v: jax.Array, g: jax.Array, b: jax.Array) -> jax.Array:
@@ -206,14 +211,14 @@ def _weight_layer(norm_w, norm_b, ape, weight_layer):
     return at
 
 
-def _rows_kernel(*refs, width: int, k0: int, g0: int, stacked: bool):
-    """One row: LayerNorm of k (k_ref's columns k0..) and g (g_ref's g0..); the stored k to the
+def _rows_program(ids, *refs, width: int, k0: int, g0: int, stacked: bool):
+    """Row ids[0]: LayerNorm of k (k_ref's columns k0..) and g (g_ref's g0..); the stored k to the
     step buffer row i, and k and g to flat ring row meta_ref[_FIRST, i] (-1: not here).
     refs: [l_ref [1] int32 when `stacked`: w_ref, b_ref are [G, Di], read at row l], w_ref,
     b_ref [Di], k_ref, g_ref, meta_ref, the two rings (aliased), k_out, g_out, kc_out."""
     l_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
     w_ref, b_ref, k_ref, g_ref, meta_ref, _k_in, _g_in, k_out, g_out, kc_out = refs
-    i = pl.program_id(0)
+    (i,) = ids
     cols = jnp.arange(next_pow2(width), dtype=jnp.int32)  # [Dp]
     in_width = cols < width
     k = plt.load(k_ref.at[i, k0 + cols], mask=in_width, other=0.0)
@@ -232,8 +237,9 @@ def _rows_kernel(*refs, width: int, k0: int, g0: int, stacked: bool):
     plt.store(g_out.at[jnp.maximum(row, 0), cols], g.astype(g_out.dtype), mask=mask)
 
 
-def _copy_kernel(kc_ref, g_ref, meta_ref, _k_in, _g_in, k_out, g_out, *, width: int, g0: int):
-    """One row: the stored k (step buffer) and g (g_ref's columns g0..) to flat ring row
+def _copy_program(ids, kc_ref, g_ref, meta_ref, _k_in, _g_in, k_out, g_out, *, width: int,
+                  g0: int):
+    """Row ids[0]: the stored k (step buffer) and g (g_ref's columns g0..) to flat ring row
     meta_ref[_LATE, i] (-1: none)."""
     i = pl.program_id(0)
     cols = jnp.arange(next_pow2(width), dtype=jnp.int32)  # [Dp]
@@ -245,8 +251,8 @@ def _copy_kernel(kc_ref, g_ref, meta_ref, _k_in, _g_in, k_out, g_out, *, width: 
     plt.store(g_out.at[jnp.maximum(row, 0), cols], g.astype(g_out.dtype), mask=mask)
 
 
-def _pool_kernel(*refs, width: int, kpool: int, rows: int, g0: int, stacked: bool):
-    """One row that may complete a pool (flat key row meta[_DEST, i]; -1: none). Members
+def _pool_program(ids, *refs, width: int, kpool: int, rows: int, g0: int, stacked: bool):
+    """Row ids[0], one that may complete a pool (flat key row meta[_DEST, i]; -1: none). Members
     m < meta[_SPLIT, i] come from the ring (flat row meta[_RING, i] + (meta[_POOL, i] + m) %
     rows, the pool's first position meta[_POOL, i]), the others from the step: flat row
     meta[_STEP, i] + m of the stored k buffer and of the raw g (g_ref's columns g0..; cast to
@@ -255,7 +261,7 @@ def _pool_kernel(*refs, width: int, kpool: int, rows: int, g0: int, stacked: boo
     (aliased), keys_out."""
     l_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
     ape_ref, rk_ref, rg_ref, kc_ref, g_ref, meta_ref, _keys_in, keys_out = refs
-    i = pl.program_id(0)
+    (i,) = ids
     cols = jnp.arange(next_pow2(width), dtype=jnp.int32)  # [Dp]
     members = jnp.arange(next_pow2(kpool), dtype=jnp.int32)  # [KPp]
     dest = meta_ref[_DEST, i]
@@ -285,6 +291,93 @@ def _pool_kernel(*refs, width: int, kpool: int, rows: int, g0: int, stacked: boo
               mask=(cols < width) & (dest >= 0))
 
 
+class IndexWriteParts(NamedTuple):
+    """`index_write_pallas`'s launches as `colaunch.Part`s, in order: `rows` (the LayerNorm,
+    the step buffer and the early ring rows), then `pool(rows_outs)` (the pool keys, reading
+    the first's outputs), then, where `late` (a prompt chunk longer than the ring's free
+    rows), `late_rows(rows_outs)`; `finish(rows_outs, pool_outs, late_outs=None)` -> the new
+    (index_k, index_g, pool_keys). Each part's program is the kernel's own."""
+    rows: Part
+    pool: Callable[[tuple], Part]
+    late: bool
+    late_rows: Callable[[tuple], Part]
+    finish: Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
+
+
+def index_write_parts(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b: jax.Array,
+                      ape: jax.Array, index_k: jax.Array, index_g: jax.Array,
+                      pool_keys: jax.Array, pos: jax.Array, valid: jax.Array,
+                      layer: jax.Array | int = 0, *, layers: int = 1,
+                      cols: tuple[int, int] | None = None,
+                      weight_layer: jax.Array | None = None, meta: jax.Array | None = None
+                      ) -> IndexWriteParts:
+    """`index_write_pallas`'s kernels for these arguments (its own) as `IndexWriteParts`, for
+    launches shared with other kernels (`layer.decode_front`): the same programs."""
+    kp, rows, num_pools, _ = ring_geometry(ape, index_k, pool_keys, layers)
+    at = _weight_layer(norm_w, norm_b, ape, weight_layer)
+    lead = () if at is None else (jnp.reshape(at, (1,)),)
+    di = norm_w.shape[-1]
+    k0, g0 = row_columns(k_raw, g, di, cols)
+    nb, r = k_raw.shape[:2]
+    n, ring_len = nb * r, index_k.shape[1]
+    early = rows - (kp - 1)  # rows whose slot no earlier member of this step's pools uses
+    if meta is None:
+        meta = row_meta(pos, valid, layer, kp=kp, rows=rows, num_pools=num_pools,
+                        keys_len=pool_keys.shape[1], ring_len=ring_len)  # [7, N]
+    elif meta.shape != (7, n):
+        raise ValueError(f"index_write: meta has shape {meta.shape}; {n} rows need (7, {n})")
+    k_rows = k_raw.reshape(n, k_raw.shape[-1]).astype(jnp.float32)  # [N, >= Di]
+    g_rows = g.reshape(n, g.shape[-1]).astype(jnp.float32)  # [N, >= Di]
+    s = len(lead)  # the operands shift past the layer index
+    stacked = bool(s)
+    ring_shapes = (jax.ShapeDtypeStruct((nb * ring_len, di), index_k.dtype),
+                   jax.ShapeDtypeStruct((nb * ring_len, di), index_g.dtype))
+    rows_part = Part(
+        functools.partial(_rows_program, width=di, k0=k0, g0=g0, stacked=stacked), (n,),
+        (*lead, norm_w.astype(jnp.float32), norm_b.astype(jnp.float32), k_rows, g_rows, meta,
+         index_k.reshape(nb * ring_len, di), index_g.reshape(nb * ring_len, di)),
+        (*ring_shapes, jax.ShapeDtypeStruct((n, di), index_k.dtype)),
+        aliases={s + 5: 0, s + 6: 1})  # [layer]; w, b; k, g [N, Di]; meta; the two rings
+
+    def pool(rows_outs):
+        k_flat, g_flat, kc = rows_outs
+        return Part(
+            functools.partial(_pool_program, width=di, kpool=kp, rows=rows, g0=g0,
+                              stacked=stacked), (n,),
+            (*lead, ape.astype(jnp.float32), k_flat, g_flat, kc, g_rows, meta,
+             pool_keys.reshape(nb * pool_keys.shape[1], di)),
+            (jax.ShapeDtypeStruct((nb * pool_keys.shape[1], di), pool_keys.dtype),),
+            aliases={s + 6: 0})  # [layer]; ape; rings; k buffer, g; meta; keys
+
+    def late_rows(rows_outs):
+        k_flat, g_flat, kc = rows_outs
+        return Part(functools.partial(_copy_program, width=di, g0=g0), (n,),
+                    (kc, g_rows, meta, k_flat, g_flat), ring_shapes,
+                    aliases={3: 0, 4: 1})  # k buffer, g [N, Di]; meta [7, N]; two rings
+
+    def finish(rows_outs, pool_outs, late_outs=None):
+        k_flat, g_flat = rows_outs[:2] if late_outs is None else late_outs
+        return (k_flat.reshape(nb, ring_len, di), g_flat.reshape(nb, ring_len, di),
+                pool_outs[0].reshape(nb, *pool_keys.shape[1:]))
+
+    return IndexWriteParts(rows_part, pool, r > early, late_rows, finish)
+
+
+def _launch(part: Part, tuning: IndexWriteTuning, interpret: bool, name: str) -> tuple:
+    """One part as its own launch (whole-array operands, its aliases)."""
+    outs = pl.pallas_call(
+        lambda *refs: part.body((pl.program_id(0),), *refs),
+        grid=part.grid,
+        in_specs=[pl.BlockSpec()] * len(part.inputs),
+        out_specs=[pl.BlockSpec()] * len(part.out_shape),
+        out_shape=list(part.out_shape),
+        input_output_aliases=part.aliases,
+        compiler_params=plt.CompilerParams(num_warps=tuning.num_warps, num_stages=1),
+        interpret=interpret, name=name,
+    )(*part.inputs)
+    return tuple(outs)
+
+
 def index_write_pallas(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b: jax.Array,
                        ape: jax.Array, index_k: jax.Array, index_g: jax.Array,
                        pool_keys: jax.Array, pos: jax.Array, valid: jax.Array,
@@ -304,55 +397,11 @@ def index_write_pallas(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b
     by the caller (the step's metadata launch, `pallas/row_meta.py`; None: computed here).
     `overrides`: fields of `tuning` by name (`num_warps=2`)."""
     tuning = with_overrides(tuning, overrides)
-    kp, rows, num_pools, tmax = ring_geometry(ape, index_k, pool_keys, layers)
-    at = _weight_layer(norm_w, norm_b, ape, weight_layer)
-    lead = [] if at is None else [jnp.reshape(at, (1,))]
-    di = norm_w.shape[-1]
-    k0, g0 = row_columns(k_raw, g, di, cols)
-    nb, r = k_raw.shape[:2]
-    n, ring_len = nb * r, index_k.shape[1]
-    early = rows - (kp - 1)  # rows whose slot no earlier member of this step's pools uses
-    if meta is None:
-        meta = row_meta(pos, valid, layer, kp=kp, rows=rows, num_pools=num_pools,
-                        keys_len=pool_keys.shape[1], ring_len=ring_len)  # [7, N]
-    elif meta.shape != (7, n):
-        raise ValueError(f"index_write: meta has shape {meta.shape}; {n} rows need (7, {n})")
-    params = plt.CompilerParams(num_warps=tuning.num_warps, num_stages=1)
-    k_rows = k_raw.reshape(n, k_raw.shape[-1]).astype(jnp.float32)  # [N, >= Di]
-    g_rows = g.reshape(n, g.shape[-1]).astype(jnp.float32)  # [N, >= Di]
-    s = len(lead)  # the operands shift past the layer index
-    k_flat, g_flat, kc = pl.pallas_call(
-        functools.partial(_rows_kernel, width=di, k0=k0, g0=g0, stacked=bool(s)),
-        grid=(n,),
-        in_specs=[pl.BlockSpec()] * (s + 7),  # [layer]; w, b; k, g [N, Di]; meta; two rings
-        out_specs=[pl.BlockSpec()] * 3,
-        out_shape=[jax.ShapeDtypeStruct((nb * ring_len, di), index_k.dtype),
-                   jax.ShapeDtypeStruct((nb * ring_len, di), index_g.dtype),
-                   jax.ShapeDtypeStruct((n, di), index_k.dtype)],
-        input_output_aliases={s + 5: 0, s + 6: 1},
-        compiler_params=params, interpret=interpret, name="index_write_rows",
-    )(*lead, norm_w.astype(jnp.float32), norm_b.astype(jnp.float32), k_rows, g_rows, meta,
-      index_k.reshape(nb * ring_len, di), index_g.reshape(nb * ring_len, di))
-    keys_flat = pl.pallas_call(
-        functools.partial(_pool_kernel, width=di, kpool=kp, rows=rows, g0=g0, stacked=bool(s)),
-        grid=(n,),
-        in_specs=[pl.BlockSpec()] * (s + 7),  # [layer]; ape; rings; k buffer, g; meta; keys
-        out_specs=pl.BlockSpec(),
-        out_shape=jax.ShapeDtypeStruct((nb * pool_keys.shape[1], di), pool_keys.dtype),
-        input_output_aliases={s + 6: 0},
-        compiler_params=params, interpret=interpret, name="index_write_pool_keys",
-    )(*lead, ape.astype(jnp.float32), k_flat, g_flat, kc, g_rows, meta,
-      pool_keys.reshape(nb * pool_keys.shape[1], di))
-    if r > early:  # static: a step longer than the ring's free rows (a prompt chunk)
-        k_flat, g_flat = pl.pallas_call(
-            functools.partial(_copy_kernel, width=di, g0=g0),
-            grid=(n,),
-            in_specs=[pl.BlockSpec()] * 5,  # k buffer, g [N, Di]; meta [7, N]; two rings
-            out_specs=[pl.BlockSpec()] * 2,
-            out_shape=[jax.ShapeDtypeStruct((nb * ring_len, di), index_k.dtype),
-                       jax.ShapeDtypeStruct((nb * ring_len, di), index_g.dtype)],
-            input_output_aliases={3: 0, 4: 1},
-            compiler_params=params, interpret=interpret, name="index_write_late_rows",
-        )(kc, g_rows, meta, k_flat, g_flat)
-    return (k_flat.reshape(nb, ring_len, di), g_flat.reshape(nb, ring_len, di),
-            keys_flat.reshape(nb, *pool_keys.shape[1:]))
+    parts = index_write_parts(k_raw, g, norm_w, norm_b, ape, index_k, index_g, pool_keys,
+                              pos, valid, layer, layers=layers, cols=cols,
+                              weight_layer=weight_layer, meta=meta)
+    rows_outs = _launch(parts.rows, tuning, interpret, "index_write_rows")
+    pool_outs = _launch(parts.pool(rows_outs), tuning, interpret, "index_write_pool_keys")
+    late_outs = (_launch(parts.late_rows(rows_outs), tuning, interpret,
+                         "index_write_late_rows") if parts.late else None)
+    return parts.finish(rows_outs, pool_outs, late_outs)

@@ -23,6 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from dsa_jax.pallas.colaunch import Part
 from dsa_jax.pallas.common import (
     check_triton_addressable,
     next_pow2,
@@ -39,13 +40,14 @@ STORES = ("auto", "kernel", "xla")
 class LatentWriteTuning:
     """Launch parameters of `latent_write_pallas` (one program per row).
 
-    num_warps: warps per program, each program storing one row of C values.
+    num_warps: warps per program, each program storing one row of C values (4, as the
+      decode's other x-projection readers take: they share a launch, `layer.decode_front`).
     store: who stores the rows into the cache: "kernel" (in place through the cache aliased
       to the kernel's output; refused with `KernelLimitError` where its offsets would wrap),
       "xla" (the kernel returns the rows `[N, C]`, an XLA scatter stores them), or "auto" (the
       default): "kernel" unless `triton_offsets_wrap` says the cache needs "xla". The rule is
       fixed; both give the same bytes."""
-    num_warps: int = 2
+    num_warps: int = 4
     store: str = "auto"
 
     def __post_init__(self):
@@ -117,8 +119,9 @@ def latent_write_xla(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
     return flat.reshape(nb, bs, c)
 
 
-def _write_kernel(*refs, width: int, eps: float, to_rows: bool, col: int, stacked: bool):
-    """One row: [l_ref [1] int32 when `stacked`], scale_ref [1] f32, w_ref [C] f32 (or [G, C]
+def _write_program(ids, *refs, width: int, eps: float, to_rows: bool, col: int,
+                   stacked: bool):
+    """Row ids[0]: [l_ref [1] int32 when `stacked`], scale_ref [1] f32, w_ref [C] f32 (or [G, C]
     read at row l), raw_ref [N, >= col + C] f32 (its columns col.. are the row's), slots_ref
     [N] int32 (whole arrays). out_ref (the last of `refs`): the cache itself [NS, C]
     (aliased, after the cache input), written at the row's slot; or, when `to_rows`, the rows
@@ -126,7 +129,7 @@ def _write_kernel(*refs, width: int, eps: float, to_rows: bool, col: int, stacke
     l_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
     scale_ref, w_ref, raw_ref, slots_ref = refs[:4]
     out_ref = refs[-1]
-    i = pl.program_id(0)
+    (i,) = ids
     cp = next_pow2(width)
     cols = jnp.arange(cp, dtype=jnp.int32)  # [Cp]
     in_width = cols < width
@@ -162,6 +165,44 @@ def scatter_rows(latent: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Ar
     return flat.reshape(nb, bs, c)
 
 
+def _operands(kv_raw, norm_w, latent, kv_scale, block_tables, pos, valid, col, layer, slots):
+    """The kernel's operands (the cache last: `[NB * bs, C]`) and its static parameters."""
+    nb, bs, c = latent.shape
+    at = stacked_weight(norm_w, layer, (c,), "latent_write's norm_w")
+    lead = [] if at is None else [jnp.reshape(at, (1,))]
+    b, r, width = kv_raw.shape
+    n = b * r
+    start = raw_columns(kv_raw, c, col)
+    if slots is None:
+        slots = flat_slots(pos, valid, block_tables, bs).reshape(n).astype(jnp.int32)
+    elif slots.shape != (n,):
+        raise ValueError(f"latent_write: slots has shape {slots.shape}; {n} rows need ({n},)")
+    scale = jnp.reshape(jnp.asarray(kv_scale, jnp.float32), (1,))
+    operands = [*lead, scale, norm_w.astype(jnp.float32),
+                kv_raw.reshape(n, width).astype(jnp.float32), slots]
+    return operands, dict(width=c, col=start, stacked=at is not None), n
+
+
+def latent_write_part(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
+                      kv_scale: jax.Array, block_tables: jax.Array, pos: jax.Array,
+                      valid: jax.Array, *, eps: float, col: int | None = None,
+                      layer: jax.Array | None = None, slots: jax.Array | None = None):
+    """`latent_write_pallas`'s kernel storing in place (store "kernel") as a `colaunch.Part`
+    (a program per row, the cache aliased to its output) and `finish(outs)` -> the new cache
+    `[NB, bs, C]` (for a launch shared with other kernels: the same program, so the same
+    bytes at the same `num_warps`). Refused (`KernelLimitError`) where the kernel cannot
+    address the cache (`pick_store` gives "xla" there)."""
+    check_triton_addressable(latent.shape, latent.dtype, "latent cache")  # KernelLimitError
+    operands, static, n = _operands(kv_raw, norm_w, latent, kv_scale, block_tables, pos,
+                                    valid, col, layer, slots)
+    nb, bs, c = latent.shape
+    body = functools.partial(_write_program, eps=eps, to_rows=False, **static)
+    part = Part(body, (n,), (*operands, latent.reshape(nb * bs, c)),
+                (jax.ShapeDtypeStruct((nb * bs, c), latent.dtype),),
+                aliases={len(operands): 0})
+    return part, lambda outs: outs[0].reshape(nb, bs, c)
+
+
 def latent_write_pallas(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
                         kv_scale: jax.Array, block_tables: jax.Array, pos: jax.Array,
                         valid: jax.Array, *, eps: float, col: int | None = None,
@@ -179,41 +220,31 @@ def latent_write_pallas(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
     (`num_warps=4`)."""
     tuning = with_overrides(tuning, overrides)
     store = pick_store(tuning, latent.shape, latent.dtype)
-    nb, bs, c = latent.shape
-    at = stacked_weight(norm_w, layer, (c,), "latent_write's norm_w")
-    lead = [] if at is None else [jnp.reshape(at, (1,))]
-    b, r, width = kv_raw.shape
-    n = b * r
-    start = raw_columns(kv_raw, c, col)
-    if slots is None:
-        slots = flat_slots(pos, valid, block_tables, bs).reshape(n).astype(jnp.int32)
-    elif slots.shape != (n,):
-        raise ValueError(f"latent_write: slots has shape {slots.shape}; {n} rows need ({n},)")
-    scale = jnp.reshape(jnp.asarray(kv_scale, jnp.float32), (1,))
-    kernel = functools.partial(_write_kernel, width=c, eps=eps, to_rows=store == "xla",
-                               col=start, stacked=at is not None)
-    operands = [*lead, scale, norm_w.astype(jnp.float32),
-                kv_raw.reshape(n, width).astype(jnp.float32), slots]
     params = plt.CompilerParams(num_warps=tuning.num_warps, num_stages=1)
-    if store == "xla":
-        rows = pl.pallas_call(
-            kernel, grid=(n,),
-            in_specs=[pl.BlockSpec()] * len(operands),  # [layer], scale, w, raw, slots
+    if store == "kernel":
+        part, finish = latent_write_part(kv_raw, norm_w, latent, kv_scale, block_tables, pos,
+                                         valid, eps=eps, col=col, layer=layer, slots=slots)
+        out = pl.pallas_call(
+            lambda *refs: part.body((pl.program_id(0),), *refs),
+            grid=part.grid,
+            in_specs=[pl.BlockSpec()] * len(part.inputs),  # [layer], scale [1], w, raw
+            # [N, >= C], slots [N], the cache
             out_specs=pl.BlockSpec(),
-            out_shape=jax.ShapeDtypeStruct((n, c), latent.dtype),
-            compiler_params=params, interpret=interpret, name="latent_rows",
-        )(*operands)  # [N, C]
-        return scatter_rows(latent, rows, slots)
-    out = pl.pallas_call(
-        kernel,
-        grid=(n,),
-        in_specs=[pl.BlockSpec()] * (len(operands) + 1),  # [layer], scale [1], w, raw
-        # [N, >= C], slots [N], the cache
+            out_shape=part.out_shape[0],
+            input_output_aliases=part.aliases,
+            compiler_params=params,
+            interpret=interpret,
+            name="latent_write",
+        )(*part.inputs)
+        return finish((out,))
+    operands, static, n = _operands(kv_raw, norm_w, latent, kv_scale, block_tables, pos,
+                                    valid, col, layer, slots)
+    body = functools.partial(_write_program, eps=eps, to_rows=True, **static)
+    rows = pl.pallas_call(
+        lambda *refs: body((pl.program_id(0),), *refs), grid=(n,),
+        in_specs=[pl.BlockSpec()] * len(operands),  # [layer], scale, w, raw, slots
         out_specs=pl.BlockSpec(),
-        out_shape=jax.ShapeDtypeStruct((nb * bs, c), latent.dtype),
-        input_output_aliases={len(operands): 0},
-        compiler_params=params,
-        interpret=interpret,
-        name="latent_write",
-    )(*operands, latent.reshape(nb * bs, c))
-    return out.reshape(nb, bs, c)
+        out_shape=jax.ShapeDtypeStruct((n, latent.shape[2]), latent.dtype),
+        compiler_params=params, interpret=interpret, name="latent_rows",
+    )(*operands)  # [N, C]
+    return scatter_rows(latent, rows, operands[-1])

@@ -20,6 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from dsa_jax.pallas.colaunch import Part
 from dsa_jax.pallas.common import layer_index, next_pow2, with_overrides
 
 
@@ -72,12 +73,12 @@ def rms_norm_xla(v: jax.Array, w: jax.Array, eps: float, *, cols: tuple[int, int
     return out.astype(dtype)
 
 
-def _norm_kernel(*refs, start: int, width: int, eps: float, stacked: bool):
-    """One row: [l_ref [1] int32, when `stacked`], v_ref [N, >= start + n] f32, w_ref [n] f32
-    (or [G, n] read at row l: in place, the same numbers), whole arrays; out_ref [N, n] in the
-    result's dtype (rounded to nearest even, as XLA's conversion)."""
+def _norm_program(ids, *refs, start: int, width: int, eps: float, stacked: bool):
+    """Row ids[0]: [l_ref [1] int32, when `stacked`], v_ref [N, >= start + n] f32, w_ref [n]
+    f32 (or [G, n] read at row l: in place, the same numbers), whole arrays; out_ref [N, n]
+    in the result's dtype (rounded to nearest even, as XLA's conversion)."""
     l_ref, (v_ref, w_ref, out_ref) = (refs[0], refs[1:]) if stacked else (None, refs)
-    i = pl.program_id(0)
+    (i,) = ids
     cols = jnp.arange(next_pow2(width), dtype=jnp.int32)  # [np2]
     in_width = cols < width
     v = plt.load(v_ref.at[i, start + cols], mask=in_width, other=0.0)  # [np2], zero padding
@@ -85,6 +86,23 @@ def _norm_kernel(*refs, start: int, width: int, eps: float, stacked: bool):
     w = plt.load(w_ref.at[at], mask=in_width, other=0.0)  # [np2]
     out = w * v * lax.rsqrt(jnp.sum(v * v) / width + eps)  # [np2]
     plt.store(out_ref.at[i, cols], out.astype(out_ref.dtype), mask=in_width)
+
+
+def rms_norm_part(v: jax.Array, w: jax.Array, eps: float, *,
+                  cols: tuple[int, int] | None = None, dtype=jnp.float32,
+                  layer: jax.Array | None = None):
+    """`rms_norm_pallas`'s kernel as a `colaunch.Part` (a program per row) and `finish(outs)`,
+    which turns its output into that function's result (for a launch shared with other
+    kernels: the same program, so the same bits at the same `num_warps`)."""
+    full = v.shape[-1]
+    start, width, at = _columns(full, cols, w, layer)
+    rows = v.reshape(-1, full).astype(jnp.float32)  # [N, full]
+    stacked = at is not None
+    lead = (jnp.reshape(at, (1,)),) if stacked else ()
+    body = functools.partial(_norm_program, start=start, width=width, eps=eps, stacked=stacked)
+    part = Part(body, (rows.shape[0],), (*lead, rows, w.astype(jnp.float32)),
+                (jax.ShapeDtypeStruct((rows.shape[0], width), dtype),))
+    return part, lambda outs: outs[0].reshape(*v.shape[:-1], width)
 
 
 def rms_norm_pallas(v: jax.Array, w: jax.Array, eps: float, *, cols: tuple[int, int] | None = None,
@@ -95,19 +113,15 @@ def rms_norm_pallas(v: jax.Array, w: jax.Array, eps: float, *, cols: tuple[int, 
     `w [G, n]` read in place: a kernel operand is a whole buffer, so a slice would be a copy).
     `overrides`: fields of `tuning` by name (`num_warps=8`)."""
     tuning = with_overrides(tuning, overrides)
-    full = v.shape[-1]
-    start, width, at = _columns(full, cols, w, layer)
-    rows = v.reshape(-1, full).astype(jnp.float32)  # [N, full]
-    stacked = at is not None
-    lead = [jnp.reshape(at, (1,))] if stacked else []
+    part, finish = rms_norm_part(v, w, eps, cols=cols, dtype=dtype, layer=layer)
     out = pl.pallas_call(
-        functools.partial(_norm_kernel, start=start, width=width, eps=eps, stacked=stacked),
-        grid=(rows.shape[0],),
-        in_specs=[pl.BlockSpec()] * (len(lead) + 2),  # [layer], v [N, full], w [n] or [G, n]
+        lambda *refs: part.body((pl.program_id(0),), *refs),
+        grid=part.grid,
+        in_specs=[pl.BlockSpec()] * len(part.inputs),  # [layer], v [N, full], w [n] or [G, n]
         out_specs=pl.BlockSpec(),
-        out_shape=jax.ShapeDtypeStruct((rows.shape[0], width), dtype),
+        out_shape=part.out_shape[0],
         compiler_params=plt.CompilerParams(num_warps=tuning.num_warps, num_stages=1),
         interpret=interpret,
         name="rms_norm",
-    )(*lead, rows, w.astype(jnp.float32))  # [N, n]
-    return out.reshape(*v.shape[:-1], width)
+    )(*part.inputs)  # [N, n]
+    return finish((out,))

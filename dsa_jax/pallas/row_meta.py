@@ -125,7 +125,7 @@ def row_meta_xla(g: RowGeometry, lengths: jax.Array, marks: jax.Array, n_new: ja
 
 
 def _program(ids, l_ref, m_ref, n_ref, bt_ref, slots_ref, index_ref, cand_ref, pv_ref,
-             len_ref, mark_ref, *, g: RowGeometry, b: int):
+             len_ref, mark_ref, *, g: RowGeometry, b: int, barrier: bool):
     """The one program: every sequence's rows as a padded `[Bp, Rp]` tile."""
     del ids
     nblocks = bt_ref.shape[1]
@@ -156,21 +156,29 @@ def _program(ids, l_ref, m_ref, n_ref, bt_ref, slots_ref, index_ref, cand_ref, p
     at = jnp.where(first, seq2 * k + r, b * k)  # [Bp, Rp]
     plt.store(cand_ref.at[at], candidate_pools(pos, valid, g.kpool), mask=first)
     plt.store(pv_ref.at[at], positions(pos, valid), mask=first)
-    plt.store(len_ref.at[seq], lengths + n_new, mask=in_b)
-    plt.store(mark_ref.at[seq], mark_after(lengths, marks, n_new, g.ring_rows), mask=in_b)
+    new_lengths, new_marks = lengths + n_new, mark_after(lengths, marks, n_new, g.ring_rows)
+    # The two are written in their inputs' buffers (aliased: no copy into the donated
+    # state): every thread has read them before any writes (interpret mode runs the
+    # program's operations in order, and has no barrier).
+    if barrier:
+        plt.debug_barrier()
+    plt.store(len_ref.at[seq], new_lengths, mask=in_b)
+    plt.store(mark_ref.at[seq], new_marks, mask=in_b)
 
 
 def row_meta_part(g: RowGeometry, lengths: jax.Array, marks: jax.Array, n_new: jax.Array,
-                  block_tables: jax.Array):
+                  block_tables: jax.Array, *, interpret: bool = False):
     """`row_meta_xla`'s kernel as a `colaunch.Part` (one program) and `finish(outs) ->
-    RowMeta`."""
+    RowMeta`. The new lengths and marks are written in the buffers of `lengths` and `marks`
+    (donate them, as the step's state is: otherwise XLA copies them first)."""
     b = _check(g, lengths, marks, n_new, block_tables)
     i32 = jnp.int32
     n, k = b * g.rows, g.attended
     out = tuple(jax.ShapeDtypeStruct(s, i32) for s in ((n,), (7, n), (b * k,), (b * k,),
                                                         (b,), (b,)))
-    part = Part(lambda ids, *refs: _program(ids, *refs, g=g, b=b), (1,),
-                tuple(a.astype(i32) for a in (lengths, marks, n_new, block_tables)), out)
+    part = Part(lambda ids, *refs: _program(ids, *refs, g=g, b=b, barrier=not interpret), (1,),
+                tuple(a.astype(i32) for a in (lengths, marks, n_new, block_tables)), out,
+                aliases={0: 4, 1: 5})  # lengths and marks in place
     def finish(outs):
         slots, index, n_cand, pv, new_lengths, marks = outs
         return RowMeta(slots, index, n_cand.reshape(b, k), pv, new_lengths, marks)
@@ -182,7 +190,7 @@ def row_meta_pallas(g: RowGeometry, lengths: jax.Array, marks: jax.Array, n_new:
                     block_tables: jax.Array, *, interpret: bool = False,
                     num_warps: int = 4) -> RowMeta:
     """`row_meta_xla` as one Pallas program: the same integers."""
-    part, finish = row_meta_part(g, lengths, marks, n_new, block_tables)
+    part, finish = row_meta_part(g, lengths, marks, n_new, block_tables, interpret=interpret)
     (outs,) = colaunch([part], num_warps=num_warps, num_stages=1, interpret=interpret,
                        name="row_meta")
     return finish(outs)
@@ -204,7 +212,8 @@ def meta_matmul_pallas(g: RowGeometry, lengths: jax.Array, marks: jax.Array,
     """`meta_matmul_xla` as one launch: the metadata program first, then the GEMM's tiles
     (`matmul_part`: its own tiles, so `matmul_pallas`'s bits), at the GEMM's warps and
     pipeline depth."""
-    m_part, m_finish = row_meta_part(g, lengths, marks, n_new, block_tables)
+    m_part, m_finish = row_meta_part(g, lengths, marks, n_new, block_tables,
+                                     interpret=interpret)
     rows = max(1, v.size // v.shape[-1])
     mt = matmul_tuning or mm.default_tuning(*w.shape[-2:], 1, rows)
     g_part, g_finish = mm.matmul_part(v, w, layer, tuning=mt)
