@@ -45,7 +45,7 @@ from dsa_jax.pallas import row_meta
 from dsa_jax.pallas.colaunch import colaunch
 from dsa_jax.pallas.index_write import IndexWriteTuning, index_write_parts
 from dsa_jax.pallas.latent_write import LatentWriteTuning, latent_write_part, pick_store
-from dsa_jax.pallas.matmul import default_tuning, matmul_part
+from dsa_jax.pallas.matmul import default_tuning, matmul_part, summed_columns_part
 from dsa_jax.pallas.pool_topk import KERNEL_MAX_P
 from dsa_jax.pallas.rms_norm import RmsNormTuning, rms_norm_part
 from dsa_jax.pallas.row_meta import RowMeta
@@ -185,12 +185,12 @@ def decode_front(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Ar
                  n_new: jax.Array, attended: int | None):
     """Where `shares_q_launch` (and the state has a ring): `project(defer_q=True)` and
     `_write_rows` in three launches. (1) The rows' metadata beside the x projection's GEMM
-    (`meta_and_x_projection`); (2) the GEMM's three readers: the q_a norm, the index rows'
-    write and the latent write; (3) the pool keys (from the index rows) beside the indexer
-    query's GEMM (from the norm). Each part is its kernel's own program at its own warps
-    (`colaunch`), so the same results as one launch each. -> (state, proj, meta, pos,
-    valid)."""
-    meta, xw = meta_and_x_projection(cfg, weights, state, x, n_new, attended)
+    (`meta_and_x_projection`), its K parts left unsummed; (2) the GEMM's readers, each
+    adding the parts in split order itself (`common.load_parts`): the q_a norm, the index
+    rows' write, the latent write and the head weights' columns; (3) the pool keys (from the
+    index rows) beside the indexer query's GEMM (from the norm). Each part is its kernel's
+    own program at its kernel's warps (`colaunch`): the same results as one launch each.
+    -> (state, proj, meta, pos, valid)."""
     qw, qw_at = operand(cfg, weights.qi_proj)
     qt = default_tuning(*qw.shape[-2:], 1, x.shape[0] * x.shape[1])
     warps = {RmsNormTuning().num_warps, LatentWriteTuning().num_warps,
@@ -199,32 +199,38 @@ def decode_front(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Ar
                                     state.latent.dtype) != "kernel":
         # Parts of other warps would not be their kernels' programs; a cache XLA stores
         # takes no part: one launch each, the same results.
+        meta, xw = meta_and_x_projection(cfg, weights, state, x, n_new, attended)
         proj = project(cfg, weights, x, defer_q=True, xw=xw)
         state, pos, valid = _write_rows(cfg, weights, state, proj, n_new, meta)
         return state, proj, meta, pos, valid
+    (warps,) = warps
+    meta, xp = meta_and_x_projection(cfg, weights, state, x, n_new, attended,
+                                     summed=False)  # xp [S, B, R, Nx]: the K parts
+    s = xp.shape[0]
     interpret = resolve(cfg.implementation) == "pallas-interpret"
     r = x.shape[1]
     pos = state.lengths[:, None] + jnp.arange(r, dtype=jnp.int32)  # [B, R]
     valid = jnp.arange(r)[None, :] < n_new[:, None]  # [B, R]
     at = x_columns(cfg)
     qn, qn_at = operand(cfg, weights.q_a_norm)
-    norm_part, norm_done = rms_norm_part(xw, qn, cfg.rms_norm_eps, cols=at["q_a"],
-                                         dtype=q_resid_dtype(weights), layer=qn_at)
+    norm_part, norm_done = rms_norm_part(xp, qn, cfg.rms_norm_eps, cols=at["q_a"],
+                                         dtype=q_resid_dtype(weights), layer=qn_at, parts=s)
     kn, kn_at = operand(cfg, weights.kv_a_norm)
-    lat_part, lat_done = latent_write_part(xw, kn, state.latent, state.kv_scale,
+    lat_part, lat_done = latent_write_part(xp, kn, state.latent, state.kv_scale,
                                            state.block_tables, pos, valid,
                                            eps=cfg.rms_norm_eps, col=at["kv"][0],
-                                           layer=kn_at, slots=meta.slots)
+                                           layer=kn_at, slots=meta.slots, parts=s)
     (nw, w_at), (nb, _), (ape, _) = (operand(cfg, w) for w in (
         weights.k_norm_w, weights.k_norm_b, weights.ape))
-    ix = index_write_parts(xw, xw, nw, nb, ape, state.index_k, state.index_g,
+    ix = index_write_parts(xp, xp, nw, nb, ape, state.index_k, state.index_g,
                            state.pool_keys, pos, valid,
                            layers=state.index_k.shape[1] // ring_rows(cfg),
-                           cols=(at["k"][0], at["g"][0]), weight_layer=w_at, meta=meta.index)
-    (warps,) = warps
-    rows_outs, lat_outs, norm_outs = colaunch(
-        [ix.rows, lat_part, norm_part], num_warps=warps, num_stages=1, interpret=interpret,
-        name="x_readers")
+                           cols=(at["k"][0], at["g"][0]), weight_layer=w_at, meta=meta.index,
+                           parts=s)
+    w_part, w_done = summed_columns_part(xp, *at["w"])  # the head weights [B, R, Hi]
+    rows_outs, lat_outs, norm_outs, w_outs = colaunch(
+        [ix.rows, lat_part, norm_part, w_part], num_warps=warps, num_stages=1,
+        interpret=interpret, name="x_readers")
     q_resid = norm_done(norm_outs)  # [B, R, R_q]
     # The barrier as in `project`: XLA:GPU's dot merger must not merge the two q GEMMs.
     qi_part, qi_done = matmul_part(lax.optimization_barrier(q_resid), qw, qw_at, tuning=qt)
@@ -234,21 +240,21 @@ def decode_front(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Ar
     index_k, index_g, keys = ix.finish(rows_outs, pool_outs)
     state = state._replace(latent=lat_done(lat_outs), index_k=index_k, index_g=index_g,
                            pool_keys=keys)
-    cols = {name: xw[..., a:a + n] for name, (a, n) in at.items()}
-    qi = qi_done(qi_outs).reshape(*xw.shape[:-1], cfg.index_n_heads, cfg.index_head_dim)
-    proj = Projections(None, cols["kv"], qi, cols["k"], cols["g"], cols["w"], xw, None,
-                       q_resid)
+    qi = qi_done(qi_outs).reshape(*x.shape[:-1], cfg.index_n_heads, cfg.index_head_dim)
+    # Only the kernels above read the x projection (in parts): its columns stay unsummed.
+    proj = Projections(None, None, qi, None, None, w_done(w_outs), None, None, q_resid)
     return state, proj, meta, pos, valid
 
 
 def meta_and_x_projection(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array,
-                          n_new: jax.Array, attended: int | None
+                          n_new: jax.Array, attended: int | None, *, summed: bool = True
                           ) -> tuple[RowMeta, jax.Array]:
     """Where `shares_q_launch` (and the state has a ring): the rows' integer metadata
     (`pallas/row_meta.py`: cache slots, the index write's, candidate pools, the top-k's
     positions, the lengths and marks after the step) and the x projection's GEMM `[B, R, Nx]`
     in one launch. The same integers as the consumers compute themselves, and the GEMM's
-    bits (`matmul_pallas`'s tiles)."""
+    bits (`matmul_pallas`'s tiles). summed False: the GEMM's K parts `[S, B, R, Nx]`, for
+    readers that add them themselves (`decode_front`)."""
     rr, ring_len, keys_len = ring_rows(cfg), state.index_k.shape[1], state.pool_keys.shape[1]
     g = row_meta.RowGeometry(rows=x.shape[1], attended=attended or x.shape[1],
                              block_size=state.latent.shape[1], kpool=cfg.index_kpool,
@@ -257,7 +263,8 @@ def meta_and_x_projection(cfg: DsaConfig, weights: DsaWeights, state: DsaState, 
     w = weights.x_proj
     stack, at = (w.stack, w.index) if isinstance(w, LayerOf) else (w, None)
     return meta_matmul_op(cfg, g, state.lengths, state.index_lengths, n_new,
-                          state.block_tables, x, stack, at)
+                          state.block_tables, x, stack, at,
+                          kernel_options=None if summed else dict(summed=False))
 
 
 def shares_q_launch(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> bool:

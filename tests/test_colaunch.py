@@ -200,3 +200,60 @@ def test_a_decode_and_a_verify_with_the_shared_launch_keep_their_bits(kernel_imp
     assert not np.array_equal(outs[True][0], np.zeros_like(outs[True][0]))
     for a, b in zip(jax.tree.leaves(outs[True]), jax.tree.leaves(outs[False]), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_readers_of_a_split_gemms_parts_give_the_summed_results(kernel_impl):
+    """`matmul_part(summed=False)`'s K parts, read by kernels that add them in split order
+    (`common.load_parts`): the norm, the latent write, the index write and the summed
+    columns give, bit for bit, what they give on `matmul_pallas`'s summed result (the decode
+    front reads the x projection so, `layer.decode_front`)."""
+    from dsa_jax.pallas import index_write as iw
+    from dsa_jax.pallas import latent_write as lw
+    from dsa_jax.pallas import rms_norm as rn
+
+    interpret = kernel_impl == "pallas-interpret"
+    rng = np.random.default_rng(3)
+    b, r, k, n = 2, 3, 2048, 600  # 4 K parts (`splits_for`)
+    x = jnp.asarray(rng.standard_normal((b, r, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((n, k)) * 0.03, jnp.bfloat16)
+    part, finish = mm.matmul_part(x, w, summed=False)
+    assert part.out_shape[0].shape[0] == 4
+    (outs,) = colaunch([part], num_warps=4, num_stages=3, interpret=interpret)
+    parts = finish(outs)  # [4, B, R, N]
+    xw = mm.matmul_pallas(x, w, interpret=interpret)  # [B, R, N]
+    np.testing.assert_array_equal(np.asarray(mm.summed_columns_xla(parts, 0, n)), np.asarray(xw))
+
+    def run(p):
+        (o,) = colaunch([p[0]], num_warps=4, num_stages=1, interpret=interpret)
+        return p[1](o)
+
+    nw = jnp.asarray(rng.standard_normal(256), jnp.float32)
+    np.testing.assert_array_equal(
+        np.asarray(run(rn.rms_norm_part(parts, nw, 1e-6, cols=(10, 256), parts=4))),
+        np.asarray(rn.rms_norm_pallas(xw, nw, 1e-6, cols=(10, 256), interpret=interpret)))
+    np.testing.assert_array_equal(np.asarray(run(mm.summed_columns_part(parts, 500, 37))),
+                                  np.asarray(xw[..., 500:537]))
+    cache = jnp.zeros((8, 16, 64), jnp.float8_e4m3fn)
+    table = jnp.asarray([[0, 1, 2, 3], [4, 5, 6, 7]], jnp.int32)
+    pos = jnp.asarray([[5, 6, 7], [30, 31, 32]], jnp.int32)
+    valid = jnp.asarray([[True, True, False], [True, True, True]])
+    lw_args = (jnp.ones(64), cache, jnp.float32(0.05), table, pos, valid)
+    np.testing.assert_array_equal(
+        np.asarray(run(lw.latent_write_part(parts, *lw_args, eps=1e-6, col=100,
+                                            parts=4))).view(np.uint8),
+        np.asarray(lw.latent_write_pallas(xw, *lw_args, eps=1e-6, col=100,
+                                          interpret=interpret)).view(np.uint8))
+    di, kp = 128, 4
+    rings = [jnp.asarray(rng.standard_normal((b, 16, di)), jnp.bfloat16) for _ in range(2)]
+    keys = jnp.asarray(rng.standard_normal((b, 16, di)), jnp.bfloat16)
+    ln = (jnp.ones(di), jnp.zeros(di), jnp.asarray(rng.standard_normal((kp, di)), jnp.float32))
+    want = iw.index_write_pallas(xw, xw, *ln, *rings, keys, pos, valid, cols=(200, 330),
+                                 interpret=interpret)
+    ix = iw.index_write_parts(parts, parts, *ln, *rings, keys, pos, valid, cols=(200, 330),
+                              parts=4)
+    (rows_outs,) = colaunch([ix.rows], num_warps=4, num_stages=1, interpret=interpret)
+    (pool_outs,) = colaunch([ix.pool(rows_outs)], num_warps=4, num_stages=1,
+                            interpret=interpret)
+    for a, g in zip(want, ix.finish(rows_outs, pool_outs), strict=True):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
+                                      np.asarray(g.astype(jnp.float32)))

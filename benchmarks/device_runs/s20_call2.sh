@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Twentieth session, call 2 (H200): the decode front in three launches (`layer.decode_front`:
 # the row metadata beside the x projection's GEMM, the lengths and marks written in place;
-# the GEMM's three readers in one launch; the pool keys beside the indexer query's GEMM; the
-# index and latent writes at 4 warps). First the bench's decode, kernel, selection and
+# the GEMM's readers in one launch, each adding its K parts itself (no split sum, no head
+# weights' slice); the pool keys beside the indexer query's GEMM; the index and latent
+# writes at 4 warps). First the bench's decode, kernel, selection and
 # prefill points and decode-b1's kernel list (the GPU alone for the timings), then every GPU
 # must-hold group, five in parallel with the loop's bit checks.
 set -o pipefail

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.pallas import triton as plt
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -22,6 +23,16 @@ T = TypeVar("T")
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1): Triton block shapes are powers of two."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def load_parts(ref, parts: int, *index, mask, other=0.0):
+    """`ref [S, ...]` loaded at `index` in each of its first `parts` parts and summed in part
+    order (((p0 + p1) + p2) + ...): the f32 adds `matmul`'s split sum makes, so the same
+    values as loading that sum. Inside a Pallas Triton kernel."""
+    v = plt.load(ref.at[(0, *index)], mask=mask, other=other)
+    for s in range(1, parts):
+        v = v + plt.load(ref.at[(s, *index)], mask=mask, other=other)
+    return v
 
 
 def check_triton_blocks(tuning, names: tuple[str, ...]) -> None:

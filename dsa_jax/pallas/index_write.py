@@ -28,7 +28,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from dsa_jax.pallas.colaunch import Part
-from dsa_jax.pallas.common import next_pow2, round_to, stacked_weight, with_overrides
+from dsa_jax.pallas.common import (
+    load_parts,
+    next_pow2,
+    round_to,
+    stacked_weight,
+    with_overrides,
+)
 
 LN_EPS = 1e-6  # the indexer's k_norm epsilon (HF nn.LayerNorm(eps=1e-6))
 
@@ -211,7 +217,7 @@ def _weight_layer(norm_w, norm_b, ape, weight_layer):
     return at
 
 
-def _rows_program(ids, *refs, width: int, k0: int, g0: int, stacked: bool):
+def _rows_program(ids, *refs, width: int, k0: int, g0: int, stacked: bool, parts: int):
     """Row ids[0]: LayerNorm of k (k_ref's columns k0..) and g (g_ref's g0..); the stored k to the
     step buffer row i, and k and g to flat ring row meta_ref[_FIRST, i] (-1: not here).
     refs: [l_ref [1] int32 when `stacked`: w_ref, b_ref are [G, Di], read at row l], w_ref,
@@ -221,8 +227,8 @@ def _rows_program(ids, *refs, width: int, k0: int, g0: int, stacked: bool):
     (i,) = ids
     cols = jnp.arange(next_pow2(width), dtype=jnp.int32)  # [Dp]
     in_width = cols < width
-    k = plt.load(k_ref.at[i, k0 + cols], mask=in_width, other=0.0)
-    g = plt.load(g_ref.at[i, g0 + cols], mask=in_width, other=0.0)
+    k = load_parts(k_ref, parts, i, k0 + cols, mask=in_width)
+    g = load_parts(g_ref, parts, i, g0 + cols, mask=in_width)
     w_at = (l_ref[0], cols) if stacked else (cols,)  # one indexer (Triton takes no chain)
     w = plt.load(w_ref.at[w_at], mask=in_width, other=0.0)
     bias = plt.load(b_ref.at[w_at], mask=in_width, other=0.0)
@@ -238,20 +244,21 @@ def _rows_program(ids, *refs, width: int, k0: int, g0: int, stacked: bool):
 
 
 def _copy_program(ids, kc_ref, g_ref, meta_ref, _k_in, _g_in, k_out, g_out, *, width: int,
-                  g0: int):
-    """Row ids[0]: the stored k (step buffer) and g (g_ref's columns g0..) to flat ring row
-    meta_ref[_LATE, i] (-1: none)."""
-    i = pl.program_id(0)
+                  g0: int, parts: int):
+    """Row ids[0]: the stored k (step buffer) and g (g_ref's columns g0..; its parts summed)
+    to flat ring row meta_ref[_LATE, i] (-1: none)."""
+    (i,) = ids
     cols = jnp.arange(next_pow2(width), dtype=jnp.int32)  # [Dp]
     row = meta_ref[_LATE, i]
     mask = (cols < width) & (row >= 0)
     kc = plt.load(kc_ref.at[i, cols], mask=mask, other=jnp.zeros((), kc_ref.dtype))
-    g = plt.load(g_ref.at[i, g0 + cols], mask=mask, other=0.0)
+    g = load_parts(g_ref, parts, i, g0 + cols, mask=mask)
     plt.store(k_out.at[jnp.maximum(row, 0), cols], kc, mask=mask)
     plt.store(g_out.at[jnp.maximum(row, 0), cols], g.astype(g_out.dtype), mask=mask)
 
 
-def _pool_program(ids, *refs, width: int, kpool: int, rows: int, g0: int, stacked: bool):
+def _pool_program(ids, *refs, width: int, kpool: int, rows: int, g0: int, stacked: bool,
+                  parts: int):
     """Row ids[0], one that may complete a pool (flat key row meta[_DEST, i]; -1: none). Members
     m < meta[_SPLIT, i] come from the ring (flat row meta[_RING, i] + (meta[_POOL, i] + m) %
     rows, the pool's first position meta[_POOL, i]), the others from the step: flat row
@@ -279,8 +286,8 @@ def _pool_program(ids, *refs, width: int, kpool: int, rows: int, g0: int, stacke
     g = jnp.where(old,
                   plt.load(rg_ref.at[held[:, None], cols[None, :]], mask=mask & old,
                            other=jnp.zeros((), rg_ref.dtype)).astype(jnp.float32),
-                  plt.load(g_ref.at[new[:, None], g0 + cols[None, :]], mask=mask & ~old,
-                           other=0.0).astype(rg_ref.dtype).astype(jnp.float32))
+                  load_parts(g_ref, parts, new[:, None], g0 + cols[None, :],
+                             mask=mask & ~old).astype(rg_ref.dtype).astype(jnp.float32))
     ape_at = (members[:, None], cols[None, :])
     ape = plt.load(ape_ref.at[(l_ref[0], *ape_at) if stacked else ape_at], mask=mask, other=0.0)
     logits = jnp.where(mask, g + ape, -jnp.inf)
@@ -309,16 +316,25 @@ def index_write_parts(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b:
                       pool_keys: jax.Array, pos: jax.Array, valid: jax.Array,
                       layer: jax.Array | int = 0, *, layers: int = 1,
                       cols: tuple[int, int] | None = None,
-                      weight_layer: jax.Array | None = None, meta: jax.Array | None = None
-                      ) -> IndexWriteParts:
+                      weight_layer: jax.Array | None = None, meta: jax.Array | None = None,
+                      parts: int | None = None) -> IndexWriteParts:
     """`index_write_pallas`'s kernels for these arguments (its own) as `IndexWriteParts`, for
-    launches shared with other kernels (`layer.decode_front`): the same programs."""
+    launches shared with other kernels (`layer.decode_front`): the same programs. parts:
+    k_raw and g are `[S, B, R, N]`, a split GEMM's K parts (`matmul_part(summed=False)`),
+    read as their sum (`load_parts`: the same values)."""
+    s_parts = 1 if parts is None else parts
+    if parts is not None:
+        if k_raw.ndim != 4 or k_raw.shape[0] != parts or g.shape[:1] != (parts,):
+            raise ValueError(f"index_write: k_raw {k_raw.shape} and g {g.shape}: parts={parts} "
+                             f"needs [{parts}, B, R, N]")
+    else:
+        k_raw, g = k_raw[None], g[None]  # [1, B, R, N]
     kp, rows, num_pools, _ = ring_geometry(ape, index_k, pool_keys, layers)
     at = _weight_layer(norm_w, norm_b, ape, weight_layer)
     lead = () if at is None else (jnp.reshape(at, (1,)),)
     di = norm_w.shape[-1]
     k0, g0 = row_columns(k_raw, g, di, cols)
-    nb, r = k_raw.shape[:2]
+    nb, r = k_raw.shape[1:3]
     n, ring_len = nb * r, index_k.shape[1]
     early = rows - (kp - 1)  # rows whose slot no earlier member of this step's pools uses
     if meta is None:
@@ -326,14 +342,15 @@ def index_write_parts(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b:
                         keys_len=pool_keys.shape[1], ring_len=ring_len)  # [7, N]
     elif meta.shape != (7, n):
         raise ValueError(f"index_write: meta has shape {meta.shape}; {n} rows need (7, {n})")
-    k_rows = k_raw.reshape(n, k_raw.shape[-1]).astype(jnp.float32)  # [N, >= Di]
-    g_rows = g.reshape(n, g.shape[-1]).astype(jnp.float32)  # [N, >= Di]
+    k_rows = k_raw.reshape(s_parts, n, k_raw.shape[-1]).astype(jnp.float32)  # [S, N, >= Di]
+    g_rows = g.reshape(s_parts, n, g.shape[-1]).astype(jnp.float32)  # [S, N, >= Di]
     s = len(lead)  # the operands shift past the layer index
     stacked = bool(s)
     ring_shapes = (jax.ShapeDtypeStruct((nb * ring_len, di), index_k.dtype),
                    jax.ShapeDtypeStruct((nb * ring_len, di), index_g.dtype))
     rows_part = Part(
-        functools.partial(_rows_program, width=di, k0=k0, g0=g0, stacked=stacked), (n,),
+        functools.partial(_rows_program, width=di, k0=k0, g0=g0, stacked=stacked,
+                          parts=s_parts), (n,),
         (*lead, norm_w.astype(jnp.float32), norm_b.astype(jnp.float32), k_rows, g_rows, meta,
          index_k.reshape(nb * ring_len, di), index_g.reshape(nb * ring_len, di)),
         (*ring_shapes, jax.ShapeDtypeStruct((n, di), index_k.dtype)),
@@ -343,7 +360,7 @@ def index_write_parts(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b:
         k_flat, g_flat, kc = rows_outs
         return Part(
             functools.partial(_pool_program, width=di, kpool=kp, rows=rows, g0=g0,
-                              stacked=stacked), (n,),
+                              stacked=stacked, parts=s_parts), (n,),
             (*lead, ape.astype(jnp.float32), k_flat, g_flat, kc, g_rows, meta,
              pool_keys.reshape(nb * pool_keys.shape[1], di)),
             (jax.ShapeDtypeStruct((nb * pool_keys.shape[1], di), pool_keys.dtype),),
@@ -351,7 +368,7 @@ def index_write_parts(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b:
 
     def late_rows(rows_outs):
         k_flat, g_flat, kc = rows_outs
-        return Part(functools.partial(_copy_program, width=di, g0=g0), (n,),
+        return Part(functools.partial(_copy_program, width=di, g0=g0, parts=s_parts), (n,),
                     (kc, g_rows, meta, k_flat, g_flat), ring_shapes,
                     aliases={3: 0, 4: 1})  # k buffer, g [N, Di]; meta [7, N]; two rings
 

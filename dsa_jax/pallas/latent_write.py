@@ -26,6 +26,7 @@ from jax.experimental.pallas import triton as plt
 from dsa_jax.pallas.colaunch import Part
 from dsa_jax.pallas.common import (
     check_triton_addressable,
+    load_parts,
     next_pow2,
     quantize,
     stacked_weight,
@@ -120,9 +121,10 @@ def latent_write_xla(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
 
 
 def _write_program(ids, *refs, width: int, eps: float, to_rows: bool, col: int,
-                   stacked: bool):
+                   stacked: bool, parts: int):
     """Row ids[0]: [l_ref [1] int32 when `stacked`], scale_ref [1] f32, w_ref [C] f32 (or [G, C]
-    read at row l), raw_ref [N, >= col + C] f32 (its columns col.. are the row's), slots_ref
+    read at row l), raw_ref [S, N, >= col + C] f32 (its columns col.. are the row's, its S
+    parts summed: `load_parts`), slots_ref
     [N] int32 (whole arrays). out_ref (the last of `refs`): the cache itself [NS, C]
     (aliased, after the cache input), written at the row's slot; or, when `to_rows`, the rows
     [N, C], written at the program's row."""
@@ -133,7 +135,7 @@ def _write_program(ids, *refs, width: int, eps: float, to_rows: bool, col: int,
     cp = next_pow2(width)
     cols = jnp.arange(cp, dtype=jnp.int32)  # [Cp]
     in_width = cols < width
-    raw = plt.load(raw_ref.at[i, col + cols], mask=in_width, other=0.0)  # [Cp]
+    raw = load_parts(raw_ref, parts, i, col + cols, mask=in_width)  # [Cp]
     w_at = (l_ref[0], cols) if stacked else (cols,)  # one indexer (Triton takes no chain)
     w = plt.load(w_ref.at[w_at], mask=in_width, other=0.0)  # [Cp]
     stored = quantize(_rms_norm(raw, w, eps, width), scale_ref[0], out_ref.dtype)  # [Cp]
@@ -165,12 +167,17 @@ def scatter_rows(latent: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Ar
     return flat.reshape(nb, bs, c)
 
 
-def _operands(kv_raw, norm_w, latent, kv_scale, block_tables, pos, valid, col, layer, slots):
-    """The kernel's operands (the cache last: `[NB * bs, C]`) and its static parameters."""
+def _operands(kv_raw, norm_w, latent, kv_scale, block_tables, pos, valid, col, layer, slots,
+              parts=None):
+    """The kernel's operands (the cache not among them) and its static parameters."""
     nb, bs, c = latent.shape
     at = stacked_weight(norm_w, layer, (c,), "latent_write's norm_w")
     lead = [] if at is None else [jnp.reshape(at, (1,))]
-    b, r, width = kv_raw.shape
+    s = 1 if parts is None else parts
+    if parts is not None and (kv_raw.ndim != 4 or kv_raw.shape[0] != parts):
+        raise ValueError(f"latent_write: kv_raw has shape {kv_raw.shape}; parts={parts} needs "
+                         f"[{parts}, B, R, N]")
+    b, r, width = kv_raw.shape[-3:]
     n = b * r
     start = raw_columns(kv_raw, c, col)
     if slots is None:
@@ -179,22 +186,25 @@ def _operands(kv_raw, norm_w, latent, kv_scale, block_tables, pos, valid, col, l
         raise ValueError(f"latent_write: slots has shape {slots.shape}; {n} rows need ({n},)")
     scale = jnp.reshape(jnp.asarray(kv_scale, jnp.float32), (1,))
     operands = [*lead, scale, norm_w.astype(jnp.float32),
-                kv_raw.reshape(n, width).astype(jnp.float32), slots]
-    return operands, dict(width=c, col=start, stacked=at is not None), n
+                kv_raw.reshape(s, n, width).astype(jnp.float32), slots]
+    return operands, dict(width=c, col=start, stacked=at is not None, parts=s), n
 
 
 def latent_write_part(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
                       kv_scale: jax.Array, block_tables: jax.Array, pos: jax.Array,
                       valid: jax.Array, *, eps: float, col: int | None = None,
-                      layer: jax.Array | None = None, slots: jax.Array | None = None):
+                      layer: jax.Array | None = None, slots: jax.Array | None = None,
+                      parts: int | None = None):
     """`latent_write_pallas`'s kernel storing in place (store "kernel") as a `colaunch.Part`
     (a program per row, the cache aliased to its output) and `finish(outs)` -> the new cache
     `[NB, bs, C]` (for a launch shared with other kernels: the same program, so the same
     bytes at the same `num_warps`). Refused (`KernelLimitError`) where the kernel cannot
-    address the cache (`pick_store` gives "xla" there)."""
+    address the cache (`pick_store` gives "xla" there). parts: kv_raw is `[S, B, R, N]`, a
+    split GEMM's K parts (`matmul_part(summed=False)`), stored as their sum (`load_parts`:
+    the same values)."""
     check_triton_addressable(latent.shape, latent.dtype, "latent cache")  # KernelLimitError
     operands, static, n = _operands(kv_raw, norm_w, latent, kv_scale, block_tables, pos,
-                                    valid, col, layer, slots)
+                                    valid, col, layer, slots, parts)
     nb, bs, c = latent.shape
     body = functools.partial(_write_program, eps=eps, to_rows=False, **static)
     part = Part(body, (n,), (*operands, latent.reshape(nb * bs, c)),
@@ -228,7 +238,7 @@ def latent_write_pallas(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
             lambda *refs: part.body((pl.program_id(0),), *refs),
             grid=part.grid,
             in_specs=[pl.BlockSpec()] * len(part.inputs),  # [layer], scale [1], w, raw
-            # [N, >= C], slots [N], the cache
+            # [1, N, >= C], slots [N], the cache
             out_specs=pl.BlockSpec(),
             out_shape=part.out_shape[0],
             input_output_aliases=part.aliases,

@@ -29,11 +29,14 @@ from dsa_jax.pallas.common import (
     check_triton_addressable,
     check_triton_blocks,
     layer_index,
+    load_parts,
+    next_pow2,
     with_overrides,
 )
 
 __all__ = ["MatmulTuning", "default_tuning", "matmul_pallas", "matmul_part", "matmul_xla",
-           "per_head_pallas", "per_head_xla", "splits_for"]
+           "per_head_pallas", "per_head_xla", "splits_for", "summed_columns_part",
+           "summed_columns_xla"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,21 +248,56 @@ def _gemm(v: jax.Array, w: jax.Array, w_kn: bool, interpret: bool, tuning: Matmu
 
 
 def matmul_part(v: jax.Array, w: jax.Array, layer: jax.Array | None = None, *,
-                tuning: MatmulTuning | None = None):
+                tuning: MatmulTuning | None = None, summed: bool = True):
     """`matmul_pallas(v, w, layer)`'s kernel as a `colaunch.Part` and `finish(outs)`, which
     turns the part's outputs into `matmul_pallas`'s result (for a launch shared with other
     kernels: `pallas/colaunch.py`). v [..., K] with at least one row, w [N, K] (or a stack
     [G, N, K] read in place at `layer`); the same tiles (tuning None: `default_tuning(N, K)`
-    for v's rows), so the same bits."""
+    for v's rows), so the same bits. summed False: `finish` returns the K parts unsummed,
+    `[S, ..., N]` f32, for kernels that read them and add them in split order themselves
+    (`common.load_parts`, `summed_columns_part`: the same values as the sum)."""
     n, k = w.shape[-2:]
     lead = v.shape[:-1]
     rows = v.reshape(-1, 1, k)  # [M, 1, K]
     if rows.shape[0] == 0:
         raise ValueError("matmul_part: v has no rows")
     heads_w = w[None] if layer is None else w[:, None]  # [1, N, K] or [G, 1, N, K]
-    part, finish = _gemm_part(rows, heads_w, False,
-                              tuning or default_tuning(n, k, 1, rows.shape[0]), layer)
-    return part, lambda outs: finish(outs).reshape(*lead, n)
+    tuning = tuning or default_tuning(n, k, 1, rows.shape[0])
+    part, finish = _gemm_part(rows, heads_w, False, tuning, layer)
+    if summed:
+        return part, lambda outs: finish(outs).reshape(*lead, n)
+    return part, lambda outs: outs[0].reshape(tuning.splits, *lead, n)
+
+
+def _columns_program(ids, p_ref, o_ref, *, parts: int, start: int, width: int):
+    """Row ids[0]: p_ref [S, M, >= start + width] f32, its columns summed over the parts in
+    split order -> o_ref [M, width]."""
+    (i,) = ids
+    cols = jnp.arange(next_pow2(width), dtype=jnp.int32)
+    ok = cols < width
+    plt.store(o_ref.at[i, cols], load_parts(p_ref, parts, i, start + cols, mask=ok), mask=ok)
+
+
+def summed_columns_xla(parts: jax.Array, start: int, width: int) -> jax.Array:
+    """The definition: `parts [S, ..., N]` (`matmul_part(summed=False)`'s) summed in split
+    order, columns `start .. start + width - 1` -> `[..., width]` f32 (as `finish` sums)."""
+    out = parts[0]
+    for s in range(1, parts.shape[0]):
+        out = out + parts[s]
+    return out[..., start:start + width]
+
+
+def summed_columns_part(parts: jax.Array, start: int, width: int):
+    """`summed_columns_xla` as a `colaunch.Part` (a program per row) and `finish(outs)`: the
+    same f32 adds in the same order, so the same values."""
+    s, *lead, n = parts.shape
+    if not (0 <= start and 1 <= width and start + width <= n):
+        raise ValueError(f"summed_columns: columns {start}..{start + width} outside {n}")
+    flat = parts.reshape(s, -1, n)  # [S, M, N]
+    m = flat.shape[1]
+    body = functools.partial(_columns_program, parts=s, start=start, width=width)
+    part = Part(body, (m,), (flat,), (jax.ShapeDtypeStruct((m, width), jnp.float32),))
+    return part, lambda outs: outs[0].reshape(*lead, width)
 
 
 def matmul_pallas(v: jax.Array, w: jax.Array, layer: jax.Array | None = None, *,

@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from dsa_jax.pallas.colaunch import Part
-from dsa_jax.pallas.common import layer_index, next_pow2, with_overrides
+from dsa_jax.pallas.common import layer_index, load_parts, next_pow2, with_overrides
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,15 +73,16 @@ def rms_norm_xla(v: jax.Array, w: jax.Array, eps: float, *, cols: tuple[int, int
     return out.astype(dtype)
 
 
-def _norm_program(ids, *refs, start: int, width: int, eps: float, stacked: bool):
-    """Row ids[0]: [l_ref [1] int32, when `stacked`], v_ref [N, >= start + n] f32, w_ref [n]
-    f32 (or [G, n] read at row l: in place, the same numbers), whole arrays; out_ref [N, n]
-    in the result's dtype (rounded to nearest even, as XLA's conversion)."""
+def _norm_program(ids, *refs, start: int, width: int, eps: float, stacked: bool, parts: int):
+    """Row ids[0]: [l_ref [1] int32, when `stacked`], v_ref [S, N, >= start + n] f32 (its S
+    parts summed: `load_parts`), w_ref [n] f32 (or [G, n] read at row l: in place, the same
+    numbers), whole arrays; out_ref [N, n] in the result's dtype (rounded to nearest even,
+    as XLA's conversion)."""
     l_ref, (v_ref, w_ref, out_ref) = (refs[0], refs[1:]) if stacked else (None, refs)
     (i,) = ids
     cols = jnp.arange(next_pow2(width), dtype=jnp.int32)  # [np2]
     in_width = cols < width
-    v = plt.load(v_ref.at[i, start + cols], mask=in_width, other=0.0)  # [np2], zero padding
+    v = load_parts(v_ref, parts, i, start + cols, mask=in_width)  # [np2], zero padding
     at = (l_ref[0], cols) if stacked else (cols,)  # one indexer (Triton takes no chain)
     w = plt.load(w_ref.at[at], mask=in_width, other=0.0)  # [np2]
     out = w * v * lax.rsqrt(jnp.sum(v * v) / width + eps)  # [np2]
@@ -90,19 +91,27 @@ def _norm_program(ids, *refs, start: int, width: int, eps: float, stacked: bool)
 
 def rms_norm_part(v: jax.Array, w: jax.Array, eps: float, *,
                   cols: tuple[int, int] | None = None, dtype=jnp.float32,
-                  layer: jax.Array | None = None):
+                  layer: jax.Array | None = None, parts: int | None = None):
     """`rms_norm_pallas`'s kernel as a `colaunch.Part` (a program per row) and `finish(outs)`,
     which turns its output into that function's result (for a launch shared with other
-    kernels: the same program, so the same bits at the same `num_warps`)."""
+    kernels: the same program, so the same bits at the same `num_warps`). parts: v is
+    `[S, ..., full]`, a split GEMM's K parts (`matmul_part(summed=False)`), normalized as
+    their sum (`load_parts`: the same values as the summed v)."""
     full = v.shape[-1]
     start, width, at = _columns(full, cols, w, layer)
-    rows = v.reshape(-1, full).astype(jnp.float32)  # [N, full]
+    s = 1 if parts is None else parts
+    if parts is not None and v.shape[0] != parts:
+        raise ValueError(f"rms_norm: v has shape {v.shape}; parts={parts} needs [{parts}, ...]")
+    lead_shape = v.shape[:-1] if parts is None else v.shape[1:-1]
+    rows = v.reshape(s, -1, full).astype(jnp.float32)  # [S, N, full]
     stacked = at is not None
     lead = (jnp.reshape(at, (1,)),) if stacked else ()
-    body = functools.partial(_norm_program, start=start, width=width, eps=eps, stacked=stacked)
-    part = Part(body, (rows.shape[0],), (*lead, rows, w.astype(jnp.float32)),
-                (jax.ShapeDtypeStruct((rows.shape[0], width), dtype),))
-    return part, lambda outs: outs[0].reshape(*v.shape[:-1], width)
+    body = functools.partial(_norm_program, start=start, width=width, eps=eps, stacked=stacked,
+                             parts=s)
+    n = rows.shape[1]
+    part = Part(body, (n,), (*lead, rows, w.astype(jnp.float32)),
+                (jax.ShapeDtypeStruct((n, width), dtype),))
+    return part, lambda outs: outs[0].reshape(*lead_shape, width)
 
 
 def rms_norm_pallas(v: jax.Array, w: jax.Array, eps: float, *, cols: tuple[int, int] | None = None,
@@ -117,7 +126,7 @@ def rms_norm_pallas(v: jax.Array, w: jax.Array, eps: float, *, cols: tuple[int, 
     out = pl.pallas_call(
         lambda *refs: part.body((pl.program_id(0),), *refs),
         grid=part.grid,
-        in_specs=[pl.BlockSpec()] * len(part.inputs),  # [layer], v [N, full], w [n] or [G, n]
+        in_specs=[pl.BlockSpec()] * len(part.inputs),  # [layer], v [1, N, full], w [n] or [G, n]
         out_specs=pl.BlockSpec(),
         out_shape=part.out_shape[0],
         compiler_params=plt.CompilerParams(num_warps=tuning.num_warps, num_stages=1),

@@ -207,16 +207,17 @@ def meta_matmul_xla(g: RowGeometry, lengths: jax.Array, marks: jax.Array, n_new:
 def meta_matmul_pallas(g: RowGeometry, lengths: jax.Array, marks: jax.Array,
                        n_new: jax.Array, block_tables: jax.Array, v: jax.Array, w: jax.Array,
                        layer: jax.Array | None = None, *, interpret: bool = False,
-                       matmul_tuning: mm.MatmulTuning | None = None
+                       matmul_tuning: mm.MatmulTuning | None = None, summed: bool = True
                        ) -> tuple[RowMeta, jax.Array]:
     """`meta_matmul_xla` as one launch: the metadata program first, then the GEMM's tiles
     (`matmul_part`: its own tiles, so `matmul_pallas`'s bits), at the GEMM's warps and
-    pipeline depth."""
+    pipeline depth. summed False: the GEMM's K parts `[S, ..., N]`, unsummed
+    (`matmul_part`'s)."""
     m_part, m_finish = row_meta_part(g, lengths, marks, n_new, block_tables,
                                      interpret=interpret)
     rows = max(1, v.size // v.shape[-1])
     mt = matmul_tuning or mm.default_tuning(*w.shape[-2:], 1, rows)
-    g_part, g_finish = mm.matmul_part(v, w, layer, tuning=mt)
+    g_part, g_finish = mm.matmul_part(v, w, layer, tuning=mt, summed=summed)
     m_outs, g_outs = colaunch([m_part, g_part], num_warps=mt.num_warps,
                               num_stages=mt.num_stages, interpret=interpret,
                               name="meta_matmul")
