@@ -193,8 +193,8 @@ def decode_front(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Ar
     -> (state, proj, meta, pos, valid)."""
     qw, qw_at = operand(cfg, weights.qi_proj)
     qt = default_tuning(*qw.shape[-2:], 1, x.shape[0] * x.shape[1])
-    warps = {RmsNormTuning().num_warps, LatentWriteTuning().num_warps,
-             IndexWriteTuning().num_warps, qt.num_warps}
+    warps = {RmsNormTuning().num_warps, LatentWriteTuning().warps(x.shape[1]),
+             IndexWriteTuning().warps(x.shape[1]), qt.num_warps}
     if len(warps) > 1 or pick_store(LatentWriteTuning(), state.latent.shape,
                                     state.latent.dtype) != "kernel":
         # Parts of other warps would not be their kernels' programs; a cache XLA stores

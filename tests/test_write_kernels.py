@@ -352,3 +352,16 @@ def test_latent_write_lowers_for_cuda(rows, stacked):
             jax.ShapeDtypeStruct((b, rows), jnp.bool_))
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @__gpu$xla.gpu.triton") == 1
+
+
+def test_a_decodes_writes_run_the_shared_launchs_warps_a_prompts_their_own():
+    """The write kernels' warps follow the rows per sequence (`index_write.default_warps`,
+    `LatentWriteTuning.warps`): a decode's or verify's at the decode front's 4 (its parts
+    share launches at that count, `layer.decode_front`), a prompt's at 1 and 2; a field set
+    explicitly is kept."""
+    for r in (1, 4, iw.SHARED_ROWS):
+        assert iw.IndexWriteTuning().warps(r) == lw.LatentWriteTuning().warps(r) == 4
+    assert iw.IndexWriteTuning().warps(iw.SHARED_ROWS + 1) == 1
+    assert lw.LatentWriteTuning().warps(2048) == 2
+    assert iw.IndexWriteTuning(num_warps=2).warps(1) == 2
+    assert lw.LatentWriteTuning(num_warps=8).warps(4096) == 8

@@ -45,9 +45,22 @@ class IndexWriteTuning:
     launches).
 
     num_warps: warps per program; a program handles one Di-wide row (Di = 128 for GLM-5.3).
-    4, as the decode's other x-projection readers and the indexer query's GEMM take: they
-    share launches (`layer.decode_front`), the same programs at the same warps."""
-    num_warps: int = 4
+    None: `default_warps(R)`."""
+    num_warps: int | None = None
+
+    def warps(self, rows_per_seq: int) -> int:
+        return default_warps(rows_per_seq) if self.num_warps is None else self.num_warps
+
+
+# Up to this many rows per sequence (a decode's or a verify's) the writes run 4 warps, as the
+# decode front's other parts and the indexer query's GEMM: they share launches
+# (`layer.decode_front`: the same programs at the same warps); a prompt's rows keep 1.
+SHARED_ROWS = 16
+
+
+def default_warps(rows_per_seq: int) -> int:
+    """The index write's warps for steps of `rows_per_seq` rows (see `SHARED_ROWS`)."""
+    return 4 if rows_per_seq <= SHARED_ROWS else 1
 
 
 def layer_norm(v: jax.Array, g: jax.Array, b: jax.Array) -> jax.Array:
@@ -380,7 +393,7 @@ def index_write_parts(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b:
     return IndexWriteParts(rows_part, pool, r > early, late_rows, finish)
 
 
-def _launch(part: Part, tuning: IndexWriteTuning, interpret: bool, name: str) -> tuple:
+def _launch(part: Part, warps: int, interpret: bool, name: str) -> tuple:
     """One part as its own launch (whole-array operands, its aliases)."""
     outs = pl.pallas_call(
         lambda *refs: part.body((pl.program_id(0),), *refs),
@@ -389,7 +402,7 @@ def _launch(part: Part, tuning: IndexWriteTuning, interpret: bool, name: str) ->
         out_specs=[pl.BlockSpec()] * len(part.out_shape),
         out_shape=list(part.out_shape),
         input_output_aliases=part.aliases,
-        compiler_params=plt.CompilerParams(num_warps=tuning.num_warps, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=1),
         interpret=interpret, name=name,
     )(*part.inputs)
     return tuple(outs)
@@ -417,8 +430,9 @@ def index_write_pallas(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b
     parts = index_write_parts(k_raw, g, norm_w, norm_b, ape, index_k, index_g, pool_keys,
                               pos, valid, layer, layers=layers, cols=cols,
                               weight_layer=weight_layer, meta=meta)
-    rows_outs = _launch(parts.rows, tuning, interpret, "index_write_rows")
-    pool_outs = _launch(parts.pool(rows_outs), tuning, interpret, "index_write_pool_keys")
-    late_outs = (_launch(parts.late_rows(rows_outs), tuning, interpret,
+    warps = tuning.warps(k_raw.shape[1])
+    rows_outs = _launch(parts.rows, warps, interpret, "index_write_rows")
+    pool_outs = _launch(parts.pool(rows_outs), warps, interpret, "index_write_pool_keys")
+    late_outs = (_launch(parts.late_rows(rows_outs), warps, interpret,
                          "index_write_late_rows") if parts.late else None)
     return parts.finish(rows_outs, pool_outs, late_outs)

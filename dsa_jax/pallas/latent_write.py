@@ -33,6 +33,7 @@ from dsa_jax.pallas.common import (
     triton_offsets_wrap,
     with_overrides,
 )
+from dsa_jax.pallas.index_write import SHARED_ROWS
 
 STORES = ("auto", "kernel", "xla")
 
@@ -41,15 +42,21 @@ STORES = ("auto", "kernel", "xla")
 class LatentWriteTuning:
     """Launch parameters of `latent_write_pallas` (one program per row).
 
-    num_warps: warps per program, each program storing one row of C values (4, as the
-      decode's other x-projection readers take: they share a launch, `layer.decode_front`).
+    num_warps: warps per program, each program storing one row of C values; None: 4 for
+      steps of up to `index_write.SHARED_ROWS` rows per sequence (the decode front's launch,
+      `layer.decode_front`: the same program at the same warps), 2 beyond (a prompt's).
     store: who stores the rows into the cache: "kernel" (in place through the cache aliased
       to the kernel's output; refused with `KernelLimitError` where its offsets would wrap),
       "xla" (the kernel returns the rows `[N, C]`, an XLA scatter stores them), or "auto" (the
       default): "kernel" unless `triton_offsets_wrap` says the cache needs "xla". The rule is
       fixed; both give the same bytes."""
-    num_warps: int = 4
+    num_warps: int | None = None
     store: str = "auto"
+
+    def warps(self, rows_per_seq: int) -> int:
+        if self.num_warps is not None:
+            return self.num_warps
+        return 4 if rows_per_seq <= SHARED_ROWS else 2
 
     def __post_init__(self):
         if self.store not in STORES:
@@ -230,7 +237,7 @@ def latent_write_pallas(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
     (`num_warps=4`)."""
     tuning = with_overrides(tuning, overrides)
     store = pick_store(tuning, latent.shape, latent.dtype)
-    params = plt.CompilerParams(num_warps=tuning.num_warps, num_stages=1)
+    params = plt.CompilerParams(num_warps=tuning.warps(kv_raw.shape[1]), num_stages=1)
     if store == "kernel":
         part, finish = latent_write_part(kv_raw, norm_w, latent, kv_scale, block_tables, pos,
                                          valid, eps=eps, col=col, layer=layer, slots=slots)
