@@ -83,9 +83,7 @@ def _write_rows(cfg: DsaConfig, weights: DsaWeights, state: DsaState, proj, n_ne
     mark moves on in `_advance`). meta: the rows' metadata, computed already
     (`meta_and_x_projection`), which the kernels then read instead of computing it.
     """
-    r = proj.kv_raw.shape[1]
-    pos = state.lengths[:, None] + jnp.arange(r, dtype=jnp.int32)  # [B, R]
-    valid = jnp.arange(r)[None, :] < n_new[:, None]  # [B, R]
+    pos, valid = _rows_at(state, n_new, proj.kv_raw.shape[1])
     if proj.xw is None:  # `project_kv`'s rows (a drafter's context: not the hot path)
         state = write_latents(cfg, state, proj.kv_raw, weights.kv_a_norm, pos, valid)
         if weights.has_indexer:
@@ -100,6 +98,12 @@ def _write_rows(cfg: DsaConfig, weights: DsaWeights, state: DsaState, proj, n_ne
                                  cols=(at["k"][0], at["g"][0]),
                                  meta=None if meta is None else meta.index)
     return state, pos, valid
+
+
+def _rows_at(state: DsaState, n_new: jax.Array, r: int) -> tuple[jax.Array, jax.Array]:
+    """`pos [B, R]` (`lengths + r`) and `valid [B, R]` (r < n_new) of the step's rows."""
+    pos = state.lengths[:, None] + jnp.arange(r, dtype=jnp.int32)
+    return pos, jnp.arange(r)[None, :] < n_new[:, None]
 
 
 def candidate_pools(cfg: DsaConfig, pos: jax.Array, valid: jax.Array) -> jax.Array:
@@ -208,9 +212,7 @@ def decode_front(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Ar
                                      summed=False)  # xp [S, B, R, Nx]: the K parts
     s = xp.shape[0]
     interpret = resolve(cfg.implementation) == "pallas-interpret"
-    r = x.shape[1]
-    pos = state.lengths[:, None] + jnp.arange(r, dtype=jnp.int32)  # [B, R]
-    valid = jnp.arange(r)[None, :] < n_new[:, None]  # [B, R]
+    pos, valid = _rows_at(state, n_new, x.shape[1])
     at = x_columns(cfg)
     qn, qn_at = operand(cfg, weights.q_a_norm)
     norm_part, norm_done = rms_norm_part(xp, qn, cfg.rms_norm_eps, cols=at["q_a"],

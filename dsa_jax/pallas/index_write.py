@@ -234,7 +234,8 @@ def _rows_program(ids, *refs, width: int, k0: int, g0: int, stacked: bool, parts
     """Row ids[0]: LayerNorm of k (k_ref's columns k0..) and g (g_ref's g0..); the stored k to the
     step buffer row i, and k and g to flat ring row meta_ref[_FIRST, i] (-1: not here).
     refs: [l_ref [1] int32 when `stacked`: w_ref, b_ref are [G, Di], read at row l], w_ref,
-    b_ref [Di], k_ref, g_ref, meta_ref, the two rings (aliased), k_out, g_out, kc_out."""
+    b_ref [Di], k_ref, g_ref [S, N, >= Di] (their parts summed: `load_parts`), meta_ref, the
+    two rings (aliased), k_out, g_out, kc_out."""
     l_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
     w_ref, b_ref, k_ref, g_ref, meta_ref, _k_in, _g_in, k_out, g_out, kc_out = refs
     (i,) = ids
@@ -367,7 +368,7 @@ def index_write_parts(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b:
         (*lead, norm_w.astype(jnp.float32), norm_b.astype(jnp.float32), k_rows, g_rows, meta,
          index_k.reshape(nb * ring_len, di), index_g.reshape(nb * ring_len, di)),
         (*ring_shapes, jax.ShapeDtypeStruct((n, di), index_k.dtype)),
-        aliases={s + 5: 0, s + 6: 1})  # [layer]; w, b; k, g [N, Di]; meta; the two rings
+        aliases={s + 5: 0, s + 6: 1})  # [layer]; w, b; k, g [S, N, Di]; meta; the two rings
 
     def pool(rows_outs):
         k_flat, g_flat, kc = rows_outs
@@ -383,7 +384,7 @@ def index_write_parts(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b:
         k_flat, g_flat, kc = rows_outs
         return Part(functools.partial(_copy_program, width=di, g0=g0, parts=s_parts), (n,),
                     (kc, g_rows, meta, k_flat, g_flat), ring_shapes,
-                    aliases={3: 0, 4: 1})  # k buffer, g [N, Di]; meta [7, N]; two rings
+                    aliases={3: 0, 4: 1})  # k buffer, g [S, N, Di]; meta [7, N]; two rings
 
     def finish(rows_outs, pool_outs, late_outs=None):
         k_flat, g_flat = rows_outs[:2] if late_outs is None else late_outs
