@@ -85,6 +85,14 @@ MOSAIC_VARIANTS = {
                             bound_scales=True, max_splits=17),
     "mosaic-lib-ms33": dict(design="flashmla", direct_out=True, scale_heads=16,
                             bound_scales=True, max_splits=33),
+    # Twenty-first session: the library's merge and prep before it (32 merge columns per
+    # program at any split count; each row's slots by its group-0 prep program), each alone.
+    "mosaic-lib-mc32": dict(design="flashmla", direct_out=True, scale_heads=16,
+                            bound_scales=True, merge_columns=32),
+    "mosaic-lib-slots0": dict(design="flashmla", direct_out=True, scale_heads=16,
+                              bound_scales=True, prep_slots_apart=False),
+    "mosaic-lib-s20": dict(design="flashmla", direct_out=True, scale_heads=16,
+                           bound_scales=True, merge_columns=32, prep_slots_apart=False),
     # "mosaic-flashmla-pvb" (pv_behind: the softmax beside the previous tile's P @ V, in three
     # forms, each bitwise the base) was measured slower in the thirteenth session and removed
     # (git history: the commit after this session's call 4).
@@ -105,7 +113,8 @@ REORDERED = ("mosaic-producer-full", "mosaic-producer-pingpong", "mosaic-produce
 RESCALED = ("mosaic-flashmla-sh16", "mosaic-flashmla-sh32", "mosaic-lib")
 # Variants that split a row's slots over other counts than the base (the merge sums in
 # another order): exempt with any base.
-RESPLIT = ("mosaic-lib-ms11", "mosaic-lib-ms17", "mosaic-lib-ms33")
+RESPLIT = ("mosaic-lib-ms11", "mosaic-lib-ms17", "mosaic-lib-ms33", "mosaic-lib-mc32",
+           "mosaic-lib-s20")  # (the merge's blocks: its reduction may run in another order)
 # `--group mosaic-all`: these on every case, the others on 3 (ONE_CHECK: 1).
 FULL_CHECKS = ("mosaic-default", "mosaic-producer-r88", "mosaic-producer-pingpong-r88",
                "mosaic-flashmla", "mosaic-flashmla-noslots", "mosaic-flashmla-c2",

@@ -144,10 +144,12 @@ GROUP_CASES = [
 ]
 
 
+@pytest.mark.parametrize("slots_apart", [True, False])
 @pytest.mark.parametrize("case", range(len(GROUP_CASES)))
-def test_prep_with_head_group_scales_is_bitwise_the_jnp_twin(case):
+def test_prep_with_head_group_scales_is_bitwise_the_jnp_twin(case, slots_apart):
     """scale_heads: one program per (row, head group), each group scaled into [2^13, 2^14) by
-    its own amax; bitwise the twin, and each group's scale at least its row's."""
+    its own amax (the slots by a program of their own or by group 0's); bitwise the twin, and
+    each group's scale at least its row's."""
     b, r, h, c, w, bs, mb, hp, wp, g = GROUP_CASES[case]
     q, _, _, tables, sel = T.attend_inputs(90 + case, b, r, h, c, w, bs, mb, "float8_e4m3fn",
                                            empty=[(1, 0)])
@@ -155,7 +157,8 @@ def test_prep_with_head_group_scales_is_bitwise_the_jnp_twin(case):
     q = _extreme_rows(q) if b * r >= 7 else q
     q[-1, : min(h, g)] *= 1e3  # one group far larger than the row's others
     q = jnp.asarray(q)
-    got = ap.prep_pallas(q, sel, tables, bs, hp=hp, wp=wp, scale_heads=g, interpret=True)
+    got = ap.prep_pallas(q, sel, tables, bs, hp=hp, wp=wp, scale_heads=g,
+                         slots_apart=slots_apart, interpret=True)
     want = sa.mosaic_inputs_jnp(q, sel, tables, bs, hp=hp, wp=wp, scale_heads=g)
     T.assert_trees_bitwise_equal(got, want)
     q16, up, down, slots, live = (np.asarray(x) for x in got)

@@ -31,18 +31,37 @@ def _inputs(n, h, dn, c, wdt, seed=0):
     return jnp.asarray(q), u
 
 
-def _assert_close(got, want, q, u):
+def _assert_close(got, want, q, u, scale="bound"):
+    """Scale "bound": the same 2^-k (both from the bound of the rounded q). "amax": 2^-k
+    from each side's own f32 result, so the same except where the definition's amax lies
+    within the K-term sums' bound of a power of two (then one binade apart); each value
+    compared unscaled, within one f16 spacing at each side's scale plus the sums' bound."""
     (g16, gd), (w16, wd) = got, want
-    np.testing.assert_array_equal(np.asarray(gd), np.asarray(wd))
-    up = np.asarray(1.0 / wd, np.float64)  # [N, H]
-    qo = np.asarray(q.astype(u.dtype).astype(jnp.float32), np.float64) * up[..., None]
-    s = np.einsum("nhd,hdc->nhc", np.abs(qo), np.abs(np.asarray(u, np.float64)))
-    g, w = (np.asarray(x, np.float32) for x in (g16, w16))
-    tol = np.spacing(np.abs(w).astype(np.float16)).astype(np.float64) + (
-        2 * q.shape[-1] * 2.0 ** -24 * s)
-    assert np.isfinite(g).all() and (np.abs(g) < 2.0 ** 14).all()
-    bad = np.abs(g - w) > tol
+    gd, wd = np.asarray(gd, np.float64), np.asarray(wd, np.float64)  # [N, H]
+    qo = np.asarray(q.astype(u.dtype).astype(jnp.float32), np.float64)
+    s = np.einsum("nhd,hdc->nhc", np.abs(qo), np.abs(np.asarray(u, np.float64)))  # unscaled
+    sums = 2 * q.shape[-1] * 2.0 ** -24 * s  # [N, H, C]
+    if scale == "bound":
+        np.testing.assert_array_equal(gd, wd)
+    else:
+        moved = gd != wd
+        assert np.isin(gd[moved] / wd[moved], (0.5, 2.0)).all()
+        amax = np.abs(np.asarray(w16, np.float64) * wd[..., None]).max(-1)  # [N, H]
+        edge = 2.0 ** np.round(np.log2(np.where(amax > 0, amax, 1.0)))
+        near = np.abs(amax - edge) <= sums.max(-1) + np.spacing(np.float16(2 ** 14)) * wd
+        assert near[moved].all(), np.argwhere(moved & ~near)[:5]
+    g, w = (np.asarray(x, np.float64) for x in (g16, w16))
+    spacing = lambda x: np.spacing(np.abs(x).astype(np.float16)).astype(np.float64)  # noqa
+    tol = spacing(w) * wd[..., None] + spacing(g) * gd[..., None] + sums
+    # amax: a value just below 2^14 may round up to it (as the decode prep's may)
+    top_ok = np.abs(g) < 2.0 ** 14 if scale == "bound" else np.abs(g) <= 2.0 ** 14
+    assert np.isfinite(g).all() and top_ok.all()
+    bad = np.abs(g * gd[..., None] - w * wd[..., None]) > tol
     assert not bad.any(), (np.argwhere(bad)[:5], np.abs(g - w).max())
+    if scale == "amax":  # each (row, head) scaled into [2^13, 2^14) by its own largest value
+        top = np.abs(g).max(-1)  # [N, H]
+        live = (top > 0) & (np.abs(qo).max(-1) > 2.0 ** -100)
+        assert ((top >= 2.0 ** 13) & (top <= 2.0 ** 14))[live].all()
 
 
 @pytest.mark.parametrize("n,h,dn,c,wdt,qdt,tiles", [
@@ -56,14 +75,20 @@ def _assert_close(got, want, q, u):
     (130, 5, 72, 96, jnp.bfloat16, jnp.bfloat16, dict(squares_apart=True)),
     (37, 3, 48, 80, jnp.bfloat16, jnp.bfloat16, dict(block_m=16, block_n=32, block_k=16,
                                                       squares_apart=False)),  # converted
+    (37, 3, 48, 80, jnp.bfloat16, jnp.float32, dict(block_m=16, block_n=128, block_k=16,
+                                                     scale="amax")),
+    (130, 5, 72, 96, jnp.bfloat16, jnp.bfloat16, dict(scale="amax")),  # default tiles
+    (9, 2, 40, 48, jnp.float32, jnp.float32, dict(block_m=16, block_n=64, block_k=32,
+                                                   scale="amax")),
 ])
 def test_kernel_matches_its_definition(kernel_impl, n, h, dn, c, wdt, qdt, tiles):
     """q in f32 and in bf16 (as a prompt's q_b GEMM writes it with bf16 weights)."""
     q, u = _inputs(n, h, dn, c, wdt)
     q = q.astype(qdt)
-    want = jax.jit(sqa.scaled_q_abs_xla)(q, u)
+    scale = tiles.get("scale", "bound")
+    want = jax.jit(functools.partial(sqa.scaled_q_abs_xla, scale=scale))(q, u)
     got = T.run_op("scaled_q_abs", kernel_impl, q, u, kernel_options=tiles)
-    _assert_close(got, want, q.astype(jnp.float32), u)
+    _assert_close(got, want, q.astype(jnp.float32), u, scale)
 
 
 def test_the_default_form_follows_the_rows_dtype():
@@ -137,3 +162,9 @@ def test_bad_shapes_are_refused():
         sqa.ScaledQAbsTuning(block_n=48)
     with pytest.raises(ValueError, match="stacked u_k must be"):
         sqa.scaled_q_abs_pallas(q, u, jnp.int32(0), interpret=True)
+    with pytest.raises(ValueError, match="scale='amax' needs block_n >= C=64"):
+        sqa.scaled_q_abs_pallas(q, u, interpret=True, scale="amax", block_n=32)
+    with pytest.raises(ValueError, match="scale='max' must be one of"):
+        sqa.ScaledQAbsTuning(scale="max")
+    with pytest.raises(ValueError, match="scale='max' must be one of"):
+        sqa.scaled_q_abs_xla(q, u, scale="max")

@@ -118,20 +118,36 @@ def _store_slots(row, pieces, toks, phys, slots_ref, live_ref, *, wp: int, bs: i
 
 def _prep_group_kernel(q_ref, sel_ref, bt_ref, q16_ref, up_ref, down_ref, slots_ref, live_ref,
                        *, groups: int, g: int, h: int, c: int, hp: int, w: int, wp: int,
-                       r: int, r_src: int, bs: int, mb: int, cb: int):
-    """`scale_heads`: program p prepares head group p % groups of output row p // groups (g
-    heads, their own scale); the row's group-0 program also writes its slots and live extent.
-    Refs as `_prep_kernel`'s with up_ref / down_ref [N * Hp] (each head its group's)."""
+                       r: int, r_src: int, bs: int, mb: int, cb: int, slots_apart: bool):
+    """`scale_heads`: program p prepares head group p % per_row of output row p // per_row (g
+    heads, their own scale), per_row = groups (+ 1 with slots_apart). The row's slots and live
+    extent: with slots_apart its program j == groups writes them and nothing else (their two
+    dependent loads no longer ahead of group 0's q in one program), else its group-0 program
+    writes them before its group. Refs as `_prep_kernel`'s with up_ref / down_ref [N * Hp]
+    (each head its group's)."""
     pid = pl.program_id(0)
-    row, j = pid // groups, pid % groups
+    per_row = groups + 1 if slots_apart else groups
+    row, j = pid // per_row, pid % per_row
     seq = row // r
     src = seq * r_src + row % r
 
-    @pl.when(j == 0)
+    @pl.when(j == (groups if slots_apart else 0))
     def _():
         _store_slots(row, *_load_slots(seq, src, sel_ref, bt_ref, w=w, wp=wp, bs=bs, mb=mb),
                      slots_ref, live_ref, wp=wp, bs=bs)
 
+    if slots_apart:
+        @pl.when(j < groups)
+        def _():
+            _store_group(j, row, src, q_ref, q16_ref, up_ref, down_ref, g=g, h=h, c=c, hp=hp,
+                         cb=cb)
+    else:
+        _store_group(j, row, src, q_ref, q16_ref, up_ref, down_ref, g=g, h=h, c=c, hp=hp, cb=cb)
+
+
+def _store_group(j, row, src, q_ref, q16_ref, up_ref, down_ref, *, g: int, h: int, c: int,
+                 hp: int, cb: int):
+    """Head group j of output row `row` (q's row `src`): its amax's scale and its f16 q."""
     cols = jnp.arange(cb, dtype=jnp.int32)  # [CB]
     hs = j * g + jnp.arange(g, dtype=jnp.int32)  # [G] this group's heads
     blocks = []
@@ -196,7 +212,7 @@ def _prep_row(row, q_ref, sel_ref, bt_ref, q16_ref, up_ref, down_ref, slots_ref,
 def prep_pallas(q: jax.Array, sel: jax.Array, block_tables: jax.Array, block_size: int, *,
                 hp: int, wp: int, heads_per_chunk: int = 32, num_warps: int = 8,
                 programs: int | None = None, write_q: bool = True, rows: int | None = None,
-                scale_heads: int = 0, interpret: bool = False):
+                scale_heads: int = 0, slots_apart: bool = True, interpret: bool = False):
     """q [N, H, C] f32 (N = B * R), sel [B, R, W] int32 tokens (-1 empty), block_tables
     [B, MB] int32 -> (q16 [N, Hp, C] f16 (q * 2^k, zero rows past H), up [N] f32 (2^k),
     down [N] f32 (2^-k), slots [N, Wp] int32 (-1 empty and past W), live [N] int32).
@@ -211,7 +227,8 @@ def prep_pallas(q: jax.Array, sel: jax.Array, block_tables: jax.Array, block_siz
     copies); the outputs then hold N = B * rows rows. scale_heads: one scale per group of
     that many heads (a power of two dividing Hp; `MgpuTuning.scale_heads`): one program per
     (row, group), up and down [N, Hp] (each head its group's); not with programs or
-    write_q=False. Hp, Wp and C multiples
+    write_q=False; slots_apart (scale_heads only): each row's slots by a program of their own
+    (else by its group-0 program; the same outputs either way). Hp, Wp and C multiples
     of 16 (the Mosaic kernel's are multiples of 64). Bitwise equal to
     `sparse_attend.mosaic_inputs_jnp` of those rows."""
     n_src, h, c = q.shape
@@ -239,7 +256,8 @@ def prep_pallas(q: jax.Array, sel: jax.Array, block_tables: jax.Array, block_siz
     if scale_heads:
         return _prep_groups(q, sel, block_tables, block_size, n=n, h=h, c=c, hp=hp, w=w, wp=wp,
                             r=r, r_src=r_src, mb=mb, g=scale_heads, num_warps=num_warps,
-                            programs=programs, write_q=write_q, interpret=interpret)
+                            programs=programs, write_q=write_q, slots_apart=slots_apart,
+                            interpret=interpret)
     programs = min(n, programs or n)
     hb = _pow2_divisor(hp, min(heads_per_chunk, next_pow2(h)))
     kernel = functools.partial(
@@ -256,7 +274,7 @@ def prep_pallas(q: jax.Array, sel: jax.Array, block_tables: jax.Array, block_siz
 
 
 def _prep_groups(q, sel, block_tables, block_size, *, n, h, c, hp, w, wp, r, r_src, mb, g,
-                 num_warps, programs, write_q, interpret):
+                 num_warps, programs, write_q, slots_apart, interpret):
     """`prep_pallas` with `scale_heads=g` (arguments checked there)."""
     if g < 16 or g & (g - 1) or hp % g:
         raise ValueError(f"prep_pallas: scale_heads={g} must be a power of two >= 16 "
@@ -267,12 +285,13 @@ def _prep_groups(q, sel, block_tables, block_size, *, n, h, c, hp, w, wp, r, r_s
     groups = hp // g
     kernel = functools.partial(
         _prep_group_kernel, groups=groups, g=g, h=h, c=c, hp=hp, w=w, wp=wp, r=r, r_src=r_src,
-        bs=block_size, mb=mb, cb=_pow2_divisor(c, 512))
+        bs=block_size, mb=mb, cb=_pow2_divisor(c, 512), slots_apart=slots_apart)
     shapes = [jax.ShapeDtypeStruct((n * hp, c), jnp.float16),
               jax.ShapeDtypeStruct((n * hp,), jnp.float32),
               jax.ShapeDtypeStruct((n * hp,), jnp.float32),
               jax.ShapeDtypeStruct((n * wp,), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.int32)]
-    q16, up, down, slots, live = _launch(kernel, n * groups, shapes, num_warps, interpret, q,
+    per_row = groups + 1 if slots_apart else groups
+    q16, up, down, slots, live = _launch(kernel, n * per_row, shapes, num_warps, interpret, q,
                                          sel, block_tables)
     return (q16.reshape(n, hp, c), up.reshape(n, hp), down.reshape(n, hp), slots.reshape(n, wp),
             live)

@@ -28,6 +28,9 @@ from dsa_jax.pallas.common import next_pow2
 HEADS_PER_PROGRAM = 16
 # The accumulator block [S, 16, 32] f32 of up to 16 splits: 64 registers a thread at 4 warps.
 COLUMNS_PER_PROGRAM = 32
+# Past 16 splits the columns per program shrink to keep that block's elements (a decode row's
+# 33 splits load as 64: [64, 16, 32] f32 is 256 registers a thread, past what a thread has).
+BLOCK_ELEMENTS = 16 * HEADS_PER_PROGRAM * COLUMNS_PER_PROGRAM
 
 
 def _merge_kernel(o_ref, m_ref, l_ref, *refs, splits: int, hb: int, cb: int, rows_in: int,
@@ -77,9 +80,17 @@ def _merge_kernel(o_ref, m_ref, l_ref, *refs, splits: int, hb: int, cb: int, row
                                                  jnp.float32).astype(out_ref.dtype)
 
 
+def column_block(splits: int, cb: int = COLUMNS_PER_PROGRAM) -> int:
+    """The columns per program for `splits` splits: `cb` up to 16 splits, then halved per
+    doubling of the loaded splits (next_pow2) so that the [Sp, 16, cb] block stays within
+    BLOCK_ELEMENTS (at least one column). A function of the split count alone: a row's
+    decode and verify, which split alike, merge with the same blocks."""
+    return max(1, min(cb, BLOCK_ELEMENTS // (next_pow2(splits) * HEADS_PER_PROGRAM)))
+
+
 def merge_splits_pallas(o: jax.Array, m: jax.Array, l: jax.Array, *, interpret: bool = False,
-                        dtype=jnp.float32, pad: tuple[int, jax.Array] | None = None
-                        ) -> jax.Array:
+                        dtype=jnp.float32, pad: tuple[int, jax.Array] | None = None,
+                        columns: int = 0) -> jax.Array:
     """`sparse_attend.merge_splits` as a kernel: o [N, S, Hp, Cp], m, l [N, S, Hp] f32 ->
     [N, Hp, Cp] `dtype` (0 where no split saw a valid slot; the fp32 merge rounded once).
     Hp a multiple of 16; Cp a multiple of 32 or a power of two below it (the attend kernels'
@@ -88,7 +99,10 @@ def merge_splits_pallas(o: jax.Array, m: jax.Array, l: jax.Array, *, interpret: 
     pad: `(rows_in, fill)`, fill [B, Rt] f32 with `N = B * rows_in` and `Rt >= rows_in`: the N
     rows are each sequence's first `rows_in` rows, and the result is `[B * Rt, Hp, Cp]` with
     row r of sequence b at `b * Rt + r`: merged for `r < rows_in`, `fill[b, r]` after
-    (`padded_rows_jnp(merge_splits(o, m, l), ...)` in one pass)."""
+    (`padded_rows_jnp(merge_splits(o, m, l), ...)` in one pass).
+
+    columns: the columns per program (a power of two dividing Cp); 0 (the default):
+    `column_block`'s for the split count."""
     n, splits, hp, cp = o.shape
     dtype = jnp.dtype(dtype)
     if splits == 1 and pad is None and dtype == jnp.float32:
@@ -98,6 +112,13 @@ def merge_splits_pallas(o: jax.Array, m: jax.Array, l: jax.Array, *, interpret: 
     if hp % hb or cb & (cb - 1):
         raise ValueError(f"merge_splits_pallas: heads {hp} must be a multiple of {hb} and "
                          f"columns {cp} a multiple of {COLUMNS_PER_PROGRAM} or a power of two")
+    if columns:
+        if columns & (columns - 1) or cp % columns:
+            raise ValueError(f"merge_splits_pallas: columns={columns} must be a power of two "
+                             f"dividing the {cp} columns")
+        cb = columns
+    else:
+        cb = column_block(splits, cb)
     rows_in, extra = n, []
     rows_out = rows_in
     if pad is not None:

@@ -45,6 +45,11 @@ class MgpuTuning:
       64-head row stays in registers, read once).
     prep_per_sm: the "triton" prep's programs per multiprocessor, each looping over rows
       (0: one program per row).
+    merge_columns: the split merge's columns per program (`merge_splits_pallas(columns=)`;
+      0: its rule by the split count, `merge_splits.column_block`).
+    prep_slots_apart: with scale_heads, the "triton" prep writes each row's slots and live
+      extent from a program of its own (else its first head group's program does, after
+      the slots' two dependent loads); the same inputs either way.
     persistent: one CTA per multiprocessor, each looping over (row, split, head block) items
       with its pipeline running on across them (else one CTA per item). Measured slower
       (h200-attend-run6): an option, not the default.
@@ -120,6 +125,8 @@ class MgpuTuning:
     prep_heads: int = 64
     prep_warps: int = 16
     prep_per_sm: int = 0
+    prep_slots_apart: bool = True
+    merge_columns: int = 0
     persistent: bool = False
     convert: str = "consumer"
     gather_ahead: bool = False
@@ -176,6 +183,8 @@ class MgpuTuning:
             raise ValueError(f"prep={self.prep!r} must be 'jnp' or 'triton'")
         if self.prep_heads < 1 or self.prep_heads & (self.prep_heads - 1):
             raise ValueError(f"prep_heads={self.prep_heads} must be a power of two")
+        if self.merge_columns < 0 or self.merge_columns & (self.merge_columns - 1):
+            raise ValueError(f"merge_columns={self.merge_columns} must be 0 or a power of two")
         if self.prep_per_sm < 0:
             raise ValueError(f"prep_per_sm={self.prep_per_sm} must be >= 0")
         if self.block_w not in (64, 128):

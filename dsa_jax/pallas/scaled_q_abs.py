@@ -42,6 +42,7 @@ BOUND_MARGIN = 1 + 2.0 ** -10
 # k brings the bound into [2^(SCALE_TOP - 1), 2^SCALE_TOP): no |q_abs| 2^k reaches 2^14, so
 # the attend's f16 logit products stay finite.
 SCALE_TOP = 14
+SCALES = ("bound", "amax")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,17 +61,25 @@ class ScaledQAbsTuning:
     feeding both the dot and the squares came out wrong on the H200, Triton 3.6:
     h200-scaled-q-20261202-s15-call3.json). None (the default): apart exactly for rows that
     are not f32, the faster form of each on the H200 (h200-scaled-q-20261202-s16-call1.json;
-    both forms right there from f32 and bf16 rows)."""
+    both forms right there from f32 and bf16 rows).
+
+    scale: where each (row, head)'s power of two comes from: "bound" (`q_abs_bound`, from
+    the squares summed beside the GEMM) or "amax" (the GEMM's f32 result itself, its largest
+    |a_hc| over the head's C columns: no squares; needs block_n >= C, a program holding a
+    head's C whole; `scaled_q_abs_xla(scale="amax")` its definition)."""
     block_m: int | None = None
     block_n: int | None = None
     block_k: int = 64
     num_warps: int = 8
     num_stages: int = 3
     squares_apart: bool | None = None
+    scale: str = "bound"
 
     def __post_init__(self):
         check_triton_blocks(self, tuple(n for n in ("block_m", "block_n", "block_k")
                                         if getattr(self, n) is not None))
+        if self.scale not in SCALES:
+            raise ValueError(f"scale={self.scale!r} must be one of {SCALES}")
 
 
 def _weight(u_k: jax.Array, layer: jax.Array | None) -> jax.Array:
@@ -102,22 +111,26 @@ def scale_exponent(bound: jax.Array) -> jax.Array:
     return jnp.clip(SCALE_TOP - e, -126, 126).astype(jnp.int32)
 
 
-def scaled_q_abs_xla(q: jax.Array, u_k: jax.Array, layer: jax.Array | None = None
-                     ) -> tuple[jax.Array, jax.Array]:
+def scaled_q_abs_xla(q: jax.Array, u_k: jax.Array, layer: jax.Array | None = None, *,
+                     scale: str = "bound") -> tuple[jax.Array, jax.Array]:
     """The definition: `q [..., Hl, Dn]` (f32 or bf16), `u_k [Hl, Dn, C]` (or a stack at `layer`) ->
-    (q_abs 2^k as f16 `[..., Hl, C]`, 2^-k `[..., Hl]` f32), k = `scale_exponent` of
-    `q_abs_bound` per (row, head): the f32 q_abs (the U_k GEMM, fp32 accumulation) times the
-    power of two (exact), rounded to f16 once."""
+    (q_abs 2^k as f16 `[..., Hl, C]`, 2^-k `[..., Hl]` f32), k = `scale_exponent` per (row,
+    head) of `q_abs_bound` (scale "bound") or of the largest |q_abs| over C ("amax"): the
+    f32 q_abs (the U_k GEMM, fp32 accumulation) times the power of two (exact), rounded to
+    f16 once."""
+    if scale not in SCALES:
+        raise ValueError(f"scale={scale!r} must be one of {SCALES}")
     w = _weight(u_k, layer)
-    k = scale_exponent(q_abs_bound(q, w))  # [..., Hl]
-    one = jnp.ones(k.shape, jnp.float32)
-    up, down = jnp.ldexp(one, k), jnp.ldexp(one, -k)
     lead = q.shape[:-2]
     rows = q.reshape(-1, *q.shape[-2:]).astype(w.dtype)  # [M, Hl, Dn]
     out = lax.dot_general(rows, w, (((2,), (1,)), ((1,), (0,))),
                           precision=lax.Precision.HIGHEST,
                           preferred_element_type=jnp.float32)  # [Hl, M, C]
     out = jnp.swapaxes(out, 0, 1).reshape(*lead, *out.shape[::2])  # [..., Hl, C] f32
+    top = q_abs_bound(q, w) if scale == "bound" else jnp.max(jnp.abs(out), axis=-1)
+    k = scale_exponent(top)  # [..., Hl]
+    one = jnp.ones(k.shape, jnp.float32)
+    up, down = jnp.ldexp(one, k), jnp.ldexp(one, -k)
     return (out * up[..., None]).astype(jnp.float16), down
 
 
@@ -138,12 +151,13 @@ def _rounded(x: jax.Array, dtype) -> jax.Array:
 
 
 def _kernel(*refs, m: int, k: int, bm: int, bn: int, bk: int, heads: int, stacked: bool,
-            apart: bool):
+            apart: bool, amax: bool):
     """Program (j, i, h): rows i*bm.. of head h, C columns j*bn.. (j fastest: the programs
     sharing a row tile run together and read it from L2). One loop over K's chunks (Triton
     pipelines its loads) sums the GEMM and each row's squares; the bound's power of two then
     scales the f32 result, which is rounded to f16 once. apart (`squares_apart`): the squares
-    in a first loop of their own, then the GEMM's.
+    in a first loop of their own, then the GEMM's. amax (scale "amax", bn >= C): no squares;
+    the power of two from the result's largest |value| in each row (col_ref unread).
 
     [l_ref [1] int32 when `stacked`]; col_ref [H] f32 (`column_norm`); v_ref [M, H, K]; w_ref
     [H, K, C] ([G*H, K, C] when stacked); o_ref [M, H, C] f16; d_ref [M, H] f32 (2^-k)."""
@@ -186,13 +200,17 @@ def _kernel(*refs, m: int, k: int, bm: int, bn: int, bk: int, heads: int, stacke
                                      preferred_element_type=jnp.float32)
 
     chunks = -(-k // bk)
-    if apart:
-        ss = lax.fori_loop(0, chunks, squares, jnp.zeros((bm,), jnp.float32))
+    if amax:  # columns past C and rows past M hold 0: the loads' fill
         acc = lax.fori_loop(0, chunks, product, jnp.zeros((bm, bn), jnp.float32))
+        bound = jnp.max(jnp.abs(acc), axis=1)  # [bm]
     else:
-        acc, ss = lax.fori_loop(0, chunks, chunk, (jnp.zeros((bm, bn), jnp.float32),
-                                                   jnp.zeros((bm,), jnp.float32)))
-    bound = jnp.sqrt(ss) * col_ref[h] * BOUND_MARGIN  # [bm]
+        if apart:
+            ss = lax.fori_loop(0, chunks, squares, jnp.zeros((bm,), jnp.float32))
+            acc = lax.fori_loop(0, chunks, product, jnp.zeros((bm, bn), jnp.float32))
+        else:
+            acc, ss = lax.fori_loop(0, chunks, chunk, (jnp.zeros((bm, bn), jnp.float32),
+                                                       jnp.zeros((bm,), jnp.float32)))
+        bound = jnp.sqrt(ss) * col_ref[h] * BOUND_MARGIN  # [bm]
     bits = lax.bitcast_convert_type(jnp.where(bound > 0, bound, 1.0), jnp.int32)
     e = jnp.where(bits >> 23 == 0, -126, (bits >> 23) - 126)  # frexp's exponent (a subnormal:
     exp = jnp.clip(SCALE_TOP - e, -126, 126)  # [bm] int32     # clipped to 126 either way)
@@ -214,7 +232,8 @@ def _call(q: jax.Array, w: jax.Array, col: jax.Array, layer: jax.Array | None,
     grid = (pl.cdiv(c, t.block_n), pl.cdiv(m, t.block_m), heads)
     return pl.pallas_call(
         functools.partial(_kernel, m=m, k=k, bm=t.block_m, bn=t.block_n, bk=t.block_k,
-                          heads=heads, stacked=stacked, apart=t.squares_apart),
+                          heads=heads, stacked=stacked, apart=t.squares_apart,
+                          amax=t.scale == "amax"),
         out_shape=(jax.ShapeDtypeStruct((m, heads, c), jnp.float16),
                    jax.ShapeDtypeStruct((m, heads), jnp.float32)),
         grid=grid,
@@ -258,6 +277,9 @@ def scaled_q_abs_pallas(q: jax.Array, u_k: jax.Array, layer: jax.Array | None = 
         raise ValueError(f"scaled_q_abs: q's last axes {list(q.shape[-2:])} must be u_k's "
                          f"[Hl, Dn] = {list(one[:2])}")
     lead, (heads, k, c) = q.shape[:-2], one
+    if t.scale == "amax" and t.block_n < c:
+        raise ValueError(f"scaled_q_abs: scale='amax' needs block_n >= C={c} (a program "
+                         f"holding a head's C whole); block_n={t.block_n}")
     rows = q.reshape(-1, heads, k)  # [M, Hl, Dn]
     m = rows.shape[0]
     if layer is not None:

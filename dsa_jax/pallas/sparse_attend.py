@@ -536,7 +536,8 @@ def _prepared_inputs(q, sel, block_tables, bs, t: mgpu_op.MgpuTuning, *, r, hp, 
         qk, up, down, slots, live = attend_prep.prep_pallas(
             q, sel, block_tables, bs, hp=hp, wp=wp, heads_per_chunk=t.prep_heads,
             num_warps=t.prep_warps, programs=t.prep_per_sm * sm_count() or None,
-            write_q=not t.q_in_kernel, rows=r, scale_heads=t.scale_heads)
+            write_q=not t.q_in_kernel, rows=r, scale_heads=t.scale_heads,
+            slots_apart=t.prep_slots_apart)
     if t.prep != "triton" or t.q_in_kernel:  # these take the attended rows as arrays
         q = q.reshape(b, r_all, h, c)[:, :r].reshape(n, h, c)
     if t.prep != "triton":
@@ -580,4 +581,4 @@ def _mosaic_attend(q, latent_flat, kv, sel, block_tables, bs, softmax_scale,
     # a max_verify-row verify, and on the H200 they then differed in y's last bits
     # (benchmarks/notes.md, session 2026-12-01 fifth). It also rounds to `dtype` and writes
     # a decode's padded block, so neither needs a pass of its own.
-    return merge_splits_pallas(o, m, l, dtype=dtype, pad=pad)[:, :h]
+    return merge_splits_pallas(o, m, l, dtype=dtype, pad=pad, columns=t.merge_columns)[:, :h]
