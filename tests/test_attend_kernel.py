@@ -526,18 +526,28 @@ def test_q_abs_bound_bounds_the_absorbed_query():
 
 
 def test_scaled_q_abs_rounds_q_as_the_amax_scales_do():
-    """`projection.scaled_q_abs` (the scale on the GEMM's input, from the bound) holds q_abs's
-    f16 rounding: q16 * down equals q_abs scaled by each head's own amax's power of two and
-    rounded, exactly (power-of-two scaling is exact, f16 rounding relative), also for rows far
-    from 1 and a head 2^40 above its row's others; every |q16| is below 2^14; the slots of
+    """`projection.scaled_q_abs` (each head's scale from the bound or, the default at these
+    shapes, from its own amax) holds q_abs's f16 rounding: q16 * down equals q_abs scaled by
+    each head's own amax's power of two and rounded, exactly (power-of-two scaling is exact,
+    f16 rounding relative), also for rows far from 1 and a head 2^40 above its row's others;
+    every |q16| is at most 2^14 (below it under the bound's margin); the slots of
     `scaled_inputs` are the prep twin's, padded heads zero."""
-    from dsa_jax import projection
     rng = np.random.default_rng(4)
     n, h, dn, c = 6, 5, 48, 64
     u = jnp.asarray(rng.standard_normal((h, dn, c)) * 0.2, jnp.bfloat16)
     q = jnp.asarray(rng.standard_normal((n, h, dn)) * np.float32(3.0))
     q = q.at[1].multiply(2.0 ** -30).at[2, 3].multiply(2.0 ** 40)  # rows far from 1
-    q16, down = projection.scaled_q_abs(q, u)
+    for scale in ("bound", "amax", None):
+        _check_scaled(q, u, scale, h, c)
+
+
+def _check_scaled(q, u, scale, h, c):
+    from dsa_jax import projection
+    from dsa_jax.pallas import scaled_q_abs as sqa
+    if scale is None:
+        q16, down = projection.scaled_q_abs(q, u)
+    else:
+        q16, down = sqa.scaled_q_abs_xla(q, u, scale=scale)
     q_abs = projection.per_head(q, u, 1)  # [N, H, C] f32
     _, _, _, tables, sel = T.attend_inputs(5, 2, 3, h, c, 70, 16, 12, "float8_e4m3fn")
     sel, tables = jnp.asarray(sel), jnp.asarray(tables)
@@ -548,7 +558,8 @@ def test_scaled_q_abs_rounds_q_as_the_amax_scales_do():
     deq = lambda q16, down: np.asarray(q16.astype(jnp.float32)) * np.asarray(down)[:, :, None]
     np.testing.assert_array_equal(deq(got[0][:, :h], got[2][:, :h]), deq(amax16, down1))
     assert not np.asarray(got[0][:, h:]).any()
-    assert (np.abs(np.asarray(q16, np.float32)).max(-1) < 2.0 ** 14).all()
+    top = np.abs(np.asarray(q16, np.float32)).max(-1)
+    assert (top < 2.0 ** 14).all() if scale == "bound" else (top <= 2.0 ** 14).all()
     np.testing.assert_array_equal(np.asarray(got[1] * got[2]), 1.0)
     np.testing.assert_array_equal(np.asarray(got[3]), np.asarray(want[3]))
     np.testing.assert_array_equal(np.asarray(got[4]), np.asarray(want[4]))

@@ -6,13 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsa_jax.pallas.merge_splits import (
-    BLOCK_ELEMENTS,
-    HEADS_PER_PROGRAM,
-    column_block,
-    merge_splits_pallas,
-    padded_rows_jnp,
-)
+from dsa_jax.pallas.merge_splits import merge_splits_pallas, padded_rows_jnp
 from dsa_jax.pallas.sparse_attend import merge_splits
 
 
@@ -29,7 +23,7 @@ def _partials(n, s, hp, cp, seed):
 
 
 @pytest.mark.parametrize("n,s,hp,cp", [(3, 3, 16, 32), (2, 5, 32, 384), (4, 1, 16, 16),
-                                      (2, 33, 16, 64)])  # 33: a decode row's, narrow blocks
+                                      (2, 33, 16, 64)])  # 33: a decode row's splits
 def test_merge_kernel_matches_twin(n, s, hp, cp):
     o, m, l = _partials(n, s, hp, cp, seed=n * 10 + s)
     got = np.asarray(merge_splits_pallas(o, m, l, interpret=True))
@@ -45,25 +39,15 @@ def test_merge_kernel_matches_twin(n, s, hp, cp):
         assert (got == want).all()
 
 
-def test_the_column_block_follows_the_split_count():
-    """32 columns per program up to 16 splits (the blocks measured in the twelfth session),
-    then narrower so that the loaded block [next_pow2(S), 16, cb] stays BLOCK_ELEMENTS."""
-    assert [column_block(s) for s in (1, 2, 16, 17, 33, 64)] == [32, 32, 32, 16, 8, 8]
-    for s in range(1, 129):
-        cb = column_block(s)
-        assert cb & (cb - 1) == 0 and 1 <= cb <= 32
-        assert cb == 1 or (1 << (s - 1).bit_length()) * HEADS_PER_PROGRAM * cb <= BLOCK_ELEMENTS
-    assert column_block(2, 16) == 16  # a narrower C keeps its own block
-
-
-@pytest.mark.parametrize("columns", [4, 64])
-def test_merge_kernel_takes_other_column_blocks(columns):
-    """`columns=` (MgpuTuning.merge_columns) other than the rule's: the twin within the
-    bound as with the rule's blocks; a block that is not a power of two dividing Cp is
-    refused."""
+@pytest.mark.parametrize("columns,warps", [(4, 4), (64, 8)])
+def test_merge_kernel_takes_other_blocks(columns, warps):
+    """`columns=` and `num_warps=` (MgpuTuning.merge_columns, merge_warps) other than the
+    defaults: the twin within the same bound; a block that is not a power of two dividing Cp
+    is refused."""
     n, s, hp, cp = 2, 5, 16, 64
     o, m, l = _partials(n, s, hp, cp, seed=columns)
-    got = np.asarray(merge_splits_pallas(o, m, l, interpret=True, columns=columns))
+    got = np.asarray(merge_splits_pallas(o, m, l, interpret=True, columns=columns,
+                                         num_warps=warps))
     want = np.asarray(merge_splits(o, m, l))
     bound = (2 * s + 4) * np.finfo(np.float32).eps * np.abs(np.asarray(o)).max(axis=(1, 3))
     assert (np.abs(got - want) <= bound[:, :, None]).all()

@@ -85,7 +85,7 @@ def test_kernel_matches_its_definition(kernel_impl, n, h, dn, c, wdt, qdt, tiles
     """q in f32 and in bf16 (as a prompt's q_b GEMM writes it with bf16 weights)."""
     q, u = _inputs(n, h, dn, c, wdt)
     q = q.astype(qdt)
-    scale = tiles.get("scale", "bound")
+    scale = sqa.resolved_tuning(sqa.ScaledQAbsTuning(**tiles), qdt, c).scale
     want = jax.jit(functools.partial(sqa.scaled_q_abs_xla, scale=scale))(q, u)
     got = T.run_op("scaled_q_abs", kernel_impl, q, u, kernel_options=tiles)
     _assert_close(got, want, q.astype(jnp.float32), u, scale)
@@ -117,23 +117,49 @@ def test_the_default_tiles_follow_the_rows_dtype():
         sqa.ScaledQAbsTuning(block_m=96)
 
 
-def test_kernel_reads_a_stacked_weight_in_place(kernel_impl):
+def test_the_default_scale_is_the_amax_where_a_program_holds_c():
+    """scale None: "amax" where the tiles hold a head's C whole (a prompt's bf16 rows at
+    GLM's C = 512 under the 64 x 512 tiles; f32 rows' 128 x 256 tiles at C <= 256), else
+    "bound"; the definition's None follows the default tiles; a set scale is kept."""
+    r = sqa.resolved_tuning
+    t = sqa.ScaledQAbsTuning()
+    assert t.scale is None and r(t, jnp.float32).scale is None  # no C: left undecided
+    assert r(t, jnp.bfloat16, 512).scale == "amax" and r(t, jnp.bfloat16, 1024).scale == "bound"
+    assert r(t, jnp.float32, 512).scale == "bound" and r(t, jnp.float32, 256).scale == "amax"
+    assert r(sqa.ScaledQAbsTuning(block_n=128), jnp.bfloat16, 512).scale == "bound"
+    assert r(sqa.ScaledQAbsTuning(scale="bound"), jnp.bfloat16, 512).scale == "bound"
+    assert sqa.default_scale(jnp.bfloat16, 512) == "amax"
+    assert sqa.default_scale(jnp.float32, 512) == "bound"
+    q, u = _inputs(6, 2, 40, 64, jnp.bfloat16, seed=4)
+    for qdt in (jnp.float32, jnp.bfloat16):
+        got = sqa.scaled_q_abs_xla(q.astype(qdt), u)
+        want = sqa.scaled_q_abs_xla(q.astype(qdt), u, scale="amax")  # C = 64: amax either way
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("scale", ["bound", "amax"])
+def test_kernel_reads_a_stacked_weight_in_place(kernel_impl, scale):
     """u_k a stack [G, H, Dn, C] at a layer index (clamped as XLA's dynamic index)."""
     q, u = _inputs(21, 3, 40, 64, jnp.bfloat16, seed=1)
     stack = jnp.stack([u * 0.5, u, u * 3.0])
     for layer, want_w in ((1, u), (7, u * 3.0)):
-        got = T.run_op("scaled_q_abs", kernel_impl, q, stack, jnp.int32(layer))
-        _assert_close(got, jax.jit(sqa.scaled_q_abs_xla)(q, want_w), q, want_w)
+        got = T.run_op("scaled_q_abs", kernel_impl, q, stack, jnp.int32(layer),
+                       kernel_options=dict(scale=scale))
+        want = jax.jit(functools.partial(sqa.scaled_q_abs_xla, scale=scale))(q, want_w)
+        _assert_close(got, want, q, want_w, scale)
 
 
 def test_kernel_rows_keep_their_bits_at_any_row_count(kernel_impl):
     """A row's result is its own: the same bits in a 5-row call and a 70-row one (what lets
     the wrapper split a call whose result would wrap Triton's 32-bit offsets)."""
     q, u = _inputs(70, 2, 40, 64, jnp.bfloat16, seed=2)
-    full = T.run_op("scaled_q_abs", kernel_impl, q, u)
-    part = T.run_op("scaled_q_abs", kernel_impl, q[33:38], u)
-    for a, b in zip(full, part, strict=True):
-        np.testing.assert_array_equal(np.asarray(a[33:38]), np.asarray(b))
+    for scale in ("bound", "amax"):
+        opts = dict(scale=scale)
+        full = T.run_op("scaled_q_abs", kernel_impl, q, u, kernel_options=opts)
+        part = T.run_op("scaled_q_abs", kernel_impl, q[33:38], u, kernel_options=opts)
+        for a, b in zip(full, part, strict=True):
+            np.testing.assert_array_equal(np.asarray(a[33:38]), np.asarray(b))
 
 
 def test_the_bound_is_that_of_the_rounded_operand_under_jit():
@@ -145,9 +171,10 @@ def test_the_bound_is_that_of_the_rounded_operand_under_jit():
                                   np.asarray(sqa.q_abs_bound(q, u)))
     for apart in (False, True):
         kernel = jax.jit(functools.partial(sqa.scaled_q_abs_pallas, interpret=True,
-                                           squares_apart=apart))
+                                           squares_apart=apart, scale="bound"))
+        want = jax.jit(functools.partial(sqa.scaled_q_abs_xla, scale="bound"))(q, u)[1]
         np.testing.assert_array_equal(np.asarray(kernel(q, u)[1]),  # the kernel's under jit
-                                      np.asarray(jax.jit(sqa.scaled_q_abs_xla)(q, u)[1]))
+                                      np.asarray(want))
     qo = np.asarray(q.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
     col = np.sqrt((np.asarray(u, np.float64) ** 2).sum(1).max(-1))  # [H]
     want = np.sqrt((qo ** 2).sum(-1)) * col * sqa.BOUND_MARGIN

@@ -28,9 +28,6 @@ from dsa_jax.pallas.common import next_pow2
 HEADS_PER_PROGRAM = 16
 # The accumulator block [S, 16, 32] f32 of up to 16 splits: 64 registers a thread at 4 warps.
 COLUMNS_PER_PROGRAM = 32
-# Past 16 splits the columns per program shrink to keep that block's elements (a decode row's
-# 33 splits load as 64: [64, 16, 32] f32 is 256 registers a thread, past what a thread has).
-BLOCK_ELEMENTS = 16 * HEADS_PER_PROGRAM * COLUMNS_PER_PROGRAM
 
 
 def _merge_kernel(o_ref, m_ref, l_ref, *refs, splits: int, hb: int, cb: int, rows_in: int,
@@ -80,17 +77,9 @@ def _merge_kernel(o_ref, m_ref, l_ref, *refs, splits: int, hb: int, cb: int, row
                                                  jnp.float32).astype(out_ref.dtype)
 
 
-def column_block(splits: int, cb: int = COLUMNS_PER_PROGRAM) -> int:
-    """The columns per program for `splits` splits: `cb` up to 16 splits, then halved per
-    doubling of the loaded splits (next_pow2) so that the [Sp, 16, cb] block stays within
-    BLOCK_ELEMENTS (at least one column). A function of the split count alone: a row's
-    decode and verify, which split alike, merge with the same blocks."""
-    return max(1, min(cb, BLOCK_ELEMENTS // (next_pow2(splits) * HEADS_PER_PROGRAM)))
-
-
 def merge_splits_pallas(o: jax.Array, m: jax.Array, l: jax.Array, *, interpret: bool = False,
                         dtype=jnp.float32, pad: tuple[int, jax.Array] | None = None,
-                        columns: int = 0) -> jax.Array:
+                        columns: int = 0, num_warps: int = 4) -> jax.Array:
     """`sparse_attend.merge_splits` as a kernel: o [N, S, Hp, Cp], m, l [N, S, Hp] f32 ->
     [N, Hp, Cp] `dtype` (0 where no split saw a valid slot; the fp32 merge rounded once).
     Hp a multiple of 16; Cp a multiple of 32 or a power of two below it (the attend kernels'
@@ -102,7 +91,7 @@ def merge_splits_pallas(o: jax.Array, m: jax.Array, l: jax.Array, *, interpret: 
     (`padded_rows_jnp(merge_splits(o, m, l), ...)` in one pass).
 
     columns: the columns per program (a power of two dividing Cp); 0 (the default):
-    `column_block`'s for the split count."""
+    COLUMNS_PER_PROGRAM (Cp where that does not divide it). num_warps: Triton's."""
     n, splits, hp, cp = o.shape
     dtype = jnp.dtype(dtype)
     if splits == 1 and pad is None and dtype == jnp.float32:
@@ -117,8 +106,6 @@ def merge_splits_pallas(o: jax.Array, m: jax.Array, l: jax.Array, *, interpret: 
             raise ValueError(f"merge_splits_pallas: columns={columns} must be a power of two "
                              f"dividing the {cp} columns")
         cb = columns
-    else:
-        cb = column_block(splits, cb)
     rows_in, extra = n, []
     rows_out = rows_in
     if pad is not None:
@@ -138,7 +125,7 @@ def merge_splits_pallas(o: jax.Array, m: jax.Array, l: jax.Array, *, interpret: 
         in_specs=[pl.BlockSpec()] * (3 + len(extra)),
         out_specs=pl.BlockSpec(),
         out_shape=jax.ShapeDtypeStruct((n // rows_in * rows_out, hp, cp), dtype),
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="merge_splits",
     )(o, m, l, *extra)

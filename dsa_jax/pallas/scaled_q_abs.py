@@ -4,9 +4,11 @@ scaled per (row, head) by a power of two and rounded to f16, in one Pallas Trito
 Why a kernel: the attend's wgmma takes f16 operands with |q| below f16's range, so each
 (row, head) is scaled by 2^k before the rounding. From the f32 q_abs that needs q_abs written
 (a prompt of 9000 rows: 1.18 GB), read back for its amax and written again as f16 (the prep).
-With k from a bound known before the GEMM (`q_abs_bound`: Cauchy-Schwarz over the GEMM's
-operands), this kernel reads q once, computes each row's bound from the tile it loads anyway,
-and writes only the f16 result and the scale.
+This kernel reads q once and writes only the f16 result and the scale: where a program holds
+a head's C columns whole (a prompt's bf16 rows, GLM's C = 512) k comes from the f32 result's
+own amax in registers (scale "amax"); else from a bound known before the GEMM (`q_abs_bound`:
+Cauchy-Schwarz over the GEMM's operands, each row's squares summed from the tile it loads
+anyway; scale "bound").
 
 The definition is `scaled_q_abs_xla` (XLA's dot, its f32 result scaled by the power of two,
 which is exact, and rounded to f16); the kernel computes the same products in another
@@ -33,8 +35,9 @@ from dsa_jax.pallas.common import (
     with_overrides,
 )
 
-__all__ = ["BOUND_MARGIN", "SCALE_TOP", "ScaledQAbsTuning", "column_norm", "q_abs_bound",
-           "resolved_tuning", "scale_exponent", "scaled_q_abs_pallas", "scaled_q_abs_xla"]
+__all__ = ["BOUND_MARGIN", "SCALES", "SCALE_TOP", "ScaledQAbsTuning", "column_norm",
+           "default_scale", "q_abs_bound", "resolved_tuning", "scale_exponent",
+           "scaled_q_abs_pallas", "scaled_q_abs_xla"]
 
 # The bound's margin for the f32 rounding of the two norms and of the GEMM's K-term sums
 # (each below K 2^-24 relative).
@@ -66,19 +69,22 @@ class ScaledQAbsTuning:
     scale: where each (row, head)'s power of two comes from: "bound" (`q_abs_bound`, from
     the squares summed beside the GEMM) or "amax" (the GEMM's f32 result itself, its largest
     |a_hc| over the head's C columns: no squares; needs block_n >= C, a program holding a
-    head's C whole; `scaled_q_abs_xla(scale="amax")` its definition)."""
+    head's C whole; squares_apart then unused). None (the default): "amax" where the tiles
+    hold C whole, else "bound" (`default_scale`; prefill-9000's 9000 bf16 rows: 553 vs 640 us
+    on the H200, h200-scaled-q-20261203-s21-call2.json). An amax just below 2^14 may round up
+    to 2^14 in f16 (as the decode prep's may); the attend accumulates in f32."""
     block_m: int | None = None
     block_n: int | None = None
     block_k: int = 64
     num_warps: int = 8
     num_stages: int = 3
     squares_apart: bool | None = None
-    scale: str = "bound"
+    scale: str | None = None
 
     def __post_init__(self):
         check_triton_blocks(self, tuple(n for n in ("block_m", "block_n", "block_k")
                                         if getattr(self, n) is not None))
-        if self.scale not in SCALES:
+        if self.scale is not None and self.scale not in SCALES:
             raise ValueError(f"scale={self.scale!r} must be one of {SCALES}")
 
 
@@ -112,12 +118,14 @@ def scale_exponent(bound: jax.Array) -> jax.Array:
 
 
 def scaled_q_abs_xla(q: jax.Array, u_k: jax.Array, layer: jax.Array | None = None, *,
-                     scale: str = "bound") -> tuple[jax.Array, jax.Array]:
+                     scale: str | None = None) -> tuple[jax.Array, jax.Array]:
     """The definition: `q [..., Hl, Dn]` (f32 or bf16), `u_k [Hl, Dn, C]` (or a stack at `layer`) ->
     (q_abs 2^k as f16 `[..., Hl, C]`, 2^-k `[..., Hl]` f32), k = `scale_exponent` per (row,
-    head) of `q_abs_bound` (scale "bound") or of the largest |q_abs| over C ("amax"): the
-    f32 q_abs (the U_k GEMM, fp32 accumulation) times the power of two (exact), rounded to
-    f16 once."""
+    head) of `q_abs_bound` (scale "bound") or of the largest |q_abs| over C ("amax"; None:
+    `default_scale`, the kernel's default): the f32 q_abs (the U_k GEMM, fp32
+    accumulation) times the power of two (exact), rounded to f16 once."""
+    if scale is None:
+        scale = default_scale(q.dtype, u_k.shape[-1])
     if scale not in SCALES:
         raise ValueError(f"scale={scale!r} must be one of {SCALES}")
     w = _weight(u_k, layer)
@@ -247,15 +255,29 @@ def _call(q: jax.Array, w: jax.Array, col: jax.Array, layer: jax.Array | None,
 F32_TILES, OTHER_TILES = (128, 256), (64, 512)
 
 
-def resolved_tuning(tuning: ScaledQAbsTuning, q_dtype) -> ScaledQAbsTuning:
-    """`tuning` with its None fields decided for rows of `q_dtype`: `squares_apart` (apart
-    unless f32) and the tiles (`F32_TILES` or `OTHER_TILES`); fields it sets are kept."""
+def default_scale(q_dtype, c: int, block_n: int | None = None) -> str:
+    """The scale rule where `ScaledQAbsTuning.scale` is None: "amax" where a program holds a
+    head's C columns whole (block_n, None: the default tiles' for rows of `q_dtype`), else
+    "bound"."""
+    if block_n is None:
+        block_n = (F32_TILES if jnp.dtype(q_dtype) == jnp.float32 else OTHER_TILES)[1]
+    return "amax" if block_n >= c else "bound"
+
+
+def resolved_tuning(tuning: ScaledQAbsTuning, q_dtype, c: int | None = None
+                    ) -> ScaledQAbsTuning:
+    """`tuning` with its None fields decided for rows of `q_dtype` and C = `c` columns:
+    `squares_apart` (apart unless f32), the tiles (`F32_TILES` or `OTHER_TILES`) and, where
+    c is given, `scale` (`default_scale`); fields it sets are kept."""
     f32 = jnp.dtype(q_dtype) == jnp.float32
     bm, bn = F32_TILES if f32 else OTHER_TILES
+    bn = bn if tuning.block_n is None else tuning.block_n
+    scale = tuning.scale
+    if scale is None and c is not None:
+        scale = default_scale(q_dtype, c, bn)
     return dataclasses.replace(
         tuning, squares_apart=not f32 if tuning.squares_apart is None else tuning.squares_apart,
-        block_m=bm if tuning.block_m is None else tuning.block_m,
-        block_n=bn if tuning.block_n is None else tuning.block_n)
+        block_m=bm if tuning.block_m is None else tuning.block_m, block_n=bn, scale=scale)
 
 
 def scaled_q_abs_pallas(q: jax.Array, u_k: jax.Array, layer: jax.Array | None = None, *,
@@ -269,8 +291,8 @@ def scaled_q_abs_pallas(q: jax.Array, u_k: jax.Array, layer: jax.Array | None = 
     With `squares_apart` False the kernel reads f32 rows: q of another dtype is converted
     first (exact; `ScaledQAbsTuning` says why)."""
     t = with_overrides(tuning or ScaledQAbsTuning(), overrides)
-    t = resolved_tuning(t, q.dtype)
-    if not t.squares_apart:
+    t = resolved_tuning(t, q.dtype, u_k.shape[-1])
+    if not t.squares_apart and t.scale == "bound":
         q = q.astype(jnp.float32)
     one = u_k.shape[-3:]  # [Hl, Dn, C]
     if q.shape[-2:] != one[:2]:
