@@ -85,19 +85,12 @@ MOSAIC_VARIANTS = {
                             bound_scales=True, max_splits=17),
     "mosaic-lib-ms33": dict(design="flashmla", direct_out=True, scale_heads=16,
                             bound_scales=True, max_splits=33),
-    # Twenty-first session: call 2 measured the library's prep before it (each row's slots
-    # by its group-0 program: "-slots0") and 8 merge columns per program at 33 splits (slower;
-    # the option's default since is 32 again); call 3 the merge's warps and columns.
+    # Twenty-first session: the library's prep before it (each row's slots by its group-0
+    # program). The split merge's columns (8 past 16 splits; 16 and 64 at 8 warps) and warps
+    # (2, 8) were measured at decode-b1's 33 splits and 64x1's 2, none faster than 32 columns
+    # at 4 warps (h200-attend-20261203-s21-call{2,3}.json; the options are in git history).
     "mosaic-lib-slots0": dict(design="flashmla", direct_out=True, scale_heads=16,
                               bound_scales=True, prep_slots_apart=False),
-    "mosaic-lib-mw8": dict(design="flashmla", direct_out=True, scale_heads=16,
-                           bound_scales=True, merge_warps=8),
-    "mosaic-lib-mc16-w8": dict(design="flashmla", direct_out=True, scale_heads=16,
-                               bound_scales=True, merge_columns=16, merge_warps=8),
-    "mosaic-lib-mc64-w8": dict(design="flashmla", direct_out=True, scale_heads=16,
-                               bound_scales=True, merge_columns=64, merge_warps=8),
-    "mosaic-lib-mw2": dict(design="flashmla", direct_out=True, scale_heads=16,
-                           bound_scales=True, merge_warps=2),
     # "mosaic-flashmla-pvb" (pv_behind: the softmax beside the previous tile's P @ V, in three
     # forms, each bitwise the base) was measured slower in the thirteenth session and removed
     # (git history: the commit after this session's call 4).
@@ -118,9 +111,7 @@ REORDERED = ("mosaic-producer-full", "mosaic-producer-pingpong", "mosaic-produce
 RESCALED = ("mosaic-flashmla-sh16", "mosaic-flashmla-sh32", "mosaic-lib")
 # Variants that split a row's slots over other counts than the base (the merge sums in
 # another order): exempt with any base.
-RESPLIT = ("mosaic-lib-ms11", "mosaic-lib-ms17", "mosaic-lib-ms33", "mosaic-lib-mw8",
-           "mosaic-lib-mc16-w8", "mosaic-lib-mc64-w8", "mosaic-lib-mw2")  # (the merge's
-# blocks and warps: its reduction may run in another order)
+RESPLIT = ("mosaic-lib-ms11", "mosaic-lib-ms17", "mosaic-lib-ms33")
 # `--group mosaic-all`: these on every case, the others on 3 (ONE_CHECK: 1).
 FULL_CHECKS = ("mosaic-default", "mosaic-producer-r88", "mosaic-producer-pingpong-r88",
                "mosaic-flashmla", "mosaic-flashmla-noslots", "mosaic-flashmla-c2",

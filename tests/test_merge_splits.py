@@ -39,22 +39,6 @@ def test_merge_kernel_matches_twin(n, s, hp, cp):
         assert (got == want).all()
 
 
-@pytest.mark.parametrize("columns,warps", [(4, 4), (64, 8)])
-def test_merge_kernel_takes_other_blocks(columns, warps):
-    """`columns=` and `num_warps=` (MgpuTuning.merge_columns, merge_warps) other than the
-    defaults: the twin within the same bound; a block that is not a power of two dividing Cp
-    is refused."""
-    n, s, hp, cp = 2, 5, 16, 64
-    o, m, l = _partials(n, s, hp, cp, seed=columns)
-    got = np.asarray(merge_splits_pallas(o, m, l, interpret=True, columns=columns,
-                                         num_warps=warps))
-    want = np.asarray(merge_splits(o, m, l))
-    bound = (2 * s + 4) * np.finfo(np.float32).eps * np.abs(np.asarray(o)).max(axis=(1, 3))
-    assert (np.abs(got - want) <= bound[:, :, None]).all()
-    with pytest.raises(ValueError, match="columns=24 must be a power of two"):
-        merge_splits_pallas(o, m, l, interpret=True, columns=24)
-
-
 def test_merge_kernel_refuses_odd_heads():
     o, m, l = _partials(2, 2, 16, 32, seed=1)
     with pytest.raises(ValueError, match="multiple of 16"):

@@ -78,8 +78,8 @@ def _merge_kernel(o_ref, m_ref, l_ref, *refs, splits: int, hb: int, cb: int, row
 
 
 def merge_splits_pallas(o: jax.Array, m: jax.Array, l: jax.Array, *, interpret: bool = False,
-                        dtype=jnp.float32, pad: tuple[int, jax.Array] | None = None,
-                        columns: int = 0, num_warps: int = 4) -> jax.Array:
+                        dtype=jnp.float32, pad: tuple[int, jax.Array] | None = None
+                        ) -> jax.Array:
     """`sparse_attend.merge_splits` as a kernel: o [N, S, Hp, Cp], m, l [N, S, Hp] f32 ->
     [N, Hp, Cp] `dtype` (0 where no split saw a valid slot; the fp32 merge rounded once).
     Hp a multiple of 16; Cp a multiple of 32 or a power of two below it (the attend kernels'
@@ -88,10 +88,7 @@ def merge_splits_pallas(o: jax.Array, m: jax.Array, l: jax.Array, *, interpret: 
     pad: `(rows_in, fill)`, fill [B, Rt] f32 with `N = B * rows_in` and `Rt >= rows_in`: the N
     rows are each sequence's first `rows_in` rows, and the result is `[B * Rt, Hp, Cp]` with
     row r of sequence b at `b * Rt + r`: merged for `r < rows_in`, `fill[b, r]` after
-    (`padded_rows_jnp(merge_splits(o, m, l), ...)` in one pass).
-
-    columns: the columns per program (a power of two dividing Cp); 0 (the default):
-    COLUMNS_PER_PROGRAM (Cp where that does not divide it). num_warps: Triton's."""
+    (`padded_rows_jnp(merge_splits(o, m, l), ...)` in one pass)."""
     n, splits, hp, cp = o.shape
     dtype = jnp.dtype(dtype)
     if splits == 1 and pad is None and dtype == jnp.float32:
@@ -101,11 +98,6 @@ def merge_splits_pallas(o: jax.Array, m: jax.Array, l: jax.Array, *, interpret: 
     if hp % hb or cb & (cb - 1):
         raise ValueError(f"merge_splits_pallas: heads {hp} must be a multiple of {hb} and "
                          f"columns {cp} a multiple of {COLUMNS_PER_PROGRAM} or a power of two")
-    if columns:
-        if columns & (columns - 1) or cp % columns:
-            raise ValueError(f"merge_splits_pallas: columns={columns} must be a power of two "
-                             f"dividing the {cp} columns")
-        cb = columns
     rows_in, extra = n, []
     rows_out = rows_in
     if pad is not None:
@@ -125,7 +117,7 @@ def merge_splits_pallas(o: jax.Array, m: jax.Array, l: jax.Array, *, interpret: 
         in_specs=[pl.BlockSpec()] * (3 + len(extra)),
         out_specs=pl.BlockSpec(),
         out_shape=jax.ShapeDtypeStruct((n // rows_in * rows_out, hp, cp), dtype),
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="merge_splits",
     )(o, m, l, *extra)

@@ -45,9 +45,6 @@ class MgpuTuning:
       64-head row stays in registers, read once).
     prep_per_sm: the "triton" prep's programs per multiprocessor, each looping over rows
       (0: one program per row).
-    merge_columns / merge_warps: the split merge's columns per program (0: its default) and
-      warps (`merge_splits_pallas(columns=, num_warps=)`). Eight columns past 16 splits
-      measured slower at decode-b1's 33 (h200-attend-20261203-s21-call2.json).
     prep_slots_apart: with scale_heads, the "triton" prep writes each row's slots and live
       extent from a program of its own (else its first head group's program does, after
       the slots' two dependent loads); the same inputs either way.
@@ -127,8 +124,6 @@ class MgpuTuning:
     prep_warps: int = 16
     prep_per_sm: int = 0
     prep_slots_apart: bool = True
-    merge_columns: int = 0
-    merge_warps: int = 4
     persistent: bool = False
     convert: str = "consumer"
     gather_ahead: bool = False
@@ -185,10 +180,6 @@ class MgpuTuning:
             raise ValueError(f"prep={self.prep!r} must be 'jnp' or 'triton'")
         if self.prep_heads < 1 or self.prep_heads & (self.prep_heads - 1):
             raise ValueError(f"prep_heads={self.prep_heads} must be a power of two")
-        if self.merge_columns < 0 or self.merge_columns & (self.merge_columns - 1):
-            raise ValueError(f"merge_columns={self.merge_columns} must be 0 or a power of two")
-        if self.merge_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"merge_warps={self.merge_warps} must be a power of two <= 16")
         if self.prep_per_sm < 0:
             raise ValueError(f"prep_per_sm={self.prep_per_sm} must be >= 0")
         if self.block_w not in (64, 128):

@@ -581,5 +581,4 @@ def _mosaic_attend(q, latent_flat, kv, sel, block_tables, bs, softmax_scale,
     # a max_verify-row verify, and on the H200 they then differed in y's last bits
     # (benchmarks/notes.md, session 2026-12-01 fifth). It also rounds to `dtype` and writes
     # a decode's padded block, so neither needs a pass of its own.
-    return merge_splits_pallas(o, m, l, dtype=dtype, pad=pad, columns=t.merge_columns,
-                               num_warps=t.merge_warps)[:, :h]
+    return merge_splits_pallas(o, m, l, dtype=dtype, pad=pad)[:, :h]
