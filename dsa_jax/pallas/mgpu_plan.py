@@ -47,7 +47,8 @@ class MgpuTuning:
       (0: one program per row).
     prep_slots_apart: with scale_heads, the "triton" prep writes each row's slots and live
       extent from a program of its own (else its first head group's program does, after
-      the slots' two dependent loads); the same inputs either way.
+      the slots' two dependent loads); the same inputs either way. On the H200 decode-b1's
+      prep 1.76 vs 2.57 us, 64x1's 5.42 vs 5.86 (h200-attend-20261203-s21-call2.json).
     persistent: one CTA per multiprocessor, each looping over (row, split, head block) items
       with its pipeline running on across them (else one CTA per item). Measured slower
       (h200-attend-run6): an option, not the default.
