@@ -210,7 +210,7 @@ def _kernel(*refs, m: int, k: int, bm: int, bn: int, bk: int, heads: int, stacke
     chunks = -(-k // bk)
     if amax:  # columns past C and rows past M hold 0: the loads' fill
         acc = lax.fori_loop(0, chunks, product, jnp.zeros((bm, bn), jnp.float32))
-        bound = jnp.max(jnp.abs(acc), axis=1)  # [bm]
+        bound = jnp.max(jnp.abs(acc), axis=1)  # [bm]: the exact amax, the bound's place
     else:
         if apart:
             ss = lax.fori_loop(0, chunks, squares, jnp.zeros((bm,), jnp.float32))
@@ -288,8 +288,8 @@ def scaled_q_abs_pallas(q: jax.Array, u_k: jax.Array, layer: jax.Array | None = 
     `[..., Hl, C]`, 2^-k `[..., Hl]` f32). tuning: the tiles (`ScaledQAbsTuning()` when
     None); overrides: single fields of it.
 
-    With `squares_apart` False the kernel reads f32 rows: q of another dtype is converted
-    first (exact; `ScaledQAbsTuning` says why)."""
+    With scale "bound" and `squares_apart` False the kernel reads f32 rows: q of another
+    dtype is converted first (exact; `ScaledQAbsTuning` says why)."""
     t = with_overrides(tuning or ScaledQAbsTuning(), overrides)
     t = resolved_tuning(t, q.dtype, u_k.shape[-1])
     if not t.squares_apart and t.scale == "bound":
@@ -309,7 +309,9 @@ def scaled_q_abs_pallas(q: jax.Array, u_k: jax.Array, layer: jax.Array | None = 
             raise ValueError(f"scaled_q_abs: a stacked u_k must be [G, Hl, Dn, C]; got "
                              f"{list(u_k.shape)}")
         layer = layer_index(layer, u_k.shape[0], "scaled_q_abs: ")
-    col = column_norm(_weight(u_k, layer))  # [Hl]
+    # The bound's column norms (a pass over the layer's U_k); "amax" never reads them.
+    col = (column_norm(_weight(u_k, layer)) if t.scale == "bound"
+           else jnp.ones((heads,), jnp.float32))  # [Hl]
     w = u_k if layer is None else u_k.reshape(-1, k, c)  # [(G*)Hl, Dn, C]: a bitcast
     if m == 0:
         return (jnp.zeros((*lead, heads, c), jnp.float16), jnp.zeros((*lead, heads),
