@@ -91,6 +91,12 @@ MOSAIC_VARIANTS = {
     # at 4 warps (h200-attend-20261203-s21-call{2,3}.json; the options are in git history).
     "mosaic-lib-slots0": dict(design="flashmla", direct_out=True, scale_heads=16,
                               bound_scales=True, prep_slots_apart=False),
+    # Twenty-second session: the prep's (row, head group) programs at 4 and 8 warps (16 in
+    # the library): more of them resident per multiprocessor; the same inputs.
+    "mosaic-lib-pw4": dict(design="flashmla", direct_out=True, scale_heads=16,
+                           bound_scales=True, prep_warps=4),
+    "mosaic-lib-pw8": dict(design="flashmla", direct_out=True, scale_heads=16,
+                           bound_scales=True, prep_warps=8),
     # "mosaic-flashmla-pvb" (pv_behind: the softmax beside the previous tile's P @ V, in three
     # forms, each bitwise the base) was measured slower in the thirteenth session and removed
     # (git history: the commit after this session's call 4).

@@ -68,6 +68,11 @@ VARIANTS = {
     "triton-radix4-w16": _triton(method="radix", digit_bits=4, num_warps=16),
     "triton-topk-w4": _triton(method="topk", num_warps=4),
     "triton-sort-w8": _triton(method="sort", num_warps=8),
+    # Twenty-second session: the prefix branches (`TritonTopkTuning.prefix`, on by default
+    # in every variant above) off, and 4 warps for the prompt's quarter and half rows.
+    "triton-radix4-w8-noprefix": _triton(method="radix", digit_bits=4, num_warps=8,
+                                         prefix=False),
+    "triton-radix4-w4": _triton(method="radix", digit_bits=4, num_warps=4),
 }
 # Round 1 measured lax.top_k and the Pallas kernel (h200-topk-triton-20261201-round1.json);
 # the final run re-times the Pallas kernel beside the Triton variants.
@@ -76,9 +81,10 @@ SELECTION = ["pallas"]  # + the fastest checked Triton variant of the case
 SECOND = ["triton-sample8-w16", "triton-radix8-w16", "triton-topk-w8", "triton-radix4-w8",
           "triton-sample4-w8"]
 PREFILL = ["triton-sample8-w8", "triton-radix8-w8", "pallas"]
-# --prefill-only: the prompt's rows alone, the radix method's digits and warps (the "auto"
-# default for a prompt, radix8-w8, first)
-PREFILL_SWEEP = ["triton-radix8-w8", "triton-radix8-w4", "triton-radix8-w16", "triton-radix4-w8",
+# --prefill-only: the prompt's rows alone: the "auto" default for a prompt (radix4-w8, with
+# the prefix branches) first, then without them, then other warps (the sixteenth session's
+# digits and warps sweep: h200-topk-triton-20261202-s16-call3.json)
+PREFILL_SWEEP = ["triton-radix4-w8", "triton-radix4-w8-noprefix", "triton-radix4-w4",
                  "triton-radix4-w16", "pallas"]
 LATER = ["triton-radix8-w4", "triton-radix8-w8-noshort", "triton-radix4-w16",
          "triton-topk-w4", "triton-sort-w8"]

@@ -45,9 +45,14 @@ def special_rows() -> list[tuple[str, np.ndarray, int]]:
     z = np.where(np.arange(96) % 2 == 0, 0.0, -0.0).astype(np.float32)  # [96]
     z[::7] = 1.5
     z[5::11] = -np.inf
+    # finite scores in the first quarter of the lanes but one (the kernel's full path), and
+    # in the first quarter only (its prefix path): P 300 pads to 512, quarter 128, k 37
+    far = np.array(T.topk_scores(9, 2, 300, [100, 100], ties=True))
+    far[0, 299] = 3.0
     return [("signed-zeros", np.stack([z, z[::-1].copy()]), 40),
             ("all-equal-all-neginf", np.stack([np.full(200, 0.25, np.float32),
-                                               np.full(200, -np.inf, np.float32)]), 100)]
+                                               np.full(200, -np.inf, np.float32)]), 100),
+            ("prefix-and-not", far, 37)]
 
 
 # ------------------------------------------------------------------ the kernel, interpreted
@@ -72,17 +77,22 @@ def run(scores, k, tuning):
 inputs = [(name, np.asarray(T.topk_scores(seed, n, p, live, ties)), k)
           for name, seed, n, p, k, live, ties in CASES] + special_rows()
 results = []
-for method, bits, short in [("radix", 8, True), ("radix", 4, True), ("sort", 8, True),
-                           ("radix", 8, False), ("sample", 8, True), ("sample", 4, True)]:
-    tuning = ptt.TritonTopkTuning(method=method, digit_bits=bits, short_rows=short)
+for method, bits, short, prefix in [
+        ("radix", 8, True, True), ("radix", 4, True, True), ("sort", 8, True, True),
+        ("radix", 8, False, True), ("sample", 8, True, True), ("sample", 4, True, True),
+        ("radix", 8, True, False), ("sample", 8, True, False)]:
+    tuning = ptt.TritonTopkTuning(method=method, digit_bits=bits, short_rows=short,
+                                  prefix=prefix)
     for name, scores, k in inputs:
         # the interpreter sorts slowly: the other methods on small inputs (and radix 4 on
         # the tied P 300 too)
         small = scores.shape[-1] <= 128 or (bits == 4 and name == "p300-k37-ties")
-        if (method, bits, short) not in (("radix", 8, True), ("sample", 8, True)) and not small:
+        full = (method, bits, short, prefix) in (("radix", 8, True, True),
+                                                 ("sample", 8, True, True))
+        if not (full or small or (not prefix and name.startswith(("p300", "prefix")))):
             continue
         ok = np.array_equal(run(scores, k, tuning), T.topk_definition(scores, k))
-        results.append([method, bits, short, name, bool(ok)])
+        results.append([method, bits, short, prefix, name, bool(ok)])
 print(json.dumps(results))
 """
 
@@ -99,8 +109,9 @@ def test_kernel_in_triton_interpreter_equals_the_total_order():
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     n_inputs = len(CASES) + len(special_rows())
     # radix 8 and sample 8 on every input; radix 4 and sample 4 (the decode's "auto") on 5;
-    # sort and radix 8 without short rows on 4
-    assert len(results) == 2 * n_inputs + 5 + 5 + 4 + 4
+    # sort and radix 8 without short rows on 4; radix 8 and sample 8 without the prefix
+    # branches on the 7 inputs of P <= 128 or 300
+    assert len(results) == 2 * n_inputs + 5 + 5 + 4 + 4 + 7 + 7
     assert [r for r in results if not r[-1]] == []
 
 
@@ -155,6 +166,23 @@ def test_auto_picks_sample_for_decode_rows_and_radix_for_prompts():
     assert ptt.TritonTopkTuning(method="radix", digit_bits=4).resolved(9000).digit_bits == 4
     assert ptt.kernel_constants(4096, 512, auto, rows=9000)["METHOD"] == ptt.METHODS["radix"]
     assert ptt.kernel_constants(4096, 512, auto, rows=64)["METHOD"] == ptt.METHODS["sample"]
+    # the prefix branches: a quarter and a half of the 4096 lanes, "sample" only where a
+    # quarter of the prefix holds KP block maxima; none without short rows, for the sorting
+    # methods, or where the prefix is shorter than KP
+    radix, sample = ptt.METHODS["radix"], ptt.METHODS["sample"]
+    c = ptt.kernel_constants(4096, 512, auto, rows=9000)
+    assert (c["QUARTER"], c["METHOD_Q"], c["HALF"], c["METHOD_H"]) == (1024, radix, 2048, radix)
+    c = ptt.kernel_constants(4096, 512, auto, rows=64)
+    assert (c["QUARTER"], c["METHOD_Q"], c["HALF"], c["METHOD_H"]) == (1024, radix, 2048,
+                                                                       sample)
+    c = ptt.kernel_constants(300, 37, auto)  # 512 lanes, KP 64
+    assert (c["QUARTER"], c["HALF"]) == (128, 256)
+    assert ptt.kernel_constants(4096, 1500, auto)["QUARTER"] == 0  # KP 2048
+    assert ptt.kernel_constants(4096, 1500, auto)["HALF"] == 2048
+    for kw in (dict(prefix=False), dict(short_rows=False), dict(method="topk"),
+               dict(method="sort")):
+        c = ptt.kernel_constants(4096, 512, ptt.TritonTopkTuning(**kw))
+        assert (c["QUARTER"], c["HALF"]) == (0, 0), kw
     k = pt.PoolTopkTuning(backend="auto")
     m = pt.AUTO_TRITON_MIN_ROWS
     assert pt.runs_triton(k, m, interpret=False) and not pt.runs_triton(k, m - 1, False)
@@ -221,7 +249,8 @@ def _gpu_topk(s, k, **kw):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kw", [dict(), dict(method="radix"), dict(method="radix", digit_bits=4),
-                                dict(method="topk"), dict(method="radix", short_rows=False)])
+                                dict(method="topk"), dict(method="radix", short_rows=False),
+                                dict(prefix=False)])
 def test_compiled_equals_the_total_order(kw):
     for name, seed, n, p, k, live, ties in CASES:
         s = T.topk_scores(seed, n, p, live, ties)
@@ -235,14 +264,15 @@ def test_compiled_equals_the_total_order(kw):
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", ["radix", "sample", "topk"])
 def test_compiled_at_glm53_flash_shapes(method):
-    """k 512 of P 4096: a padded decode, a verify, short rows, ties; batch dims kept."""
+    """k 512 of P 4096: a padded decode, a verify, short rows, ties, live prefixes at the
+    prefix branches' edges (a quarter, a half, one more); batch dims kept."""
     cfg = shapes.glm53_flash()
     p, k = cfg.num_pools, cfg.select_k
     for ties in (False, True):
-        live = [p, 0, 0, 0, p, p, p, 0, p // 2 + 1, k, k - 1, 3]
-        s = T.topk_scores(11 + ties, len(live), p, live, ties).reshape(3, 4, p)
+        live = [p, 0, 0, 0, p, p, p, 0, p // 2 + 1, k, k - 1, 3, p // 4, p // 4 + 1, p // 2]
+        s = T.topk_scores(11 + ties, len(live), p, live, ties).reshape(3, 5, p)
         got = _gpu_topk(s, k, method=method)
-        chex.assert_shape(got, (3, 4, k))
+        chex.assert_shape(got, (3, 5, k))
         chex.assert_trees_all_equal(got, T.topk_definition(s, k))
 
 

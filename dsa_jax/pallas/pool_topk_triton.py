@@ -53,11 +53,17 @@ class TritonTopkTuning:
     8.
     num_warps: Triton's. short_rows: radix and sample: a row with fewer than k scores above
     -inf skips the passes (its kth is -inf); a row of only -inf (padding) stores 0..k-1
-    directly. H200 sweeps: benchmarks/results/h200-topk-triton-20261201-*.json."""
+    directly. prefix (with short_rows, radix and sample): a row whose scores above -inf all
+    lie in the first quarter (or half) of the padded row is selected over that quarter (half)
+    alone: a prompt's row of r tokens has its r / 4 candidate pools first, so most of a long
+    prompt's rows hold a quarter or a half of the pools live; the same indices either way (the
+    lanes left out are -inf, below the kth). H200 sweeps:
+    benchmarks/results/h200-topk-triton-20261201-*.json."""
     method: str = "auto"
     digit_bits: int | None = None
     num_warps: int = 8
     short_rows: bool = True
+    prefix: bool = True
 
     def __post_init__(self):
         if self.method not in METHODS and self.method != "auto":
@@ -145,12 +151,31 @@ def kernel_constants(p: int, k: int, tuning: TritonTopkTuning, rows: int = 1
     of the row holds fewer than next_pow2(k) blocks."""
     tuning = tuning.resolved(rows)
     pp, kp = max(2, next_pow2(p)), max(2, next_pow2(k))
-    method = tuning.method
-    if method == "sample" and 4 * kp > pp:
-        method = "radix"
-    return dict(P=p, PP=pp, K=k, KP=kp, SLOTS=scratch_slots(pp, kp, method),
-                METHOD=METHODS[method], DIGIT_BITS=tuning.digit_bits,
-                SHORT_ROWS=tuning.short_rows)
+    method = _fitting(tuning.method, pp, kp)
+    consts = dict(P=p, PP=pp, K=k, KP=kp, SLOTS=scratch_slots(pp, kp, method),
+                  METHOD=METHODS[method], DIGIT_BITS=tuning.digit_bits,
+                  SHORT_ROWS=tuning.short_rows)
+    lanes = prefix_lanes(pp, kp, method, tuning)
+    for name, n in zip(("QUARTER", "HALF"), lanes, strict=True):
+        consts[name] = n
+        consts[f"METHOD_{name[0]}"] = METHODS[_fitting(method, n, kp)] if n else 0
+    return consts
+
+
+def _fitting(method: str, pp: int, kp: int) -> str:
+    """"sample" needs 4 * KP <= PP lanes (a quarter of the row holding KP block maxima);
+    else "radix"."""
+    return "radix" if method == "sample" and 4 * kp > pp else method
+
+
+def prefix_lanes(pp: int, kp: int, method: str, tuning: TritonTopkTuning
+                 ) -> tuple[int, int]:
+    """(QUARTER, HALF): the prefix lengths the kernel may select a row over
+    (`TritonTopkTuning.prefix`), each 0 where it does not apply (the tuning, the method, or a
+    prefix shorter than KP)."""
+    if not (tuning.prefix and tuning.short_rows and method in ("radix", "sample")):
+        return 0, 0
+    return tuple(n if n >= kp and n >= 2 else 0 for n in (pp // 4, pp // 2))
 
 
 def scratch_slots(pp: int, kp: int, method: str) -> int:
