@@ -91,12 +91,9 @@ MOSAIC_VARIANTS = {
     # at 4 warps (h200-attend-20261203-s21-call{2,3}.json; the options are in git history).
     "mosaic-lib-slots0": dict(design="flashmla", direct_out=True, scale_heads=16,
                               bound_scales=True, prep_slots_apart=False),
-    # Twenty-second session: the prep's (row, head group) programs at 4 and 8 warps (16 in
-    # the library): more of them resident per multiprocessor; the same inputs.
-    "mosaic-lib-pw4": dict(design="flashmla", direct_out=True, scale_heads=16,
-                           bound_scales=True, prep_warps=4),
-    "mosaic-lib-pw8": dict(design="flashmla", direct_out=True, scale_heads=16,
-                           bound_scales=True, prep_warps=8),
+    # Twenty-second session: the prep at 4 and 8 warps ("mosaic-lib-pw4", "-pw8": the
+    # library's with prep_warps=4 / 8) were slower than its 16 at 64x1 and decode-b1
+    # (h200-attend-20261204-s22-call1.json) and removed.
     # "mosaic-flashmla-pvb" (pv_behind: the softmax beside the previous tile's P @ V, in three
     # forms, each bitwise the base) was measured slower in the thirteenth session and removed
     # (git history: the commit after this session's call 4).

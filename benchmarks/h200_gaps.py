@@ -33,6 +33,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 
 from benchmarks.device_script import header, json_parser, run_section, write_json
 from benchmarks.harness import measure, profile, trace_events, trace_names
@@ -134,6 +135,47 @@ def selection_calls(cfg, plan):
                                     1)}
 
 
+def kind_calls(cfg, plan):
+    """One trivial program per launch kind (y = 2 x + 1 on f32[64, 128], three inputs in
+    turn): an XLA fusion, a Pallas Triton kernel, a Pallas Mosaic GPU kernel and (where the
+    package is installed) a raw Triton kernel through jax-triton: what the host adds per call
+    and per launch of each kind, beside the points' own calls. GPU only (the xla row alone on
+    a CPU)."""
+    del cfg, plan
+    xs = [jnp.full((64, 128), float(i), jnp.float32) for i in range(3)]
+    sets = [(x,) for x in xs]
+    out = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+
+    def body(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2.0 + 1.0
+
+    calls = {"kind-xla-fusion": jax.jit(lambda x: x * 2.0 + 1.0)}
+    if jax.default_backend() == "gpu":
+        from jax.experimental import pallas as pl
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+        from jax.experimental.pallas import triton as plt
+
+        calls["kind-pallas-triton"] = jax.jit(pl.pallas_call(
+            body, out_shape=out, compiler_params=plt.CompilerParams(num_warps=4)))
+        calls["kind-pallas-mosaic"] = jax.jit(pl.pallas_call(
+            body, out_shape=out, compiler_params=plgpu.CompilerParams()))
+        try:
+            import jax_triton as jt
+            import triton
+            import triton.language as tl
+
+            @triton.jit
+            def tkernel(x_ptr, o_ptr, n: tl.constexpr):
+                offs = tl.arange(0, n)
+                tl.store(o_ptr + offs, tl.load(x_ptr + offs) * 2.0 + 1.0)
+
+            calls["kind-jax-triton"] = jax.jit(lambda x: jt.triton_call(
+                x, kernel=tkernel, out_shape=out, grid=(1,), n=64 * 128))
+        except ImportError:
+            pass
+    return {name: (Cycle(fn, sets), 1) for name, fn in calls.items()}
+
+
 def measure_all(res: dict, smoke: bool, out: str) -> None:
     cfg = (tiny() if smoke else glm53_flash()).replace(
         implementation="xla" if smoke else "pallas")
@@ -147,6 +189,7 @@ def measure_all(res: dict, smoke: bool, out: str) -> None:
                 write_json(res, out)
         return go
 
+    run_section(res, "kinds", section(kind_calls))
     run_section(res, "attend", section(attend_calls))
     run_section(res, "selection", section(selection_calls))
     write_json(res, out)

@@ -168,6 +168,8 @@ def measure_ceilings(*, small: bool, groups: int, with_torch: bool) -> tuple[Cei
     rate = 2 * n_mm ** 3 / (t["median_us"] * 1e-6) / 1e12
     detail["jax_matmul_bf16"] = {"n": n_mm, "TFLOPs": rate, **t}
     a.clear()
+    call_floor = measure_call_floor(reps)
+    detail["jax_call_floor"] = call_floor
     if with_torch:
         try:
             detail.update(_torch_ceilings())
@@ -177,8 +179,22 @@ def measure_ceilings(*, small: bool, groups: int, with_torch: bool) -> tuple[Cei
     rate_best = max([rate] + [v["TFLOPs"] for k, v in detail.items()
                               if k.startswith("torch_matmul")])
     record = {"copy_GBps": copy_best, "matmul_bf16_TFLOPs": rate_best,
-              "rule": "the best of the JAX and torch measurements", "detail": detail}
+              "call_floor_us": call_floor["median_us"],
+              "rule": "the best of the JAX and torch measurements; call_floor_us: JAX's",
+              "detail": detail}
     return Ceilings(copy_best, rate_best), record
+
+
+def measure_call_floor(groups: int) -> dict:
+    """The host's floor for a lone call's wall time: back-to-back calls (as `measure` times
+    every point) of a jitted one-kernel program on a 1024-element array, three inputs in turn
+    (new addresses every call, as the points' `Cycle`). A point timed by its wall cannot run
+    below this on the host that measured it, whatever its kernels take."""
+    xs = [jnp.full((1024,), float(i), jnp.float32) for i in range(3)]
+    f = jax.jit(lambda x: x + 1.0)
+    it = iter(range(1 << 30))
+    t = measure(lambda: f(xs[next(it) % 3]), warmup=3, groups=groups, inner=10)
+    return {"program": "jax.jit(lambda x: x + 1.0) on f32[1024], 3 inputs in turn", **t}
 
 
 def torch_time(fn: Callable[[], Any], reps: int, warmup: int = 2) -> dict:

@@ -119,7 +119,9 @@ def runs_section(paths: list[str], runs: dict, labels: dict, out_md: str) -> lis
                   f"{m.get('jaxlib')}, triton {m.get('triton', '-')}, torch "
                   f"{m.get('torch', '-')}, transformers {m.get('transformers', '-')}; ceilings "
                   f"copy **{c.get('copy_GBps', 0):.0f} GB/s** (read + write), bf16 matmul "
-                  f"**{c.get('matmul_bf16_TFLOPs', 0):.0f} TFLOP/s**"]
+                  f"**{c.get('matmul_bf16_TFLOPs', 0):.0f} TFLOP/s**"
+                  + (f"; a lone call's floor (a one-kernel program back to back) "
+                     f"**{c['call_floor_us']:.1f} us**" if c.get("call_floor_us") else "")]
         for e in res.get("errors") or []:
             lines.append(f"  group {e.get('group')} failed: "
                          f"`{(e.get('error') or '').splitlines()[0][:160]}`")

@@ -48,6 +48,8 @@ def test_smoke_run_has_the_schema(smoke_result):
     assert smoke_result["command"].startswith("python -m benchmarks --smoke")
     assert smoke_result["ceilings"]["copy_GBps"] > 0
     assert smoke_result["ceilings"]["matmul_bf16_TFLOPs"] > 0
+    floor = smoke_result["ceilings"]["detail"]["jax_call_floor"]
+    assert smoke_result["ceilings"]["call_floor_us"] == floor["median_us"] > 0
     assert smoke_result["plan"]["big_batch"] == 2 and smoke_result["smoke"] is True
 
 
