@@ -135,6 +135,23 @@ def selection_calls(cfg, plan):
                                     1)}
 
 
+def _mosaic_body(x_gmem, o_gmem):
+    """y = 2 x + 1 as a Mosaic GPU kernel: a bulk copy in, the arithmetic in shared memory,
+    a bulk copy out."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    def scoped(buf, bar):
+        plgpu.copy_gmem_to_smem(x_gmem, buf, bar)
+        plgpu.barrier_wait(bar)
+        buf[...] = buf[...] * 2.0 + 1.0
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(buf, o_gmem)
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(scoped, plgpu.SMEM(x_gmem.shape, x_gmem.dtype), plgpu.Barrier(num_arrivals=1))
+
+
 def kind_calls(cfg, plan):
     """One trivial program per launch kind (y = 2 x + 1 on f32[64, 128], three inputs in
     turn): an XLA fusion, a Pallas Triton kernel, a Pallas Mosaic GPU kernel and (where the
@@ -157,8 +174,8 @@ def kind_calls(cfg, plan):
 
         calls["kind-pallas-triton"] = jax.jit(pl.pallas_call(
             body, out_shape=out, compiler_params=plt.CompilerParams(num_warps=4)))
-        calls["kind-pallas-mosaic"] = jax.jit(pl.pallas_call(
-            body, out_shape=out, compiler_params=plgpu.CompilerParams()))
+        calls["kind-pallas-mosaic"] = jax.jit(plgpu.kernel(
+            _mosaic_body, out_type=out, grid=(1,), grid_names=("i",)))
         try:
             import jax_triton as jt
             import triton
