@@ -80,7 +80,7 @@ results = []
 for method, bits, short, prefix in [
         ("radix", 8, True, True), ("radix", 4, True, True), ("sort", 8, True, True),
         ("radix", 8, False, True), ("sample", 8, True, True), ("sample", 4, True, True),
-        ("radix", 8, True, False), ("sample", 8, True, False)]:
+        ("radix", 8, True, False)]:
     tuning = ptt.TritonTopkTuning(method=method, digit_bits=bits, short_rows=short,
                                   prefix=prefix)
     for name, scores, k in inputs:
@@ -109,9 +109,9 @@ def test_kernel_in_triton_interpreter_equals_the_total_order():
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     n_inputs = len(CASES) + len(special_rows())
     # radix 8 and sample 8 on every input; radix 4 and sample 4 (the decode's "auto") on 5;
-    # sort and radix 8 without short rows on 4; radix 8 and sample 8 without the prefix
-    # branches on the 7 inputs of P <= 128 or 300
-    assert len(results) == 2 * n_inputs + 5 + 5 + 4 + 4 + 7 + 7
+    # sort and radix 8 without short rows on 4; radix 8 without the prefix branches (radix
+    # only) on the 7 inputs of P <= 128 or 300
+    assert len(results) == 2 * n_inputs + 5 + 5 + 4 + 4 + 7
     assert [r for r in results if not r[-1]] == []
 
 
@@ -166,22 +166,21 @@ def test_auto_picks_sample_for_decode_rows_and_radix_for_prompts():
     assert ptt.TritonTopkTuning(method="radix", digit_bits=4).resolved(9000).digit_bits == 4
     assert ptt.kernel_constants(4096, 512, auto, rows=9000)["METHOD"] == ptt.METHODS["radix"]
     assert ptt.kernel_constants(4096, 512, auto, rows=64)["METHOD"] == ptt.METHODS["sample"]
-    # the prefix branches: a quarter and a half of the 4096 lanes, "sample" only where a
-    # quarter of the prefix holds KP block maxima; none without short rows, for the sorting
-    # methods, or where the prefix is shorter than KP
-    radix, sample = ptt.METHODS["radix"], ptt.METHODS["sample"]
+    # the prefix branches (radix only): a quarter and a half of the 4096 lanes; none for
+    # "sample" (a decode's rows under "auto"), without short rows, for the sorting methods, or
+    # where the prefix is shorter than KP
     c = ptt.kernel_constants(4096, 512, auto, rows=9000)
-    assert (c["QUARTER"], c["METHOD_Q"], c["HALF"], c["METHOD_H"]) == (1024, radix, 2048, radix)
+    assert (c["METHOD"], c["QUARTER"], c["HALF"]) == (ptt.METHODS["radix"], 1024, 2048)
     c = ptt.kernel_constants(4096, 512, auto, rows=64)
-    assert (c["QUARTER"], c["METHOD_Q"], c["HALF"], c["METHOD_H"]) == (1024, radix, 2048,
-                                                                       sample)
-    c = ptt.kernel_constants(300, 37, auto)  # 512 lanes, KP 64
+    assert (c["METHOD"], c["QUARTER"], c["HALF"]) == (ptt.METHODS["sample"], 0, 0)
+    radix = ptt.TritonTopkTuning(method="radix")
+    c = ptt.kernel_constants(300, 37, radix)  # 512 lanes, KP 64
     assert (c["QUARTER"], c["HALF"]) == (128, 256)
-    assert ptt.kernel_constants(4096, 1500, auto)["QUARTER"] == 0  # KP 2048
-    assert ptt.kernel_constants(4096, 1500, auto)["HALF"] == 2048
+    assert ptt.kernel_constants(4096, 1500, radix)["QUARTER"] == 0  # KP 2048
+    assert ptt.kernel_constants(4096, 1500, radix)["HALF"] == 2048
     for kw in (dict(prefix=False), dict(short_rows=False), dict(method="topk"),
-               dict(method="sort")):
-        c = ptt.kernel_constants(4096, 512, ptt.TritonTopkTuning(**kw))
+               dict(method="sort"), dict(method="sample")):
+        c = ptt.kernel_constants(4096, 512, ptt.TritonTopkTuning(**{"method": "radix", **kw}))
         assert (c["QUARTER"], c["HALF"]) == (0, 0), kw
     k = pt.PoolTopkTuning(backend="auto")
     m = pt.AUTO_TRITON_MIN_ROWS

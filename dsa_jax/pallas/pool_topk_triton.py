@@ -53,12 +53,15 @@ class TritonTopkTuning:
     8.
     num_warps: Triton's. short_rows: radix and sample: a row with fewer than k scores above
     -inf skips the passes (its kth is -inf); a row of only -inf (padding) stores 0..k-1
-    directly. prefix (with short_rows, radix and sample): a row whose scores above -inf all
-    lie in the first quarter (or half) of the padded row is selected over that quarter (half)
-    alone: a prompt's row of r tokens has its r / 4 candidate pools first, so most of a long
-    prompt's rows hold a quarter or a half of the pools live; the same indices either way (the
-    lanes left out are -inf, below the kth). H200 sweeps:
-    benchmarks/results/h200-topk-triton-20261201-*.json."""
+    directly. prefix (radix with short_rows): a row whose scores above -inf all lie in the
+    first quarter (or half) of the padded row is selected over that quarter (half) alone: a
+    prompt's row of r tokens has its r / 4 candidate pools first, so most of a long prompt's
+    rows hold a quarter or a half of the pools live; the same indices either way (the lanes
+    left out are -inf, below the kth). On the H200 a 9000-row prompt's top-k took 475 vs 635
+    us with it (h200-topk-triton-20261204-s22-call1.json); "sample" (decode rows, all live at
+    full context) takes no branches: with them its kernel took 27.7 vs 13.8 us at 64 rows and
+    its call twice the host time (h200-topk-triton-20261204-s22-call4-5.json). H200 sweeps:
+    benchmarks/results/h200-topk-triton-2026120*-*.json."""
     method: str = "auto"
     digit_bits: int | None = None
     num_warps: int = 8
@@ -155,10 +158,7 @@ def kernel_constants(p: int, k: int, tuning: TritonTopkTuning, rows: int = 1
     consts = dict(P=p, PP=pp, K=k, KP=kp, SLOTS=scratch_slots(pp, kp, method),
                   METHOD=METHODS[method], DIGIT_BITS=tuning.digit_bits,
                   SHORT_ROWS=tuning.short_rows)
-    lanes = prefix_lanes(pp, kp, method, tuning)
-    for name, n in zip(("QUARTER", "HALF"), lanes, strict=True):
-        consts[name] = n
-        consts[f"METHOD_{name[0]}"] = METHODS[_fitting(method, n, kp)] if n else 0
+    consts["QUARTER"], consts["HALF"] = prefix_lanes(pp, kp, method, tuning)
     return consts
 
 
@@ -171,9 +171,9 @@ def _fitting(method: str, pp: int, kp: int) -> str:
 def prefix_lanes(pp: int, kp: int, method: str, tuning: TritonTopkTuning
                  ) -> tuple[int, int]:
     """(QUARTER, HALF): the prefix lengths the kernel may select a row over
-    (`TritonTopkTuning.prefix`), each 0 where it does not apply (the tuning, the method, or a
-    prefix shorter than KP)."""
-    if not (tuning.prefix and tuning.short_rows and method in ("radix", "sample")):
+    (`TritonTopkTuning.prefix`), each 0 where it does not apply (the tuning, a method other
+    than "radix", or a prefix shorter than KP)."""
+    if not (tuning.prefix and tuning.short_rows and method == "radix"):
         return 0, 0
     return tuple(n if n >= kp and n >= 2 else 0 for n in (pp // 4, pp // 2))
 

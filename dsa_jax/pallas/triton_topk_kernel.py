@@ -16,9 +16,9 @@ of only -inf (padding) store 0..k-1 directly.
 METHOD 3 (sample): a threshold t with at least k keys >= t from the maxima of blocks of 4
 (the radix select over a quarter of the row), the candidates >= t compacted and sorted whole
 when they fit SLOTS (2 * next_pow2(k)), else the radix select over the row.
-PREFIX (QUARTER, HALF; radix and sample with SHORT_ROWS): a row whose keys above -inf all lie
-in the first quarter (half) of the lanes, as a prompt row's candidate pools do, is selected
-over those lanes alone (`select_live`), with the same winners.
+PREFIX (QUARTER, HALF; radix with SHORT_ROWS): a row whose keys above -inf all lie in the
+first quarter (half) of the lanes, as a prompt row's candidate pools do, is selected over
+those lanes alone (`select_live`), with the same winners.
 METHOD 1 (topk): `tl.topk` of the whole row's composites (a bitonic sort of the row's first
 log2(KP) stages, then halving merges), no scratch. METHOD 2 (sort): `tl.sort` of the whole row's
 composites, the first K stored (Triton's interpreter runs this one; its `tl.topk` fails there).
@@ -150,21 +150,21 @@ def select_prefix(s_ptr, out_ptr, cu_ptr, ci_ptr, row, P: tl.constexpr, L: tl.co
 def select_live(u, valid, offs, s_ptr, out_ptr, cu_ptr, ci_ptr, row, P: tl.constexpr,
                 K: tl.constexpr, KP: tl.constexpr, PP: tl.constexpr, SLOTS: tl.constexpr,
                 METHOD: tl.constexpr, DIGIT_BITS: tl.constexpr, QUARTER: tl.constexpr,
-                METHOD_Q: tl.constexpr, HALF: tl.constexpr, METHOD_H: tl.constexpr):
+                HALF: tl.constexpr):
     """A row whose kth is above -inf: where its keys above -inf all lie in the first QUARTER
     (or HALF) lanes (a prompt row's candidates are a prefix of the pools), the select runs
-    over those lanes only (`select_prefix`, METHOD_Q / METHOD_H); else over all PP. A zero
-    QUARTER or HALF: no such branch."""
+    over those lanes only (`select_prefix`); else over all PP. A zero QUARTER or HALF: no such
+    branch."""
     if (QUARTER > 0) or (HALF > 0):
         last = tl.max(tl.where(valid & (u > NEG_INF_U), offs, -1), axis=0)  # [] last live
         if QUARTER > 0:
             if last < QUARTER:
                 select_prefix(s_ptr, out_ptr, cu_ptr, ci_ptr, row, P, QUARTER, K, KP, SLOTS,
-                              METHOD_Q, DIGIT_BITS)
+                              METHOD, DIGIT_BITS)
             elif HALF > 0:
                 if last < HALF:
                     select_prefix(s_ptr, out_ptr, cu_ptr, ci_ptr, row, P, HALF, K, KP, SLOTS,
-                                  METHOD_H, DIGIT_BITS)
+                                  METHOD, DIGIT_BITS)
                 else:
                     select_rest(u, valid, offs, out_ptr, cu_ptr, ci_ptr, row, K, KP, PP,
                                 SLOTS, METHOD, DIGIT_BITS)
@@ -174,7 +174,7 @@ def select_live(u, valid, offs, s_ptr, out_ptr, cu_ptr, ci_ptr, row, P: tl.const
         else:
             if last < HALF:
                 select_prefix(s_ptr, out_ptr, cu_ptr, ci_ptr, row, P, HALF, K, KP, SLOTS,
-                              METHOD_H, DIGIT_BITS)
+                              METHOD, DIGIT_BITS)
             else:
                 select_rest(u, valid, offs, out_ptr, cu_ptr, ci_ptr, row, K, KP, PP, SLOTS,
                             METHOD, DIGIT_BITS)
@@ -187,15 +187,14 @@ def select_live(u, valid, offs, s_ptr, out_ptr, cu_ptr, ci_ptr, row, P: tl.const
 def pool_topk_kernel(s_ptr, out_ptr, cu_ptr, ci_ptr, P: tl.constexpr, PP: tl.constexpr,
                      K: tl.constexpr, KP: tl.constexpr, SLOTS: tl.constexpr,
                      METHOD: tl.constexpr, DIGIT_BITS: tl.constexpr, SHORT_ROWS: tl.constexpr,
-                     QUARTER: tl.constexpr = 0, METHOD_Q: tl.constexpr = 0,
-                     HALF: tl.constexpr = 0, METHOD_H: tl.constexpr = 0):
+                     QUARTER: tl.constexpr = 0, HALF: tl.constexpr = 0):
     """s_ptr [N, P] f32 in; out_ptr [N, K] int32 out; cu_ptr, ci_ptr [N, SLOTS] int32 scratch
     (METHOD 0 and 3: compacted keys and indices). PP = next_pow2(P), KP = next_pow2(K) <= PP;
     METHOD 3 needs 4 * KP <= PP and SLOTS > KP. SHORT_ROWS (METHOD 0, 3): a row of only -inf
     stores 0..K-1 at once; a row with fewer than K keys above -inf takes -inf as its kth
-    without the radix passes; QUARTER / HALF (with SHORT_ROWS; 0: off): a row whose keys
-    above -inf all lie in the first QUARTER (HALF) lanes is selected over those lanes alone,
-    by METHOD_Q (METHOD_H) (`select_live`)."""
+    without the radix passes; QUARTER / HALF (METHOD 0 with SHORT_ROWS; 0: off): a row whose
+    keys above -inf all lie in the first QUARTER (HALF) lanes is selected over those lanes
+    alone (`select_live`)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, PP)  # [PP] pool index
     valid = offs < P  # [PP]: lanes past P are never counted nor chosen
@@ -226,7 +225,7 @@ def pool_topk_kernel(s_ptr, out_ptr, cu_ptr, ci_ptr, P: tl.constexpr, PP: tl.con
                           SLOTS)
         else:
             select_live(u, valid, offs, s_ptr, out_ptr, cu_ptr, ci_ptr, row, P, K, KP, PP,
-                        SLOTS, METHOD, DIGIT_BITS, QUARTER, METHOD_Q, HALF, METHOD_H)
+                        SLOTS, METHOD, DIGIT_BITS, QUARTER, HALF)
     else:
         select_rest(u, valid, offs, out_ptr, cu_ptr, ci_ptr, row, K, KP, PP, SLOTS, METHOD,
                     DIGIT_BITS)
