@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
 .venv/bin/ruff check dsa_jax tests benchmarks
-exec .venv/bin/python -m pytest -q -n 2 --dist worksteal --durations=15 "$@"
+exec .venv/bin/python -m pytest -q -n 2 --durations=15 "$@"

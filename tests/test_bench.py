@@ -302,12 +302,12 @@ def test_render_shows_the_latest_result_of_each_point(tmp_path):
     assert "h200-bench-20261201-s3" not in table
     assert "notes.md" in text and "### Changes (prediction" not in text  # linked, not copied
     # Today's targets are applied to the stored results (the run's own verdict stays in it).
-    assert "float8_e4m3fn: <= 55 us | **no** |" in table  # attend 64x1: 72.0 us stored
-    assert "context 16384: <= 250 us | yes |" in table  # decode-b64: 226.4 us stored (s21)
+    assert "float8_e4m3fn: <= 55 us | **no** |" in table  # attend 64x1: 126.4 us stored
+    assert "context 16384: <= 250 us | yes |" in table  # decode-b64: 233.0 us stored (s22)
     # points a run lists in `superseded_points` never show (s16 call 2's selection-b64-r4 ran
-    # a top-k default reverted since); the newest run's (s21 call 4) does
+    # a top-k default reverted since); the newest run's (s22 call 2) does
     row = next(r for r in table.splitlines() if r.startswith("| selection-b64-r4 |"))
-    assert "| 77.0 us (kernels 59.0 us) |" in row
+    assert "| 94.9 us (kernels 58.7 us) |" in row
     # The serving-loop points come from benchmarks/h200_loop.py's run, per token per layer.
     row = next(r for r in table.splitlines() if r.startswith("| loop-b1-l8 |"))
     assert "per token per layer" in row
