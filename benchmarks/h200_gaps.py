@@ -14,7 +14,9 @@ pace), and from a profiler trace the kernel time per call, the time the device h
 running (`busy_us`), the first kernel's start to the last one's end (`span_us`), launches. If
 `span_us` ~ `wall_us` and `busy_us` < `span_us`, the device idles between its kernels inside
 the pipelined calls (launch gaps); if `enqueue_us` ~ `wall_us`, the host paces them.
-`gap_before_us`: per kernel name, the median idle time of the device before it starts (from
+First, one trivial program per launch kind (`kind_calls`: an XLA fusion, Pallas Triton, Pallas
+Mosaic GPU, jax-triton; the XLA one alone on a CPU): the host's cost of a call with ~1 us of
+kernel. `gap_before_us`: per kernel name, the median idle time of the device before it starts (from
 the trace; the profiler slows the host, so these are upper bounds). Variants: `bench` (the
 point's call: the state pytree, q, sel), `lean` (only the arrays the attend reads), `x8` (8
 attends of distinct inputs in one program: per attend, the device's time with the program's

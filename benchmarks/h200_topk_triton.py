@@ -69,7 +69,8 @@ VARIANTS = {
     "triton-topk-w4": _triton(method="topk", num_warps=4),
     "triton-sort-w8": _triton(method="sort", num_warps=8),
     # Twenty-second session: the prefix branches (`TritonTopkTuning.prefix`, on by default
-    # in every variant above) off, and 4 warps for the prompt's quarter and half rows.
+    # for the radix variants above; "sample" takes none) off, and 4 warps for the prompt's
+    # quarter and half rows.
     "triton-radix4-w8-noprefix": _triton(method="radix", digit_bits=4, num_warps=8,
                                          prefix=False),
     "triton-radix4-w4": _triton(method="radix", digit_bits=4, num_warps=4),

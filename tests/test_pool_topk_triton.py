@@ -52,7 +52,10 @@ def special_rows() -> list[tuple[str, np.ndarray, int]]:
     return [("signed-zeros", np.stack([z, z[::-1].copy()]), 40),
             ("all-equal-all-neginf", np.stack([np.full(200, 0.25, np.float32),
                                                np.full(200, -np.inf, np.float32)]), 100),
-            ("prefix-and-not", far, 37)]
+            ("prefix-and-not", far, 37),
+            # 128 lanes, KP 64: no quarter branch, the half one only (its row of 50 live)
+            ("half-prefix-only", np.asarray(T.topk_scores(10, 2, 96, [50, 96], ties=True)),
+             40)]
 
 
 # ------------------------------------------------------------------ the kernel, interpreted
@@ -108,10 +111,10 @@ def test_kernel_in_triton_interpreter_equals_the_total_order():
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     n_inputs = len(CASES) + len(special_rows())
-    # radix 8 and sample 8 on every input; radix 4 and sample 4 (the decode's "auto") on 5;
-    # sort and radix 8 without short rows on 4; radix 8 without the prefix branches (radix
-    # only) on the 7 inputs of P <= 128 or 300
-    assert len(results) == 2 * n_inputs + 5 + 5 + 4 + 4 + 7
+    # radix 8 and sample 8 on every input; radix 4 and sample 4 (the decode's "auto") on 6;
+    # sort and radix 8 without short rows on 5; radix 8 without the prefix branches (radix
+    # only) on the 8 inputs of P <= 128 or 300
+    assert len(results) == 2 * n_inputs + 6 + 6 + 5 + 5 + 8
     assert [r for r in results if not r[-1]] == []
 
 

@@ -163,8 +163,8 @@ def kernel_constants(p: int, k: int, tuning: TritonTopkTuning, rows: int = 1
 
 
 def _fitting(method: str, pp: int, kp: int) -> str:
-    """"sample" needs 4 * KP <= PP lanes (a quarter of the row holding KP block maxima);
-    else "radix"."""
+    """The method that runs: "sample" needs 4 * KP <= PP lanes (a quarter of the row
+    holding KP block maxima), else "radix" runs."""
     return "radix" if method == "sample" and 4 * kp > pp else method
 
 
@@ -175,7 +175,7 @@ def prefix_lanes(pp: int, kp: int, method: str, tuning: TritonTopkTuning
     than "radix", or a prefix shorter than KP)."""
     if not (tuning.prefix and tuning.short_rows and method == "radix"):
         return 0, 0
-    return tuple(n if n >= kp and n >= 2 else 0 for n in (pp // 4, pp // 2))
+    return tuple(n if n >= kp else 0 for n in (pp // 4, pp // 2))  # kp >= 2
 
 
 def scratch_slots(pp: int, kp: int, method: str) -> int:
