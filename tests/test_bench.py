@@ -302,7 +302,9 @@ def test_render_shows_the_latest_result_of_each_point(tmp_path):
     assert "h200-bench-20261201-s3" not in table
     assert "notes.md" in text and "### Changes (prediction" not in text  # linked, not copied
     # Today's targets are applied to the stored results (the run's own verdict stays in it).
-    assert "float8_e4m3fn: <= 55 us | **no** |" in table  # attend 64x1: 126.4 us stored
+    assert "float8_e4m3fn: <= 55 us | **no** |" in table  # attend 64x1: 77.3 us stored (s25)
+    row = next(r for r in table.splitlines() if r.startswith("| attend-kernel-64x1-"))
+    assert "| 77.3 us (kernels 57.7 us) |" in row  # the newest run of the point (s25 call 2)
     assert "context 16384: <= 250 us | yes |" in table  # decode-b64: 233.0 us stored (s22)
     # points a run lists in `superseded_points` never show (s16 call 2's selection-b64-r4 ran
     # a top-k default reverted since); the newest run's (s22 call 2) does
