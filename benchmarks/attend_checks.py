@@ -57,8 +57,9 @@ def check_inputs(seed, b, r, h, c, w, bs, mb, *, prefix=False, empty_rows=0):
     return q, lat8, np.float32(kv), tables, sel
 
 
-def bound(q, lat8, kv, tables, sel, scale, u, row_sub=None):
-    """The elementwise bound of tests/test_attend_kernel.py, [B, R, 1, 1] (float64)."""
+def bound(q, lat8, kv, tables, sel, scale, u, row_sub=None, half=False):
+    """The elementwise bound of tests/test_attend_kernel.py, [B, R, 1, 1] (float64); half:
+    with its f16 partials' term (`MgpuTuning.half_partials`)."""
     b, r, h, c = q.shape
     nb, bs, _ = lat8.shape
     flat = np.asarray(lat8.astype(np.float32), np.float64).reshape(-1, c) * float(kv)
@@ -74,7 +75,9 @@ def bound(q, lat8, kv, tables, sel, scale, u, row_sub=None):
     if row_sub is not None:  # f16 subnormals: q and p absolute rounding (see the test)
         d = d + scale * row_sub * np.abs(rows).sum(axis=3).max(axis=2)
         extra = w * 2.0 ** -25
-    return 2.0 * ((np.expm1(2 * d) + u + extra + 4 * (w + 16) * E32) * m)[..., None, None]
+    part_u, part_floor = (U["float16"], 2.0 ** -25 * float(kv)) if half else (0.0, 0.0)
+    return 2.0 * ((np.expm1(2 * d) + u + extra + part_u + 4 * (w + 16) * E32) * m
+                  + part_floor)[..., None, None]
 
 
 def twin(args, scale):
@@ -120,6 +123,11 @@ def check_case(name, kw, op, case, seed, shared=None, reordered=()):
             shared.update(args=args, ref=ref, bnd=bnd)
     else:
         args, ref, bnd = shared["args"], shared["ref"], shared["bnd"]
+    tuning = kw.get("tuning")
+    if tuning is not None and tuning.mosaic.half_partials:  # its partials' rounding too
+        _, rscale = mg.scale_rows_f16(jax.numpy.asarray(args[0].reshape(b * r, h, c)))
+        bnd = bound(*args, scale, U[op], (2.0 ** -25) * np.asarray(rscale, np.float64).reshape(
+            b, r), half=True)
     fn = jax.jit(functools.partial(sa.sparse_attend_pallas, softmax_scale=scale, **kw,
                                    **call_kw))
     poison_allocator(4 * b * r * h * c * 16)

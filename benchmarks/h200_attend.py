@@ -91,6 +91,10 @@ MOSAIC_VARIANTS = {
     # at 4 warps (h200-attend-20261203-s21-call{2,3}.json; the options are in git history).
     "mosaic-lib-slots0": dict(design="flashmla", direct_out=True, scale_heads=16,
                               bound_scales=True, prep_slots_apart=False),
+    # Twenty-sixth session: the partials of 2+ splits in f16 and the cache's units, the merge
+    # scaling them (half the partials' bytes; other last bits, within the bound's partial term).
+    "mosaic-lib-half": dict(design="flashmla", direct_out=True, scale_heads=16,
+                            bound_scales=True, half_partials=True),
     # Twenty-second session: the prep at 4 and 8 warps ("mosaic-lib-pw4", "-pw8": the
     # library's with prep_warps=4 / 8) were slower than its 16 at 64x1 and decode-b1
     # (h200-attend-20261204-s22-call1.json) and removed.
@@ -114,11 +118,13 @@ REORDERED = ("mosaic-producer-full", "mosaic-producer-pingpong", "mosaic-produce
 RESCALED = ("mosaic-flashmla-sh16", "mosaic-flashmla-sh32", "mosaic-lib")
 # Variants that split a row's slots over other counts than the base (the merge sums in
 # another order): exempt with any base.
-RESPLIT = ("mosaic-lib-ms11", "mosaic-lib-ms17", "mosaic-lib-ms33")
+RESPLIT = ("mosaic-lib-ms11", "mosaic-lib-ms17", "mosaic-lib-ms33",
+           "mosaic-lib-half")  # and the f16 partials: other roundings than the base's
 # `--group mosaic-all`: these on every case, the others on 3 (ONE_CHECK: 1).
 FULL_CHECKS = ("mosaic-default", "mosaic-producer-r88", "mosaic-producer-pingpong-r88",
                "mosaic-flashmla", "mosaic-flashmla-noslots", "mosaic-flashmla-c2",
-               "mosaic-flashmla-sh16", "mosaic-flashmla-sh32")
+               "mosaic-flashmla-sh16", "mosaic-flashmla-sh32", "mosaic-lib",
+               "mosaic-lib-half")
 ONE_CHECK = ("mosaic-producer-ahead",)
 P_VARIANTS = ("triton-default", "mosaic-default", "mosaic-producer-r88", "mosaic-flashmla",
               "mosaic-flashmla-noslots", "mosaic-flashmla-c2", "mosaic-flashmla-sh16",

@@ -322,7 +322,8 @@ def pool_scores_roundoff(impl: str) -> float:
 
 
 def attend_bound(q, lat, kv_scale, tables, sel, scale: float, u: float, splits: int = 8,
-                 q_floor=None, p_floor: float = 0.0) -> np.ndarray:
+                 q_floor=None, p_floor: float = 0.0, partial_u: float = 0.0,
+                 partial_floor: float = 0.0) -> np.ndarray:
     """The derived elementwise bound on |out - twin| (and on |out - definition|), per row:
     `[B, R, 1, 1]`.
 
@@ -348,6 +349,10 @@ def attend_bound(q, lat, kv_scale, tables, sel, scale: float, u: float, splits: 
     max |q| into [2^13, 2^14) before the f16 rounding: 2^-25 2^-k), adds s q_floor
     max_j sum_c |c_jc| to D; p_floor, the absolute error of a rounded p (2^-25 below 2^-14,
     against an fp32 denominator >= 1), adds W p_floor to the bracket.
+    Partials rounded before the merge (f16 in the cache's units, `MgpuTuning.half_partials`):
+    each split's partial moves by <= partial_u |o_s| + partial_floor (dequantized: the f16
+    floor 2^-25 times kv_scale) with |o_s| <= M, and the merge is a convex combination, so
+    the result moves by <= partial_u M + partial_floor.
     """
     rows = dequant_rows(lat, kv_scale, tables, sel)  # [B, R, W, C]
     c_dim, w = rows.shape[-1], rows.shape[-2]
@@ -357,7 +362,8 @@ def attend_bound(q, lat, kv_scale, tables, sel, scale: float, u: float, splits: 
     if q_floor is not None:
         d = d + scale * np.asarray(q_floor) * np.abs(rows).sum(axis=3).max(axis=2)
     m = np.abs(rows).max(axis=(2, 3))  # [B, R]
-    bound = (np.expm1(2 * d) + u + w * p_floor + 4 * (w + splits) * E32) * m
+    bound = ((np.expm1(2 * d) + u + w * p_floor + partial_u + 4 * (w + splits) * E32) * m
+             + partial_floor)
     return 2.0 * bound[..., None, None]
 
 

@@ -19,6 +19,10 @@ c_j the dequantized latent row, M = max_j |c_j|_inf and L_j = s sum_c |q_c| |c_j
     + s 2^-25 2^-k max_j sum_c |c_jc|. p is rounded to f16 (relative u, absolute 2^-25 below
     2^-14) against an fp32 denominator >= 1: u M + W 2^-25 M. exp2 (approximate, ~2^-22) and
     the fp32 sums: 4 (W + S) e M. => 2 [(exp(2D) - 1) + u + W 2^-25 + 4 (W + S) e] M.
+    With f16 partials (`MgpuTuning.half_partials`, S > 1) each split's normalized partial is
+    rounded to f16 in the cache's units before the merge (relative u, absolute 2^-25 kv_scale
+    below f16's normal range); the merge is a convex combination: + u M + 2^-25 kv_scale
+    inside the bracket's factor 2.
 """
 
 import dataclasses
@@ -39,10 +43,12 @@ U_BF16, U_F16 = T.unit_roundoff(jnp.bfloat16), T.unit_roundoff(jnp.float16)
 DTYPES = ["float8_e4m3fn", "bfloat16", "float32"]
 
 
-def _bound(q, lat, kv_scale, tables, sel, scale, u, splits, q_sub=None):
+def _bound(q, lat, kv_scale, tables, sel, scale, u, splits, q_sub=None, half=False):
     """The module docstring's elementwise bound, [B, R, 1, 1]. q_sub [B, R]: 2^-25 2^-k (f16
-    subnormal rounding of the scaled q, Mosaic only)."""
+    subnormal rounding of the scaled q, Mosaic only); half: f16 partials."""
     floors = {} if q_sub is None else dict(q_floor=q_sub, p_floor=2.0 ** -25)
+    if half:
+        floors.update(partial_u=U_F16, partial_floor=2.0 ** -25 * float(kv_scale))
     return T.attend_bound(q, lat, kv_scale, tables, sel, scale, u, splits, **floors)
 
 
@@ -259,11 +265,14 @@ def test_row_scales_are_exact_powers_of_two():
     assert np.isfinite(back).all() and (np.abs(back - q) <= tol).all()
 
 
-def _mosaic_model(q, lat, kv, tables, sel, scale, splits, block_w=64, full_logits=False):
+def _mosaic_model(q, lat, kv, tables, sel, scale, splits, block_w=64, full_logits=False,
+                  half=False):
     """The Mosaic kernel's arithmetic in numpy float32 (same rounding points), then the same
     split merge: [B, R, H, C]. full_logits: one fp32 dot over all C (`MgpuTuning.full_logits`,
     and design="flashmla", the library's default) rather than two column halves added (the
-    exchange design's partial logits)."""
+    exchange design's partial logits). half: `MgpuTuning.half_partials` (with splits > 1 the
+    partials f16 in the cache's units, the merge scaling by kv)."""
+    half = half and splits > 1
     b, r, h, c = q.shape
     n, w = b * r, sel.shape[-1]
     up, down = (np.asarray(x) for x in mg.row_scales(jnp.asarray(q.reshape(n, h, c))))
@@ -288,9 +297,9 @@ def _mosaic_model(q, lat, kv, tables, sel, scale, splits, block_w=64, full_logit
                 sl = slots[i, (s * tiles + t) * block_w:(s * tiles + t + 1) * block_w]
                 tile = np.where((sl >= 0)[:, None], flat[np.maximum(sl, 0)], 0.0)
                 tile = tile.astype(np.float16).astype(np.float32)  # [BW, C]
-                half = c // 2
-                parts = [q16[i][:, k * half:(k + 1) * half].astype(np.float32)
-                         @ tile[:, k * half:(k + 1) * half].T for k in range(2)]
+                hc = c // 2
+                parts = [q16[i][:, k * hc:(k + 1) * hc].astype(np.float32)
+                         @ tile[:, k * hc:(k + 1) * hc].T for k in range(2)]
                 dots = q16[i].astype(np.float32) @ tile.T if full_logits else parts[0] + parts[1]
                 logits = np.where(sl[None] >= 0, dots * ls, -np.inf)
                 m_new = np.maximum(m, logits.max(axis=1))
@@ -299,19 +308,25 @@ def _mosaic_model(q, lat, kv, tables, sel, scale, splits, block_w=64, full_logit
                 l = l * alpha + p.sum(axis=1)
                 acc = acc * alpha[:, None] + p.astype(np.float16).astype(np.float32) @ tile
                 m = m_new
-            o[i, s] = acc * (np.float32(kv) / np.where(l > 0, l, 1.0))[:, None]
+            o[i, s] = acc * (np.float32(1.0 if half else kv) / np.where(l > 0, l, 1.0))[:, None]
             m_out[i, s], l_out[i, s] = m / log2e, l
-    out = sa.merge_splits(jnp.asarray(o), jnp.asarray(m_out), jnp.asarray(l_out))
+    o = o.astype(np.float16) if half else o
+    out = sa.merge_splits(jnp.asarray(o), jnp.asarray(m_out), jnp.asarray(l_out),
+                          scale=jnp.float32(kv) if half else None)
     return np.asarray(out).reshape(b, r, h, c), (2.0 ** -25) * down.reshape(b, r)
 
 
-@pytest.mark.parametrize("splits,full_logits", [(1, False), (3, False), (3, True)])
-def test_mosaic_arithmetic_meets_the_f16_bound(splits, full_logits):
+@pytest.mark.parametrize("splits,full_logits,half", [(1, False, False), (3, False, False),
+                                                     (3, True, False), (3, True, True)])
+def test_mosaic_arithmetic_meets_the_f16_bound(splits, full_logits, half):
     args = T.attend_inputs(11 + splits, 2, 2, 5, 256, 150, 16, 12, "float8_e4m3fn", kv_scale=1 / 64,
                    empty=[(1, 0)])
-    got, q_sub = _mosaic_model(*args, 0.0625, splits, full_logits=full_logits)
+    got, q_sub = _mosaic_model(*args, 0.0625, splits, full_logits=full_logits, half=half)
     ref = sa.sparse_attend_xla(*args, softmax_scale=0.0625)
-    T.assert_attend_close(got, ref, _bound(*args, 0.0625, U_F16, splits, q_sub))
+    T.assert_attend_close(got, ref, _bound(*args, 0.0625, U_F16, splits, q_sub, half=half))
+    if half:  # the partials' rounding shows: not the f32 partials' result
+        f32, _ = _mosaic_model(*args, 0.0625, splits, full_logits=full_logits)
+        assert (got != f32).any()
     assert (got[1, 0] == 0).all()
     # The bound is not vacuous: the bf16 kernel's error on the same inputs is larger.
     tri = sa.sparse_attend_pallas(*args, softmax_scale=0.0625, interpret=True,
@@ -328,7 +343,8 @@ def test_mosaic_arithmetic_meets_the_f16_bound(splits, full_logits):
     mg.MgpuTuning(convert="producer", full_logits=True, pingpong=True),
     mg.MgpuTuning(design="flashmla"), mg.MgpuTuning(design="flashmla", stage_slots=False),
     mg.MgpuTuning(design="flashmla", scale_heads=16),
-    mg.MgpuTuning(design="flashmla", scale_heads=64)])
+    mg.MgpuTuning(design="flashmla", scale_heads=64),
+    mg.MgpuTuning(design="flashmla", scale_heads=16, half_partials=True)])
 def test_mosaic_variants_lower_for_cuda(tuning):
     """The Mosaic kernel cannot run here, but it lowers (Pallas -> Mosaic GPU MLIR) on any
     host: each variant traces and lowers at odd shapes (5 heads padded to 64, C = 384, a
@@ -407,7 +423,9 @@ def test_mosaic_partials_refuse_a_narrow_dtype_with_splits():
                                     mg.MgpuTuning(design="flashmla", converters=2),
                                     mg.MgpuTuning(design="flashmla", scale_heads=32),
                                     mg.MgpuTuning(design="flashmla", scale_heads=16,
-                                                  prep="jnp")])
+                                                  prep="jnp"),
+                                    mg.MgpuTuning(design="flashmla", scale_heads=16,
+                                                  half_partials=True)])
 def test_mosaic_decode_rows_lower_for_cuda(tuning):
     """A decode's attend (the first of 4 rows per sequence read in place by the prep, the
     padded block written by the merge kernel in bf16) lowers on any host, for each way the
@@ -425,6 +443,13 @@ def test_mosaic_decode_rows_lower_for_cuda(tuning):
             jax.ShapeDtypeStruct((2, 4, 150), i32), jax.ShapeDtypeStruct((2, 4), f32))
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 1
+    # f16 partials (half_partials, 2 splits) reach the merge as f16: [2 rows, 2, 64, 512].
+    assert ("tensor<2x2x64x512xf16>" in text) == tuning.half_partials
+
+
+def test_mosaic_half_partials_need_the_flashmla_design():
+    with pytest.raises(ValueError, match="half_partials=True needs design"):
+        mg.MgpuTuning(half_partials=True)
 
 
 def test_auto_takes_triton_on_a_gpu_that_is_not_hopper(monkeypatch):

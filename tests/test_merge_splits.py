@@ -93,3 +93,57 @@ def test_merge_kernel_lowers_for_cuda(splits, pad):
             jax.ShapeDtypeStruct((n, 4), f32))
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "custom_call @__gpu$xla.gpu.triton" in text
+
+
+@pytest.mark.parametrize("n,s,pad", [(3, 3, None), (2, 33, (1, 4)), (4, 1, (2, 3))])
+def test_merge_kernel_scales_half_partials(n, s, pad):
+    """f16 partials in the cache's units (`MgpuTuning.half_partials`, values up to e4m3's 448)
+    and the cache's scale: the kernel against the twin (f32 sums of the same f16 values, the
+    scale applied to the merged rows), and the twin against the f32 merge of the scaled
+    partials. With a pad, the kernel's rows are the twin's padded by `padded_rows_jnp`."""
+    hp, cp, kv = 16, 64, 0.0137
+    o, m, l = _partials(n, s, hp, cp, seed=31 + s)
+    o16 = (100.0 * o).astype(jnp.float16)  # |o| up to ~450, some below f16's normal range
+    o16 = o16.at[0, -1, 0, :4].set(
+        jnp.asarray([448.0, -448.0, 2.0 ** -20, -(2.0 ** -24)], jnp.float16))
+    eps = np.finfo(np.float32).eps
+    top = np.abs(np.asarray(o16, np.float64)).max(axis=(1, 3)) * kv  # [N, Hp]
+    bound = ((2 * s + 5) * eps * top)[:, :, None]  # the merge's roundings and the scale's one
+    want = np.asarray(merge_splits(o16, m, l, scale=jnp.float32(kv)))
+    # The twin scales after merging: the f32 merge of the scaled partials within the bound.
+    scaled = merge_splits(o16.astype(jnp.float32) * jnp.float32(kv), m, l)
+    assert (np.abs(want - np.asarray(scaled)) <= bound).all()
+    if pad is None:
+        got = np.asarray(merge_splits_pallas(o16, m, l, interpret=True,
+                                             scale=jnp.asarray([kv], jnp.float32)))
+        assert (np.abs(got - want) <= bound).all()
+        assert (got[1] == 0).all()
+        return
+    rows_in, rows_out = pad
+    b = n // rows_in
+    fill = jnp.zeros((b, rows_out), jnp.float32).at[0, -1].set(jnp.nan)
+    plain = merge_splits_pallas(o16, m, l, interpret=True, scale=jnp.float32(kv))
+    got = merge_splits_pallas(o16, m, l, interpret=True, dtype=jnp.bfloat16,
+                              pad=(rows_in, fill), scale=jnp.float32(kv))
+    assert got.dtype == jnp.bfloat16 and got.shape == (b * rows_out, hp, cp)
+    assert (np.abs(np.asarray(plain) - want) <= bound).all()
+    padded = padded_rows_jnp(plain.reshape(b, rows_in, hp, cp), fill, jnp.bfloat16)
+    assert np.array_equal(np.asarray(got, np.float32),
+                          np.asarray(padded, np.float32).reshape(got.shape), equal_nan=True)
+    if s == 1:  # one partial: the kernel's row is its f16 value times the scale, rounded once
+        assert (np.asarray(plain) == np.asarray(o16[:, 0], np.float32) * np.float32(kv)).all()
+
+
+def test_merge_kernel_lowers_half_partials_for_cuda():
+    """f16 partials and a scale lower through the Triton path (any host)."""
+    f32 = jnp.float32
+    n, s, hp, cp = 64, 2, 64, 512
+
+    def fn(o, m, l, kv, fill):
+        return merge_splits_pallas(o, m, l, dtype=jnp.bfloat16, pad=(1, fill), scale=kv)
+
+    args = (jax.ShapeDtypeStruct((n, s, hp, cp), jnp.float16),
+            jax.ShapeDtypeStruct((n, s, hp), f32), jax.ShapeDtypeStruct((n, s, hp), f32),
+            jax.ShapeDtypeStruct((1,), f32), jax.ShapeDtypeStruct((n, 4), f32))
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "custom_call @__gpu$xla.gpu.triton" in text

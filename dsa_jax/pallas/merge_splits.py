@@ -11,6 +11,8 @@ differed the same way, 2026-12-01 sixth).
 It also writes what the attend's caller needs in the same pass: the merged rows rounded to the
 output projection's operand dtype, put in place in a block padded to more rows per sequence
 (a decode attends 1 of its `max_verify` rows; `padded_rows_jnp` is the twin of that part).
+Partials may be f16 in the cache's units (`MgpuTuning.half_partials`): the merge sums in f32
+and applies the cache's scale to the merged rows.
 """
 
 from __future__ import annotations
@@ -31,19 +33,21 @@ COLUMNS_PER_PROGRAM = 32
 
 
 def _merge_kernel(o_ref, m_ref, l_ref, *refs, splits: int, hb: int, cb: int, rows_in: int,
-                  rows_out: int):
-    """One (input row, head block, column block) program. o_ref [N, S, Hp, Cp], m_ref /
-    l_ref [N, S, Hp] (whole arrays); with padding (rows_out > rows_in) fill_ref [B * rows_out]
-    f32; out_ref [B * rows_out, Hp, Cp] (whole). Input row n is row n % rows_in of sequence
-    n // rows_in, stored at output row (n // rows_in) * rows_out + n % rows_in; a sequence's
-    first row's programs also store its rows from rows_in on, fill[row] each."""
+                  rows_out: int, scaled: bool):
+    """One (input row, head block, column block) program. o_ref [N, S, Hp, Cp] (f32 or f16),
+    m_ref / l_ref [N, S, Hp] (whole arrays); with `scaled` scale_ref [1] f32; with padding
+    (rows_out > rows_in) fill_ref [B * rows_out] f32; out_ref [B * rows_out, Hp, Cp] (whole).
+    Input row n is row n % rows_in of sequence n // rows_in, stored at output row
+    (n // rows_in) * rows_out + n % rows_in; a sequence's first row's programs also store its
+    rows from rows_in on, fill[row] each."""
+    scale_ref, refs = (refs[0], refs[1:]) if scaled else (None, refs)
     fill_ref, out_ref = refs if rows_out > rows_in else (None, refs[0])
     n = pl.program_id(0)
     h0, c0 = pl.program_id(1) * hb, pl.program_id(2) * cb
     heads, cols = pl.ds(h0, hb), pl.ds(c0, cb)
     seq = n // rows_in
     if splits == 1:
-        merged = o_ref[n, 0, heads, cols]  # [hb, cb]: the partial is the result
+        merged = o_ref[n, 0, heads, cols].astype(jnp.float32)  # [hb, cb]: the partial
     else:
         # Every split's block loaded at once (independent loads: one memory latency), then
         # combined in one fixed order for every program.
@@ -60,11 +64,13 @@ def _merge_kernel(o_ref, m_ref, l_ref, *refs, splits: int, hb: int, cb: int, row
         o = plt.load(o_ref.at[n, s_idx[:, None, None], h_idx[None, :, None],
                               c_idx[None, None, :]],
                      mask=jnp.broadcast_to(real[:, None, None], (sp, hb, cb)),
-                     other=0.0)  # [Sp, hb, cb]
+                     other=0.0).astype(jnp.float32)  # [Sp, hb, cb]
         wgt = jnp.exp(m - jnp.max(m, axis=0)[None, :]) * l  # [Sp, hb]; 0 for padded splits
         total = jnp.sum(wgt, axis=0)  # [hb]
         acc = jnp.sum(wgt[:, :, None] * o, axis=0)  # [hb, cb]
         merged = acc / jnp.where(total > 0, total, 1.0)[:, None]
+    if scaled:
+        merged = merged * scale_ref[0]
     out_ref[seq * rows_out + n % rows_in, heads, cols] = merged.astype(out_ref.dtype)
     if fill_ref is None:
         return
@@ -78,12 +84,13 @@ def _merge_kernel(o_ref, m_ref, l_ref, *refs, splits: int, hb: int, cb: int, row
 
 
 def merge_splits_pallas(o: jax.Array, m: jax.Array, l: jax.Array, *, interpret: bool = False,
-                        dtype=jnp.float32, pad: tuple[int, jax.Array] | None = None
-                        ) -> jax.Array:
-    """`sparse_attend.merge_splits` as a kernel: o [N, S, Hp, Cp], m, l [N, S, Hp] f32 ->
-    [N, Hp, Cp] `dtype` (0 where no split saw a valid slot; the fp32 merge rounded once).
-    Hp a multiple of 16; Cp a multiple of 32 or a power of two below it (the attend kernels'
-    padded shapes).
+                        dtype=jnp.float32, pad: tuple[int, jax.Array] | None = None,
+                        scale: jax.Array | None = None) -> jax.Array:
+    """`sparse_attend.merge_splits` as a kernel: o [N, S, Hp, Cp] f32 or f16, m, l [N, S, Hp]
+    f32 -> [N, Hp, Cp] `dtype` (0 where no split saw a valid slot; the fp32 merge rounded
+    once). Hp a multiple of 16; Cp a multiple of 32 or a power of two below it (the attend
+    kernels' padded shapes). scale: [] or [1] f32, multiplied into the merged rows (partials in
+    the cache's units, `MgpuTuning.half_partials`).
 
     pad: `(rows_in, fill)`, fill [B, Rt] f32 with `N = B * rows_in` and `Rt >= rows_in`: the N
     rows are each sequence's first `rows_in` rows, and the result is `[B * Rt, Hp, Cp]` with
@@ -91,14 +98,17 @@ def merge_splits_pallas(o: jax.Array, m: jax.Array, l: jax.Array, *, interpret: 
     (`padded_rows_jnp(merge_splits(o, m, l), ...)` in one pass)."""
     n, splits, hp, cp = o.shape
     dtype = jnp.dtype(dtype)
-    if splits == 1 and pad is None and dtype == jnp.float32:
+    if splits == 1 and pad is None and dtype == o.dtype == jnp.float32 and scale is None:
         return o[:, 0]
     hb = HEADS_PER_PROGRAM
     cb = COLUMNS_PER_PROGRAM if cp % COLUMNS_PER_PROGRAM == 0 else cp
+    if o.dtype.itemsize == 2 and next_pow2(splits) <= 8 and cp % (2 * cb) == 0:
+        cb = 2 * cb  # 128-byte rows of f16 partials
     if hp % hb or cb & (cb - 1):
         raise ValueError(f"merge_splits_pallas: heads {hp} must be a multiple of {hb} and "
                          f"columns {cp} a multiple of {COLUMNS_PER_PROGRAM} or a power of two")
-    rows_in, extra = n, []
+    rows_in = n
+    extra = [] if scale is None else [jnp.asarray(scale, jnp.float32).reshape(1)]
     rows_out = rows_in
     if pad is not None:
         rows_in, fill = pad
@@ -108,9 +118,9 @@ def merge_splits_pallas(o: jax.Array, m: jax.Array, l: jax.Array, *, interpret: 
                              f"{fill.shape} does not fit {n} input rows (need B * rows_in == "
                              f"{n} and rows_in <= {rows_out})")
         if rows_out > rows_in:
-            extra = [fill.reshape(-1).astype(jnp.float32)]
+            extra.append(fill.reshape(-1).astype(jnp.float32))
     kernel = functools.partial(_merge_kernel, splits=splits, hb=hb, cb=cb, rows_in=rows_in,
-                               rows_out=rows_out)
+                               rows_out=rows_out, scaled=scale is not None)
     return pl.pallas_call(
         kernel,
         grid=(n, hp // hb, cp // cb),

@@ -109,6 +109,12 @@ class MgpuTuning:
       against 10.88 with the U_k GEMM and the prep, every GPU must-hold passing
       (h200-profile-20261202-s15-call2.json); with XLA's GEMM in its place (the fourteenth
       session) 10.83, within noise.
+    half_partials: with design="flashmla" and more than one split, each split's normalized
+      partial is written as f16 in the cache's units (the mean of stored e4m3 rows: |o| <= 448,
+      in f16's range whatever the cache scale) and the merge applies the cache scale
+      (`merge_splits_pallas(scale=)`): half the bytes written and read back, one more f16
+      rounding of each partial (relative 2^-11, absolute 2^-25 times the cache scale below
+      f16's normal range). One split (a prompt's rows, or `direct_out`) is not affected.
     """
 
     block_w: int = 64
@@ -137,6 +143,7 @@ class MgpuTuning:
     direct_out: bool = False
     scale_heads: int = 0
     bound_scales: bool = False
+    half_partials: bool = False
 
     def __post_init__(self):
         if self.design not in ("exchange", "flashmla"):
@@ -152,6 +159,9 @@ class MgpuTuning:
         if self.scale_heads and (self.design != "flashmla" or self.prep_per_sm):
             raise ValueError(f"scale_heads={self.scale_heads} needs design='flashmla' and a "
                              f"prep of one program per (row, head group) (prep_per_sm=0)")
+        if self.half_partials and (self.design != "flashmla" or self.converters != 1):
+            raise ValueError("half_partials=True needs design='flashmla' with converters=1 "
+                             "(each warpgroup stages its half of the partial in its Q half)")
         if self.bound_scales and not self.scale_heads:
             raise ValueError("bound_scales=True needs scale_heads (the kernel's per-head "
                              "logit scale)")

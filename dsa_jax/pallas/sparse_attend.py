@@ -286,9 +286,18 @@ def live_extent(slots: jax.Array) -> jax.Array:
     return jnp.max(jnp.where(slots >= 0, pos, 0), axis=-1)
 
 
-def merge_splits(o, m, l):
-    """Normalized partials o [N, S, Hp, Cp], m, l [N, S, Hp] -> [N, Hp, Cp]; 0 where no split
-    saw a valid slot."""
+def merge_splits(o, m, l, scale=None):
+    """Normalized partials o [N, S, Hp, Cp] (f32, or f16 in the cache's units with `scale`
+    [] / [1] f32 the cache's scale, applied to the merged rows), m, l [N, S, Hp] f32 ->
+    [N, Hp, Cp] f32; 0 where no split saw a valid slot."""
+    o = o.astype(jnp.float32)
+    if scale is not None:
+        return _merge_partials(o, m, l) * jnp.asarray(scale, jnp.float32).reshape(())
+    return _merge_partials(o, m, l)
+
+
+def _merge_partials(o, m, l):
+    """`merge_splits` of f32 partials, before any scale."""
     if o.shape[1] == 1:
         return o[:, 0]
     m_all = jnp.max(m, axis=1, keepdims=True)  # [N, 1, Hp]
@@ -574,6 +583,7 @@ def _mosaic_attend(q, latent_flat, kv, sel, block_tables, bs, softmax_scale,
     o, m, l = mgpu_op.sparse_attend_mgpu_partials(
         kv, (up, down), live, qk, slots, latent_flat, softmax_scale=softmax_scale,
         splits=splits, tiles=tiles, tuning=t, out_dtype=dtype if direct else jnp.float32)
+    scale = None if mgpu_op.partials_scaled(t, splits) else kv  # f16 partials: merge scales
     if direct:
         return o[:, 0, :h]
     # The merge as a kernel: one summation order in every program. The jnp merge was fused
@@ -581,4 +591,4 @@ def _mosaic_attend(q, latent_flat, kv, sel, block_tables, bs, softmax_scale,
     # a max_verify-row verify, and on the H200 they then differed in y's last bits
     # (benchmarks/notes.md, session 2026-12-01 fifth). It also rounds to `dtype` and writes
     # a decode's padded block, so neither needs a pass of its own.
-    return merge_splits_pallas(o, m, l, dtype=dtype, pad=pad)[:, :h]
+    return merge_splits_pallas(o, m, l, dtype=dtype, pad=pad, scale=scale)[:, :h]

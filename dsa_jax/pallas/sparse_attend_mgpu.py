@@ -341,7 +341,7 @@ def _kernel(kv_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_ref,
 def _flashmla_kernel(kv_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref, lat_ref,
                      o_ref, m_ref, l_ref, *, softmax_scale: float, c: int, block_w: int,
                      tiles: int, converters: int, stage_slots: bool, regs: tuple[int, int],
-                     per_head: bool):
+                     per_head: bool, unscaled: bool):
     """`MgpuTuning(design="flashmla")`: one (head block, split, row) CTA with FlashMLA's
     division of the work, so the conversion runs beside the dots:
 
@@ -358,6 +358,9 @@ def _flashmla_kernel(kv_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref,
       the gather nor the logit mask waits on a global load per tile.
     * per_head (`MgpuTuning.scale_heads`): rscale_ref is [N, Hp], each head's own 2^-k, and
       each logit row is scaled by its head's.
+    * unscaled (`MgpuTuning.half_partials` with splits): the partial is written in the cache's
+      units (not multiplied by kv_ref[0]: the merge scales), so it fits f16 whatever the scale,
+      through shared memory (each warpgroup's Q half) by TMA.
 
     No producer warpgroup and no fp8 staging: Q (64 KiB), two f16 tiles (128 KiB), P and the
     slots fit in shared memory. Argument shapes as `_kernel` (q f16, already scaled; no zero
@@ -378,10 +381,19 @@ def _flashmla_kernel(kv_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref,
     def load(ref, layout):
         return plgpu.load(ref, (), layout=layout, optimized=False)
 
-    def finish(acc, l, cols_ds):  # [64, cols] normalized into this split's partial
-        inv = kv_ref[0] / jnp.where(l > 0, l, 1.0)
-        o_ref.at[row, split, heads, cols_ds][...] = (acc * lax.broadcast_in_dim(
-            inv, acc.shape, [0])).astype(o_ref.dtype)
+    def finish(acc, l, cols_ds, q_half):  # [64, cols] normalized into this split's partial
+        inv = (1.0 if unscaled else kv_ref[0]) / jnp.where(l > 0, l, 1.0)
+        y = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(o_ref.dtype)
+        if not unscaled:
+            o_ref.at[row, split, heads, cols_ds][...] = y
+            return
+        # f16 rows stored from registers write 16 of a 32-byte sector per row and instruction:
+        # staged in this warpgroup's Q half (no longer read: its last QK has completed) and
+        # written by TMA in whole lines instead.
+        q_half[...] = y
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_half, o_ref.at[row, split, heads, cols_ds])
+        plgpu.wait_smem_to_gmem(0)
 
     def scoped(q16, kv16, p16s, stats, slot_s, q_bar, slot_bar, full, free, p_full, p_free):
         # q16 [2, 64, half] f16; kv16 [2 buffers, 2 halves, BW, half] f16; p16s [64, BW] f16;
@@ -472,7 +484,7 @@ def _flashmla_kernel(kv_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref,
             a0 = plgpu.layout_cast(jnp.zeros((HEADS_PER_CTA, half), jnp.float32),
                                    plgpu.Layout.WGMMA)
             m, l, acc = lax.fori_loop(0, n_tiles, tile, (m0, l0, a0))
-            finish(acc, l, pl.ds(0, half))
+            finish(acc, l, pl.ds(0, half), q16.at[0])
             m_ref.at[row, split, heads][...] = m * (1.0 / _LOG2E)
             l_ref.at[row, split, heads][...] = l
 
@@ -527,7 +539,7 @@ def _flashmla_kernel(kv_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref,
                                    plgpu.Layout.WGMMA)
             init = (*(gather_tile(1 + i) for i in range(ahead)), l0, a0)
             *_, l, acc = lax.fori_loop(0, n_tiles, tile, init)
-            finish(acc, l, pl.ds(half + g * cols, cols))
+            finish(acc, l, pl.ds(half + g * cols, cols), q16.at[1])
 
         for g in range(converters):
             pl.when(wg == 1 + g)(functools.partial(convert_group, g))
@@ -553,6 +565,13 @@ def _flashmla_kernel(kv_ref, qscale_ref, rscale_ref, live_ref, q_ref, slots_ref,
     )
 
 
+def partials_scaled(tuning: MgpuTuning, splits: int) -> bool:
+    """Whether `sparse_attend_mgpu_partials` writes its partials scaled by the cache's scale
+    (f32, or the result dtype with one split); else they are f16 in the cache's units and the
+    merge scales them (`MgpuTuning.half_partials`)."""
+    return not (tuning.half_partials and splits > 1)
+
+
 def sparse_attend_mgpu_partials(kv_scale, q_scales, live, q, slots, latent_flat, *,
                                 softmax_scale: float, splits: int, tiles: int,
                                 tuning: MgpuTuning = _DEFAULT, sms: int | None = None,
@@ -566,7 +585,8 @@ def sparse_attend_mgpu_partials(kv_scale, q_scales, live, q, slots, latent_flat,
     (`live_extent`). out_dtype: o's (float32, or with one split the attend's result dtype:
     the kernel then rounds its normalized rows once, as the merge would). sms: multiprocessors
     for tuning.persistent (default `common.sm_count()`) ->
-    (o [N, S, Hp, C] f32, m [N, S, Hp], l [N, S, Hp])."""
+    (o [N, S, Hp, C] f32, m [N, S, Hp], l [N, S, Hp]); with splits > 1 and
+    tuning.half_partials o is f16 and not scaled by kv_scale (`partials_scaled`)."""
     n, hp, c = q.shape
     want = jnp.float32 if tuning.q_in_kernel else jnp.float16
     if q.dtype != want:
@@ -588,7 +608,9 @@ def sparse_attend_mgpu_partials(kv_scale, q_scales, live, q, slots, latent_flat,
     if splits > 1 and jnp.dtype(out_dtype) != jnp.float32:
         raise ValueError(f"sparse_attend_mgpu: out_dtype={jnp.dtype(out_dtype).name} with "
                          f"{splits} splits: partials to be merged stay float32")
-    out_type = (jax.ShapeDtypeStruct((n, splits, hp, c), out_dtype), part, part)
+    unscaled = not partials_scaled(tuning, splits)
+    o_dtype = jnp.float16 if unscaled else out_dtype
+    out_type = (jax.ShapeDtypeStruct((n, splits, hp, c), o_dtype), part, part)
     params = plgpu.CompilerParams(  # Lane semantics named: jax 0.11 defaults to Warpgroup
         approx_math=True, unsafe_no_auto_barriers=True, reduction_scratch_bytes=0,
         lowering_semantics=plgpu.LoweringSemantics.Lane)
@@ -601,7 +623,7 @@ def sparse_attend_mgpu_partials(kv_scale, q_scales, live, q, slots, latent_flat,
         kernel = functools.partial(
             _flashmla_kernel, softmax_scale=softmax_scale, c=c, block_w=tuning.block_w,
             tiles=tiles, converters=tuning.converters, stage_slots=tuning.stage_slots,
-            regs=tuning.flashmla_regs, per_head=bool(tuning.scale_heads))
+            regs=tuning.flashmla_regs, per_head=bool(tuning.scale_heads), unscaled=unscaled)
         return plgpu.kernel(
             kernel, out_type=out_type, grid=(hp // HEADS_PER_CTA, splits, n),
             grid_names=("h", "s", "r"), num_threads=1 + tuning.converters, thread_name="wg",
