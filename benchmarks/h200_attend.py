@@ -58,6 +58,9 @@ PREP_VARIANTS = {
 # of rows: ptxas keeps the producer's setmaxnreg budget of 40), hence a split with more for the
 # producer. Run 9's 216/80 hung (512 > the CTA's 3 * 168 registers; now refused): 208/88.
 R88 = dict(consumer_regs=208, producer_regs=88)
+# The library's tuning (`AttendTuning().mosaic`; a test holds them equal).
+LIB = dict(design="flashmla", direct_out=True, scale_heads=16, bound_scales=True,
+           half_partials=True)
 MOSAIC_VARIANTS = {
     "mosaic-producer-r88": dict(convert="producer", **R88),
     "mosaic-producer-pingpong-r88": dict(convert="producer", full_logits=True, pingpong=True,
@@ -76,25 +79,21 @@ MOSAIC_VARIANTS = {
     "mosaic-flashmla-sh16": dict(design="flashmla", scale_heads=16),
     "mosaic-flashmla-sh32": dict(design="flashmla", scale_heads=32),
     # The library's default since the fourteenth session (AttendTuning.mosaic).
-    "mosaic-lib": dict(design="flashmla", direct_out=True, scale_heads=16, bound_scales=True),
+    "mosaic-lib": LIB,
     # Nineteenth session: one row's 33 tiles over 11 splits of 3 (the default's 16 splits of 3
     # tiles, 15 of them padding), 17 of 2 or 33 of 1 (max_splits; decode-b1's attend, "d").
-    "mosaic-lib-ms11": dict(design="flashmla", direct_out=True, scale_heads=16,
-                            bound_scales=True, max_splits=11),
-    "mosaic-lib-ms17": dict(design="flashmla", direct_out=True, scale_heads=16,
-                            bound_scales=True, max_splits=17),
-    "mosaic-lib-ms33": dict(design="flashmla", direct_out=True, scale_heads=16,
-                            bound_scales=True, max_splits=33),
+    "mosaic-lib-ms11": {**LIB, "max_splits": 11},
+    "mosaic-lib-ms17": {**LIB, "max_splits": 17},
+    "mosaic-lib-ms33": {**LIB, "max_splits": 33},
     # Twenty-first session: the library's prep before it (each row's slots by its group-0
     # program). The split merge's columns (8 past 16 splits; 16 and 64 at 8 warps) and warps
     # (2, 8) were measured at decode-b1's 33 splits and 64x1's 2, none faster than 32 columns
     # at 4 warps (h200-attend-20261203-s21-call{2,3}.json; the options are in git history).
-    "mosaic-lib-slots0": dict(design="flashmla", direct_out=True, scale_heads=16,
-                              bound_scales=True, prep_slots_apart=False),
-    # Twenty-sixth session: the partials of 2+ splits in f16 and the cache's units, the merge
-    # scaling them (half the partials' bytes; other last bits, within the bound's partial term).
-    "mosaic-lib-half": dict(design="flashmla", direct_out=True, scale_heads=16,
-                            bound_scales=True, half_partials=True),
+    "mosaic-lib-slots0": {**LIB, "prep_slots_apart": False},
+    # Twenty-sixth session: the library's before half_partials (f32 partials, scaled by the
+    # kernel); "mosaic-lib-half", the f16 partials measured beside it in s26 call 2, is now
+    # "mosaic-lib".
+    "mosaic-lib-f32": {**LIB, "half_partials": False},
     # Twenty-second session: the prep at 4 and 8 warps ("mosaic-lib-pw4", "-pw8": the
     # library's with prep_warps=4 / 8) were slower than its 16 at 64x1 and decode-b1
     # (h200-attend-20261204-s22-call1.json) and removed.
@@ -119,12 +118,12 @@ RESCALED = ("mosaic-flashmla-sh16", "mosaic-flashmla-sh32", "mosaic-lib")
 # Variants that split a row's slots over other counts than the base (the merge sums in
 # another order): exempt with any base.
 RESPLIT = ("mosaic-lib-ms11", "mosaic-lib-ms17", "mosaic-lib-ms33",
-           "mosaic-lib-half")  # and the f16 partials: other roundings than the base's
+           "mosaic-lib-f32")  # and the f16 partials: other roundings than the base's
 # `--group mosaic-all`: these on every case, the others on 3 (ONE_CHECK: 1).
 FULL_CHECKS = ("mosaic-default", "mosaic-producer-r88", "mosaic-producer-pingpong-r88",
                "mosaic-flashmla", "mosaic-flashmla-noslots", "mosaic-flashmla-c2",
                "mosaic-flashmla-sh16", "mosaic-flashmla-sh32", "mosaic-lib",
-               "mosaic-lib-half")
+               "mosaic-lib-f32")
 ONE_CHECK = ("mosaic-producer-ahead",)
 P_VARIANTS = ("triton-default", "mosaic-default", "mosaic-producer-r88", "mosaic-flashmla",
               "mosaic-flashmla-noslots", "mosaic-flashmla-c2", "mosaic-flashmla-sh16",

@@ -55,6 +55,9 @@ def _check_attend(impl, args, scale, backend="triton", splits=8, **kernel_option
         b, r, h, c = args[0].shape
         down = np.asarray(row_scales(args[0].reshape(b * r, h, c))[1]).reshape(b, r)
         floors = dict(q_floor=2.0 ** -25 * down, p_floor=2.0 ** -25)
+        if kernel_options["tuning"].mosaic.half_partials:  # 4 rows: every row split (>1)
+            floors.update(partial_u=T.unit_roundoff(jnp.float16),
+                          partial_floor=2.0 ** -25 * float(args[2]))
     want = T.attend_definition(*args, scale)
     T.assert_attend_close(out, want, T.attend_bound(*args, scale, u, splits, **floors),
                           T.attend_rel_limit(u))

@@ -66,7 +66,10 @@ class AttendTuning:
       -34%): benchmarks/results/h200-direct-out-20261202-s14-call1.json,
       h200-attend-20261202-s14-call1.json; and a prompt's q taken already scaled
       (`bound_scales`: prefill-9000's kernels 10.88 -> 10.63 ms,
-      h200-profile-20261202-s15-call2.json).
+      h200-profile-20261202-s15-call2.json); and a decode's partials of 2+ splits in f16
+      (`half_partials`: 64 rows' kernels 57.4 -> 52.5 us, decode-b1's one row 11.5 -> 10.6,
+      within the bound's partial term on every H200 check case,
+      h200-attend-20261205-s26-call2.json).
     mosaic_prompt: its tiles for prompt rows (`prompt_shaped`; None, the default: `mosaic` for
       every row, so a prompt's rows and a decode's run the same arithmetic). The two designs
       sum the logits in other orders: a tuning that mixes them gives other last bits for a
@@ -76,7 +79,8 @@ class AttendTuning:
     backend: str = "auto"
     col_blocks: int = 1
     mosaic: mgpu_op.MgpuTuning = mgpu_op.MgpuTuning(design="flashmla", direct_out=True,
-                                                    scale_heads=16, bound_scales=True)
+                                                    scale_heads=16, bound_scales=True,
+                                                    half_partials=True)
     mosaic_prompt: mgpu_op.MgpuTuning | None = None
 
     def __post_init__(self):
