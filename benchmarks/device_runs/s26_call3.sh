@@ -24,9 +24,9 @@ G4="tests/test_model.py tests/test_bitwise.py"
 G5="tests/test_pool_topk_triton.py"
 for i in 0 1 2 3 4 5; do
   eval files=\$G$i
-  (timeout 270 python3 -m pytest -q -m gpu $files > $OUT/pytest$i.log 2>&1; echo "rc=$?" >> $OUT/pytest$i.log) &
+  (timeout 330 python3 -m pytest -q -m gpu $files > $OUT/pytest$i.log 2>&1; echo "rc=$?" >> $OUT/pytest$i.log) &
 done
-timeout 270 python3 benchmarks/h200_loop.py --only checks --out $OUT/h200-loop-checks.json > $OUT/loop-checks.log 2>&1
+timeout 330 python3 benchmarks/h200_loop.py --only checks --out $OUT/h200-loop-checks.json > $OUT/loop-checks.log 2>&1
 wait
 for i in 0 1 2 3 4 5; do grep -E "passed|failed|rc=" $OUT/pytest$i.log | tail -2; done
 grep -E "^FAILED|^ERROR|^E  " $OUT/pytest*.log | head -10
