@@ -156,8 +156,10 @@ def gather_attend(suite, point) -> dict:
 
 @functools.partial(jax.jit, static_argnums=0)
 def _selection(cfg, qi, w, keys, pos, valid):
+    # select_slots: the top-k kernel writes the token slots itself (the same slots as
+    # expand_selection(top_pools(...)); the step's co-launched top-k writes them too)
     scores = indexer.pool_scores(cfg, qi, w, keys, layer.candidate_pools(cfg, pos, valid))
-    return select.expand_selection(cfg, select.top_pools(cfg, scores), pos, valid)
+    return select.select_slots(cfg, scores, pos, valid)
 
 
 def selection(suite, point) -> dict:

@@ -298,6 +298,10 @@ def test_render_shows_the_latest_result_of_each_point(tmp_path):
     row = next(r for r in table.splitlines() if r.startswith("| decode-b1-k1-tp8 |"))
     assert "| 148.0 us |" in row
     assert "h200-bench-20261130-040257" not in text  # an early, superseded run
+    # a run on an H100 (s27 call 1: the device tool's choice) leaves the tables, not results/
+    assert "h100-bench-20261206-s27-call1" not in text
+    assert not render.on_target_device({"machine": {"device": "NVIDIA H100 80GB HBM3"}})
+    assert render.on_target_device({"machine": {"device": "NVIDIA H200"}})
     # a run of defaults reverted since (marked `superseded`) leaves the tables, not results/
     assert "h200-bench-20261201-s3" not in table
     assert "notes.md" in text and "### Changes (prediction" not in text  # linked, not copied

@@ -1,10 +1,11 @@
 """Device scripts run through on the CPU at tiny shapes (--smoke): benchmarks/h200_gaps.py in
-this process and with a flag set in a child process, benchmarks/h200_profile.py and
-benchmarks/h200_direct_out.py; every row written, none failed."""
+this process and with a flag set in a child process, benchmarks/h200_profile.py,
+benchmarks/h200_direct_out.py and benchmarks/h200_select_levers.py; every row written, none
+failed."""
 
 import json
 
-from benchmarks import h200_direct_out, h200_gaps, h200_profile
+from benchmarks import h200_direct_out, h200_gaps, h200_profile, h200_select_levers
 
 # On a CPU the launch kinds' section has its XLA row only (the kernels lower for GPUs).
 CALLS = {"kind-xla-fusion", "attend-a-bench", "attend-a-lean", "attend-a-x8",
@@ -47,3 +48,14 @@ def test_h200_direct_out_smoke_compares_both_paths(tmp_path):
     res = json.loads(out.read_text())
     assert [r["direct_out"] for r in res["rows"]] == [True, False]
     assert res["bitwise_equal"] is True and res["finite"] is True
+
+
+def test_h200_select_levers_smoke_checks_and_times_every_variant(tmp_path):
+    out = tmp_path / "levers.json"
+    assert h200_select_levers.main(["--smoke", "--rounds", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    names = {f"{c}/{v}" for c in ("b64", "b64-r4") for v in ("xla", "xla-fused")}
+    assert set(res["checks"]) == {f"{n} == first" for n in names}
+    assert all(res["checks"].values())
+    assert set(res["rounds"][0]) == names | {"round"}
+    assert all(res["rounds"][0][n]["wall_us"] > 0 for n in names)

@@ -48,6 +48,8 @@ F32, BF16 = jnp.float32, jnp.bfloat16
     ((1, 9000, 32, 128, 4096), M(split_q=False), BF16),  # qi split in jnp
     ((1, 50, 32, 128, 4096), M(rows=2, consumers=1), BF16),  # one consumer splits qi
     ((1, 7, 64, 72, 333), M(), BF16),  # qi split in the kernel, Di padded to 128
+    ((64, 1, 32, 128, 4096), M(stages=2), BF16),  # decode rows: 32 heads, 64 in the kernel
+    ((1, 7, 20, 128, 333), M(rows=2), BF16),  # 2 rows of 24 heads at 32: one copy a row
     ((1, 50, 32, 128, 4096), M(precision="bf16x6", rows=2, stages=2), F32),
 ])
 def test_variants_lower_for_cuda(shape, tuning, key_dtype):
@@ -199,26 +201,39 @@ def test_fit_chooses_the_schedule():
 
 
 def test_fit_splits_qi_in_the_kernel_where_it_can():
-    """split_q None: in the kernel for the bf16 parts where rows x Hp is a multiple of 64 (a
-    prompt's two rows of 32 heads; one row of 64), in jnp elsewhere (a decode row of 32 heads,
-    tf32 parts); an explicit True that cannot run raises naming why; False is kept."""
+    """split_q None: in the kernel for the bf16 parts (a prompt's two rows of 32 heads; one
+    row of 64; a decode row of 32 heads, padded to 64), in jnp for tf32 parts; an explicit
+    True that cannot run raises naming why; False is kept. The padded heads count in the
+    wgmma N and the shared memory."""
     assert pm.fit(M(), 32, 128, 9000, BF16).split_q is True
-    assert pm.fit(M(), 32, 128, 4, BF16).split_q is False  # one row of 32 heads: N 32
+    assert pm.fit(M(), 32, 128, 4, BF16).split_q is True  # one row of 32 heads, padded
     assert pm.fit(M(), 64, 128, 4, BF16).split_q is True
     assert pm.fit(M(precision="bf16x6"), 32, 128, 9000).split_q is True
     assert pm.fit(M(), 32, 128, 9000).split_q is False  # tf32x3: qi's parts are tf32
     assert pm.fit(M(split_q=False), 32, 128, 9000, BF16).split_q is False
+    assert pm.fit(M(split_q=False), 32, 128, 4, BF16).split_q is False
     t = pm.fit(M(), 32, 128, 9000, BF16)
     hp, dp = pm.padded_dims(32, 128, t.precision)
+    assert pm.kernel_heads(hp, t) == 32  # two rows of 32: 64 rows of the layout already
     assert pm.smem_bytes(hp, dp, t) == pm.smem_bytes(
         hp, dp, dataclasses.replace(t, split_q=False)) + 4 * 2 * 32 * 128  # the f32 qi
-    with pytest.raises(ValueError, match="split_q=True needs .* rows x Hp a multiple of 64"):
-        pm.fit(M(split_q=True), 32, 128, 4, BF16)
+    d = pm.fit(M(), 32, 128, 4, BF16)  # a decode row: 32 heads padded to 64
+    assert (d.rows, pm.kernel_heads(hp, d), pm.kernel_heads(hp, replace_split(d, False))) == (
+        1, 64, 32)
+    assert pm.smem_bytes(hp, dp, d) == 2 * 128 * d.stages * 64 + 2 * 128 * 3 * 64 + 4 * 128 * 64
+    assert [pm.kernel_heads(8, M(rows=r, split_q=True)) for r in (1, 2, 4, 8, 16)] == [
+        64, 32, 16, 8, 8]
+    assert "wgmma N = 384" in pm.supports(M(split_q=True), 72, 128, BF16)  # 72 -> 128 heads
+    assert pm.supports(M(split_q=False), 72, 128, BF16) is None
     with pytest.raises(ValueError, match=r"split_q=True needs .*\(precision tf32x3"):
         pm.fit(M(split_q=True), 32, 128, 9000)
     qi, w, keys, n_cand = T.pool_inputs(1, 1, 4, 32, 128, 16)
     with pytest.raises(ValueError, match="split_q=True needs"):
-        pm.pool_scores_mgpu(qi, w, keys.astype(BF16), n_cand, tuning=M(split_q=True))
+        pm.pool_scores_mgpu(qi, w, keys, n_cand, tuning=M(split_q=True))  # f32 keys: tf32x3
+
+
+def replace_split(t, split_q):
+    return dataclasses.replace(t, split_q=split_q)
 
 
 def test_pick_backend():
@@ -338,6 +353,10 @@ def test_gpu_rows_per_cta_same_bits(kw):
     (dict(key_dtype=BF16, consumers=1), (2, 9, 32, 128, 777)),
     (dict(key_dtype=BF16, persistent=True, rows=2, stages=4), (1, 37, 32, 128, 2000)),
     (dict(key_dtype=BF16), (2, 7, 64, 72, 333)),  # one row of 64 heads, Di padded
+    (dict(key_dtype=BF16), (64, 1, 32, 128, 4096)),  # decode rows: 32 heads padded to 64
+    (dict(key_dtype=BF16), (3, 4, 32, 128, 777)),  # verify rows, one per CTA, padded heads
+    (dict(key_dtype=BF16, stages=2), (2, 3, 5, 12, 100)),  # 5 heads: 8 padded to 64
+    (dict(key_dtype=BF16, rows=2), (1, 7, 20, 128, 333)),  # 2 rows of 24 heads at 32
     (dict(precision="bf16x6", rows=2, stages=2), (1, 21, 32, 128, 1000))])
 def test_gpu_split_in_the_kernel_same_bits(kw, dims):
     """qi's bf16 parts split by the consumers in shared memory score every pool with the same

@@ -120,8 +120,9 @@ class MgpuScoresTuning:
       prompt's many rows, whose CTAs would otherwise each fill and drain the ring.
     split_q: for the precisions that split qi into bf16 parts, where the split is done: True:
       in the kernel, the producer loading the row group's f32 qi and the consumers writing
-      its parts in shared memory (`split_bf16_into`; rows x Hp must be a multiple of 64, the
-      register layout's rows), instead of a jnp split whose three bf16 copies of a prompt's qi
+      its parts in shared memory (`split_bf16_into`, whose register layout takes 64 rows: the
+      heads are padded until rows x Hp is a multiple of 64, `kernel_heads`), instead of a
+      jnp split whose three bf16 copies of a prompt's qi
       XLA writes and the kernel reads back (an 88 us fusion at 9000 rows on the H200,
       h200-profile-20261202-s16-call2.json); False: in jnp; None (the default): in the kernel
       wherever it can. The parts have the same bits either way (exact masks, one rounding).
@@ -185,8 +186,23 @@ def padded_dims(hi: int, di: int, precision: str = "tf32x3") -> tuple[int, int]:
     return -(-hi // 8) * 8, -(-di // step) * step
 
 
+def kernel_heads(hp: int, t: MgpuScoresTuning) -> int:
+    """The qi rows per score row in shared memory and the wgmma N: Hp (`padded_dims`), and
+    with `split_q` more until rows x heads is a multiple of 64, the register layout's rows
+    that the split works in (a decode row of 32 heads: 64). The extra rows are never written
+    (qi and w stay [.., Hp] in memory: no padded copy) and their product columns are never
+    read: each wgmma output column depends on its own B column only, and the epilogue takes
+    each row's Hp columns, so every score has the bits of the unpadded kernel."""
+    if not t.split_q:
+        return hp
+    step = max(8, 64 // t.rows)  # rows: a power of two
+    return -(-hp // step) * step
+
+
 def smem_bytes(hp: int, dp: int, t: MgpuScoresTuning) -> int:
-    """Shared memory the kernel allocates (the H200 gives a CTA at most 227 KiB)."""
+    """Shared memory the kernel allocates (the H200 gives a CTA at most 227 KiB); hp as
+    `padded_dims` gives it (`kernel_heads` applied here)."""
+    hp = kernel_heads(hp, t)
     slots = 2 if t.persistent else 1  # qi buffers
     if t.split_q:  # the f32 qi the parts are split from
         return 4 * dp * slots * t.rows * hp + smem_bytes(hp, dp, dataclasses.replace(
@@ -230,16 +246,16 @@ def fit(t: MgpuScoresTuning, hi: int, di: int, r: int, key_dtype=jnp.float32
 
 def why_not(t: MgpuScoresTuning, hi: int, di: int) -> str | None:
     """None if the kernel runs tuning t (every field set) at Hi, Di; else why not."""
-    hp, dp = padded_dims(hi, di, t.precision)
-    n_max = {"bf16x6": 3, "bf16x3": 3,
-             "tf32x3": 2 if t.fuse_qlo else 1}[t.precision] * t.rows * hp
-    if n_max > 256:
-        return (f"wgmma N = {n_max} > 256 (Hi {hi} padded to {hp}, rows {t.rows}, fuse_qlo "
-                f"{t.fuse_qlo}, precision {t.precision})")
-    if t.split_q and (t.precision not in _BF16_PARTS or t.rows * hp % 64):
+    if t.split_q and t.precision not in _BF16_PARTS:
         return (f"split_q=True needs a precision that splits qi into bf16 parts "
-                f"{_BF16_PARTS} and rows x Hp a multiple of 64 (precision {t.precision}, rows "
-                f"{t.rows}, Hi {hi} padded to {hp})")
+                f"{_BF16_PARTS} (precision {t.precision})")
+    hp, dp = padded_dims(hi, di, t.precision)
+    hk = kernel_heads(hp, t)
+    n_max = {"bf16x6": 3, "bf16x3": 3,
+             "tf32x3": 2 if t.fuse_qlo else 1}[t.precision] * t.rows * hk
+    if n_max > 256:
+        return (f"wgmma N = {n_max} > 256 (Hi {hi} padded to {hk}, rows {t.rows}, fuse_qlo "
+                f"{t.fuse_qlo}, precision {t.precision}, split_q {t.split_q})")
     if smem_bytes(hp, dp, t) > 227 * 1024:
         return (f"shared memory {smem_bytes(hp, dp, t)} B > 227 KiB (Hi {hi}, Di {di}, "
                 f"block_p {t.block_p}, stages {t.stages}, rows {t.rows}, persistent "
@@ -273,7 +289,7 @@ def default_chunks(b: int, r: int, tiles_all: int, sms: int) -> int:
 
 def _kernel(ncand_ref, base_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: int, tiles: int,
             chunks: int, stages: int, consumers: int, groups_per_seq: int, rows: int, hp: int,
-            dp: int, write_hi: bool, fuse_qlo: bool, precision: str, split_q: bool,
+            hk: int, dp: int, write_hi: bool, fuse_qlo: bool, precision: str, split_q: bool,
             consumer_regs: int, producer_regs: int, programs: int, items: int):
     """CTAs of consumers + 1 warpgroups; see the module docstring. An item is a (row group,
     chunk) pair; with programs == 0 each CTA takes one item (grid index i: chunk fastest,
@@ -285,11 +301,12 @@ def _kernel(ncand_ref, base_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: in
     ncand_ref [N] int32 (N = G * rows); base_ref [1] int32: pool p's key is read at pool
     `base + p` of keys_ref's pool axis; q_ref [G, 2 rows Hp, Dp] f32 (the group's qi split:
     every row's tf32 hi parts, then every row's lo parts; for bf16x6 and bf16x3 [G, 3 rows Hp,
-    Dp] bf16, the three parts; with split_q the f32 qi [G, rows Hp, Dp]); w_ref [G, rows Hp]
-    f32 (padded heads 0); keys_ref [B, Pk, Dp] f32;
+    Dp] bf16, the three parts; with split_q the f32 qi [G, rows Hp, Dp], each row's Hp heads
+    loaded at row r * hk of shared memory: `kernel_heads`); w_ref [G, rows Hp] f32 (padded
+    heads 0); keys_ref [B, Pk, Dp] f32;
     out_ref [N, Pc] f32 with Pc = chunks * tiles * block_p >= P (every element written).
     """
-    nq = rows * hp  # the wgmma N of one of qi's parts
+    nq = rows * hk  # the wgmma N of one of qi's parts (hk > hp: columns never read)
     tf32 = (plgpu.TilingTransform((8, F32_SWIZZLE)), plgpu.SwizzleTransform(128))
     row_layout = plgpu.Layout.WGMMA.reduce(1)  # [block_p]: one value per accumulator row
     q_slots = 2 if programs else 1
@@ -353,8 +370,9 @@ def _kernel(ncand_ref, base_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: in
 
             @pl.when(live > 0)
             def _():
-                w = plgpu.load(w_ref.at[group], (), layout=plgpu.Layout.WGMMA.reduce(0),
-                               optimized=False)  # [rows Hp]
+                ws = [plgpu.load(w_ref.at[group, pl.ds(r * hp, hp)], (),
+                                 layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+                      for r in range(rows)]  # rows x [Hp]
 
                 def tile(j, c):
                     t = mine + consumers * j
@@ -371,11 +389,12 @@ def _kernel(ncand_ref, base_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: in
                         acc = dots_tf32x3(k_ref, lo_ref, qb, nq=nq, dp=dp, write_hi=write_hi,
                                            fuse_qlo=fuse_qlo)
                         plgpu.barrier_arrive(free.at[s])  # wgmmas done: refill the buffer
-                    heads = jnp.maximum(acc, 0.0) * lax.broadcast_in_dim(w, acc.shape, [1])
                     pools = (first + t) * block_p + plgpu.broadcasted_iota(
                         jnp.int32, (block_p,), 0, layout=row_layout)
-                    for r in range(rows):
-                        scores = heads[:, r * hp:(r + 1) * hp].sum(axis=1)  # [BP]
+                    for r, w in enumerate(ws):
+                        a = acc[:, r * hk:r * hk + hp]  # [BP, Hp]: row r's real heads
+                        heads = jnp.maximum(a, 0.0) * lax.broadcast_in_dim(w, a.shape, [1])
+                        scores = heads.sum(axis=1)  # [BP]
                         scores = jnp.where(scores == 0, 0.0, scores)  # -0.0 -> 0.0
                         store(group, first, r, t, jnp.where(pools < n_cands[r], scores,
                                                             -jnp.inf))
@@ -407,8 +426,15 @@ def _kernel(ncand_ref, base_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: in
                     def _():  # the consumers are done with the qi loaded two groups ago
                         plgpu.barrier_wait(q_free.at[slot])
 
-                plgpu.copy_gmem_to_smem(q_ref.at[group], (q_f32 if split_q else qbuf).at[slot],
-                                        q_full.at[slot])
+                if hk == hp:
+                    plgpu.copy_gmem_to_smem(q_ref.at[group],
+                                            (q_f32 if split_q else qbuf).at[slot],
+                                            q_full.at[slot])
+                else:  # split_q: each row's Hp heads at its hk rows (the rest never read)
+                    for r in range(rows):
+                        plgpu.copy_gmem_to_smem(q_ref.at[group, pl.ds(r * hp, hp)],
+                                                q_f32.at[slot, pl.ds(r * hk, hp)],
+                                                q_full.at[slot])
 
             def fill(t, c):
                 s = lax.rem(gt + t, stages)
@@ -444,7 +470,7 @@ def _kernel(ncand_ref, base_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: in
     scratch = [
         plgpu.SMEM((stages, block_p, dp), ring[0], transforms=ring[1]),  # key ring
         plgpu.SMEM((q_slots, _PARTS[precision] * nq, dp), part[0], transforms=part[1]),  # qi
-        plgpu.Barrier(num_arrivals=1, num_barriers=q_slots),  # qi loaded
+        plgpu.Barrier(num_arrivals=1 if hk == hp else rows, num_barriers=q_slots),  # qi loaded
         plgpu.Barrier(num_arrivals=consumers, num_barriers=q_slots),  # qi no longer read
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # key buffer filled
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # key buffer consumed
@@ -502,7 +528,7 @@ def pool_scores_mgpu(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: 
         keys = jnp.pad(keys, ((0, 0), (0, p8 - p), (0, dp - di)))
     kernel = functools.partial(
         _kernel, block_p=t.block_p, tiles=tiles, stages=t.stages, consumers=t.consumers,
-        groups_per_seq=rp // rb, rows=rb, hp=hp, dp=dp, write_hi=t.write_hi,
+        groups_per_seq=rp // rb, rows=rb, hp=hp, hk=kernel_heads(hp, t), dp=dp, write_hi=t.write_hi,
         fuse_qlo=t.fuse_qlo, precision=t.precision, split_q=t.split_q,
         consumer_regs=t.consumer_regs,
         producer_regs=t.producer_regs, chunks=chunks)
