@@ -11,10 +11,4 @@ echo "gpu: $gpu"
 case "$gpu" in *H200*) ;; *) echo "not an H200: nothing run"; exit 3;; esac
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site benchmarks/wheels/jax_triton-0.3.1-py3-none-any.whl || exit 1
 export PYTHONPATH=.:/tmp/site
-timeout 200 python3 -m benchmarks --no-hf --no-progress --only decode,kernels,selection,prefill --budget-s 170 --out $OUT --name h200-bench.json 2>&1 | tail -14
-timeout 60 python3 benchmarks/h200_profile.py --top 30 --steps decode-b1-k1-tp1 --out $OUT/h200-profile.json 2>&1 | grep -v "^WARNING" | tail -1
-python3 -c "
-import json; r = json.load(open('$OUT/h200-profile.json'))
-for row in r['rows']:
-    print(row['step'], round(row['wall_us'], 1), round(row['kernel_us'], 1), row['launches'])
-    for k in row['first_call'][:16]: print('   %8.2f %s' % (k['us'], k['name'][:70]))"
+timeout 165 python3 -m benchmarks --no-hf --no-progress --only decode,kernels,selection,prefill --budget-s 135 --out $OUT --name h200-bench.json 2>&1 | tail -14
