@@ -120,10 +120,10 @@ class MgpuScoresTuning:
       prompt's many rows, whose CTAs would otherwise each fill and drain the ring.
     split_q: for the precisions that split qi into bf16 parts, where the split is done: True:
       in the kernel, the producer loading the row group's f32 qi and the consumers writing
-      its parts in shared memory (`split_bf16_into`, whose register layout takes 64 rows: the
-      heads are padded until rows x Hp is a multiple of 64, `kernel_heads`), instead of a
-      jnp split whose three bf16 copies of a prompt's qi
-      XLA writes and the kernel reads back (an 88 us fusion at 9000 rows on the H200,
+      its parts in shared memory (`split_bf16_into`, whose register layout takes 64 rows: a
+      row group of fewer rows x heads is computed as more heads there, `kernel_heads`),
+      instead of a jnp split whose three bf16 copies of a prompt's qi XLA writes and the
+      kernel reads back (an 88 us fusion at 9000 rows on the H200,
       h200-profile-20261202-s16-call2.json); False: in jnp; None (the default): in the kernel
       wherever it can. The parts have the same bits either way (exact masks, one rounding).
     consumer_regs / producer_regs: per-thread register budgets (setmaxnreg), within the CTA's
