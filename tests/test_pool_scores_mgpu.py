@@ -218,7 +218,8 @@ def test_fit_splits_qi_in_the_kernel_where_it_can():
     assert pm.smem_bytes(hp, dp, t) == pm.smem_bytes(
         hp, dp, dataclasses.replace(t, split_q=False)) + 4 * 2 * 32 * 128  # the f32 qi
     d = pm.fit(M(), 32, 128, 4, BF16)  # a decode row: 32 heads padded to 64
-    assert (d.rows, pm.kernel_heads(hp, d), pm.kernel_heads(hp, replace_split(d, False))) == (
+    assert (d.rows, pm.kernel_heads(hp, d), pm.kernel_heads(
+        hp, dataclasses.replace(d, split_q=False))) == (
         1, 64, 32)
     assert pm.smem_bytes(hp, dp, d) == 2 * 128 * d.stages * 64 + 2 * 128 * 3 * 64 + 4 * 128 * 64
     assert [pm.kernel_heads(8, M(rows=r, split_q=True)) for r in (1, 2, 4, 8, 16)] == [
@@ -230,10 +231,6 @@ def test_fit_splits_qi_in_the_kernel_where_it_can():
     qi, w, keys, n_cand = T.pool_inputs(1, 1, 4, 32, 128, 16)
     with pytest.raises(ValueError, match="split_q=True needs"):
         pm.pool_scores_mgpu(qi, w, keys, n_cand, tuning=M(split_q=True))  # f32 keys: tf32x3
-
-
-def replace_split(t, split_q):
-    return dataclasses.replace(t, split_q=split_q)
 
 
 def test_pick_backend():
