@@ -1,18 +1,22 @@
-"""H200: the selection point's levers of the twenty-seventh session, checked and timed side by
-side in one process (issue #14).
+"""H200: the selection point's levers (issue #14), checked and timed side by side in one
+process.
 
     PYTHONPATH=. python3 benchmarks/h200_select_levers.py --out $OUT/h200-select-levers.json
+    PYTHONPATH=. python3 benchmarks/h200_select_levers.py --topk s27 --out ...  # s27's call
     PYTHONPATH=. python3 benchmarks/h200_select_levers.py --smoke --out /tmp/sl.json  # CPU
 
 Inputs as the bench's `selection-b64` and `selection-b64-r4` points build them
-(`workloads.selection_inputs`, GLM-5.3-Flash's indexer, a bf16 index cache). Levers:
-- `split_q`: a decode row's qi split into its three bf16 parts by the Mosaic scores kernel in
-  shared memory (32 heads computed as 64, `pool_scores_mgpu.kernel_heads`) instead of an XLA
-  fusion before it; the scores `==` the jnp split's (every pool, every row);
-- `fused`: the point's selection through `select.select_slots` (the top-k kernel writes the
-  token slots) instead of `expand_selection(top_pools(...))`; the slots `==`;
-- the Pallas top-k's launch parameters at these rows (`PoolTopkTuning`: 8 warps, 1 or 4
-  programs per row, 3-bit digits) on the fused selection; the slots `==`.
+(`workloads.selection_inputs`, GLM-5.3-Flash's indexer, a bf16 index cache; `b1-r4`: one
+sequence of 4 rows, as a decode-b1 step pads them). Levers:
+- `split_q` (s27): a decode row's qi split into its three bf16 parts by the Mosaic scores
+  kernel in shared memory (32 heads computed as 64, `pool_scores_mgpu.kernel_heads`) instead
+  of an XLA fusion before it; the scores `==` the jnp split's (every pool, every row);
+- `fused` (s27): the point's selection through `select.select_slots` (the top-k kernel writes
+  the token slots) instead of `expand_selection(top_pools(...))`; the slots `==`;
+- the Pallas top-k's variants on the fused selection, the slots `==` the first variant's:
+  `--topk s27` its launch parameters (8 warps, 1 or 4 programs per row, 3-bit digits);
+  `--topk s28` (the default) the winners sorted by a bitonic network (`rank="sort"`) and the
+  sample method (`select="sample"`), each at the default programs per row and at one.
 Each variant's `wall_us` (back-to-back calls, the bench's Cycle over three query sets) and
 `kernel_us` / launches / kernel list from a profiler trace; rounds interleaved (the host
 drifts).
@@ -37,8 +41,14 @@ from dsa_jax.shapes import glm53_flash
 
 SPLIT = {"split-jnp": pm.MgpuScoresTuning(split_q=False), "split-kernel": pm.MgpuScoresTuning()}
 K = functools.partial(pt.PoolTopkTuning, backend="pallas")
-TOPK = {"w8": K(num_warps=8), "rs1": K(rank_splits=1), "rs4": K(rank_splits=4),
-        "rb3": K(radix_bits=3)}
+# s27: launch parameters; s28: the winners sorted (`rank="sort"`) and the raw Triton kernel's
+# sample method in Pallas (`select="sample"`)
+TOPK_SETS = {
+    "s27": {"w8": K(num_warps=8), "rs1": K(rank_splits=1), "rs4": K(rank_splits=4),
+            "rb3": K(radix_bits=3)},
+    "s28": {"sort": K(rank="sort"), "sort-rs1": K(rank="sort", rank_splits=1),
+            "sample": K(select="sample", rank="sort"),
+            "sample-rs1": K(select="sample", rank="sort", rank_splits=1)}}
 
 
 def selection(cfg, mosaic, fused, qi, w, keys, pos, valid, topk=None):
@@ -56,6 +66,12 @@ def selection(cfg, mosaic, fused, qi, w, keys, pos, valid, topk=None):
 def main(argv: list[str] | None = None) -> int:
     ap = json_parser(__doc__)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--topk", choices=sorted(TOPK_SETS), default="s28",
+                    help="the top-k variants timed beside the fused selection")
+    ap.add_argument("--cases", default="b64,b64-r4",
+                    help="of b1-r4 (one sequence of 4 rows, 3 padded), b64, b64-r4")
+    ap.add_argument("--splits", default="split-jnp,split-kernel",
+                    help="the scores' qi split variants (each unfused and fused)")
     args = ap.parse_args(argv)
     cfg = glm53_flash()
     if args.smoke:
@@ -63,18 +79,20 @@ def main(argv: list[str] | None = None) -> int:
                           implementation="xla")
     res = {**header("h200_select_levers.py", argv), "checks": {}, "rounds": []}
     ctx = cfg.max_context
-    cases = {"b64": (64, 1), "b64-r4": (64, 4)}
+    all_cases = {"b1-r4": (1, 4), "b64": (64, 1), "b64-r4": (64, 4)}
+    cases = {c: all_cases[c] for c in args.cases.split(",")}
+    splits = {n: SPLIT[n] for n in args.splits.split(",") if n}
     calls = {}
     for case, (b, r) in cases.items():
         keys, pos, valid, sets = selection_inputs(cfg, b, r, ctx, 300 + r)
         variants = {}
-        for split in (SPLIT if not args.smoke else {"xla": None}):
-            for fused in (False, True):
+        for split in (splits if not args.smoke else {"xla": None}):
+            for fused in ((False, True) if len(splits) > 1 else (True,)):
                 fn = jax.jit(functools.partial(selection, cfg, SPLIT.get(split), fused))
                 variants[f"{split}{'-fused' if fused else ''}"] = Cycle(
                     lambda qi, w, fn=fn, keys=keys, pos=pos, valid=valid: fn(
                         qi, w, keys, pos, valid), sets)
-        for name, topk in ({} if args.smoke else TOPK).items():
+        for name, topk in ({} if args.smoke else TOPK_SETS[args.topk]).items():
             fn = jax.jit(functools.partial(selection, cfg, SPLIT["split-kernel"], True,
                                            topk=topk))
             variants[f"split-kernel-fused-{name}"] = Cycle(
@@ -86,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             ref = got if ref is None else ref
             res["checks"][f"{case}/{name} == first"] = all(
                 np.array_equal(a, g) for a, g in zip(ref, got, strict=True))
-        if not args.smoke:  # the scores themselves, kernel split vs jnp split, bitwise
+        if not args.smoke and len(splits) > 1:  # the scores, kernel split vs jnp split
             qi, w = sets[0]
             n_cand = layer.candidate_pools(cfg, pos, valid)
             s0, s1 = (np.asarray(jax.jit(functools.partial(

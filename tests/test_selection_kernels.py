@@ -278,6 +278,10 @@ TOPK_CASES = [
     dict(short_rows=True, rank_splits=4, fused_compare=True, rank_block=16),
     dict(radix_bits=3),  # a 2-bit pass, then 10 passes of 3 bits
     dict(early_exit=False),  # every radix pass
+    dict(rank="sort"),  # the winners sorted by a bitonic network
+    dict(rank="sort", rank_splits=3, short_rows=False),  # each program stores a share
+    dict(select="sample", rank="sort"),  # candidates from the block maxima, sorted whole
+    dict(select="sample", rank_splits=2),  # (the radix path's winners ranked by compares)
 ])
 def test_pool_topk_variants_equal_the_total_order(kernel_impl, kw):
     for i, (n, p, k, live) in enumerate(TOPK_CASES):
@@ -286,6 +290,22 @@ def test_pool_topk_variants_equal_the_total_order(kernel_impl, kw):
             out = np.asarray(T.run_op("pool_topk", kernel_impl, s, k,
                                       kernel_options=dict(backend="pallas", **kw)))
             chex.assert_trees_all_equal(out, T.topk_definition(s, k), strict=True)
+
+
+@pytest.mark.parametrize("rank", ["compare", "sort"])
+def test_pool_topk_sample_fallback(kernel_impl, rank):
+    """`select="sample"` where the candidates at or above the block maxima's k-th outnumber
+    its scratch (2 Kp): each block's other keys just below its maximum (a row of 512 lanes, k
+    37: 145 candidates > 128), and where they fit (a plain random row); both paths `==`."""
+    rng = np.random.default_rng(3)
+    blocks = np.arange(128, dtype=np.float32)
+    crowded = (1000 + blocks[:, None] - np.array([0, 0.5, 0.5, 0.5], np.float32))
+    crowded = crowded[rng.permutation(128)].reshape(512)  # [512]: block maxima in one order
+    plain = T.topk_scores(11, 1, 512, [512], ties=False)[0]
+    s = np.stack([crowded, np.asarray(plain)])  # [2, 512]
+    out = T.run_op("pool_topk", kernel_impl, s, 37,
+                   kernel_options=dict(select="sample", rank=rank, backend="pallas"))
+    chex.assert_trees_all_equal(np.asarray(out), T.topk_definition(s, 37), strict=True)
 
 
 def test_pool_topk_chunked_row_with_splits(kernel_impl):
@@ -319,6 +339,10 @@ def test_pool_topk_default_rank_splits():
     ("topk", pt.PoolTopkTuning(short_rows=True, rank_splits=8, fused_compare=True,
                                radix_bits=3, num_warps=16, backend="pallas")),
     ("expand", pt.PoolTopkTuning(short_rows=True, rank_splits=4)),
+    ("topk", pt.PoolTopkTuning(rank="sort", backend="pallas")),
+    ("expand", pt.PoolTopkTuning(rank="sort", rank_splits=1)),
+    ("topk", pt.PoolTopkTuning(select="sample", rank="sort", backend="pallas")),
+    ("expand", pt.PoolTopkTuning(select="sample", rank="sort")),
 ])
 def test_kernels_lower_for_cuda(op, tuning):
     """The Triton lowering runs on any host (`lower(lowering_platforms=("cuda",))`), and
@@ -352,7 +376,7 @@ def test_kernels_lower_for_cuda(op, tuning):
 
 @pytest.mark.parametrize("tail", [True, False])
 @pytest.mark.parametrize("kw", [{}, dict(short_rows=True, rank_splits=3, fused_compare=True,
-                                         rank_block=8)])
+                                         rank_block=8), dict(rank="sort", rank_splits=3)])
 def test_select_slots_equal_the_expanded_top_k(impl, tail, kw):
     """The top-k kernel writing the token slots (`select.select_slots`) against
     `expand_selection(top_pools(...))` under xla, with `==`: a padded row, positions on and

@@ -34,6 +34,8 @@ _NEG_INF_KEY = -2139095041
 # was slower (benchmarks/results/h200-topk.json).
 KERNEL_MAX_P = 4096
 BACKENDS = ("auto", "pallas", "triton")
+RANKS = ("compare", "sort")
+SELECTS = ("radix", "sample")
 # backend "auto" runs the raw Triton kernel for at least this many rows: a prompt chunk, whose
 # step is paced by its kernels (9000 rows: 793 vs 1024 us). Decode and verify steps (up to 512
 # sequences of max_verify 4 rows) keep the Pallas kernel: at selection-b64 the Triton one's 6 us
@@ -63,6 +65,18 @@ class PoolTopkTuning:
     early_exit: stop the radix passes at the first threshold with exactly k keys at or above
       it (distinct scores: after 9-10 of the 16 two-bit passes for random rows); False runs
       every pass (the same indices either way).
+    rank: how each program orders the k winners: "compare" (each winner's rank counted
+      against all k, `rank_block` winners at a time) or "sort" (the k winners sorted in
+      registers by a bitonic network on (key descending, index ascending), log2(Kp)
+      (log2(Kp) + 1) / 2 compare-exchange steps instead of k x k compares; each program of a
+      row sorts all k and stores its share of the ranks). The same indices either way.
+    select: how the winners are found: "radix" (the radix select over the row, then the
+      compaction of the k winners, ranked as `rank` says) or "sample" (the raw Triton
+      kernel's method, in Pallas: the radix select over the maxima of blocks of 4 keys, a
+      quarter of the row, gives a threshold with at least k keys at or above it; up to 2 Kp
+      such candidates are compacted and sorted whole; more, or a row not held in registers
+      in one chunk, or a row with fewer than k scores above -inf: the radix path). Needs
+      `short_rows` (without it: "radix"). The same indices either way.
     num_warps: Triton's (8 measured slower than 4 for one row).
     backend: "pallas" (this file's kernel, the fields above), "triton" (the raw Triton kernel
     of `pool_topk_triton`, tuned by `triton`: compiled for a GPU only, needs the jax-triton
@@ -82,6 +96,8 @@ class PoolTopkTuning:
     short_rows: bool = True
     fused_compare: bool = False
     early_exit: bool = True
+    rank: str = "compare"
+    select: str = "radix"
     num_warps: int = 4
     backend: str = "auto"
     triton: TritonTopkTuning = TritonTopkTuning()
@@ -90,6 +106,11 @@ class PoolTopkTuning:
         if self.backend not in BACKENDS:
             raise ValueError(f"PoolTopkTuning: backend={self.backend!r} must be one of "
                              f"{BACKENDS}")
+        if self.rank not in RANKS:
+            raise ValueError(f"PoolTopkTuning: rank={self.rank!r} must be one of {RANKS}")
+        if self.select not in SELECTS:
+            raise ValueError(f"PoolTopkTuning: select={self.select!r} must be one of "
+                             f"{SELECTS}")
 
 
 def pool_topk_xla(scores: jax.Array, k: int) -> jax.Array:
@@ -161,7 +182,8 @@ def expand_xla(pools: jax.Array, pos: jax.Array, valid: jax.Array, expand: Expan
 
 def _topk_program(ids, *refs, k: int, chunk: int, chunks: int, rank_block: int,
                   radix_bits: int, splits: int, short_rows: bool, fused_compare: bool,
-                  early_exit: bool, barrier: bool, expand: Expansion | None):
+                  early_exit: bool, rank_by: str, sampled: bool, barrier: bool,
+                  expand: Expansion | None):
     """Program ids (row, split) (the kernel's, or a co-launch's: `colaunch.Part`); whole refs:
     s_ref [N, Pp] f32; o_ref [N, Kp] int32 out (a row's shared by its `splits` programs: each
     writes the slots of its winners); ck_ref, ci_ref [N, S, Kp] int32 scratch (a program's
@@ -193,7 +215,7 @@ def _topk_program(ids, *refs, k: int, chunk: int, chunks: int, rank_block: int,
     # Radix select, `radix_bits` bits per pass: the candidates prefix | (d << shift) for every
     # digit d are counted at once; the largest d still leaving >= k keys extends the prefix.
     # Where radix_bits does not divide 32 (3), a first pass settles the remaining top bits.
-    def settle(prefix, shift, bits):
+    def settle(prefix, shift, bits, count=count):
         # prefix/cand are bits in the unsigned order u = key ^ INT_MIN; thresholds and the max
         # are taken in signed keys, where that order holds. Digit 0 (cand = prefix) always
         # leaves >= k keys. -> (the new prefix, whether exactly k keys are >= it).
@@ -208,12 +230,13 @@ def _topk_program(ids, *refs, k: int, chunk: int, chunks: int, rank_block: int,
 
     top = 32 % radix_bits  # bits of the first pass where radix_bits does not divide 32
 
-    def radix_select():
-        """The k-th largest key T; or, where a pass finds a threshold t with exactly k keys
-        >= t (distinct scores: after about log2(P) of the 32 bits), t - 1, and no further
-        pass: the keys > t - 1 are then the k winners, as the keys >= T would be, so the
-        compaction below selects the same pools with no tie to break."""
-        prefix, exact = (settle(jnp.int32(0), 32 - top, top) if top
+    def radix_select(count=count):
+        """The k-th largest key T of the keys `count` counts over (the row's, or the sample's);
+        or, where a pass finds a threshold t with exactly k keys >= t (distinct scores: after
+        about log2(P) of the 32 bits), t - 1, and no further pass: the keys > t - 1 are then
+        the k winners, as the keys >= T would be, so the compaction below selects the same
+        pools with no tie to break."""
+        prefix, exact = (settle(jnp.int32(0), 32 - top, top, count) if top
                          else (jnp.int32(0), jnp.bool_(False)))
 
         def more(carry):
@@ -222,7 +245,8 @@ def _topk_program(ids, *refs, k: int, chunk: int, chunks: int, rank_block: int,
 
         def radix_pass(carry):
             i, prefix, _ = carry
-            prefix, exact = settle(prefix, 32 - top - radix_bits - i * radix_bits, radix_bits)
+            prefix, exact = settle(prefix, 32 - top - radix_bits - i * radix_bits, radix_bits,
+                                   count)
             return i + 1, prefix, exact
 
         _, prefix, exact = lax.while_loop(more, radix_pass, (jnp.int32(0), prefix, exact))
@@ -256,7 +280,8 @@ def _topk_program(ids, *refs, k: int, chunk: int, chunks: int, rank_block: int,
 
         kp = o_ref.shape[1]
         at = jnp.arange(kp, dtype=jnp.int32)  # [Kp] compacted position (= index order)
-        all_keys = jnp.where(at < k, ck_ref[row, split], jnp.int32(_INT_MIN))  # [Kp]
+        all_keys = jnp.where(at < k, ck_ref[row, split, pl.ds(0, kp)],
+                             jnp.int32(_INT_MIN))  # [Kp]
 
         def rank(b, carry):  # returns its carry: a dynamic-bound loop cannot yield a literal
             mine = b * rank_block + sub  # [RB]
@@ -279,7 +304,51 @@ def _topk_program(ids, *refs, k: int, chunk: int, chunks: int, rank_block: int,
                 store_winners(r, pools, mine < k)
             return carry
 
+        if rank_by == "sort":
+            pools_in = jnp.where(at < k, ci_ref[row, split, pl.ds(0, kp)],
+                                 jnp.int32(2 ** 31 - 1))  # [Kp]
+            _, pools = sort_winners(all_keys, pools_in)  # [Kp] best first
+            share = pl.cdiv(kp, splits)
+            mine = (at >= split * share) & (at < split * share + share) & (at < k)  # [Kp]
+            plt.store(o_ref.at[row, at], pools, mask=mine)
+            if store_winners is not None:
+                store_winners(at, pools, mine)
+            return
         lax.fori_loop(lo, hi, rank, 0)
+
+    def sample_then_sort():
+        """`select="sample"` (the row in registers, n_finite >= k): T_s, the k-th largest of
+        the maxima of blocks of 4 keys (`radix_select` over them), has at least k keys >= it,
+        so the k winners are among those candidates; where they fit the scratch they are
+        compacted in index order and sorted whole, the first k stored (else the radix
+        select over the row)."""
+        slots = ck_ref.shape[2]
+        sample = jnp.max(row_keys.reshape(chunk // 4, 4), axis=1)  # [chunk/4] block maxima
+        t = radix_select(lambda pred, shape=(): jnp.sum(pred(sample).astype(jnp.int32),
+                                                        axis=-1))
+        cand = (row_keys >= t).astype(jnp.int32)  # [chunk]
+        n_c = jnp.sum(cand)
+
+        @pl.when(n_c <= slots)
+        def _():
+            pos = jnp.cumsum(cand) - cand  # [chunk] slot of each candidate, in index order
+            plt.store(ci_ref.at[row, split, pos], lane, mask=cand == 1)
+            plt.store(ck_ref.at[row, split, pos], row_keys, mask=cand == 1)
+            if barrier:
+                plt.debug_barrier()
+            at = jnp.arange(slots, dtype=jnp.int32)  # [SLOTS]
+            keys = jnp.where(at < n_c, ck_ref[row, split], jnp.int32(_INT_MIN))  # [SLOTS]
+            pools_in = jnp.where(at < n_c, ci_ref[row, split], jnp.int32(2 ** 31 - 1))
+            _, pools = sort_winners(keys, pools_in)  # [SLOTS] best first
+            share = pl.cdiv(o_ref.shape[1], splits)
+            mine = (at >= split * share) & (at < split * share + share) & (at < k)
+            plt.store(o_ref.at[row, at], pools, mask=mine)
+            if store_winners is not None:
+                store_winners(at, pools, mine)
+
+        @pl.when(n_c > slots)
+        def _():
+            select_and_rank(radix_select())
 
     if expand is not None:
         _store_tail(pv_ref, sel_ref, k, expand, row, split, splits)
@@ -305,7 +374,41 @@ def _topk_program(ids, *refs, k: int, chunk: int, chunks: int, rank_block: int,
         # Fewer finite scores than k: the k-th largest key is -inf's. (Computed from a value:
         # the Triton lowering cannot yield a literal from a branch.)
         neg_inf_key = n_finite - n_finite + jnp.int32(_NEG_INF_KEY)
-        select_and_rank(lax.cond(n_finite < k, lambda: neg_inf_key, radix_select))
+        if not sampled:
+            select_and_rank(lax.cond(n_finite < k, lambda: neg_inf_key, radix_select))
+            return
+
+        @pl.when(n_finite < k)
+        def _():
+            select_and_rank(neg_inf_key)
+
+        @pl.when(n_finite >= k)
+        def _():
+            sample_then_sort()
+
+
+def sort_winners(key: jax.Array, idx: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """key, idx [n] int32 (n a power of two) -> both reordered by key descending, then idx
+    ascending (the selection's total order): a bitonic network over the [2] * log2(n)
+    hypercube (the shape Triton's own sort works on), each compare-exchange reading its
+    partner as the pair's sum minus itself (int32 sums wrap: exact)."""
+    n = key.shape[0]
+    bits = n.bit_length() - 1
+    shape = (2,) * bits
+    e = jnp.arange(n, dtype=jnp.int32).reshape(shape)  # [2]*bits flat position
+    key, idx = key.reshape(shape), idx.reshape(shape)  # [2]*bits
+    for s in range(1, bits + 1):  # merge runs of 2^s
+        for b in range(s - 1, -1, -1):  # partners 2^b apart
+            axis = bits - 1 - b
+            pk = jnp.sum(key, axis=axis, keepdims=True) - key  # [2]*bits partner's key
+            pi = jnp.sum(idx, axis=axis, keepdims=True) - idx
+            first = (pk > key) | ((pk == key) & (pi < idx))  # the partner goes first
+            right = (lax.shift_right_logical(e, b) & 1) == 1  # the pair's later slot
+            if s < bits:  # runs with bit s set are ordered the other way
+                right = right != ((lax.shift_right_logical(e, s) & 1) == 1)
+            take = first != right
+            key, idx = jnp.where(take, pk, key), jnp.where(take, pi, idx)
+    return key.reshape(n), idx.reshape(n)
 
 
 def _row_plan(pv_ref, k: int, expand: Expansion, row):
@@ -456,18 +559,24 @@ def _topk_part(scores, k, expand, pv, interpret, tuning):
     if pp != p:  # -inf after every real index: never chosen before a real -inf (k <= P)
         x = jnp.pad(x, ((0, 0), (0, pp - p)), constant_values=-jnp.inf)
     rank_block = min(next_pow2(tuning.rank_block), next_pow2(k))
-    kp = max(next_pow2(k), rank_block)
+    kp = max(next_pow2(k), rank_block, 2 if tuning.rank == "sort" else 1)
+    # "sample" where the row is held in registers and its block maxima number at least k
+    # (else the radix select alone: the same indices)
+    sampled = (tuning.select == "sample" and tuning.short_rows and pp == chunk
+               and chunk // 4 >= k)
+    slots = 2 * kp if sampled else kp  # the scratch: the sample's candidates, or the winners
     splits = tuning.rank_splits or default_rank_splits(n)
     splits = max(1, min(splits, pl.cdiv(k, rank_block)))
     body = functools.partial(_topk_program, k=k, chunk=chunk, chunks=pp // chunk,
                              rank_block=rank_block, radix_bits=radix_bits, splits=splits,
                              short_rows=tuning.short_rows,
                              fused_compare=tuning.fused_compare,
-                             early_exit=tuning.early_exit, barrier=not interpret,
+                             early_exit=tuning.early_exit, rank_by=tuning.rank,
+                             sampled=sampled, barrier=not interpret,
                              expand=expand)
     out_shape = [jax.ShapeDtypeStruct((n, kp), jnp.int32),
-                 jax.ShapeDtypeStruct((n, splits, kp), jnp.int32),  # scratch
-                 jax.ShapeDtypeStruct((n, splits, kp), jnp.int32)]  # scratch
+                 jax.ShapeDtypeStruct((n, splits, slots), jnp.int32),  # scratch
+                 jax.ShapeDtypeStruct((n, splits, slots), jnp.int32)]  # scratch
     inputs = [x]
     if expand is not None:
         out_shape.append(jax.ShapeDtypeStruct((n, expand.width), jnp.int32))
