@@ -324,6 +324,12 @@ def test_pool_topk_bad_radix_bits(kernel_impl):
                  kernel_options=dict(radix_bits=5, backend="pallas"))
 
 
+@pytest.mark.parametrize("field,value", [("rank", "bubble"), ("select", "guess")])
+def test_pool_topk_tuning_names_its_choices(field, value):
+    with pytest.raises(ValueError, match=f"{field}='{value}' must be one of"):
+        pt.PoolTopkTuning(**{field: value})
+
+
 def test_pool_topk_default_rank_splits():
     """~128 programs, 2..16 splits up to SPLIT_MAX_ROWS rows, one program per row beyond."""
     got = {n: pt.default_rank_splits(n) for n in (1, 4, 32, 64, 256, 1024, 1025, 9000)}

@@ -3,9 +3,11 @@
 `pool_topk_xla` is `lax.top_k` (its documented tie rule is that order). The kernel finds the
 same k indices without a sort: a radix select of the k-th largest score on the score bits,
 a compaction of the selected pools in index order, then each selected pool's rank among the
-k by direct comparison. XLA sorts all P scores of a row; this counts over the row at most 16
-times (2 bits per pass, the row held in registers; fewer once a threshold has exactly k keys
-at or above it) and compares only the k winners with each other.
+k by direct comparison (or a bitonic sort of the k winners in registers, `rank="sort"`). XLA
+sorts all P scores of a row; this counts over the row at most 16 times (2 bits per pass, the
+row held in registers; fewer once a threshold has exactly k keys at or above it) and orders
+only the k winners. `select="sample"` counts over the maxima of blocks of 4 keys instead (a
+quarter of the row) and sorts the candidates at or above their k-th.
 """
 
 from __future__ import annotations
@@ -140,6 +142,10 @@ def sortable_key(x: jax.Array) -> jax.Array:
 # (3) After a barrier (the scratch is global memory written by other threads of the program),
 # each selected pool's rank = how many of the k beat it (greater key, or equal key at a lower
 # index); it is stored at out[rank]. Ranks are a permutation of [0, k): every slot is written.
+# With rank="sort" the k winners are loaded whole and sorted instead (`sort_winners`), each
+# program storing its share of the ranks. With select="sample", (1)-(2) run on the block maxima:
+# their k-th T_s has at least k keys >= it; those candidates (at most 2 Kp, else (1)-(3)) are
+# compacted, sorted whole and the first k stored.
 # With an `Expansion`, each winner also writes its pool's KP token ids at slots rank*KP.. (when
 # rank < the row's n_sel) and the programs share the slots after them (the tail, then -1):
 # `select.expand_selection` without a pass of its own.
