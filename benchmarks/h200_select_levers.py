@@ -15,8 +15,9 @@ sequence of 4 rows, as a decode-b1 step pads them). Levers:
   the token slots) instead of `expand_selection(top_pools(...))`; the slots `==`;
 - the Pallas top-k's variants on the fused selection, the slots `==` the first variant's:
   `--topk s27` its launch parameters (8 warps, 1 or 4 programs per row, 3-bit digits);
-  `--topk s28` (the default) the winners sorted by a bitonic network (`rank="sort"`) and the
-  sample method (`select="sample"`), each at the default programs per row and at one.
+  `--topk s28` (the default) the winners ranked by compares (`rank="compare"`, the default
+  until s28), sorted at two programs per row, and the sample method (`select="sample"`) at
+  the default programs per row and at one.
 Each variant's `wall_us` (back-to-back calls, the bench's Cycle over three query sets) and
 `kernel_us` / launches / kernel list from a profiler trace; rounds interleaved (the host
 drifts).
@@ -46,7 +47,9 @@ K = functools.partial(pt.PoolTopkTuning, backend="pallas")
 TOPK_SETS = {
     "s27": {"w8": K(num_warps=8), "rs1": K(rank_splits=1), "rs4": K(rank_splits=4),
             "rb3": K(radix_bits=3)},
-    "s28": {"sort": K(rank="sort"), "sort-rs1": K(rank="sort", rank_splits=1),
+    # (call 1 ran when the default was rank "compare" with `default_rank_splits`: its "sort"
+    # variant had those splits; the default is now "sort" at one program per row)
+    "s28": {"compare": K(rank="compare"), "sort-rs2": K(rank="sort", rank_splits=2),
             "sample": K(select="sample", rank="sort"),
             "sample-rs1": K(select="sample", rank="sort", rank_splits=1)}}
 

@@ -272,16 +272,16 @@ TOPK_CASES = [
 
 
 @pytest.mark.parametrize("kw", [
-    dict(short_rows=True),
-    dict(rank_splits=3),  # 37 winners in 2 blocks of 32: the third program ranks none
-    dict(fused_compare=True, rank_block=16),
-    dict(short_rows=True, rank_splits=4, fused_compare=True, rank_block=16),
+    dict(short_rows=True),  # (rank "sort", the winners sorted by a bitonic network)
+    dict(rank="compare"),  # each winner's rank counted against the k
+    dict(rank="compare", rank_splits=3),  # 37 winners in 2 blocks of 32: the third ranks none
+    dict(rank="compare", fused_compare=True, rank_block=16),
+    dict(rank="compare", short_rows=True, rank_splits=4, fused_compare=True, rank_block=16),
     dict(radix_bits=3),  # a 2-bit pass, then 10 passes of 3 bits
     dict(early_exit=False),  # every radix pass
-    dict(rank="sort"),  # the winners sorted by a bitonic network
-    dict(rank="sort", rank_splits=3, short_rows=False),  # each program stores a share
-    dict(select="sample", rank="sort"),  # candidates from the block maxima, sorted whole
-    dict(select="sample", rank_splits=2),  # (the radix path's winners ranked by compares)
+    dict(rank_splits=3, short_rows=False),  # each program sorts and stores a share
+    dict(select="sample"),  # candidates from the block maxima, sorted whole
+    dict(select="sample", rank="compare", rank_splits=2),  # (the radix path: compares)
 ])
 def test_pool_topk_variants_equal_the_total_order(kernel_impl, kw):
     for i, (n, p, k, live) in enumerate(TOPK_CASES):
@@ -313,7 +313,7 @@ def test_pool_topk_chunked_row_with_splits(kernel_impl):
     s = T.topk_scores(5, 3, 1000, [1000, 700, 0], ties=True)
     out = T.run_op("pool_topk", kernel_impl, s, 200,
                    kernel_options=dict(chunk=256, rank_splits=2, short_rows=True,
-                                       fused_compare=True, backend="pallas"))
+                                       fused_compare=True, rank="compare", backend="pallas"))
     chex.assert_trees_all_equal(np.asarray(out), T.topk_definition(s, 200), strict=True)
 
 
@@ -342,11 +342,12 @@ def test_pool_topk_default_rank_splits():
     ("scores", ps.PoolScoresTuning(pools_as_m=True, bounded_loop=True, block_p=128,
                                    target_programs=528, precision="bf16x6")),
     ("topk", pt.PoolTopkTuning(backend="pallas")),  # (auto, compiled: the raw Triton kernel)
-    ("topk", pt.PoolTopkTuning(short_rows=True, rank_splits=8, fused_compare=True,
-                               radix_bits=3, num_warps=16, backend="pallas")),
+    ("topk", pt.PoolTopkTuning(rank="compare", short_rows=True, rank_splits=8,
+                               fused_compare=True, radix_bits=3, num_warps=16,
+                               backend="pallas")),
     ("expand", pt.PoolTopkTuning(short_rows=True, rank_splits=4)),
-    ("topk", pt.PoolTopkTuning(rank="sort", backend="pallas")),
-    ("expand", pt.PoolTopkTuning(rank="sort", rank_splits=1)),
+    ("topk", pt.PoolTopkTuning(rank="compare", backend="pallas")),
+    ("expand", pt.PoolTopkTuning(rank="compare", rank_splits=2)),
     ("topk", pt.PoolTopkTuning(select="sample", rank="sort", backend="pallas")),
     ("expand", pt.PoolTopkTuning(select="sample", rank="sort")),
 ])
@@ -382,7 +383,8 @@ def test_kernels_lower_for_cuda(op, tuning):
 
 @pytest.mark.parametrize("tail", [True, False])
 @pytest.mark.parametrize("kw", [{}, dict(short_rows=True, rank_splits=3, fused_compare=True,
-                                         rank_block=8), dict(rank="sort", rank_splits=3)])
+                                         rank_block=8, rank="compare"),
+                                dict(rank_splits=3)])
 def test_select_slots_equal_the_expanded_top_k(impl, tail, kw):
     """The top-k kernel writing the token slots (`select.select_slots`) against
     `expand_selection(top_pools(...))` under xla, with `==`: a padded row, positions on and

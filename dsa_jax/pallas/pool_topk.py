@@ -57,7 +57,9 @@ class PoolTopkTuning:
     candidate thresholds; 3 runs a first pass of 2 bits; 2 measured fastest at 4 warps).
     rank_splits: programs per row: each runs the select and the compaction (the same work,
     repeated) and ranks its share of the k winners, so one row's ranking runs on several
-    multiprocessors (None: `default_rank_splits`). short_rows: first count the finite scores;
+    multiprocessors (None: `default_rank_splits` for rank "compare", one for "sort", whose
+    programs would each sort all k: one was as fast or faster at 4, 64 and 256 rows on the
+    H100, h100-select-levers-20261206-s28-call1.json). short_rows: first count the finite scores;
     a row with fewer than k of them has the -inf key as its k-th key and skips the radix
     passes, and a row with none (a padded row) writes pools 0..k-1 and skips the rest (9000
     prompt rows: 1082 vs 1124 us; 256 rows, 192 of them padded: 43.2 vs 43.0).
@@ -67,17 +69,20 @@ class PoolTopkTuning:
     early_exit: stop the radix passes at the first threshold with exactly k keys at or above
       it (distinct scores: after 9-10 of the 16 two-bit passes for random rows); False runs
       every pass (the same indices either way).
-    rank: how each program orders the k winners: "compare" (each winner's rank counted
-      against all k, `rank_block` winners at a time) or "sort" (the k winners sorted in
-      registers by a bitonic network on (key descending, index ascending), log2(Kp)
-      (log2(Kp) + 1) / 2 compare-exchange steps instead of k x k compares; each program of a
-      row sorts all k and stores its share of the ranks). The same indices either way.
+    rank: how each program orders the k winners: "sort" (the default: the k winners sorted
+      in registers by a bitonic network on (key descending, index ascending), log2(Kp)
+      (log2(Kp) + 1) / 2 compare-exchange steps; each program of a row sorts all k and stores
+      its share of the ranks) or "compare" (each winner's rank counted against all k,
+      `rank_block` winners at a time). The same indices either way. Side by side on the
+      H100 (k 512 of 4096, the fused selection): 64 rows 21.2 -> 13.3 us, 256 rows (192
+      padded) 30.1 -> 17.6, 4 rows (3 padded) 11.0 -> 11.4.
     select: how the winners are found: "radix" (the radix select over the row, then the
       compaction of the k winners, ranked as `rank` says) or "sample" (the raw Triton
       kernel's method, in Pallas: the radix select over the maxima of blocks of 4 keys, a
       quarter of the row, gives a threshold with at least k keys at or above it; up to 2 Kp
       such candidates are compacted and sorted whole; more, or a row not held in registers
-      in one chunk, or a row with fewer than k scores above -inf: the radix path). Needs
+      in one chunk, or a row with fewer than k scores above -inf: the radix path; slower
+      on the H100: 64 rows 33.0 vs 13.2 us with "radix" and "sort"). Needs
       `short_rows` (without it: "radix"). The same indices either way.
     num_warps: Triton's (8 measured slower than 4 for one row).
     backend: "pallas" (this file's kernel, the fields above), "triton" (the raw Triton kernel
@@ -98,7 +103,7 @@ class PoolTopkTuning:
     short_rows: bool = True
     fused_compare: bool = False
     early_exit: bool = True
-    rank: str = "compare"
+    rank: str = "sort"
     select: str = "radix"
     num_warps: int = 4
     backend: str = "auto"
@@ -571,7 +576,7 @@ def _topk_part(scores, k, expand, pv, interpret, tuning):
     sampled = (tuning.select == "sample" and tuning.short_rows and pp == chunk
                and chunk // 4 >= k)
     slots = 2 * kp if sampled else kp  # the scratch: the sample's candidates, or the winners
-    splits = tuning.rank_splits or default_rank_splits(n)
+    splits = tuning.rank_splits or (1 if tuning.rank == "sort" else default_rank_splits(n))
     splits = max(1, min(splits, pl.cdiv(k, rank_block)))
     body = functools.partial(_topk_program, k=k, chunk=chunk, chunks=pp // chunk,
                              rank_block=rank_block, radix_bits=radix_bits, splits=splits,
