@@ -270,6 +270,15 @@ def _topk_program(ids, *refs, k: int, chunk: int, chunks: int, rank_block: int,
     hi = jnp.minimum(lo + per_split, blocks)  # this program ranks winner blocks [lo, hi)
     sub = jnp.arange(rank_block, dtype=jnp.int32)  # [RB]
 
+    def store_sorted(pools):
+        """pools [n] (n >= k) best first: this program's share of the first k ranks."""
+        at = jnp.arange(pools.shape[0], dtype=jnp.int32)  # [n] rank
+        share = pl.cdiv(o_ref.shape[1], splits)
+        mine = (at >= split * share) & (at < split * share + share) & (at < k)  # [n]
+        plt.store(o_ref.at[row, at], pools, mask=mine)
+        if store_winners is not None:
+            store_winners(at, pools, mine)
+
     def select_and_rank(kth):
         need_eq = k - count(lambda key: key > kth)  # ties at the k-th key to take (0 after
         # an early exit of the radix select)
@@ -318,12 +327,7 @@ def _topk_program(ids, *refs, k: int, chunk: int, chunks: int, rank_block: int,
         if rank_by == "sort":
             pools_in = jnp.where(at < k, ci_ref[row, split, pl.ds(0, kp)],
                                  jnp.int32(2 ** 31 - 1))  # [Kp]
-            _, pools = sort_winners(all_keys, pools_in)  # [Kp] best first
-            share = pl.cdiv(kp, splits)
-            mine = (at >= split * share) & (at < split * share + share) & (at < k)  # [Kp]
-            plt.store(o_ref.at[row, at], pools, mask=mine)
-            if store_winners is not None:
-                store_winners(at, pools, mine)
+            store_sorted(sort_winners(all_keys, pools_in)[1])
             return
         lax.fori_loop(lo, hi, rank, 0)
 
@@ -350,12 +354,7 @@ def _topk_program(ids, *refs, k: int, chunk: int, chunks: int, rank_block: int,
             at = jnp.arange(slots, dtype=jnp.int32)  # [SLOTS]
             keys = jnp.where(at < n_c, ck_ref[row, split], jnp.int32(_INT_MIN))  # [SLOTS]
             pools_in = jnp.where(at < n_c, ci_ref[row, split], jnp.int32(2 ** 31 - 1))
-            _, pools = sort_winners(keys, pools_in)  # [SLOTS] best first
-            share = pl.cdiv(o_ref.shape[1], splits)
-            mine = (at >= split * share) & (at < split * share + share) & (at < k)
-            plt.store(o_ref.at[row, at], pools, mask=mine)
-            if store_winners is not None:
-                store_winners(at, pools, mine)
+            store_sorted(sort_winners(keys, pools_in)[1])
 
         @pl.when(n_c > slots)
         def _():
