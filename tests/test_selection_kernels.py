@@ -292,6 +292,23 @@ def test_pool_topk_variants_equal_the_total_order(kernel_impl, kw):
             chex.assert_trees_all_equal(out, T.topk_definition(s, k), strict=True)
 
 
+@pytest.mark.parametrize("n", [2, 8, 512])
+def test_sort_winners_is_the_total_order(n):
+    """The bitonic network alone (jnp, as the kernel traces it): keys descending, then indices
+    ascending, on random keys over the whole int32 range (wrapping pair sums) and on keys
+    with many ties."""
+    import jax
+    rng = np.random.default_rng(n)
+    for wide in (True, False):
+        key = (rng.integers(-2 ** 31, 2 ** 31 - 1, n) if wide
+               else rng.integers(-3, 3, n)).astype(np.int32)
+        idx = rng.permutation(n).astype(np.int32)
+        got_k, got_i = jax.jit(pt.sort_winners)(key, idx)
+        order = np.lexsort((idx, -key.astype(np.int64)))
+        chex.assert_trees_all_equal((np.asarray(got_k), np.asarray(got_i)),
+                                    (key[order], idx[order]), strict=True)
+
+
 @pytest.mark.parametrize("rank", ["compare", "sort"])
 def test_pool_topk_sample_fallback(kernel_impl, rank):
     """`select="sample"` where the candidates at or above the block maxima's k-th outnumber

@@ -198,8 +198,9 @@ def _topk_program(ids, *refs, k: int, chunk: int, chunks: int, rank_block: int,
     """Program ids (row, split) (the kernel's, or a co-launch's: `colaunch.Part`); whole refs:
     s_ref [N, Pp] f32; o_ref [N, Kp] int32 out (a row's shared by its `splits` programs: each
     writes the slots of its winners); ck_ref, ci_ref [N, S, Kp] int32 scratch (a program's
-    own row). With `expand`: pv_ref [N] int32 (each row's position, -1 for a padded row) and
-    sel_ref [N, W] int32 out (masked stores)."""
+    own row; [N, S, 2 Kp] with `sampled`, the sample's candidates). With `expand`: pv_ref
+    [N] int32 (each row's position, -1 for a padded row) and sel_ref [N, W] int32 out (masked
+    stores)."""
     if expand is None:
         s_ref, o_ref, ck_ref, ci_ref = refs
     else:
