@@ -2,7 +2,13 @@
 selection-b64 points: wall 64-78 us over 45-60 us of kernels), side by side in one process.
 
     PYTHONPATH=. python3 benchmarks/h200_gaps.py --out $OUT/h200-gaps.json [--flags a,b]
+    PYTHONPATH=. python3 benchmarks/h200_gaps.py --sections launches --calls attend-a,args \
+        --rounds 3 --out $OUT/h200-gaps.json
     PYTHONPATH=. python3 benchmarks/h200_gaps.py --smoke --out /tmp/h200-gaps.json
+
+--sections: which of SECTIONS run; --calls: only the calls whose name holds one of these
+strings; --rounds: each section's calls that many times, interleaved (the host drifts between
+rows), profiled in the first round only.
 
 --flags: each named XLA flag set (FLAGS) in a fresh process (XLA reads its flags once), the
 rows tagged with it; without it, this process's flags.
@@ -14,7 +20,9 @@ pace), and from a profiler trace the kernel time per call, the time the device h
 running (`busy_us`), the first kernel's start to the last one's end (`span_us`), launches. If
 `span_us` ~ `wall_us` and `busy_us` < `span_us`, the device idles between its kernels inside
 the pipelined calls (launch gaps); if `enqueue_us` ~ `wall_us`, the host paces them.
-First, one trivial program per launch kind (`kind_calls`: an XLA fusion, Pallas Triton, Pallas
+`launches` (`launch_calls`): the same kernels in fewer launches per program, and one fusion
+of 1, 8 or 16 inputs, to read what a launch and an argument cost the host. Then one trivial
+program per launch kind (`kind_calls`: an XLA fusion, Pallas Triton, Pallas
 Mosaic GPU, jax-triton; the XLA one alone on a CPU): the host's cost of a call with ~1 us of
 kernel. `gap_before_us`: per kernel name, the median idle time of the device before it starts (from
 the trace; the profiler slows the host, so these are upper bounds). Variants: `bench` (the
@@ -43,10 +51,16 @@ from benchmarks.points import full_plan, smoke_plan
 from benchmarks.workloads import Cycle, attend_inputs, selection_inputs
 from dsa_jax import indexer, layer, select
 from dsa_jax.attend import attend as attend_rows
+from dsa_jax.pallas import attend_prep
+from dsa_jax.pallas import sparse_attend_mgpu as mgpu_op
+from dsa_jax.pallas.common import sm_count
+from dsa_jax.pallas.merge_splits import merge_splits_pallas
+from dsa_jax.pallas.sparse_attend import AttendTuning
 from dsa_jax.shapes import glm53_flash, tiny
 
 # XLA_FLAGS per flag set: XLA's default; every kernel kind captured in command buffers however
 # short the run; command buffers off.
+SECTIONS = ("launches", "kinds", "attend", "selection")
 FLAGS = {"default": "",
          "min1": "--xla_gpu_graph_min_graph_size=1",
          "all-min1": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN "
@@ -86,10 +100,17 @@ def gaps_before(call, calls: int = 20) -> dict:
     return {n: statistics.median(g) for n, g in gaps.items()}
 
 
-def row(name: str, call, plan, per: int = 1) -> dict:
-    """`per`: calls of the timed work in one call (the rows' times are per work item)."""
+def row(name: str, call, plan, per: int = 1, traced: bool = True) -> dict:
+    """`per`: calls of the timed work in one call (the rows' times are per work item);
+    traced=False: the wall and enqueue times only (no profiler traces: quicker rounds)."""
     jax.block_until_ready(call())
     t = measure(call, warmup=plan.warmup, groups=plan.groups, inner=plan.inner)
+    if not traced:
+        return {"call": name, "flags": os.environ.get("XLA_FLAGS", ""),
+                "wall_us": t["median_us"] / per, "wall_p10_us": t["p10_us"] / per,
+                "enqueue_us": enqueue_us(call, plan.inner) / per, "kernel_us": None,
+                "busy_us": None, "span_us": None, "launches": None, "top": None,
+                "gap_before_us": None, "error": None}
     prof = profile(call, 20, top=8)
     k = {key: (prof.get(f) / per if prof.get(f) is not None else None) for key, f in (
         ("kernel_us", "kernel_us_per_step"), ("busy_us", "kernel_busy_us_per_step"),
@@ -195,32 +216,185 @@ def kind_calls(cfg, plan):
     return {name: (Cycle(fn, sets), 1) for name, fn in calls.items()}
 
 
-def measure_all(res: dict, smoke: bool, out: str) -> None:
+def _chain(n: int):
+    """n dependent Pallas Triton launches of y = 2 x + 1 in one program."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+
+    def body(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2.0 + 1.0
+
+    one = pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct((64, 128), jnp.float32),
+                         compiler_params=plt.CompilerParams(num_warps=4))
+
+    def chain(x):
+        for _ in range(n):
+            x = one(x)
+        return x
+
+    return jax.jit(chain)
+
+
+def _mosaic_chain(n: int):
+    """n dependent Pallas Mosaic GPU launches of y = 2 x + 1 in one program (each builds its
+    TMA descriptors and goes through the Mosaic FFI call on the host)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    one = plgpu.kernel(_mosaic_body, out_type=jax.ShapeDtypeStruct((64, 128), jnp.float32),
+                       grid=(1,), grid_names=("i",))
+
+    def chain(x):
+        for _ in range(n):
+            x = one(x)
+        return x
+
+    return jax.jit(chain)
+
+
+def _attend_parts(cfg, st, w: int):
+    """The library's Mosaic attend for R = 1 rows cut into its launches (as
+    `sparse_attend._mosaic_attend` runs them with AttendTuning's defaults and no padding):
+    prep(q, sel) -> inputs; mosaic(inputs) -> (o, m, l); merge(o, m, l) -> [N, Hp, C]."""
+    t = AttendTuning().mosaic
+    bs, c = cfg.block_size, cfg.kv_lora_rank
+    latent_flat = st.latent.reshape(-1, c)
+    kv = jnp.asarray(st.kv_scale, jnp.float32)
+    softmax_scale = cfg.qk_nope_head_dim ** -0.5
+
+    def plan(n, h):
+        hp = -(-h // mgpu_op.HEADS_PER_CTA) * mgpu_op.HEADS_PER_CTA
+        tiles_all = -(-w // t.block_w)
+        splits = mgpu_op.num_splits(n * (hp // mgpu_op.HEADS_PER_CTA), tiles_all,
+                                      sm_count(), t.max_splits)
+        tiles = -(-tiles_all // splits)
+        return hp, splits, tiles, splits * tiles * t.block_w
+
+    def prep(q, sel):  # q [B, 1, H, C] f32, sel [B, 1, W]
+        b, r, h, _ = q.shape
+        hp, _, _, wp = plan(b * r, h)
+        return attend_prep.prep_pallas(
+            q.reshape(b * r, h, c), sel, st.block_tables, bs, hp=hp, wp=wp,
+            heads_per_chunk=t.prep_heads, num_warps=t.prep_warps,
+            programs=t.prep_per_sm * sm_count() or None, write_q=not t.q_in_kernel, rows=r,
+            scale_heads=t.scale_heads, slots_apart=t.prep_slots_apart)
+
+    def mosaic(h, qk, up, down, slots, live):
+        _, splits, tiles, _ = plan(qk.shape[0], h)
+        return mgpu_op.sparse_attend_mgpu_partials(kv, (up, down), live, qk, slots, latent_flat,
+                                                   softmax_scale=softmax_scale,
+                                                   splits=splits, tiles=tiles, tuning=t)
+
+    def merge(o, m, l):
+        return merge_splits_pallas(o, m, l, dtype=jnp.float32, scale=kv)
+
+    return prep, mosaic, merge
+
+
+def launch_calls(cfg, plan):
+    """The same kernels with fewer launches per program, to read what one launch costs the
+    host in a lone call: chains of 1-8 trivial Pallas Triton kernels and of 1 or 4 Mosaic
+    GPU ones; one fusion of 1, 8, 16 inputs (the cost of an argument); the attend point's call
+    (prep, Mosaic, merge) with the prep's outputs given (Mosaic + merge) and the Mosaic kernel
+    alone; the selection point's call with each row's candidate count given (scores + top-k)
+    and its scores alone. Each cut call's result is checked `==` the whole call's part."""
+    out = {}
+    xs = [(jnp.full((64, 128), float(i), jnp.float32),) for i in range(3)]
+    if jax.default_backend() == "gpu":
+        for n in (1, 2, 3, 4, 8):
+            out[f"chain-{n}"] = (Cycle(_chain(n), xs), 1)
+        for n in (1, 4):
+            out[f"mosaic-chain-{n}"] = (Cycle(_mosaic_chain(n), xs), 1)
+    for n in (1, 8, 16):  # one XLA fusion summing n small arrays: the host's cost per argument
+        sets = [tuple(jnp.full((64, 128), float(i + j), jnp.float32) for j in range(n))
+                for i in range(3)]
+        out[f"args-{n}"] = (Cycle(jax.jit(lambda *a: functools.reduce(jnp.add, a)), sets), 1)
+    # the attend point's shapes and inputs (attend_calls')
+    b, r, h, w = plan.kernel_a
+    st, sets = attend_inputs(cfg, b, r, h, w, plan.ctx, 77 + r + b)
+    if jax.default_backend() == "gpu":
+        prep, mosaic, merge = _attend_parts(cfg, st, w)
+        prepped = [jax.block_until_ready(jax.jit(prep)(q, s)) for q, s in sets]
+        whole = jax.jit(lambda q, s: attend_rows(cfg, st, q, s))
+        two = jax.jit(lambda *p: merge(*mosaic(h, *p)))
+        one = jax.jit(lambda *p: mosaic(h, *p))
+        ref = whole(*sets[0])
+        got = two(*prepped[0])[:, :h].reshape(ref.shape)
+        same = bool((ref == got).all())
+        print(f"attend cut == whole: {same}", flush=True)
+        out["attend-a-3launch"] = (Cycle(whole, sets), 1)
+        out["attend-a-2launch-prepped"] = (Cycle(two, prepped), 1)
+        out["attend-a-1launch-mosaic"] = (Cycle(one, prepped), 1)
+    keys, pos, valid, ssets = selection_inputs(cfg, plan.big_batch, 1, plan.ctx, 301)
+    n_cand = jax.block_until_ready(layer.candidate_pools(cfg, pos, valid))
+
+    @jax.jit
+    def sel3(qi, w_):
+        scores = indexer.pool_scores(cfg, qi, w_, keys, layer.candidate_pools(cfg, pos, valid))
+        return select.select_slots(cfg, scores, pos, valid)
+
+    @jax.jit
+    def sel2(qi, w_):
+        return select.select_slots(cfg, indexer.pool_scores(cfg, qi, w_, keys, n_cand), pos,
+                                   valid)
+
+    @jax.jit
+    def sel1(qi, w_):
+        return indexer.pool_scores(cfg, qi, w_, keys, n_cand)
+
+    print(f"selection cut == whole: {bool((sel3(*ssets[0]) == sel2(*ssets[0])).all())}",
+          flush=True)
+    out["selection-b64-3launch"] = (Cycle(sel3, ssets), 1)
+    out["selection-b64-2launch-ncand"] = (Cycle(sel2, ssets), 1)
+    out["selection-b64-1launch-scores"] = (Cycle(sel1, ssets), 1)
+    return out
+
+
+def measure_all(res: dict, smoke: bool, out: str, sections=SECTIONS, only=(), rounds=1
+                ) -> None:
     cfg = (tiny() if smoke else glm53_flash()).replace(
         implementation="xla" if smoke else "pallas")
     plan = (smoke_plan if smoke else full_plan)(cfg)
 
     def section(make):
         def go():
-            for name, (call, per) in make(cfg, plan).items():
-                res["rows"].append(row(name, call, plan, per))
-                print(json.dumps(res["rows"][-1])[:600], flush=True)
-                write_json(res, out)
+            calls = {k: v for k, v in make(cfg, plan).items()
+                     if not only or any(o in k for o in only)}
+            for i in range(rounds):  # rounds interleave the calls: the host drifts
+                for name, (call, per) in calls.items():
+                    res["rows"].append({**row(name, call, plan, per, traced=i == 0),
+                                        "round": i})
+                    print(json.dumps(res["rows"][-1])[:600], flush=True)
+                    write_json(res, out)
         return go
 
-    run_section(res, "kinds", section(kind_calls))
-    run_section(res, "attend", section(attend_calls))
-    run_section(res, "selection", section(selection_calls))
+    for name, make in (("launches", launch_calls), ("kinds", kind_calls),
+                       ("attend", attend_calls), ("selection", selection_calls)):
+        if name in sections:
+            run_section(res, name, section(make))
     write_json(res, out)
+
+
+def summary(res: dict) -> str:
+    """One line per row: wall, its 10th percentile, enqueue and kernel us, launches."""
+    return "\n".join(
+        f'{r["call"]:30s} r{r.get("round", 0)} wall {r["wall_us"]:6.1f} '
+        f'p10 {r["wall_p10_us"]:6.1f} enq {r["enqueue_us"]:6.1f} '
+        f'kern {r["kernel_us"] or 0:6.1f} launches {r["launches"]}' for r in res["rows"])
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = json_parser(__doc__)
     ap.add_argument("--flags", default="", help=f"comma list of {sorted(FLAGS)}")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {SECTIONS}")
+    ap.add_argument("--calls", default="", help="comma list: only calls whose name holds one")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="each section's calls, interleaved; profiled in the first only")
     args = ap.parse_args(argv)
     res = {**header("h200_gaps.py", argv), "rows": [], "errors": []}
     if not args.flags:
-        measure_all(res, args.smoke, args.out)
+        measure_all(res, args.smoke, args.out, tuple(args.sections.split(",")),
+                    tuple(filter(None, args.calls.split(","))), args.rounds)
+        print(summary(res), "\nerrors", res["errors"], flush=True)
         return 1 if res["errors"] else 0
     for name in args.flags.split(","):
         part = f"{args.out}.{name}.json"

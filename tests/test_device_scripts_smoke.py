@@ -7,9 +7,12 @@ import json
 
 from benchmarks import h200_direct_out, h200_gaps, h200_profile, h200_select_levers
 
-# On a CPU the launch kinds' section has its XLA row only (the kernels lower for GPUs).
+# On a CPU the launch kinds' section has its XLA row only and the launches' section its
+# selection and argument rows only (the kernels lower for GPUs).
 CALLS = {"kind-xla-fusion", "attend-a-bench", "attend-a-lean", "attend-a-x8",
-         "selection-b64-bench", "selection-b64-bound"}
+         "selection-b64-bench", "selection-b64-bound", "selection-b64-3launch",
+         "selection-b64-2launch-ncand", "selection-b64-1launch-scores", "args-1", "args-8",
+         "args-16"}
 
 
 def test_h200_gaps_smoke_writes_every_row(tmp_path):
@@ -21,6 +24,15 @@ def test_h200_gaps_smoke_writes_every_row(tmp_path):
     for r in res["rows"]:
         assert r["wall_us"] > 0 and r["enqueue_us"] > 0, r
         assert r["kernel_us"] is None  # a CPU trace holds no device kernels
+
+
+def test_h200_gaps_picks_calls_and_interleaves_rounds(tmp_path):
+    out = tmp_path / "gaps.json"
+    assert h200_gaps.main(["--smoke", "--sections", "launches", "--calls", "args-8,args-16",
+                           "--rounds", "2", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [(r["call"], r["round"]) for r in res["rows"]] == [
+        ("args-8", 0), ("args-16", 0), ("args-8", 1), ("args-16", 1)]
 
 
 def test_h200_gaps_flag_sets_run_in_fresh_processes(tmp_path):
@@ -59,3 +71,16 @@ def test_h200_select_levers_smoke_checks_and_times_every_variant(tmp_path):
     assert all(res["checks"].values())
     assert set(res["rounds"][0]) == names | {"round"}
     assert all(res["rounds"][0][n]["wall_us"] > 0 for n in names)
+
+
+def test_h200_gaps_chains_lower_to_one_launch_each():
+    """The launch section's chains (GPU rows, not run here) lower for CUDA on any host: n
+    Pallas Triton or Mosaic GPU calls for a chain of n."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+    for make, call, n in ((h200_gaps._chain, "custom_call @__gpu$xla.gpu.triton", 3),
+                          (h200_gaps._mosaic_chain, "custom_call @mosaic_gpu", 4)):
+        text = jax.jit(make(n)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count(call) == n
