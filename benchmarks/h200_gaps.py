@@ -251,41 +251,42 @@ def _mosaic_chain(n: int):
     return jax.jit(chain)
 
 
-def _attend_parts(cfg, st, w: int):
+def _attend_parts(cfg, w: int):
     """The library's Mosaic attend for R = 1 rows cut into its launches (as
-    `sparse_attend._mosaic_attend` runs them with AttendTuning's defaults and no padding):
-    prep(q, sel) -> inputs; mosaic(inputs) -> (o, m, l); merge(o, m, l) -> [N, Hp, C]."""
+    `sparse_attend._mosaic_attend` runs them with AttendTuning's defaults and no padding), every
+    array an argument: prep(q, sel, tables) -> inputs; mosaic(h, latent, kv_scale, *inputs) ->
+    (o, m, l); merge(o, m, l, kv_scale) -> [N, Hp, C]."""
     t = AttendTuning().mosaic
     bs, c = cfg.block_size, cfg.kv_lora_rank
-    latent_flat = st.latent.reshape(-1, c)
-    kv = jnp.asarray(st.kv_scale, jnp.float32)
     softmax_scale = cfg.qk_nope_head_dim ** -0.5
 
     def plan(n, h):
         hp = -(-h // mgpu_op.HEADS_PER_CTA) * mgpu_op.HEADS_PER_CTA
         tiles_all = -(-w // t.block_w)
         splits = mgpu_op.num_splits(n * (hp // mgpu_op.HEADS_PER_CTA), tiles_all,
-                                      sm_count(), t.max_splits)
+                                    sm_count(), t.max_splits)
         tiles = -(-tiles_all // splits)
         return hp, splits, tiles, splits * tiles * t.block_w
 
-    def prep(q, sel):  # q [B, 1, H, C] f32, sel [B, 1, W]
+    def prep(q, sel, tables):  # q [B, 1, H, C] f32, sel [B, 1, W], tables [B, MB]
         b, r, h, _ = q.shape
         hp, _, _, wp = plan(b * r, h)
         return attend_prep.prep_pallas(
-            q.reshape(b * r, h, c), sel, st.block_tables, bs, hp=hp, wp=wp,
+            q.reshape(b * r, h, c), sel, tables, bs, hp=hp, wp=wp,
             heads_per_chunk=t.prep_heads, num_warps=t.prep_warps,
             programs=t.prep_per_sm * sm_count() or None, write_q=not t.q_in_kernel, rows=r,
             scale_heads=t.scale_heads, slots_apart=t.prep_slots_apart)
 
-    def mosaic(h, qk, up, down, slots, live):
+    def mosaic(h, latent, kv_scale, qk, up, down, slots, live):
         _, splits, tiles, _ = plan(qk.shape[0], h)
-        return mgpu_op.sparse_attend_mgpu_partials(kv, (up, down), live, qk, slots, latent_flat,
-                                                   softmax_scale=softmax_scale,
-                                                   splits=splits, tiles=tiles, tuning=t)
+        return mgpu_op.sparse_attend_mgpu_partials(
+            jnp.asarray(kv_scale, jnp.float32), (up, down), live, qk, slots,
+            latent.reshape(-1, c), softmax_scale=softmax_scale, splits=splits, tiles=tiles,
+            tuning=t)
 
-    def merge(o, m, l):
-        return merge_splits_pallas(o, m, l, dtype=jnp.float32, scale=kv)
+    def merge(o, m, l, kv_scale):
+        return merge_splits_pallas(o, m, l, dtype=jnp.float32,
+                                   scale=jnp.asarray(kv_scale, jnp.float32))
 
     return prep, mosaic, merge
 
@@ -296,56 +297,65 @@ def launch_calls(cfg, plan):
     GPU ones; one fusion of 1, 8, 16 inputs (the cost of an argument); the attend point's call
     (prep, Mosaic, merge) with the prep's outputs given (Mosaic + merge) and the Mosaic kernel
     alone; the selection point's call with each row's candidate count given (scores + top-k)
-    and its scores alone. Each cut call's result is checked `==` the whole call's part."""
+    and its scores alone. Every array is an argument (closed-over arrays would be constants of
+    the program), each row's count in `args`; each cut call's result is checked `==` the
+    whole call's part."""
     out = {}
     xs = [(jnp.full((64, 128), float(i), jnp.float32),) for i in range(3)]
     if jax.default_backend() == "gpu":
         for n in (1, 2, 3, 4, 8):
-            out[f"chain-{n}"] = (Cycle(_chain(n), xs), 1)
+            out[f"chain-{n}"] = (Cycle(_chain(n), xs), 1, {"args": 1})
         for n in (1, 4):
-            out[f"mosaic-chain-{n}"] = (Cycle(_mosaic_chain(n), xs), 1)
+            out[f"mosaic-chain-{n}"] = (Cycle(_mosaic_chain(n), xs), 1, {"args": 1})
     for n in (1, 8, 16):  # one XLA fusion summing n small arrays: the host's cost per argument
         sets = [tuple(jnp.full((64, 128), float(i + j), jnp.float32) for j in range(n))
                 for i in range(3)]
-        out[f"args-{n}"] = (Cycle(jax.jit(lambda *a: functools.reduce(jnp.add, a)), sets), 1)
+        out[f"args-{n}"] = (Cycle(jax.jit(lambda *a: functools.reduce(jnp.add, a)), sets), 1,
+                            {"args": n})
     # the attend point's shapes and inputs (attend_calls')
     b, r, h, w = plan.kernel_a
     st, sets = attend_inputs(cfg, b, r, h, w, plan.ctx, 77 + r + b)
     if jax.default_backend() == "gpu":
-        prep, mosaic, merge = _attend_parts(cfg, st, w)
-        prepped = [jax.block_until_ready(jax.jit(prep)(q, s)) for q, s in sets]
-        whole = jax.jit(lambda q, s: attend_rows(cfg, st, q, s))
-        two = jax.jit(lambda *p: merge(*mosaic(h, *p)))
+        prep, mosaic, merge = _attend_parts(cfg, w)
+        arrays = (st.latent, st.kv_scale)
+        prepped = [arrays + tuple(jax.block_until_ready(jax.jit(prep)(q, s, st.block_tables)))
+                   for q, s in sets]
+        whole = jax.jit(lambda latent, kv_scale, tables, q, s: attend_rows(
+            cfg, st._replace(latent=latent, kv_scale=kv_scale, block_tables=tables), q, s))
+        two = jax.jit(lambda latent, kv_scale, *p: merge(*mosaic(h, latent, kv_scale, *p),
+                                                         kv_scale))
         one = jax.jit(lambda *p: mosaic(h, *p))
-        ref = whole(*sets[0])
+        full = [(*arrays, st.block_tables, q, s) for q, s in sets]
+        ref = whole(*full[0])
         got = two(*prepped[0])[:, :h].reshape(ref.shape)
-        same = bool((ref == got).all())
-        print(f"attend cut == whole: {same}", flush=True)
-        out["attend-a-3launch"] = (Cycle(whole, sets), 1)
-        out["attend-a-2launch-prepped"] = (Cycle(two, prepped), 1)
-        out["attend-a-1launch-mosaic"] = (Cycle(one, prepped), 1)
+        print(f"attend cut == whole: {bool((ref == got).all())}", flush=True)
+        out["attend-a-3launch"] = (Cycle(whole, full), 1, {"args": 5})
+        out["attend-a-2launch-prepped"] = (Cycle(two, prepped), 1, {"args": 7})
+        out["attend-a-1launch-mosaic"] = (Cycle(one, prepped), 1, {"args": 7})
     keys, pos, valid, ssets = selection_inputs(cfg, plan.big_batch, 1, plan.ctx, 301)
     n_cand = jax.block_until_ready(layer.candidate_pools(cfg, pos, valid))
 
     @jax.jit
-    def sel3(qi, w_):
+    def sel3(qi, w_, keys, pos, valid):
         scores = indexer.pool_scores(cfg, qi, w_, keys, layer.candidate_pools(cfg, pos, valid))
         return select.select_slots(cfg, scores, pos, valid)
 
     @jax.jit
-    def sel2(qi, w_):
+    def sel2(qi, w_, keys, n_cand, pos, valid):
         return select.select_slots(cfg, indexer.pool_scores(cfg, qi, w_, keys, n_cand), pos,
                                    valid)
 
     @jax.jit
-    def sel1(qi, w_):
+    def sel1(qi, w_, keys, n_cand):
         return indexer.pool_scores(cfg, qi, w_, keys, n_cand)
 
-    print(f"selection cut == whole: {bool((sel3(*ssets[0]) == sel2(*ssets[0])).all())}",
-          flush=True)
-    out["selection-b64-3launch"] = (Cycle(sel3, ssets), 1)
-    out["selection-b64-2launch-ncand"] = (Cycle(sel2, ssets), 1)
-    out["selection-b64-1launch-scores"] = (Cycle(sel1, ssets), 1)
+    s3 = [(qi, w_, keys, pos, valid) for qi, w_ in ssets]
+    s2 = [(qi, w_, keys, n_cand, pos, valid) for qi, w_ in ssets]
+    s1 = [(qi, w_, keys, n_cand) for qi, w_ in ssets]
+    print(f"selection cut == whole: {bool((sel3(*s3[0]) == sel2(*s2[0])).all())}", flush=True)
+    out["selection-b64-3launch"] = (Cycle(sel3, s3), 1, {"args": 5})
+    out["selection-b64-2launch-ncand"] = (Cycle(sel2, s2), 1, {"args": 6})
+    out["selection-b64-1launch-scores"] = (Cycle(sel1, s1), 1, {"args": 4})
     return out
 
 
@@ -360,9 +370,9 @@ def measure_all(res: dict, smoke: bool, out: str, sections=SECTIONS, only=(), ro
             calls = {k: v for k, v in make(cfg, plan).items()
                      if not only or any(o in k for o in only)}
             for i in range(rounds):  # rounds interleave the calls: the host drifts
-                for name, (call, per) in calls.items():
+                for name, (call, per, *extra) in calls.items():
                     res["rows"].append({**row(name, call, plan, per, traced=i == 0),
-                                        "round": i})
+                                        **(extra[0] if extra else {}), "round": i})
                     print(json.dumps(res["rows"][-1])[:600], flush=True)
                     write_json(res, out)
         return go
@@ -375,11 +385,13 @@ def measure_all(res: dict, smoke: bool, out: str, sections=SECTIONS, only=(), ro
 
 
 def summary(res: dict) -> str:
-    """One line per row: wall, its 10th percentile, enqueue and kernel us, launches."""
+    """One line per row: wall, its 10th percentile, enqueue and kernel us, launches, the
+    program's arguments where the row counts them."""
     return "\n".join(
         f'{r["call"]:30s} r{r.get("round", 0)} wall {r["wall_us"]:6.1f} '
         f'p10 {r["wall_p10_us"]:6.1f} enq {r["enqueue_us"]:6.1f} '
-        f'kern {r["kernel_us"] or 0:6.1f} launches {r["launches"]}' for r in res["rows"])
+        f'kern {r["kernel_us"] or 0:6.1f} launches {r["launches"]} args {r.get("args", "-")}'
+        for r in res["rows"])
 
 
 def main(argv: list[str] | None = None) -> int:
