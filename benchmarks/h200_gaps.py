@@ -8,7 +8,8 @@ selection-b64 points: wall 64-78 us over 45-60 us of kernels), side by side in o
 
 --sections: which of SECTIONS run; --calls: only the calls whose name holds one of these
 strings; --rounds: each section's calls that many times, interleaved (the host drifts between
-rows), profiled in the first round only.
+rows); --traced-rounds: how many of the first rounds also take the profiler traces (the slow
+part of a row; 0: wall and enqueue times only).
 
 --flags: each named XLA flag set (FLAGS) in a fresh process (XLA reads its flags once), the
 rows tagged with it; without it, this process's flags.
@@ -359,8 +360,8 @@ def launch_calls(cfg, plan):
     return out
 
 
-def measure_all(res: dict, smoke: bool, out: str, sections=SECTIONS, only=(), rounds=1
-                ) -> None:
+def measure_all(res: dict, smoke: bool, out: str, sections=SECTIONS, only=(), rounds=1,
+                traced=1) -> None:
     cfg = (tiny() if smoke else glm53_flash()).replace(
         implementation="xla" if smoke else "pallas")
     plan = (smoke_plan if smoke else full_plan)(cfg)
@@ -371,7 +372,7 @@ def measure_all(res: dict, smoke: bool, out: str, sections=SECTIONS, only=(), ro
                      if not only or any(o in k for o in only)}
             for i in range(rounds):  # rounds interleave the calls: the host drifts
                 for name, (call, per, *extra) in calls.items():
-                    res["rows"].append({**row(name, call, plan, per, traced=i == 0),
+                    res["rows"].append({**row(name, call, plan, per, traced=i < traced),
                                         **(extra[0] if extra else {}), "round": i})
                     print(json.dumps(res["rows"][-1])[:600], flush=True)
                     write_json(res, out)
@@ -399,13 +400,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--flags", default="", help=f"comma list of {sorted(FLAGS)}")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {SECTIONS}")
     ap.add_argument("--calls", default="", help="comma list: only calls whose name holds one")
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="each section's calls, interleaved; profiled in the first only")
+    ap.add_argument("--rounds", type=int, default=1, help="each section's calls, interleaved")
+    ap.add_argument("--traced-rounds", type=int, default=1,
+                    help="the first rounds that also take profiler traces (0: none)")
     args = ap.parse_args(argv)
     res = {**header("h200_gaps.py", argv), "rows": [], "errors": []}
     if not args.flags:
         measure_all(res, args.smoke, args.out, tuple(args.sections.split(",")),
-                    tuple(filter(None, args.calls.split(","))), args.rounds)
+                    tuple(filter(None, args.calls.split(","))), args.rounds, args.traced_rounds)
         print(summary(res), "\nerrors", res["errors"], flush=True)
         return 1 if res["errors"] else 0
     for name in args.flags.split(","):
