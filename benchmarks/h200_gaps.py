@@ -292,7 +292,7 @@ def _attend_parts(cfg, w: int):
     return prep, mosaic, merge
 
 
-def launch_calls(cfg, plan):
+def launch_calls(cfg, plan, want=lambda name: True):
     """The same kernels with fewer launches per program, to read what one launch costs the
     host in a lone call: chains of 1-8 trivial Pallas Triton kernels and of 1 or 4 Mosaic
     GPU ones; one fusion of 1, 8, 16 inputs (the cost of an argument); the attend point's call
@@ -300,7 +300,7 @@ def launch_calls(cfg, plan):
     alone; the selection point's call with each row's candidate count given (scores + top-k)
     and its scores alone. Every array is an argument (closed-over arrays would be constants of
     the program), each row's count in `args`; each cut call's result is checked `==` the
-    whole call's part."""
+    whole call's part. want(name prefix): whether to build a group of rows at all."""
     out = {}
     xs = [(jnp.full((64, 128), float(i), jnp.float32),) for i in range(3)]
     if jax.default_backend() == "gpu":
@@ -315,8 +315,8 @@ def launch_calls(cfg, plan):
                             {"args": n})
     # the attend point's shapes and inputs (attend_calls')
     b, r, h, w = plan.kernel_a
-    st, sets = attend_inputs(cfg, b, r, h, w, plan.ctx, 77 + r + b)
-    if jax.default_backend() == "gpu":
+    if jax.default_backend() == "gpu" and want("attend-a-"):
+        st, sets = attend_inputs(cfg, b, r, h, w, plan.ctx, 77 + r + b)
         prep, mosaic, merge = _attend_parts(cfg, w)
         arrays = (st.latent, st.kv_scale)
         prepped = [arrays + tuple(jax.block_until_ready(jax.jit(prep)(q, s, st.block_tables)))
@@ -333,6 +333,8 @@ def launch_calls(cfg, plan):
         out["attend-a-3launch"] = (Cycle(whole, full), 1, {"args": 5})
         out["attend-a-2launch-prepped"] = (Cycle(two, prepped), 1, {"args": 7})
         out["attend-a-1launch-mosaic"] = (Cycle(one, prepped), 1, {"args": 7})
+    if not want("selection-b64-"):
+        return out
     keys, pos, valid, ssets = selection_inputs(cfg, plan.big_batch, 1, plan.ctx, 301)
     n_cand = jax.block_until_ready(layer.candidate_pools(cfg, pos, valid))
 
@@ -366,10 +368,13 @@ def measure_all(res: dict, smoke: bool, out: str, sections=SECTIONS, only=(), ro
         implementation="xla" if smoke else "pallas")
     plan = (smoke_plan if smoke else full_plan)(cfg)
 
+    def wanted(name):
+        return not only or any(o in name or name in o for o in only)
+
     def section(make):
         def go():
-            calls = {k: v for k, v in make(cfg, plan).items()
-                     if not only or any(o in k for o in only)}
+            made = (make(cfg, plan, wanted) if make is launch_calls else make(cfg, plan))
+            calls = {k: v for k, v in made.items() if not only or any(o in k for o in only)}
             for i in range(rounds):  # rounds interleave the calls: the host drifts
                 for name, (call, per, *extra) in calls.items():
                     res["rows"].append({**row(name, call, plan, per, traced=i < traced),
