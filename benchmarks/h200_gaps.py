@@ -217,7 +217,7 @@ def kind_calls(cfg, plan):
     return {name: (Cycle(fn, sets), 1) for name, fn in calls.items()}
 
 
-def _chain(n: int):
+def chain(n: int):
     """n dependent Pallas Triton launches of y = 2 x + 1 in one program."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
@@ -228,15 +228,15 @@ def _chain(n: int):
     one = pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct((64, 128), jnp.float32),
                          compiler_params=plt.CompilerParams(num_warps=4))
 
-    def chain(x):
+    def run(x):
         for _ in range(n):
             x = one(x)
         return x
 
-    return jax.jit(chain)
+    return jax.jit(run)
 
 
-def _mosaic_chain(n: int):
+def mosaic_chain(n: int):
     """n dependent Pallas Mosaic GPU launches of y = 2 x + 1 in one program (each builds its
     TMA descriptors and goes through the Mosaic FFI call on the host)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -244,12 +244,12 @@ def _mosaic_chain(n: int):
     one = plgpu.kernel(_mosaic_body, out_type=jax.ShapeDtypeStruct((64, 128), jnp.float32),
                        grid=(1,), grid_names=("i",))
 
-    def chain(x):
+    def run(x):
         for _ in range(n):
             x = one(x)
         return x
 
-    return jax.jit(chain)
+    return jax.jit(run)
 
 
 def _attend_parts(cfg, w: int):
@@ -299,15 +299,16 @@ def launch_calls(cfg, plan, want=lambda name: True):
     (prep, Mosaic, merge) with the prep's outputs given (Mosaic + merge) and the Mosaic kernel
     alone; the selection point's call with each row's candidate count given (scores + top-k)
     and its scores alone. Every array is an argument (closed-over arrays would be constants of
-    the program), each row's count in `args`; each cut call's result is checked `==` the
-    whole call's part. want(name prefix): whether to build a group of rows at all."""
+    the program), each row's count in `args`; a cut call whose result can be compared is
+    checked `==` the whole call's part (`equal_to_whole`). want(name prefix): whether to
+    build a group of rows at all."""
     out = {}
     xs = [(jnp.full((64, 128), float(i), jnp.float32),) for i in range(3)]
     if jax.default_backend() == "gpu":
         for n in (1, 2, 3, 4, 8):
-            out[f"chain-{n}"] = (Cycle(_chain(n), xs), 1, {"args": 1})
+            out[f"chain-{n}"] = (Cycle(chain(n), xs), 1, {"args": 1})
         for n in (1, 4):
-            out[f"mosaic-chain-{n}"] = (Cycle(_mosaic_chain(n), xs), 1, {"args": 1})
+            out[f"mosaic-chain-{n}"] = (Cycle(mosaic_chain(n), xs), 1, {"args": 1})
     for n in (1, 8, 16):  # one XLA fusion summing n small arrays: the host's cost per argument
         sets = [tuple(jnp.full((64, 128), float(i + j), jnp.float32) for j in range(n))
                 for i in range(3)]
@@ -328,10 +329,11 @@ def launch_calls(cfg, plan, want=lambda name: True):
         one = jax.jit(lambda *p: mosaic(h, *p))
         full = [(*arrays, st.block_tables, q, s) for q, s in sets]
         ref = whole(*full[0])
-        got = two(*prepped[0])[:, :h].reshape(ref.shape)
-        print(f"attend cut == whole: {bool((ref == got).all())}", flush=True)
+        same = bool((ref == two(*prepped[0])[:, :h].reshape(ref.shape)).all())
+        print(f"attend cut == whole: {same}", flush=True)
         out["attend-a-3launch"] = (Cycle(whole, full), 1, {"args": 5})
-        out["attend-a-2launch-prepped"] = (Cycle(two, prepped), 1, {"args": 7})
+        out["attend-a-2launch-prepped"] = (Cycle(two, prepped), 1,
+                                           {"args": 7, "equal_to_whole": same})
         out["attend-a-1launch-mosaic"] = (Cycle(one, prepped), 1, {"args": 7})
     if not want("selection-b64-"):
         return out
@@ -355,9 +357,11 @@ def launch_calls(cfg, plan, want=lambda name: True):
     s3 = [(qi, w_, keys, pos, valid) for qi, w_ in ssets]
     s2 = [(qi, w_, keys, n_cand, pos, valid) for qi, w_ in ssets]
     s1 = [(qi, w_, keys, n_cand) for qi, w_ in ssets]
-    print(f"selection cut == whole: {bool((sel3(*s3[0]) == sel2(*s2[0])).all())}", flush=True)
+    same = bool((sel3(*s3[0]) == sel2(*s2[0])).all())
+    print(f"selection cut == whole: {same}", flush=True)
     out["selection-b64-3launch"] = (Cycle(sel3, s3), 1, {"args": 5})
-    out["selection-b64-2launch-ncand"] = (Cycle(sel2, s2), 1, {"args": 6})
+    out["selection-b64-2launch-ncand"] = (Cycle(sel2, s2), 1,
+                                          {"args": 6, "equal_to_whole": same})
     out["selection-b64-1launch-scores"] = (Cycle(sel1, s1), 1, {"args": 4})
     return out
 
