@@ -45,7 +45,7 @@ import numpy as np
 
 import dsa_jax
 from benchmarks.device_script import header, json_parser, run_section, write_json
-from benchmarks.harness import host_time_us, measure, profile, trace_events
+from benchmarks.harness import host_events, host_time_us, measure, profile
 from benchmarks.loop_checks import copy_tree, wall_us
 from benchmarks.measures import host_checks_us, time_public_decode
 from benchmarks.workloads import random_state
@@ -224,26 +224,6 @@ def chain(kernels: int, donated: bool):
 def equal_trees(a, b) -> bool:
     return all(bool((np.asarray(u) == np.asarray(v)).all())
                for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
-
-
-def host_events(call, calls: int, top: int = 30) -> list[dict]:
-    """Host-side trace events of `calls` synced calls: per name, us and count per call."""
-    ev = trace_events(lambda: jax.block_until_ready(call()), calls)
-    procs = {e["pid"]: e.get("args", {}).get("name", "") for e in ev
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    agg: dict = {}
-    for e in ev:
-        if e.get("ph") != "X":
-            continue
-        pname = procs.get(e.get("pid"), "")
-        if "GPU" in pname or "/device:" in pname:
-            continue
-        a = agg.setdefault(e.get("name", "?")[:120], [0.0, 0])
-        a[0] += float(e.get("dur", 0.0))
-        a[1] += 1
-    rows = sorted(agg.items(), key=lambda kv: -kv[1][0])[:top]
-    return [{"name": k, "us_per_call": v[0] / calls, "count_per_call": v[1] / calls}
-            for k, v in rows]
 
 
 def section_checks(ctx, res):

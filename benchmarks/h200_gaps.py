@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.device_script import header, json_parser, run_section, write_json
-from benchmarks.harness import measure, profile, trace_events, trace_names
+from benchmarks.harness import host_events, measure, profile, trace_events, trace_names
 from benchmarks.points import full_plan, smoke_plan
 from benchmarks.workloads import Cycle, attend_inputs, selection_inputs
 from dsa_jax import indexer, layer, select
@@ -67,6 +67,11 @@ FLAGS = {"default": "",
          "all-min1": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN "
                      "--xla_gpu_graph_min_graph_size=1",
          "off": "--xla_gpu_enable_command_buffer="}
+
+# Per-program compile options (`jax.jit(compiler_options=)`, not XLA_FLAGS): command buffers
+# off; fusions captured but custom calls (the Pallas kernels) launched on their own.
+CB_VARIANTS = {"cboff": {"xla_gpu_enable_command_buffer": ""},
+               "cbfusion": {"xla_gpu_enable_command_buffer": "FUSION"}}
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -111,7 +116,7 @@ def row(name: str, call, plan, per: int = 1, traced: bool = True) -> dict:
                 "wall_us": t["median_us"] / per, "wall_p10_us": t["p10_us"] / per,
                 "enqueue_us": enqueue_us(call, plan.inner) / per, "kernel_us": None,
                 "busy_us": None, "span_us": None, "launches": None, "top": None,
-                "gap_before_us": None, "error": None}
+                "gap_before_us": None, "host": None, "error": None}
     prof = profile(call, 20, top=8)
     k = {key: (prof.get(f) / per if prof.get(f) is not None else None) for key, f in (
         ("kernel_us", "kernel_us_per_step"), ("busy_us", "kernel_busy_us_per_step"),
@@ -120,7 +125,7 @@ def row(name: str, call, plan, per: int = 1, traced: bool = True) -> dict:
             "wall_us": t["median_us"] / per, "wall_p10_us": t["p10_us"] / per,
             "enqueue_us": enqueue_us(call, plan.inner) / per, **k, "top": prof.get("top_kernels"),
             "gap_before_us": gaps_before(call) if prof.get("error") is None else None,
-            "error": prof.get("error")}
+            "host": host_events(call, 20, top=25, skip=("$",)), "error": prof.get("error")}
 
 
 def attend_calls(cfg, plan):
@@ -322,8 +327,11 @@ def launch_calls(cfg, plan, want=lambda name: True):
         arrays = (st.latent, st.kv_scale)
         prepped = [arrays + tuple(jax.block_until_ready(jax.jit(prep)(q, s, st.block_tables)))
                    for q, s in sets]
-        whole = jax.jit(lambda latent, kv_scale, tables, q, s: attend_rows(
-            cfg, st._replace(latent=latent, kv_scale=kv_scale, block_tables=tables), q, s))
+        def whole_fn(latent, kv_scale, tables, q, s):
+            return attend_rows(cfg, st._replace(latent=latent, kv_scale=kv_scale,
+                                                block_tables=tables), q, s)
+
+        whole = jax.jit(whole_fn)
         two = jax.jit(lambda latent, kv_scale, *p: merge(*mosaic(h, latent, kv_scale, *p),
                                                          kv_scale))
         one = jax.jit(lambda *p: mosaic(h, *p))
@@ -332,6 +340,9 @@ def launch_calls(cfg, plan, want=lambda name: True):
         same = bool((ref == two(*prepped[0])[:, :h].reshape(ref.shape)).all())
         print(f"attend cut == whole: {same}", flush=True)
         out["attend-a-3launch"] = (Cycle(whole, full), 1, {"args": 5})
+        for tag, opts in CB_VARIANTS.items():  # the same program under other capture options
+            fn = jax.jit(whole_fn, compiler_options=opts)
+            out[f"attend-a-3launch-{tag}"] = (Cycle(fn, full), 1, {"args": 5, "options": opts})
         out["attend-a-2launch-prepped"] = (Cycle(two, prepped), 1,
                                            {"args": 7, "equal_to_whole": same})
         out["attend-a-1launch-mosaic"] = (Cycle(one, prepped), 1, {"args": 7})

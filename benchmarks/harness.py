@@ -272,6 +272,26 @@ def _trace_events(call: Callable[[], Any], calls: int) -> list[dict]:
 trace_events = _trace_events
 
 
+def host_events(call: Callable[[], Any], calls: int, top: int = 30,
+                skip: tuple[str, ...] = ()) -> list[dict]:
+    """Host-side trace events of `calls` synced calls: per name (names starting with a `skip`
+    prefix left out, e.g. "$" for Python frames), us and count per call, longest first. The
+    profiler slows the host: compare rows of one trace setup, not these us with wall times."""
+    ev = _trace_events(lambda: jax.block_until_ready(call()), calls)
+    _, _, dev = trace_names(ev)
+    agg: dict = {}
+    for e in ev:
+        name = e.get("name", "?")[:120]
+        if e.get("ph") != "X" or e.get("pid") in dev or name.startswith(skip):
+            continue
+        a = agg.setdefault(name, [0.0, 0])
+        a[0] += float(e.get("dur", 0.0))
+        a[1] += 1
+    rows = sorted(agg.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"name": k, "us_per_call": v[0] / calls, "count_per_call": v[1] / calls}
+            for k, v in rows]
+
+
 def trace_names(ev: list[dict]) -> tuple[dict, dict, set]:
     """A trace's process names {pid: name}, thread names {(pid, tid): name} and the pids of
     its devices."""

@@ -25,6 +25,9 @@ def test_h200_gaps_smoke_writes_every_row(tmp_path):
         assert r["wall_us"] > 0 and r["enqueue_us"] > 0, r
         assert r["kernel_us"] is None  # a CPU trace holds no device kernels
         assert r.get("equal_to_whole", True) is True, r  # a cut call's result
+        # the host's side of a traced row: per event name, Python frames left out
+        assert r["host"] and all(e["us_per_call"] >= 0 and not e["name"].startswith("$")
+                                 for e in r["host"]), r["host"]
 
 
 def test_h200_gaps_picks_calls_and_interleaves_rounds(tmp_path):
