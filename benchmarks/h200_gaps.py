@@ -415,6 +415,18 @@ def summary(res: dict) -> str:
         for r in res["rows"])
 
 
+def medians(res: dict) -> str:
+    """Per call over its rounds: the median wall and enqueue us (the host drifts between
+    rounds; with many rounds the medians compare calls a few us apart)."""
+    by: dict = {}
+    for r in res["rows"]:
+        by.setdefault(r["call"], []).append(r)
+    return "\n".join(
+        f'{name:30s} rounds {len(rs):2d} wall {statistics.median(r["wall_us"] for r in rs):6.1f}'
+        f' enq {statistics.median(r["enqueue_us"] for r in rs):6.1f}'
+        for name, rs in by.items())
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = json_parser(__doc__)
     ap.add_argument("--flags", default="", help=f"comma list of {sorted(FLAGS)}")
@@ -428,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.flags:
         measure_all(res, args.smoke, args.out, tuple(args.sections.split(",")),
                     tuple(filter(None, args.calls.split(","))), args.rounds, args.traced_rounds)
-        print(summary(res), "\nerrors", res["errors"], flush=True)
+        print(summary(res), "\n" + medians(res), "\nerrors", res["errors"], flush=True)
         return 1 if res["errors"] else 0
     for name in args.flags.split(","):
         part = f"{args.out}.{name}.json"

@@ -37,6 +37,9 @@ def test_h200_gaps_picks_calls_and_interleaves_rounds(tmp_path):
     res = json.loads(out.read_text())
     assert [(r["call"], r["round"]) for r in res["rows"]] == [
         ("args-8", 0), ("args-16", 0), ("args-8", 1), ("args-16", 1)]
+    lines = h200_gaps.medians(res).splitlines()  # one line per call, over its rounds
+    assert [ln.split()[:3] for ln in lines] == [["args-8", "rounds", "2"],
+                                                ["args-16", "rounds", "2"]]
 
 
 def test_h200_gaps_flag_sets_run_in_fresh_processes(tmp_path):
