@@ -297,6 +297,20 @@ def _attend_parts(cfg, w: int):
     return prep, mosaic, merge
 
 
+def floor_of(fn, args):
+    """A one-fusion program with fn's arguments and result shapes: it reads one element of
+    every argument (none is pruned) and fills fn's outputs with their sum. The host's cost of
+    a call with exactly these buffers in and out, whatever kernels compute them: a lower
+    bound of fn's lone-call wall on this host."""
+    outs = jax.eval_shape(fn, *args)
+
+    def floor(*a):
+        t = functools.reduce(jnp.add, [x.reshape(-1)[0].astype(jnp.float32) for x in a])
+        return jax.tree.map(lambda o: jnp.full(o.shape, t, o.dtype), outs)
+
+    return jax.jit(floor)
+
+
 def launch_calls(cfg, plan, want=lambda name: True):
     """The same kernels with fewer launches per program, to read what one launch costs the
     host in a lone call: chains of 1-8 trivial Pallas Triton kernels and of 1 or 4 Mosaic
@@ -340,21 +354,27 @@ def launch_calls(cfg, plan, want=lambda name: True):
         same = bool((ref == two(*prepped[0])[:, :h].reshape(ref.shape)).all())
         print(f"attend cut == whole: {same}", flush=True)
         out["attend-a-3launch"] = (Cycle(whole, full), 1, {"args": 5})
+        out["attend-a-floor"] = (Cycle(floor_of(whole_fn, full[0]), full), 1, {"args": 5})
         for tag, opts in CB_VARIANTS.items():  # the same program under other capture options
             fn = jax.jit(whole_fn, compiler_options=opts)
-            out[f"attend-a-3launch-{tag}"] = (Cycle(fn, full), 1, {"args": 5, "options": opts})
+            out[f"attend-a-{tag}"] = (Cycle(fn, full), 1, {"args": 5, "options": opts})
         out["attend-a-2launch-prepped"] = (Cycle(two, prepped), 1,
                                            {"args": 7, "equal_to_whole": same})
         out["attend-a-1launch-mosaic"] = (Cycle(one, prepped), 1, {"args": 7})
     if not want("selection-b64-"):
         return out
-    keys, pos, valid, ssets = selection_inputs(cfg, plan.big_batch, 1, plan.ctx, 301)
-    n_cand = jax.block_until_ready(layer.candidate_pools(cfg, pos, valid))
 
-    @jax.jit
-    def sel3(qi, w_, keys, pos, valid):
+    def sel3_fn(qi, w_, keys, pos, valid):  # the selection points' program
         scores = indexer.pool_scores(cfg, qi, w_, keys, layer.candidate_pools(cfg, pos, valid))
         return select.select_slots(cfg, scores, pos, valid)
+
+    sel3 = jax.jit(sel3_fn)
+    keys4, pos4, valid4, ssets4 = selection_inputs(cfg, plan.big_batch, 4, plan.ctx, 304)
+    s4 = [(qi, w_, keys4, pos4, valid4) for qi, w_ in ssets4]
+    out["selection-b64-r4-3launch"] = (Cycle(sel3, s4), 1, {"args": 5})
+    out["selection-b64-r4-floor"] = (Cycle(floor_of(sel3_fn, s4[0]), s4), 1, {"args": 5})
+    keys, pos, valid, ssets = selection_inputs(cfg, plan.big_batch, 1, plan.ctx, 301)
+    n_cand = jax.block_until_ready(layer.candidate_pools(cfg, pos, valid))
 
     @jax.jit
     def sel2(qi, w_, keys, n_cand, pos, valid):
@@ -371,6 +391,7 @@ def launch_calls(cfg, plan, want=lambda name: True):
     same = bool((sel3(*s3[0]) == sel2(*s2[0])).all())
     print(f"selection cut == whole: {same}", flush=True)
     out["selection-b64-3launch"] = (Cycle(sel3, s3), 1, {"args": 5})
+    out["selection-b64-floor"] = (Cycle(floor_of(sel3_fn, s3[0]), s3), 1, {"args": 5})
     out["selection-b64-2launch-ncand"] = (Cycle(sel2, s2), 1,
                                           {"args": 6, "equal_to_whole": same})
     out["selection-b64-1launch-scores"] = (Cycle(sel1, s1), 1, {"args": 4})

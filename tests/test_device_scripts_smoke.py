@@ -11,8 +11,8 @@ from benchmarks import h200_direct_out, h200_gaps, h200_profile, h200_select_lev
 # selection and argument rows only (the kernels lower for GPUs).
 CALLS = {"kind-xla-fusion", "attend-a-bench", "attend-a-lean", "attend-a-x8",
          "selection-b64-bench", "selection-b64-bound", "selection-b64-3launch",
-         "selection-b64-2launch-ncand", "selection-b64-1launch-scores", "args-1", "args-8",
-         "args-16"}
+         "selection-b64-2launch-ncand", "selection-b64-1launch-scores", "selection-b64-floor",
+         "selection-b64-r4-3launch", "selection-b64-r4-floor", "args-1", "args-8", "args-16"}
 
 
 def test_h200_gaps_smoke_writes_every_row(tmp_path):
@@ -91,3 +91,22 @@ def test_h200_gaps_chains_lower_to_one_launch_each():
                           (h200_gaps.mosaic_chain, "custom_call @mosaic_gpu", 4)):
         text = jax.jit(make(n)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count(call) == n
+
+
+def test_h200_gaps_floor_keeps_every_argument_and_the_outputs():
+    """A floor row's program takes every argument of the call it bounds (none pruned by jit)
+    and returns outputs of that call's shapes and dtypes."""
+    import jax
+    import jax.numpy as jnp
+
+    def fn(a, b, c):
+        return a * 2, (b[:3] + c[0, 0]).astype(jnp.int32)
+
+    args = (jnp.arange(6.0).reshape(2, 3), jnp.arange(5.0), jnp.ones((4, 2), jnp.bfloat16))
+    floor = h200_gaps.floor_of(fn, args)
+    text = floor.lower(*args).as_text()
+    main = next(ln for ln in text.splitlines() if "func.func public @main" in ln)
+    assert main.count("%arg") == 3, main
+    got, want = floor(*args), jax.eval_shape(fn, *args)
+    assert [(g.shape, g.dtype) for g in got] == [(w.shape, w.dtype) for w in want]
+    assert float(got[0][0, 0]) == 0.0 + 0.0 + 1.0  # the sum of each argument's first element
