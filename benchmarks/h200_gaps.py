@@ -125,7 +125,7 @@ def row(name: str, call, plan, per: int = 1, traced: bool = True) -> dict:
             "wall_us": t["median_us"] / per, "wall_p10_us": t["p10_us"] / per,
             "enqueue_us": enqueue_us(call, plan.inner) / per, **k, "top": prof.get("top_kernels"),
             "gap_before_us": gaps_before(call) if prof.get("error") is None else None,
-            "host": host_events(call, 20, top=25, skip=("$",)), "error": prof.get("error")}
+            "host": host_events(call, 20, top=40, skip=("$",)), "error": prof.get("error")}
 
 
 def attend_calls(cfg, plan):
@@ -257,6 +257,16 @@ def mosaic_chain(n: int):
     return jax.jit(run)
 
 
+def busy_chain(n: int):
+    """n dependent [2048, 4096] x [4096, 2048] bf16 GEMMs (XLA's) in one program."""
+    def run(a, b):
+        for _ in range(n):
+            a = jnp.concatenate([a @ b, a @ b], axis=1) * 0.5
+        return a
+
+    return jax.jit(run)
+
+
 def _attend_parts(cfg, w: int):
     """The library's Mosaic attend for R = 1 rows cut into its launches (as
     `sparse_attend._mosaic_attend` runs them with AttendTuning's defaults and no padding), every
@@ -328,6 +338,13 @@ def launch_calls(cfg, plan, want=lambda name: True):
             out[f"chain-{n}"] = (Cycle(chain(n), xs), 1, {"args": 1})
         for n in (1, 4):
             out[f"mosaic-chain-{n}"] = (Cycle(mosaic_chain(n), xs), 1, {"args": 1})
+    # n dependent ~50 us GEMMs per program (rows per GEMM): a device-bound call, whose wall
+    # beyond its kernels is what one execution idles the device (at n = 1) and its launch gaps
+    if jax.default_backend() == "gpu" and want("busy-"):
+        busy = [(jnp.full((2048, 4096), 0.01 * (i + 1), jnp.bfloat16),
+                 jnp.full((4096, 2048), 0.01, jnp.bfloat16)) for i in range(3)]
+        for n in (1, 4):
+            out[f"busy-{n}"] = (Cycle(busy_chain(n), busy), n, {"args": 2})
     for n in (1, 8, 16):  # one XLA fusion summing n small arrays: the host's cost per argument
         sets = [tuple(jnp.full((64, 128), float(i + j), jnp.float32) for j in range(n))
                 for i in range(3)]
