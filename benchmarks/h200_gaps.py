@@ -35,7 +35,9 @@ the point) and `bound` (cfg closed over: no hash of the config per call).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 import json
 import os
 import statistics
@@ -416,10 +418,15 @@ def launch_calls(cfg, plan, want=lambda name: True):
 
 
 def measure_all(res: dict, smoke: bool, out: str, sections=SECTIONS, only=(), rounds=1,
-                traced=1) -> None:
+                traced=1, inners=()) -> None:
+    """inners: each call's wall measured with groups of each of these many calls (a row per
+    inner, named call@inner): a group's first launch and its final wait are spread over
+    `inner` calls, so the rows' difference is their share of a row's wall."""
     cfg = (tiny() if smoke else glm53_flash()).replace(
         implementation="xla" if smoke else "pallas")
     plan = (smoke_plan if smoke else full_plan)(cfg)
+    plans = ({f"@{n}": dataclasses.replace(plan, inner=n) for n in inners} if inners
+             else {"": plan})
 
     def wanted(name):
         return not only or any(o in name or name in o for o in only)
@@ -429,9 +436,11 @@ def measure_all(res: dict, smoke: bool, out: str, sections=SECTIONS, only=(), ro
             made = (make(cfg, plan, wanted) if make is launch_calls else make(cfg, plan))
             calls = {k: v for k, v in made.items() if not only or any(o in k for o in only)}
             for i in range(rounds):  # rounds interleave the calls: the host drifts
-                for name, (call, per, *extra) in calls.items():
-                    res["rows"].append({**row(name, call, plan, per, traced=i < traced),
-                                        **(extra[0] if extra else {}), "round": i})
+                for (name, (call, per, *extra)), (tag, p) in itertools.product(
+                        calls.items(), plans.items()):
+                    res["rows"].append({**row(name + tag, call, p, per, traced=i < traced),
+                                        **(extra[0] if extra else {}), "round": i,
+                                        "inner": p.inner})
                     print(json.dumps(res["rows"][-1])[:600], flush=True)
                     write_json(res, out)
         return go
@@ -471,13 +480,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {SECTIONS}")
     ap.add_argument("--calls", default="", help="comma list: only calls whose name holds one")
     ap.add_argument("--rounds", type=int, default=1, help="each section's calls, interleaved")
+    ap.add_argument("--inners", default="", help="comma list: calls per timed group, a row "
+                    "each (default: the plan's)")
     ap.add_argument("--traced-rounds", type=int, default=1,
                     help="the first rounds that also take profiler traces (0: none)")
     args = ap.parse_args(argv)
     res = {**header("h200_gaps.py", argv), "rows": [], "errors": []}
     if not args.flags:
         measure_all(res, args.smoke, args.out, tuple(args.sections.split(",")),
-                    tuple(filter(None, args.calls.split(","))), args.rounds, args.traced_rounds)
+                    tuple(filter(None, args.calls.split(","))), args.rounds, args.traced_rounds,
+                    tuple(int(n) for n in filter(None, args.inners.split(","))))
         print(summary(res), "\n" + medians(res), "\nerrors", res["errors"], flush=True)
         return 1 if res["errors"] else 0
     for name in args.flags.split(","):

@@ -42,6 +42,14 @@ def test_h200_gaps_picks_calls_and_interleaves_rounds(tmp_path):
                                                 ["args-16", "rounds", "2"]]
 
 
+def test_h200_gaps_times_each_call_at_each_inner(tmp_path):
+    out = tmp_path / "gaps.json"
+    assert h200_gaps.main(["--smoke", "--sections", "launches", "--calls", "args-8",
+                           "--inners", "1,3", "--traced-rounds", "0", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [(r["call"], r["inner"]) for r in res["rows"]] == [("args-8@1", 1), ("args-8@3", 3)]
+
+
 def test_h200_gaps_flag_sets_run_in_fresh_processes(tmp_path):
     out = tmp_path / "gaps.json"
     assert h200_gaps.main(["--smoke", "--flags", "off", "--out", str(out)]) == 0
