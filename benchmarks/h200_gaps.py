@@ -374,6 +374,11 @@ def launch_calls(cfg, plan, want=lambda name: True):
         print(f"attend cut == whole: {same}", flush=True)
         out["attend-a-3launch"] = (Cycle(whole, full), 1, {"args": 5})
         out["attend-a-floor"] = (Cycle(floor_of(whole_fn, full[0]), full), 1, {"args": 5})
+        # as the bench's point calls it: the state pytree (8 arrays, 3 read: jit prunes the
+        # rest from the program, the dispatch still checks every leaf)
+        bench = jax.jit(functools.partial(attend_rows, cfg))
+        out["attend-a-state"] = (Cycle(lambda q, s: bench(st, q, s), sets), 1,
+                                 {"args": len(jax.tree.leaves(st)) + 2})
         for tag, opts in CB_VARIANTS.items():  # the same program under other capture options
             fn = jax.jit(whole_fn, compiler_options=opts)
             out[f"attend-a-{tag}"] = (Cycle(fn, full), 1, {"args": 5, "options": opts})
