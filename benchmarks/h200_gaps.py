@@ -27,7 +27,8 @@ program per launch kind (`kind_calls`: an XLA fusion, Pallas Triton, Pallas
 Mosaic GPU, jax-triton; the XLA one alone on a CPU): the host's cost of a call with ~1 us of
 kernel. `gap_before_us`: per kernel name, the median idle time of the device before it starts (from
 the trace; the profiler slows the host, so these are upper bounds). Variants: `bench` (the
-point's call: the state pytree, q, sel), `lean` (only the arrays the attend reads), `x8` (8
+state pytree, q, sel: the point's call until s30), `lean` (only the arrays the attend reads:
+the point's call since), `x8` (8
 attends of distinct inputs in one program: per attend, the device's time with the program's
 own launches, one dispatch for 8), and for the selection `bench` (cfg a static argument, as
 the point) and `bound` (cfg closed over: no hash of the config per call).

@@ -134,8 +134,17 @@ def gather_attend(suite, point) -> dict:
         cfg = cfg0.replace(implementation=impl)
         st, sets = attend_inputs(cfg, s["B"], s["R"], s["H"], s["W"], s["ctx"],
                                  77 + s["R"] + s["B"])
-        fn = jax.jit(functools.partial(attend_rows, cfg))
-        call = Cycle(lambda q, sel: fn(st, q, sel), sets)
+
+        # The arrays the attend reads are the program's arguments; the state's indexer arrays
+        # are not (as leaves of a state argument, jit prunes them from the program but the
+        # dispatch still checks each: ~4-18 us a call on the lent hosts,
+        # h100-gaps-launches-20261206-s30-call6.json, attend-a-state vs attend-a-3launch).
+        @jax.jit
+        def fn(latent, kv_scale, block_tables, q, sel):
+            return attend_rows(cfg, st._replace(latent=latent, kv_scale=kv_scale,
+                                                block_tables=block_tables), q, sel)
+
+        call = Cycle(lambda q, sel: fn(st.latent, st.kv_scale, st.block_tables, q, sel), sets)
         finite = bool(np.isfinite(np.asarray(call())).all())
         t = measure(call, warmup=p.warmup, groups=p.groups, inner=p.inner)
         sec = t["median_us"] * 1e-6
