@@ -50,7 +50,14 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.device_script import header, json_parser, run_section, write_json
-from benchmarks.harness import host_events, measure, profile, trace_events, trace_names
+from benchmarks.harness import (
+    call_floor_program,
+    host_events,
+    measure,
+    profile,
+    trace_events,
+    trace_names,
+)
 from benchmarks.points import full_plan, smoke_plan
 from benchmarks.workloads import Cycle, attend_inputs, selection_inputs
 from dsa_jax import indexer, layer, select
@@ -310,20 +317,6 @@ def _attend_parts(cfg, w: int):
     return prep, mosaic, merge
 
 
-def floor_of(fn, args):
-    """A one-fusion program with fn's arguments and result shapes: it reads one element of
-    every argument (none is pruned) and fills fn's outputs with their sum. The host's cost of
-    a call with exactly these buffers in and out, whatever kernels compute them: a lower
-    bound of fn's lone-call wall on this host."""
-    outs = jax.eval_shape(fn, *args)
-
-    def floor(*a):
-        t = functools.reduce(jnp.add, [x.reshape(-1)[0].astype(jnp.float32) for x in a])
-        return jax.tree.map(lambda o: jnp.full(o.shape, t, o.dtype), outs)
-
-    return jax.jit(floor)
-
-
 def launch_calls(cfg, plan, want=lambda name: True):
     """The same kernels with fewer launches per program, to read what one launch costs the
     host in a lone call: chains of 1-8 trivial Pallas Triton kernels and of 1 or 4 Mosaic
@@ -374,7 +367,7 @@ def launch_calls(cfg, plan, want=lambda name: True):
         same = bool((ref == two(*prepped[0])[:, :h].reshape(ref.shape)).all())
         print(f"attend cut == whole: {same}", flush=True)
         out["attend-a-3launch"] = (Cycle(whole, full), 1, {"args": 5})
-        out["attend-a-floor"] = (Cycle(floor_of(whole_fn, full[0]), full), 1, {"args": 5})
+        out["attend-a-floor"] = (Cycle(call_floor_program(whole_fn, full[0]), full), 1, {"args": 5})
         # as the bench's point calls it: the state pytree (8 arrays, 3 read: jit prunes the
         # rest from the program, the dispatch still checks every leaf)
         bench = jax.jit(functools.partial(attend_rows, cfg))
@@ -397,7 +390,7 @@ def launch_calls(cfg, plan, want=lambda name: True):
     keys4, pos4, valid4, ssets4 = selection_inputs(cfg, plan.big_batch, 4, plan.ctx, 304)
     s4 = [(qi, w_, keys4, pos4, valid4) for qi, w_ in ssets4]
     out["selection-b64-r4-3launch"] = (Cycle(sel3, s4), 1, {"args": 5})
-    out["selection-b64-r4-floor"] = (Cycle(floor_of(sel3_fn, s4[0]), s4), 1, {"args": 5})
+    out["selection-b64-r4-floor"] = (Cycle(call_floor_program(sel3_fn, s4[0]), s4), 1, {"args": 5})
     keys, pos, valid, ssets = selection_inputs(cfg, plan.big_batch, 1, plan.ctx, 301)
     n_cand = jax.block_until_ready(layer.candidate_pools(cfg, pos, valid))
 
@@ -416,7 +409,7 @@ def launch_calls(cfg, plan, want=lambda name: True):
     same = bool((sel3(*s3[0]) == sel2(*s2[0])).all())
     print(f"selection cut == whole: {same}", flush=True)
     out["selection-b64-3launch"] = (Cycle(sel3, s3), 1, {"args": 5})
-    out["selection-b64-floor"] = (Cycle(floor_of(sel3_fn, s3[0]), s3), 1, {"args": 5})
+    out["selection-b64-floor"] = (Cycle(call_floor_program(sel3_fn, s3[0]), s3), 1, {"args": 5})
     out["selection-b64-2launch-ncand"] = (Cycle(sel2, s2), 1,
                                           {"args": 6, "equal_to_whole": same})
     out["selection-b64-1launch-scores"] = (Cycle(sel1, s1), 1, {"args": 4})

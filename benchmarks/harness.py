@@ -185,6 +185,20 @@ def measure_ceilings(*, small: bool, groups: int, with_torch: bool) -> tuple[Cei
     return Ceilings(copy_best, rate_best), record
 
 
+def call_floor_program(fn: Callable[..., Any], args: tuple) -> Callable[..., Any]:
+    """A one-fusion program with fn's arguments and result shapes: it reads one element of
+    every argument (so jit prunes none) and fills fn's outputs with their sum. Timed as fn is,
+    it is the host's cost of a call with exactly these buffers in and out, whatever kernels
+    compute them: the least any implementation of fn's call can take on that host."""
+    outs = jax.eval_shape(fn, *args)
+
+    def floor(*a):
+        t = functools.reduce(jnp.add, [x.reshape(-1)[0].astype(jnp.float32) for x in a])
+        return jax.tree.map(lambda o: jnp.full(o.shape, t, o.dtype), outs)
+
+    return jax.jit(floor)
+
+
 def measure_call_floor(groups: int) -> dict:
     """The host's floor for a lone call's wall time: back-to-back calls (as `measure` times
     every point) of a jitted one-kernel program on a 1024-element array, three inputs in turn

@@ -19,7 +19,14 @@ from dsa_jax import indexer, layer, select
 from dsa_jax.attend import attend as attend_rows
 from dsa_jax.state import init_state, ring_rows, state_bytes_breakdown, state_bytes_per_seq
 
-from .harness import host_time_us, jit_cache_size, kernel_us, measure, profile_step
+from .harness import (
+    call_floor_program,
+    host_time_us,
+    jit_cache_size,
+    kernel_us,
+    measure,
+    profile_step,
+)
 from .roofline import (
     FLASHMLA_TFLOPS,
     attend_cost,
@@ -144,9 +151,11 @@ def gather_attend(suite, point) -> dict:
             return attend_rows(cfg, st._replace(latent=latent, kv_scale=kv_scale,
                                                 block_tables=block_tables), q, sel)
 
-        call = Cycle(lambda q, sel: fn(st.latent, st.kv_scale, st.block_tables, q, sel), sets)
+        args = [(st.latent, st.kv_scale, st.block_tables, q, sel) for q, sel in sets]
+        call = Cycle(fn, args)
         finite = bool(np.isfinite(np.asarray(call())).all())
         t = measure(call, warmup=p.warmup, groups=p.groups, inner=p.inner)
+        t["call_floor_us"] = call_floor_us(fn, args, p)
         sec = t["median_us"] * 1e-6
         # Device time beside the wall time: a short program's wall follows the host's dispatch
         # when the host is slow (the same kernels measured 102 and 144 us of wall).
@@ -161,6 +170,15 @@ def gather_attend(suite, point) -> dict:
               "flop_count": "4*rows*heads*slots*C (QK and PV over the C=512 latent); FlashMLA "
                             "counts 2*h*s_q*topk*(576+512) per sequence"}
     return {"timings": _per_impl(suite, point, one), "cost": cost, "fields": fields}
+
+
+def call_floor_us(fn, args: list[tuple], plan) -> float:
+    """The median wall of `harness.call_floor_program(fn)` over the same argument sets, timed
+    as the point: what the host lets any implementation of this lone call take here (a wall
+    target below it cannot be met on this host, whatever the kernels)."""
+    floor = Cycle(call_floor_program(fn, args[0]), args)
+    jax.block_until_ready(floor())
+    return measure(floor, warmup=plan.warmup, groups=plan.groups, inner=plan.inner)["median_us"]
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -182,6 +200,8 @@ def selection(suite, point) -> dict:
         call = Cycle(lambda qi, w: _selection(cfg, qi, w, keys, pos, valid), sets)
         jax.block_until_ready(call())
         t = measure(call, warmup=p.warmup, groups=p.groups, inner=p.inner)
+        t["call_floor_us"] = call_floor_us(functools.partial(_selection, cfg),
+                                           [(qi, w, keys, pos, valid) for qi, w in sets], p)
         t["kernel_us"] = kernel_us(call)  # device time beside the wall (gather_attend says why)
         return t
 

@@ -39,7 +39,9 @@ def time_cell(p: dict) -> str:
     if p.get("ratio_vs_k1") is not None:
         extra = f" ({p['ratio_vs_k1']:.2f}x the K=1 step)"
     if p.get("kernel_us") is not None:
-        extra = f" (kernels {fmt_us(p['kernel_us'])})"
+        floor = p.get("call_floor_us")  # the host's least for this call (a one-fusion program)
+        extra = (f" (kernels {fmt_us(p['kernel_us'])}"
+                 + (f", call floor {fmt_us(floor)})" if floor is not None else ")"))
     if p.get("device_step_us") is not None:
         extra = f" (device step {fmt_us(p['device_step_us'])})"
     if p.get("median_us") is None:

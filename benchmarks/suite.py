@@ -29,15 +29,17 @@ from .schema import SCHEMA_VERSION, fmt_us, ratio, write_json
 from .workloads import random_hf_tensors, random_weights
 
 # Per-implementation figures copied to the point from its main implementation's timing.
-LIFTED = ("kernel_us", "device_step_us", "compiles", "GBps", "TFLOPs", "frac_of_bandwidth",
-          "frac_of_matmul_rate", "frac_of_flashmla")
+LIFTED = ("kernel_us", "call_floor_us", "device_step_us", "compiles", "GBps", "TFLOPs",
+          "frac_of_bandwidth", "frac_of_matmul_rate", "frac_of_flashmla")
 TIMING_METHOD = (
     "JAX: warm-up calls, then groups of `inner` back-to-back calls with jax.block_until_ready "
     "around each group; median over groups of group time / inner. The layer step is "
     "jax.jit(dsa_jax.layer.step) with the state donated (no host checks), rows padded to "
     "cfg.max_verify as decode/decode_k pad them; before each group the state's lengths are set "
-    "back so every call runs at the stated context. Torch: CUDA events around each call, "
-    "median.")
+    "back so every call runs at the stated context. The attend and selection points, timed "
+    "as lone calls, also record call_floor_us: a one-fusion program with the call's exact "
+    "arguments and outputs timed the same way, the least the host lets any implementation "
+    "of that call take. Torch: CUDA events around each call, median.")
 TP_NOTE = ("At TP 8 the suite benchmarks ONE rank's work on one GPU: 8 local heads of "
            "q_b/kv_b/o_proj, the indexer and latent projection replicated; no collective.")
 FLOOR_RULE = ("floor = max(fewest bytes / measured copy bandwidth (read+write), FLOPs / "

@@ -122,6 +122,23 @@ def test_met_in_the_json_is_the_points_rule(smoke_result):
     assert verdicts == {True, False}
 
 
+def test_lone_call_points_record_their_call_floor(smoke_result):
+    """The attend and selection points (lone calls) carry the floor of their call on the host
+    that ran them, and the table shows it beside the kernels."""
+    from benchmarks.render_tables import time_cell
+
+    pts = _by_name(smoke_result)
+    lone = [n for n in pts if n.startswith(("attend-kernel-", "selection-"))]
+    assert len(lone) == 4, lone
+    for name in lone:
+        p = pts[name]
+        assert p["call_floor_us"] > 0 and p["impls"]["xla"]["call_floor_us"] > 0, name
+        p = {**p, "kernel_us": 1.0}  # a CPU trace has no kernels; the cell's form
+        assert time_cell(p).endswith(f"call floor {schema.fmt_us(p['call_floor_us'])})"), \
+            time_cell(p)
+    assert "call_floor_us" not in pts["decode-b1-k1-tp1"]
+
+
 def test_not_measured_points_say_why(smoke_result):
     pts = _by_name(smoke_result)
     for name in ("loop-b1-l8", "loop-b2-l8", "spec-b1-l8-k3"):

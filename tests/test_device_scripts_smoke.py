@@ -5,7 +5,7 @@ failed."""
 
 import json
 
-from benchmarks import h200_direct_out, h200_gaps, h200_profile, h200_select_levers
+from benchmarks import h200_direct_out, h200_gaps, h200_profile, h200_select_levers, harness
 
 # On a CPU the launch kinds' section has its XLA row only and the launches' section its
 # selection and argument rows only (the kernels lower for GPUs).
@@ -101,7 +101,7 @@ def test_h200_gaps_chains_lower_to_one_launch_each():
         assert text.count(call) == n
 
 
-def test_h200_gaps_floor_keeps_every_argument_and_the_outputs():
+def test_call_floor_program_keeps_every_argument_and_the_outputs():
     """A floor row's program takes every argument of the call it bounds (none pruned by jit)
     and returns outputs of that call's shapes and dtypes."""
     import jax
@@ -111,7 +111,7 @@ def test_h200_gaps_floor_keeps_every_argument_and_the_outputs():
         return a * 2, (b[:3] + c[0, 0]).astype(jnp.int32)
 
     args = (jnp.arange(6.0).reshape(2, 3), jnp.arange(5.0), jnp.ones((4, 2), jnp.bfloat16))
-    floor = h200_gaps.floor_of(fn, args)
+    floor = harness.call_floor_program(fn, args)
     text = floor.lower(*args).as_text()
     main = next(ln for ln in text.splitlines() if "func.func public @main" in ln)
     assert main.count("%arg") == 3, main
