@@ -62,8 +62,9 @@ from benchmarks.points import full_plan, smoke_plan
 from benchmarks.workloads import Cycle, attend_inputs, selection_inputs
 from dsa_jax import indexer, layer, select
 from dsa_jax.attend import attend as attend_rows
-from dsa_jax.pallas import attend_prep
+from dsa_jax.pallas import attend_prep, pool_topk
 from dsa_jax.pallas import sparse_attend_mgpu as mgpu_op
+from dsa_jax.pallas.colaunch import colaunch
 from dsa_jax.pallas.common import sm_count
 from dsa_jax.pallas.merge_splits import merge_splits_pallas
 from dsa_jax.pallas.sparse_attend import AttendTuning
@@ -413,6 +414,28 @@ def launch_calls(cfg, plan, want=lambda name: True):
     out["selection-b64-2launch-ncand"] = (Cycle(sel2, s2), 1,
                                           {"args": 6, "equal_to_whole": same})
     out["selection-b64-1launch-scores"] = (Cycle(sel1, s1), 1, {"args": 4})
+    if jax.default_backend() == "gpu":
+        # 2 launches, 5 arguments: the scores given each row's candidate count, the top-k its
+        # position (what computing both in the kernels from pos and valid would leave)
+        tuning = pool_topk.PoolTopkTuning()
+
+        @jax.jit
+        def sel2pv(qi, w_, keys, n_cand, pv):
+            scores = indexer.pool_scores(cfg, qi, w_, keys, n_cand)
+            part, finish = pool_topk.topk_part(scores, min(cfg.select_k, scores.shape[-1]),
+                                               tuning=tuning, expand=select.expansion(cfg),
+                                               pv=pv)
+            (outs,) = colaunch([part], num_warps=tuning.num_warps, num_stages=1)
+            return finish(outs)
+
+        for tag, (sets_, p_, v_) in (("", (s3, pos, valid)), ("-r4", (s4, pos4, valid4))):
+            nc = jax.block_until_ready(layer.candidate_pools(cfg, p_, v_))
+            pv = jax.block_until_ready(pool_topk.positions(p_, v_).reshape(-1))
+            spv = [(qi, w_, k_, nc, pv) for qi, w_, k_, _, _ in sets_]
+            same = bool((sel3(*sets_[0]) == sel2pv(*spv[0])).all())
+            print(f"selection{tag} 2-launch cut == whole: {same}", flush=True)
+            out[f"selection-b64{tag}-2launch-pv"] = (Cycle(sel2pv, spv), 1,
+                                                     {"args": 5, "equal_to_whole": same})
     return out
 
 
