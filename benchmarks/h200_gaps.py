@@ -383,14 +383,21 @@ def launch_calls(cfg, plan, want=lambda name: True):
     if not want("selection-b64-"):
         return out
 
-    def sel3_fn(qi, w_, keys, pos, valid):  # the selection points' program
+    def sel3_fn(qi, w_, keys, pos, valid):  # the selection points' program until s30
         scores = indexer.pool_scores(cfg, qi, w_, keys, layer.candidate_pools(cfg, pos, valid))
         return select.select_slots(cfg, scores, pos, valid)
 
-    sel3 = jax.jit(sel3_fn)
+    def lib_fn(qi, w_, keys, pos, valid):  # since (the counts and positions in the kernels)
+        return select.select_slots(cfg, indexer.pool_scores_at(cfg, qi, w_, keys, pos, valid),
+                                   pos, valid)
+
+    sel3, lib = jax.jit(sel3_fn), jax.jit(lib_fn)
     keys4, pos4, valid4, ssets4 = selection_inputs(cfg, plan.big_batch, 4, plan.ctx, 304)
     s4 = [(qi, w_, keys4, pos4, valid4) for qi, w_ in ssets4]
     out["selection-b64-r4-3launch"] = (Cycle(sel3, s4), 1, {"args": 5})
+    same4 = bool((sel3(*s4[0]) == lib(*s4[0])).all())
+    print(f"selection-r4 library call == 3-launch: {same4}", flush=True)
+    out["selection-b64-r4-lib"] = (Cycle(lib, s4), 1, {"args": 5, "equal_to_whole": same4})
     out["selection-b64-r4-floor"] = (Cycle(call_floor_program(sel3_fn, s4[0]), s4), 1, {"args": 5})
     keys, pos, valid, ssets = selection_inputs(cfg, plan.big_batch, 1, plan.ctx, 301)
     n_cand = jax.block_until_ready(layer.candidate_pools(cfg, pos, valid))
@@ -410,6 +417,9 @@ def launch_calls(cfg, plan, want=lambda name: True):
     same = bool((sel3(*s3[0]) == sel2(*s2[0])).all())
     print(f"selection cut == whole: {same}", flush=True)
     out["selection-b64-3launch"] = (Cycle(sel3, s3), 1, {"args": 5})
+    same1 = bool((sel3(*s3[0]) == lib(*s3[0])).all())
+    print(f"selection library call == 3-launch: {same1}", flush=True)
+    out["selection-b64-lib"] = (Cycle(lib, s3), 1, {"args": 5, "equal_to_whole": same1})
     out["selection-b64-floor"] = (Cycle(call_floor_program(sel3_fn, s3[0]), s3), 1, {"args": 5})
     out["selection-b64-2launch-ncand"] = (Cycle(sel2, s2), 1,
                                           {"args": 6, "equal_to_whole": same})

@@ -184,8 +184,10 @@ def call_floor_us(fn, args: list[tuple], plan) -> float:
 @functools.partial(jax.jit, static_argnums=0)
 def _selection(cfg, qi, w, keys, pos, valid):
     # select_slots: the top-k kernel writes the token slots itself (the same slots as
-    # expand_selection(top_pools(...)); the step's co-launched top-k writes them too)
-    scores = indexer.pool_scores(cfg, qi, w, keys, layer.candidate_pools(cfg, pos, valid))
+    # expand_selection(top_pools(...)); the step's co-launched top-k writes them too);
+    # pool_scores_at: the kernels take each row's candidate count and position from pos and
+    # valid themselves (no pass before them)
+    scores = indexer.pool_scores_at(cfg, qi, w, keys, pos, valid)
     return select.select_slots(cfg, scores, pos, valid)
 
 

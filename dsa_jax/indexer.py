@@ -51,3 +51,13 @@ def pool_scores(cfg: DsaConfig, qi: jax.Array, w: jax.Array, pool_keys: jax.Arra
     read in place by the kernels (pallas/pool_scores.py)."""
     kwargs = {k: v for k, v in (("seqs", seqs), ("pools", pools)) if v is not None}
     return pool_scores_op(cfg, qi, w, pool_keys, n_cand, **kwargs)
+
+
+def pool_scores_at(cfg: DsaConfig, qi: jax.Array, w: jax.Array, pool_keys: jax.Array,
+                   pos: jax.Array, valid: jax.Array) -> jax.Array:
+    """`pool_scores` of rows at `pos [B, R]` (`valid`; its candidates the pools complete there,
+    none where not valid: `layer.candidate_pools`) -> `[B, R, P]`, the same bits. Where the
+    Mosaic kernel runs it computes each row's count itself, so a lone selection call runs no
+    pass before it."""
+    return pool_scores_op(cfg, qi, w, pool_keys, None,
+                          positions=(pos, valid, cfg.index_kpool))

@@ -39,7 +39,7 @@ from dsa_jax.attend import attend, write_latents
 from dsa_jax.bitwise import bitwise_jit
 from dsa_jax.config import DsaConfig
 from dsa_jax.implementation import meta_matmul_op, resolve, row_gemms, topk_matmul_op
-from dsa_jax.indexer import pool_scores, write_index_rows
+from dsa_jax.indexer import pool_scores, pool_scores_at, write_index_rows
 from dsa_jax.mirror import host_numbers, known, remember
 from dsa_jax.pallas import row_meta
 from dsa_jax.pallas.colaunch import colaunch
@@ -129,7 +129,7 @@ def select_pools(cfg: DsaConfig, qi: jax.Array, w: jax.Array, pool_keys: jax.Arr
     """The indexer's choice for rows at `pos [B, R]` (`valid`): scores of the pools complete
     at each row's position, then the top-k -> pool ids `[B, R, k]`, best first. Every row's
     result depends on that row's inputs only (the kernels work per row)."""
-    scores = pool_scores(cfg, qi, w, pool_keys, candidate_pools(cfg, pos, valid))  # [B, R, P]
+    scores = pool_scores_at(cfg, qi, w, pool_keys, pos, valid)  # [B, R, P]
     return top_pools(cfg, scores)
 
 

@@ -12,7 +12,8 @@ from benchmarks import h200_direct_out, h200_gaps, h200_profile, h200_select_lev
 CALLS = {"kind-xla-fusion", "attend-a-bench", "attend-a-lean", "attend-a-x8",
          "selection-b64-bench", "selection-b64-bound", "selection-b64-3launch",
          "selection-b64-2launch-ncand", "selection-b64-1launch-scores", "selection-b64-floor",
-         "selection-b64-r4-3launch", "selection-b64-r4-floor", "args-1", "args-8", "args-16"}
+         "selection-b64-r4-3launch", "selection-b64-r4-floor", "selection-b64-lib",
+         "selection-b64-r4-lib", "args-1", "args-8", "args-16"}
 
 
 def test_h200_gaps_smoke_writes_every_row(tmp_path):

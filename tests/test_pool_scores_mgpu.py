@@ -370,3 +370,99 @@ def test_gpu_split_in_the_kernel_same_bits(kw, dims):
     keys = keys.astype(kw.get("key_dtype", F32))
     T.assert_pool_scores_close(inside, T.pool_scores_definition(qi, w, keys, n_cand),
                                T.pool_scores_bound(qi, w, keys, T.TF32X3_ROUNDOFF))
+
+
+# --------------------------------------- the counts from positions (`positions=`), issue #14
+
+
+def _positions_case(b, r, p, kpool, seed):
+    """pos [B, R] int32 across the pools' range (row counts on, before and after tile edges,
+    0, all) and valid [B, R] bool with invalid rows among them."""
+    rng = np.random.default_rng(seed)
+    pos = rng.integers(0, p * kpool + kpool, (b, r)).astype(np.int32)
+    pos[0, 0], pos[-1, -1] = kpool - 2, p * kpool - 1  # no complete pool; every pool
+    valid = rng.random((b, r)) < 0.7
+    valid[0, 0] = valid[-1, -1] = True
+    if r > 1:
+        valid[0, 1] = False
+    return jnp.asarray(pos), jnp.asarray(valid)
+
+
+@pytest.mark.parametrize("shape,tuning", [
+    ((64, 1, 32, 128, 4096), M()),  # the selection points: 64 decode rows
+    ((64, 4, 32, 128, 4096), M()),  # 4 rows per sequence (3 padding)
+    ((1, 7, 32, 128, 333), M(rows=2)),  # rows padded to 8 per sequence in the kernel
+    ((2, 9, 32, 128, 200), M(persistent=True, chunks=3)),
+])
+def test_positions_variants_lower_for_cuda(shape, tuning):
+    """With `positions` the kernel takes pos and valid (no pass before it: one launch, the
+    Mosaic call alone) and lowers on any host."""
+    b, r, hi, di, p = shape
+    fn = functools.partial(ps.pool_scores_pallas, tuning=ps.PoolScoresTuning(
+        backend="mosaic", mosaic=tuning))
+    args = (jax.ShapeDtypeStruct((b, r, hi, di), F32), jax.ShapeDtypeStruct((b, r, hi), F32),
+            jax.ShapeDtypeStruct((b, p, di), BF16))
+    pos, valid = (jax.ShapeDtypeStruct((b, r), jnp.int32), jax.ShapeDtypeStruct((b, r), bool))
+
+    def call(qi, w, keys, pos, valid):
+        return fn(qi, w, keys, None, positions=(pos, valid, 4))
+
+    text = jax.jit(call).trace(*args, pos, valid).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1
+    assert "stablehlo.select" not in text and "stablehlo.divide" not in text  # no counts pass
+
+
+def test_positions_counts_are_the_candidate_pools():
+    """The reference (and the Triton kernel's path) take `positions` as
+    `row_meta.candidate_pools` of them: the same scores, bit for bit; exactly one of n_cand
+    and positions, and a pool size >= 1, or a clear error."""
+    from dsa_jax.pallas.row_meta import candidate_pools
+
+    b, r, hi, di, p, kp = 3, 5, 4, 16, 40, 4
+    qi, w, keys, _ = T.pool_inputs(12, b, r, hi, di, p)
+    pos, valid = _positions_case(b, r, p, kp, 13)
+    want = ps.pool_scores_xla(qi, w, keys, candidate_pools(pos, valid, kp))
+    np.testing.assert_array_equal(ps.pool_scores_xla(qi, w, keys, None,
+                                                     positions=(pos, valid, kp)), want)
+    np.testing.assert_array_equal(ps.pool_scores_pallas(
+        qi, w, keys, None, positions=(pos, valid, kp), interpret=True,
+        tuning=ps.PoolScoresTuning(backend="triton")), ps.pool_scores_pallas(
+        qi, w, keys, candidate_pools(pos, valid, kp), interpret=True,
+        tuning=ps.PoolScoresTuning(backend="triton")))
+    n_cand = candidate_pools(pos, valid, kp)
+    with pytest.raises(ValueError, match="not both"):
+        ps.pool_scores_xla(qi, w, keys, n_cand, positions=(pos, valid, kp))
+    with pytest.raises(ValueError, match="not both"):
+        ps.pool_scores_xla(qi, w, keys, None)
+    with pytest.raises(ValueError, match="kpool=0"):
+        ps.pool_scores_xla(qi, w, keys, None, positions=(pos, valid, 0))
+    with pytest.raises(ValueError, match="pool size 0"):
+        pm.pool_scores_mgpu(qi, w, keys, None, positions=(pos, valid, 0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw,dims", [
+    (dict(key_dtype=BF16), (64, 1, 32, 128, 4096)),  # the selection-b64 point's rows
+    (dict(key_dtype=BF16), (64, 4, 32, 128, 4096)),  # -r4's
+    (dict(key_dtype=BF16, rows=2), (1, 37, 32, 128, 2000)),  # a prompt, padded in the kernel
+    (dict(key_dtype=BF16, persistent=True, rows=2, stages=4), (2, 9, 32, 128, 777)),
+    (dict(key_dtype=BF16, stages=2), (2, 3, 5, 12, 100)),  # odd heads, dims, pools
+    (dict(), (3, 5, 32, 128, 300))])  # fp32 keys
+def test_gpu_counts_from_positions_same_bits(kw, dims):
+    """The counts the kernel takes from pos and valid give the same scores, bit for bit, as
+    the counts `row_meta.candidate_pools` computes before it (invalid rows, rows with none,
+    rows with every pool, rows padded in the kernel)."""
+    from dsa_jax.pallas.row_meta import candidate_pools
+
+    b, r, hi, di, p = dims
+    kp = 4
+    qi, w, keys, _ = T.pool_inputs(14, b, r, hi, di, p)
+    keys = keys.astype(kw.pop("key_dtype", F32))
+    pos, valid = _positions_case(b, r, p, kp, 15)
+    tuning = M(**kw)
+    at = jax.jit(lambda q, w_, k_, p_, v_: pm.pool_scores_mgpu(
+        q, w_, k_, None, tuning=tuning, positions=(p_, v_, kp)))(qi, w, keys, pos, valid)
+    given = jax.jit(functools.partial(pm.pool_scores_mgpu, tuning=tuning))(
+        qi, w, keys, candidate_pools(pos, valid, kp))
+    np.testing.assert_array_equal(np.asarray(at), np.asarray(given))
+    assert np.isneginf(np.asarray(at)[~np.asarray(valid)]).all()  # no candidate: all -inf

@@ -423,3 +423,74 @@ def test_select_slots_equal_the_expanded_top_k(impl, tail, kw):
                                                                else {})))
     chex.assert_trees_all_equal(np.asarray(got), np.asarray(want), strict=True)
     assert (np.asarray(got)[1, 0] == -1).all()
+
+
+def test_lone_selection_runs_no_pass_before_its_kernels():
+    """`indexer.pool_scores_at` + `select.select_slots` (a lone selection call, as the bench's
+    selection points make it) at GLM-5.3-Flash shapes: the Mosaic scores kernel takes each
+    row's candidate count and the expanding top-k each row's position from pos and valid
+    themselves, so the program is the two kernels and nothing computed before them (the
+    counts' pass was a launch of its own)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsa_jax import select
+    from dsa_jax.shapes import glm53_flash
+
+    cfg = glm53_flash().replace(implementation="pallas")
+    b, r = 64, 4
+    hi, di, p = cfg.index_n_heads, cfg.index_head_dim, cfg.num_pools
+
+    def lone(qi, w, keys, pos, valid):  # what the two library calls run with "pallas"
+        scores = ps.pool_scores_pallas(qi, w, keys, None,
+                                       positions=(pos, valid, cfg.index_kpool))
+        return pt.pool_topk_expand_pallas(scores, min(cfg.select_k, p), pos, valid,
+                                          select.expansion(cfg))
+
+    args = (jax.ShapeDtypeStruct((b, r, hi, di), jnp.float32),
+            jax.ShapeDtypeStruct((b, r, hi), jnp.float32),
+            jax.ShapeDtypeStruct((b, p, di), cfg.index_cache_dtype),
+            jax.ShapeDtypeStruct((b, r), jnp.int32), jax.ShapeDtypeStruct((b, r), jnp.bool_))
+    text = jax.jit(lone).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1
+    assert text.count("custom_call @__gpu$xla.gpu.triton") == 1
+    for op in ("stablehlo.select", "stablehlo.divide", "stablehlo.add", "stablehlo.compare"):
+        assert op not in text, op
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas-interpret",
+                                  pytest.param("pallas", marks=pytest.mark.gpu)])
+def test_pool_scores_at_is_pool_scores_of_the_candidate_pools(impl):
+    """`indexer.pool_scores_at(pos, valid)` == `pool_scores(layer.candidate_pools(pos,
+    valid))`, bit for bit, and so is the selection after it (rows with none, invalid rows,
+    rows with every pool); on the GPU at GLM-5.3-Flash's indexer shapes (the Mosaic kernel
+    taking the counts itself) and the 4-row decode padding."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsa_jax import indexer, layer, select
+    from dsa_jax.shapes import glm53_flash, tiny
+
+    cfg = (glm53_flash() if impl == "pallas" else tiny()).replace(implementation=impl)
+    kp, p = cfg.index_kpool, cfg.num_pools
+    b, r = (64, 4) if impl == "pallas" else (3, 4)
+    qi, w, keys, _ = T.pool_inputs(21, b, r, cfg.index_n_heads, cfg.index_head_dim, p)
+    keys = keys.astype(cfg.index_cache_dtype)
+    rng = np.random.default_rng(22)
+    pos = rng.integers(0, p * kp + kp, (b, r)).astype(np.int32)
+    pos[0, 0], pos[-1, -1] = kp - 2, p * kp - 1
+    valid = rng.random((b, r)) < 0.6
+    valid[0, 0] = valid[-1, -1] = True
+    pos, valid = jnp.asarray(pos), jnp.asarray(valid)
+
+    @jax.jit
+    def both(qi, w, keys, pos, valid):
+        at = indexer.pool_scores_at(cfg, qi, w, keys, pos, valid)
+        given = indexer.pool_scores(cfg, qi, w, keys, layer.candidate_pools(cfg, pos, valid))
+        return (at, given, select.select_slots(cfg, at, pos, valid),
+                select.expand_selection(cfg, select.top_pools(cfg, given), pos, valid))
+
+    at, given, slots, want = both(qi, w, keys, pos, valid)
+    np.testing.assert_array_equal(np.asarray(at), np.asarray(given))
+    np.testing.assert_array_equal(np.asarray(slots), np.asarray(want))
+    assert (np.asarray(slots)[~np.asarray(valid)] == -1).all()

@@ -32,6 +32,7 @@ from jax.experimental.pallas import triton as plt
 
 from dsa_jax.pallas import pool_scores_mgpu as mgpu_scores
 from dsa_jax.pallas.common import gpu_is_not_hopper, next_pow2, sm_count, with_overrides
+from dsa_jax.pallas.row_meta import candidate_pools
 
 # Query rows per lax.map step of the XLA twin: bounds the [rows, Hi, P] fp32 block.
 XLA_ROW_CHUNK = 256
@@ -79,17 +80,35 @@ def _static_range(total: int, spec, name: str, start_name: str, total_label: str
     return jnp.clip(jnp.asarray(start).astype(jnp.int32), 0, total - count), count
 
 
-def pool_scores_xla(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: jax.Array, *,
-                    seqs=None, pools=None) -> jax.Array:
+def row_counts(n_cand: jax.Array | None, positions) -> jax.Array:
+    """n_cand [B, R] int32, given or as `positions=(pos, valid, KP)` say
+    (`row_meta.candidate_pools`): exactly one of the two."""
+    if (n_cand is None) == (positions is None):
+        raise ValueError("pool_scores: give n_cand or positions=(pos, valid, kpool), not both")
+    if positions is None:
+        return n_cand
+    pos, valid, kpool = positions
+    if kpool < 1 or pos.shape != valid.shape:
+        raise ValueError(f"pool_scores: positions need pos and valid of one shape and a pool "
+                         f"size >= 1; got {pos.shape}, {valid.shape}, kpool={kpool}")
+    return candidate_pools(pos, valid, kpool)
+
+
+def pool_scores_xla(qi: jax.Array, w: jax.Array, pool_keys: jax.Array,
+                    n_cand: jax.Array | None, *, seqs=None, pools=None,
+                    positions=None) -> jax.Array:
     """The definition.
 
     qi: [B, R, Hi, Di] f32; w: [B, R, Hi] f32 (scales folded); pool_keys: [B, P, Di] f32 or
     bf16 (the index cache's dtype; its values are widened exactly);
-    n_cand: [B, R] int32 complete pools visible to each row. Returns [B, R, P] f32, or with
+    n_cand: [B, R] int32 complete pools visible to each row, or None with `positions=(pos,
+    valid, KP)`: the counts `row_meta.candidate_pools(pos, valid, KP)` (`row_counts`).
+    Returns [B, R, P] f32, or with
     `seqs=(first, count)` its rows `first .. first + count - 1`: [count, R, P] (computed at the
     whole batch's shape, then sliced, so the bits are the whole batch's). With
     `pools=(base, P)` the keys are `pool_keys[:, base:base + P]` (the module docstring).
     """
+    n_cand = row_counts(n_cand, positions)
     if pools is not None:
         base, count = pool_range(pool_keys.shape[1], pools)
         pool_keys = lax.dynamic_slice_in_dim(pool_keys, base, count, 1)  # [B, P, Di]
@@ -359,15 +378,17 @@ def default_rows_per_program(rows_per_seq: int) -> int:
     return 1 if rows_per_seq <= 4 else 2
 
 
-def pool_scores_pallas(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: jax.Array, *,
-                       seqs=None, pools=None, interpret: bool = False,
-                       tuning: PoolScoresTuning = PoolScoresTuning(), **overrides) -> jax.Array:
+def pool_scores_pallas(qi: jax.Array, w: jax.Array, pool_keys: jax.Array,
+                       n_cand: jax.Array | None, *, seqs=None, pools=None, positions=None,
+                       interpret: bool = False, tuning: PoolScoresTuning = PoolScoresTuning(),
+                       **overrides) -> jax.Array:
     """`pool_scores_xla` as a Pallas kernel; same arguments, same result within fp32 rounding
     (tests/test_kernels.py). qi [B, R, Hi, Di] -> [B, R, P] f32 ([count, R, P] with
     `seqs=(first, count)`: programs for those sequences only, each row's bits those of the
     whole batch's kernel; the Triton kernel reads the keys in place, the Mosaic one gets the
     range's keys sliced). `pools=(base, P)`: the keys `pool_keys[:, base:base + P]`, read in
-    place by both kernels (the Mosaic one slices where P or Di needs padding).
+    place by both kernels (the Mosaic one slices where P or Di needs padding). `positions`:
+    as `pool_scores_xla`'s; the Mosaic kernel computes the counts itself (no pass before it).
 
     Hi and Di are padded to powers of two >= 16 (the smallest dot tile) with zeros, which add
     nothing: padded heads carry weight 0, padded dims multiply zero keys. R is padded to a
@@ -376,11 +397,18 @@ def pool_scores_pallas(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand
     """
     first, b = seq_range(qi.shape[0], seqs)
     base, p = pool_range(pool_keys.shape[1], pools)
-    if seqs is not None:  # the rank's rows: small slices, fused with the padding below
-        qi, w, n_cand = (lax.dynamic_slice_in_dim(a, first, b, 0) for a in (qi, w, n_cand))
     _, r, hi, di = qi.shape
     tuning = with_overrides(tuning, overrides)
-    if pick_backend(tuning, hi, di, interpret, pool_keys.dtype) == "mosaic":
+    mosaic = pick_backend(tuning, hi, di, interpret, pool_keys.dtype) == "mosaic"
+    if mosaic and seqs is None and positions is not None:
+        row_counts(n_cand, positions)  # the arguments' check
+        return mgpu_scores.pool_scores_mgpu(qi, w, pool_keys, None, tuning=tuning.mosaic,
+                                            pools=None if pools is None else (base, p),
+                                            positions=positions)
+    n_cand = row_counts(n_cand, positions)
+    if seqs is not None:  # the rank's rows: small slices, fused with the padding below
+        qi, w, n_cand = (lax.dynamic_slice_in_dim(a, first, b, 0) for a in (qi, w, n_cand))
+    if mosaic:
         if seqs is not None:
             # The Mosaic kernel has no first-sequence operand yet: the range's keys are
             # sliced (a copy); a row's scores do not depend on its batch (GPU tests), so the

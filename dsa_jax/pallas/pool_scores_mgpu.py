@@ -287,10 +287,10 @@ def default_chunks(b: int, r: int, tiles_all: int, sms: int) -> int:
     return max(1, min(tiles_all, sms // rows))
 
 
-def _kernel(ncand_ref, base_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: int, tiles: int,
-            chunks: int, stages: int, consumers: int, groups_per_seq: int, rows: int, hp: int,
-            hk: int, dp: int, write_hi: bool, fuse_qlo: bool, precision: str, split_q: bool,
-            consumer_regs: int, producer_regs: int, programs: int, items: int):
+def _kernel(*refs, block_p: int, tiles: int, chunks: int, stages: int, consumers: int,
+            groups_per_seq: int, rows: int, hp: int, hk: int, dp: int, write_hi: bool,
+            fuse_qlo: bool, precision: str, split_q: bool, consumer_regs: int,
+            producer_regs: int, programs: int, items: int, kpool: int, real_rows: int):
     """CTAs of consumers + 1 warpgroups; see the module docstring. An item is a (row group,
     chunk) pair; with programs == 0 each CTA takes one item (grid index i: chunk fastest,
     then sequence, then the row group within its sequence), else CTA p
@@ -298,7 +298,10 @@ def _kernel(ncand_ref, base_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: in
     major), its ring and barrier phases running on across them, and qi reloaded (into the
     other of two buffers) only where the row group changes.
 
-    ncand_ref [N] int32 (N = G * rows); base_ref [1] int32: pool p's key is read at pool
+    refs: ncand_ref [N] int32 (N = G * rows), or with kpool pos_ref and valid_ref [B R] int32
+    and bool, each row's count `candidate_pools` of them, computed here (no pass before the
+    kernel; rows r >= real_rows = R of a sequence, the padding, have none); then base_ref, ...,
+    out_ref. base_ref [1] int32: pool p's key is read at pool
     `base + p` of keys_ref's pool axis; q_ref [G, 2 rows Hp, Dp] f32 (the group's qi split:
     every row's tf32 hi parts, then every row's lo parts; for bf16x6 and bf16x3 [G, 3 rows Hp,
     Dp] bf16, the three parts; with split_q the f32 qi [G, rows Hp, Dp], each row's Hp heads
@@ -306,6 +309,21 @@ def _kernel(ncand_ref, base_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: in
     heads 0); keys_ref [B, Pk, Dp] f32;
     out_ref [N, Pc] f32 with Pc = chunks * tiles * block_p >= P (every element written).
     """
+    if kpool:
+        pos_ref, valid_ref, base_ref, q_ref, w_ref, keys_ref, out_ref = refs
+
+        def n_cand(i):  # padded row i = seq * Rp + r -> row seq * R + r, none past R
+            rp = groups_per_seq * rows
+            seq, r = i // rp, lax.rem(i, rp)
+            at = seq * real_rows + jnp.minimum(r, real_rows - 1)
+            live = (r < real_rows) & valid_ref[at]
+            return jnp.where(live, (pos_ref[at] + 1) // kpool, 0)
+    else:
+        ncand_ref, base_ref, q_ref, w_ref, keys_ref, out_ref = refs
+
+        def n_cand(i):
+            return ncand_ref[i]
+
     nq = rows * hk  # the wgmma N of one of qi's parts (hk > hp: columns never read)
     tf32 = (plgpu.TilingTransform((8, F32_SWIZZLE)), plgpu.SwizzleTransform(128))
     row_layout = plgpu.Layout.WGMMA.reduce(1)  # [block_p]: one value per accumulator row
@@ -321,7 +339,7 @@ def _kernel(ncand_ref, base_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: in
             seqs = items // (chunks * groups_per_seq)
             group = lax.rem(rest, seqs) * groups_per_seq + rest // seqs
         first = chunk * tiles
-        n_cands = [ncand_ref[group * rows + r] for r in range(rows)]
+        n_cands = [n_cand(group * rows + r) for r in range(rows)]
         most = functools.reduce(jnp.maximum, n_cands)
         live = jnp.clip((most + block_p - 1) // block_p - first, 0, tiles)
         return group, first, live, n_cands
@@ -484,21 +502,32 @@ def _kernel(ncand_ref, base_ref, q_ref, w_ref, keys_ref, out_ref, *, block_p: in
     pl.run_scoped(scoped, *scratch, collective_axes="wg", **extra)
 
 
-def pool_scores_mgpu(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: jax.Array, *,
-                     tuning: MgpuScoresTuning = MgpuScoresTuning(),
-                     sms: int | None = None, pools=None) -> jax.Array:
+def pool_scores_mgpu(qi: jax.Array, w: jax.Array, pool_keys: jax.Array,
+                     n_cand: jax.Array | None, *, tuning: MgpuScoresTuning = MgpuScoresTuning(),
+                     sms: int | None = None, pools=None,
+                     positions: tuple[jax.Array, jax.Array, int] | None = None) -> jax.Array:
     """`pool_scores_xla` as a Mosaic GPU kernel; same arguments, the result within the tf32x3
     bound (tests/test_pool_scores_mgpu.py). qi [B, R, Hi, Di] f32, w [B, R, Hi] f32,
     pool_keys [B, P, Di] f32 or bf16 (read as stored; `MgpuScoresTuning.precision`), n_cand
     [B, R] int32 -> [B, R, P] f32. sms: multiprocessors for
     `default_chunks` (default `common.sm_count()`). pools: `(base, P)` with base an int32
     scalar (checked by the caller, `pool_scores.pool_range`): the keys are pools base .. base
-    + P - 1 of `pool_keys`' pool axis, read in place where P and Di need no padding."""
+    + P - 1 of `pool_keys`' pool axis, read in place where P and Di need no padding.
+    positions: `(pos [B, R] int32, valid [B, R] bool, KP)` in place of n_cand (None): the
+    kernel takes each row's count as `row_meta.candidate_pools(pos, valid, KP)` itself, so no
+    pass runs before it (a lone selection call's launch)."""
     b, r, hi, di = qi.shape
     base, p = (jnp.int32(0), pool_keys.shape[1]) if pools is None else pools
-    if pool_keys.shape[::2] != (b, di) or w.shape != (b, r, hi) or n_cand.shape != (b, r):
+    if (n_cand is None) == (positions is None):
+        raise ValueError("pool_scores_mgpu: give n_cand or positions=(pos, valid, kpool), "
+                         "not both")
+    if positions is not None and positions[2] < 1:
+        raise ValueError(f"pool_scores_mgpu: positions' pool size {positions[2]} must be >= 1")
+    rows_shape = (n_cand if positions is None else positions[0]).shape
+    if (pool_keys.shape[::2] != (b, di) or w.shape != (b, r, hi) or rows_shape != (b, r)
+            or (positions is not None and positions[1].shape != (b, r))):
         raise ValueError(f"pool_scores_mgpu: shapes qi {qi.shape}, w {w.shape}, keys "
-                         f"{pool_keys.shape}, n_cand {n_cand.shape} do not agree")
+                         f"{pool_keys.shape}, n_cand or pos {rows_shape} do not agree")
     t = fit(tuning, hi, di, r, pool_keys.dtype)
     hp, dp = padded_dims(hi, di, t.precision)
     rb = t.rows
@@ -518,7 +547,11 @@ def pool_scores_mgpu(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: 
                             axis=1)
     w_p = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, rp - r), (0, hp - hi)))
     w_p = w_p.reshape(groups, rb * hp)  # [G, rows Hp]
-    ncand_p = jnp.pad(n_cand.astype(jnp.int32), ((0, 0), (0, rp - r))).reshape(n)  # pad: none
+    if positions is None:
+        row_args = (jnp.pad(n_cand.astype(jnp.int32), ((0, 0), (0, rp - r))).reshape(n),)
+    else:  # flattened (free); the kernel pads past R itself
+        row_args = (positions[0].astype(jnp.int32).reshape(b * r),
+                    positions[1].astype(jnp.bool_).reshape(b * r))
     keys = pool_keys  # [B, Pk, Di] as stored: f32 or bf16 (with_precision checked which)
     p8 = -(-p // 8) * 8  # the bulk copy tiles the pool axis by 8
     if (p8, dp) != (p, di):  # odd P or Di: a padded copy (the GLM shapes need none)
@@ -531,7 +564,8 @@ def pool_scores_mgpu(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: 
         groups_per_seq=rp // rb, rows=rb, hp=hp, hk=kernel_heads(hp, t), dp=dp, write_hi=t.write_hi,
         fuse_qlo=t.fuse_qlo, precision=t.precision, split_q=t.split_q,
         consumer_regs=t.consumer_regs,
-        producer_regs=t.producer_regs, chunks=chunks)
+        producer_regs=t.producer_regs, chunks=chunks,
+        kpool=0 if positions is None else positions[2], real_rows=r)
     items = groups * chunks
     programs = min(items, sms or sm_count()) if t.persistent else 0  # (else one CTA per item)
     kernel = functools.partial(kernel, programs=programs, items=items)
@@ -545,7 +579,7 @@ def pool_scores_mgpu(qi: jax.Array, w: jax.Array, pool_keys: jax.Array, n_cand: 
         compiler_params=plgpu.CompilerParams(
             approx_math=False, unsafe_no_auto_barriers=True, reduction_scratch_bytes=0,
             lowering_semantics=plgpu.LoweringSemantics.Lane),
-    )(ncand_p, jnp.asarray(base, jnp.int32).reshape(1), q, w_p, keys)
+    )(*row_args, jnp.asarray(base, jnp.int32).reshape(1), q, w_p, keys)
     out = out.reshape(b, rp, width)
     if (rp, width) != (r, p):
         out = out[:, :r, :p]

@@ -198,16 +198,18 @@ def _topk_program(ids, *refs, k: int, chunk: int, chunks: int, rank_block: int,
     """Program ids (row, split) (the kernel's, or a co-launch's: `colaunch.Part`); whole refs:
     s_ref [N, Pp] f32; o_ref [N, Kp] int32 out (a row's shared by its `splits` programs: each
     writes the slots of its winners); ck_ref, ci_ref [N, S, Kp] int32 scratch (a program's
-    own row; [N, S, 2 Kp] with `sampled`, the sample's candidates). With `expand`: pv_ref
-    [N] int32 (each row's position, -1 for a padded row) and sel_ref [N, W] int32 out (masked
-    stores)."""
+    own row; [N, S, 2 Kp] with `sampled`, the sample's candidates). With `expand`: the rows'
+    positions, either pv_ref [N] int32 (each row's position, -1 for a padded row) or pos_ref
+    [N] int32 and valid_ref [N] bool (`positions` of them, read here: no pass before the
+    kernel), and sel_ref [N, W] int32 out (masked stores)."""
     if expand is None:
         s_ref, o_ref, ck_ref, ci_ref = refs
     else:
-        s_ref, pv_ref, o_ref, ck_ref, ci_ref, sel_ref = refs
+        s_ref, *row_refs, o_ref, ck_ref, ci_ref, sel_ref = refs
     row, split = ids
     lane = jnp.arange(chunk, dtype=jnp.int32)  # [chunk]
-    store_winners = _winner_store(pv_ref, sel_ref, k, expand, row) if expand else None
+    pv = _row_position(row_refs, row) if expand else None
+    store_winners = _winner_store(pv, sel_ref, k, expand, row) if expand else None
 
     if chunks == 1:
         row_keys = sortable_key(s_ref[row])  # [chunk], loaded once
@@ -362,7 +364,7 @@ def _topk_program(ids, *refs, k: int, chunk: int, chunks: int, rank_block: int,
             select_and_rank(radix_select())
 
     if expand is not None:
-        _store_tail(pv_ref, sel_ref, k, expand, row, split, splits)
+        _store_tail(pv, sel_ref, k, expand, row, split, splits)
     if not short_rows:
         select_and_rank(radix_select())
         return
@@ -422,10 +424,17 @@ def sort_winners(key: jax.Array, idx: jax.Array) -> tuple[jax.Array, jax.Array]:
     return key.reshape(n), idx.reshape(n)
 
 
-def _row_plan(pv_ref, k: int, expand: Expansion, row):
-    """Row `row`'s (n_sel, first tail token, tail tokens): `select.expand_selection`'s terms;
-    a padded row (position -1) selects nothing and has no tail."""
-    pv = pv_ref[row]  # [] position, -1: padded
+def _row_position(row_refs, row):
+    """Row `row`'s position, -1 where padded: pv_ref's, or `positions` of pos_ref, valid_ref."""
+    if len(row_refs) == 1:
+        return row_refs[0][row]
+    pos_ref, valid_ref = row_refs
+    return jnp.where(valid_ref[row], pos_ref[row], -1)
+
+
+def _row_plan(pv, k: int, expand: Expansion):
+    """A row's (n_sel, first tail token, tail tokens) at position `pv` ([] int32, -1: a padded
+    row, which selects nothing and has no tail): `select.expand_selection`'s terms."""
     seen = pv + 1  # tokens visible to the row
     live = pv >= 0
     n_sel = jnp.where(live, jnp.minimum(k, seen // expand.kpool), 0)
@@ -433,12 +442,12 @@ def _row_plan(pv_ref, k: int, expand: Expansion, row):
     return n_sel, seen // expand.kpool * expand.kpool, tail_count
 
 
-def _winner_store(pv_ref, sel_ref, k: int, expand: Expansion, row):
+def _winner_store(pv, sel_ref, k: int, expand: Expansion, row):
     """-> store(rank [RB], pool [RB], ok [RB]): pool's KP tokens into slots rank*KP.. of row
-    `row` for the winners ranked below n_sel."""
+    `row` (at position pv) for the winners ranked below n_sel."""
     kpool = expand.kpool
     j = jnp.arange(next_pow2(kpool), dtype=jnp.int32)  # [KPp] token within the pool
-    n_sel, _, _ = _row_plan(pv_ref, k, expand, row)
+    n_sel, _, _ = _row_plan(pv, k, expand)
 
     def store(rank, pool, ok):
         slots = rank[:, None] * kpool + j[None, :]  # [RB, KPp]
@@ -448,10 +457,10 @@ def _winner_store(pv_ref, sel_ref, k: int, expand: Expansion, row):
     return store
 
 
-def _store_tail(pv_ref, sel_ref, k: int, expand: Expansion, row, split, splits: int,
+def _store_tail(pv, sel_ref, k: int, expand: Expansion, row, split, splits: int,
                 block: int = 256):
     """Slots from n_sel*KP on: the tail's tokens, then -1; the row's programs share them."""
-    n_sel, tail_base, tail_count = _row_plan(pv_ref, k, expand, row)
+    n_sel, tail_base, tail_count = _row_plan(pv, k, expand)
     start = n_sel * expand.kpool
     first, blocks = start // block, pl.cdiv(expand.width, block)
     per = (blocks - first + splits - 1) // splits
@@ -519,31 +528,32 @@ def pool_topk_expand_pallas(scores: jax.Array, k: int, pos: jax.Array, valid: ja
                             ) -> jax.Array:
     """`select.expand_selection` of `pool_topk_pallas` in one kernel: the token slots, bit
     for bit. scores [..., P] f32, pos and valid [...] -> [..., W] int32."""
-    pv = _positions(scores, pos, valid, "pool_topk_expand")
+    rows = _positions(scores, pos, valid, "pool_topk_expand")
     tuning = with_overrides(tuning, overrides)
     if tuning.backend == "triton":  # "auto" runs this file's kernel: it writes the slots
         raise ValueError(f"pool_topk_expand: backend={tuning.backend!r} writes no token slots; "
                          f"only backend='pallas' does (select.select_slots expands the other)")
-    return _topk_call(scores, k, expand, pv, interpret, tuning)[1]
+    return _topk_call(scores, k, expand, rows, interpret, tuning)[1]
 
 
 def _positions(scores: jax.Array, pos: jax.Array | None, valid: jax.Array | None,
-               what: str, pv: jax.Array | None = None) -> jax.Array:
-    """The rows' positions as the expanding kernel reads them: `pv [N]` int32, -1 for a row
-    not valid (`positions`); pos and valid must have scores' leading shape. pv: that array,
-    computed by the caller (`pallas/row_meta.py`): checked for its shape, used as it is."""
+               what: str, pv: jax.Array | None = None) -> tuple[jax.Array, ...]:
+    """The rows' positions as the expanding kernel reads them: `(pos [N] int32, valid [N]
+    bool)`, flattened (free), `positions` of which the kernel takes itself (no pass before
+    it); pos and valid must have scores' leading shape. pv: `positions(pos, valid)` computed
+    by the caller (`pallas/row_meta.py`): checked for its shape, passed as `(pv,)`."""
     n = math.prod(scores.shape[:-1])
     if pv is not None:
         if pv.shape != (n,) or pv.dtype != jnp.int32:
             raise ValueError(f"{what}: pv must be int32 of shape ({n},) for scores "
                              f"{scores.shape}; got {pv.dtype} {pv.shape}")
-        return pv
+        return (pv,)
     if (pos is None or valid is None or scores.shape[:-1] != pos.shape
             or pos.shape != valid.shape):
         raise ValueError(f"{what}: scores {scores.shape} need pos and valid of shape "
                          f"{scores.shape[:-1]}; got {getattr(pos, 'shape', None)} and "
                          f"{getattr(valid, 'shape', None)}")
-    return positions(pos, valid).reshape(-1)  # [N]
+    return pos.reshape(n).astype(jnp.int32), valid.reshape(n).astype(jnp.bool_)
 
 
 def positions(pos: jax.Array, valid: jax.Array) -> jax.Array:
@@ -552,9 +562,10 @@ def positions(pos: jax.Array, valid: jax.Array) -> jax.Array:
     return jnp.where(valid, pos, -1).astype(jnp.int32)
 
 
-def _topk_part(scores, k, expand, pv, interpret, tuning):
+def _topk_part(scores, k, expand, rows, interpret, tuning):
     """The kernel for `scores [..., P]` as a `colaunch.Part` (grid (rows, rank splits)) and
-    `finish(outs) -> (pools [..., k], slots [..., W] or None)`."""
+    `finish(outs) -> (pools [..., k], slots [..., W] or None)`; rows: `_positions`' (with
+    `expand`)."""
     radix_bits = tuning.radix_bits
     *lead, p = scores.shape
     if not 1 <= k <= p:
@@ -591,7 +602,7 @@ def _topk_part(scores, k, expand, pv, interpret, tuning):
     inputs = [x]
     if expand is not None:
         out_shape.append(jax.ShapeDtypeStruct((n, expand.width), jnp.int32))
-        inputs.append(pv)
+        inputs.extend(rows)
     part = Part(body, (n, splits), tuple(inputs), tuple(out_shape))
 
     def finish(outs):
@@ -601,9 +612,9 @@ def _topk_part(scores, k, expand, pv, interpret, tuning):
     return part, finish
 
 
-def _topk_call(scores, k, expand, pv, interpret, tuning):
+def _topk_call(scores, k, expand, rows, interpret, tuning):
     """-> (pools [..., k], slots [..., W] or None)."""
-    part, finish = _topk_part(scores, k, expand, pv, interpret, tuning)
+    part, finish = _topk_part(scores, k, expand, rows, interpret, tuning)
     outs = pl.pallas_call(
         lambda *refs: part.body((pl.program_id(0), pl.program_id(1)), *refs),
         grid=part.grid,
@@ -631,6 +642,6 @@ def topk_part(scores: jax.Array, k: int, *, interpret: bool = False,
     if scores.shape[-1] > tuning.chunk:
         raise ValueError(f"topk_part: rows of {scores.shape[-1]} pools; at most the chunk's "
                          f"{tuning.chunk}")
-    pv = None if expand is None else _positions(scores, pos, valid, "topk_part", pv)
-    part, finish = _topk_part(scores, k, expand, pv, interpret, tuning)
+    rows = None if expand is None else _positions(scores, pos, valid, "topk_part", pv)
+    part, finish = _topk_part(scores, k, expand, rows, interpret, tuning)
     return part, lambda outs: finish(outs)[0 if expand is None else 1]
