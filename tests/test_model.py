@@ -95,15 +95,16 @@ def test_the_scanned_model_on_the_row_invariant_gemms(kernel_impl):
     # Traced once per scan body: 6 GEMMs of a full layer, 5 of a shared one (no indexer
     # query), each on its stack and layer index (3 operands); segments (full, shared, shared)
     # and (full); the LM head on its one weight. No XLA dot is left. A full layer's q_b GEMM
-    # shares the top-k's launch (`layer.shares_q_launch`: its scores and position, then the
+    # shares the top-k's launch (`layer.shares_q_launch`: its scores, the rows' positions and
+    # validity (read by the kernel: no pass before it), then the
     # GEMM's index, rows and stack), with cfg.colaunch off it runs alone.
     assert ops.count("pallas_call:matmul/3") == (5 + 5) + 5 and "dot_general" not in ops
-    assert ops.count("pallas_call:topk_matmul/5") == 2 and "pallas_call:pool_topk/1" not in ops
+    assert ops.count("pallas_call:topk_matmul/6") == 2 and "pallas_call:pool_topk/1" not in ops
     off = M.ModelConfig(mcfg.dsa.replace(colaunch=False), vocab_size=37)
     ops_off = _primitives(jax.make_jaxpr(lambda w, s, t, n: M.forward(off, w, s, t, n))(
         stacked, ms, jnp.zeros((b, 1), jnp.int32), jnp.ones((b,), jnp.int32)).jaxpr)
     assert ops_off.count("pallas_call:matmul/3") == (6 + 5) + 6
-    assert "pallas_call:topk_matmul/5" not in ops_off
+    assert "pallas_call:topk_matmul/6" not in ops_off
     assert ops.count("pallas_call:matmul/2") == 1
     # The pre-block and q_a RMSNorms read their stacked weights in place too (2 per body);
     # the final norm has its one weight.
