@@ -298,7 +298,7 @@ def _kernel(*refs, block_p: int, tiles: int, chunks: int, stages: int, consumers
     major), its ring and barrier phases running on across them, and qi reloaded (into the
     other of two buffers) only where the row group changes.
 
-    refs: ncand_ref [N] int32 (N = G * rows), or with kpool pos_ref and valid_ref [B R] int32
+    refs: ncand_ref [N] int32 (N = G * rows), or with kpool pos_ref and valid_ref [B*R] int32
     and bool, each row's count `candidate_pools` of them, computed here (no pass before the
     kernel; rows r >= real_rows = R of a sequence, the padding, have none); then base_ref, ...,
     out_ref. base_ref [1] int32: pool p's key is read at pool
