@@ -84,7 +84,8 @@ def row_counts(n_cand: jax.Array | None, positions) -> jax.Array:
     """n_cand [B, R] int32, given or as `positions=(pos, valid, KP)` say
     (`row_meta.candidate_pools`): exactly one of the two."""
     if (n_cand is None) == (positions is None):
-        raise ValueError("pool_scores: give n_cand or positions=(pos, valid, kpool), not both")
+        raise ValueError("pool_scores: give exactly one of n_cand and positions=(pos, valid, "
+                         "kpool) (not both, not neither)")
     if positions is None:
         return n_cand
     pos, valid, kpool = positions

@@ -519,8 +519,8 @@ def pool_scores_mgpu(qi: jax.Array, w: jax.Array, pool_keys: jax.Array,
     b, r, hi, di = qi.shape
     base, p = (jnp.int32(0), pool_keys.shape[1]) if pools is None else pools
     if (n_cand is None) == (positions is None):
-        raise ValueError("pool_scores_mgpu: give n_cand or positions=(pos, valid, kpool), "
-                         "not both")
+        raise ValueError("pool_scores_mgpu: give exactly one of n_cand and positions=(pos, valid, "
+                         "kpool) (not both, not neither)")
     if positions is not None and positions[2] < 1:
         raise ValueError(f"pool_scores_mgpu: positions' pool size {positions[2]} must be >= 1")
     rows_shape = (n_cand if positions is None else positions[0]).shape
