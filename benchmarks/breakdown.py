@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from dsa_jax import attend, indexer, layer, projection, select
+from dsa_jax import step as dsa_step
 
 from .harness import check_device, err_text, log, measure, profile_step
 from .measures import host_checks_us, row_padding_us, time_public_decode
@@ -43,7 +44,7 @@ def stage_fns(cfg) -> dict:
                                    layer.candidate_pools(cfg, pos, valid))
 
     def attend_rows(state, q_abs, sel):
-        return attend.attend(cfg, state, q_abs, sel, layer.live_rows(cfg, q_abs))
+        return attend.attend(cfg, state, q_abs, sel, dsa_step.live_rows(cfg, q_abs))
 
     return {"project": jax.jit(lambda w, x: projection.project(cfg, w, x)),
             "cache_writes": jax.jit(cache_writes, donate_argnums=(1,)),

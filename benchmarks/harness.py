@@ -153,14 +153,16 @@ def measure_ceilings(*, small: bool, groups: int, with_torch: bool) -> tuple[Cei
     n_mm = 256 if small else 8192
     detail: dict = {}
     reps = max(5, groups // 2)
-    xs = [jax.random.normal(jax.random.key(i), (n_copy,), jnp.float32) for i in range(2)]
+    xs = [jax.random.normal(jax.random.key(i, impl="rbg"), (n_copy,), jnp.float32)
+          for i in range(2)]
     f = jax.jit(lambda x: x * 1.0001)
     it = iter(range(1 << 30))
     t = measure(lambda: f(xs[next(it) % 2]), warmup=2, groups=reps, inner=5)
     copy = 2 * 4 * n_copy / (t["median_us"] * 1e-6) / 1e9
     detail["jax_copy"] = {"bytes_per_op": 2 * 4 * n_copy, "GBps": copy, **t}
     xs.clear()
-    a = [jax.random.normal(jax.random.key(10 + i), (n_mm, n_mm), jnp.bfloat16) for i in range(2)]
+    a = [jax.random.normal(jax.random.key(10 + i, impl="rbg"), (n_mm, n_mm), jnp.bfloat16)
+         for i in range(2)]
     mm = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32
                                       ).astype(jnp.bfloat16))
     it2 = iter(range(1 << 30))
@@ -282,30 +284,6 @@ def _trace_events(call: Callable[[], Any], calls: int) -> list[dict]:
     return data["traceEvents"] if isinstance(data, dict) else data
 
 
-# Public for scripts that read the host side of a trace too (benchmarks/h200_dispatch.py).
-trace_events = _trace_events
-
-
-def host_events(call: Callable[[], Any], calls: int, top: int = 30,
-                skip: tuple[str, ...] = ()) -> list[dict]:
-    """Host-side trace events of `calls` synced calls: per name (names starting with a `skip`
-    prefix left out, e.g. "$" for Python frames), us and count per call, longest first. The
-    profiler slows the host: compare rows of one trace setup, not these us with wall times."""
-    ev = _trace_events(lambda: jax.block_until_ready(call()), calls)
-    _, _, dev = trace_names(ev)
-    agg: dict = {}
-    for e in ev:
-        name = e.get("name", "?")[:120]
-        if e.get("ph") != "X" or e.get("pid") in dev or name.startswith(skip):
-            continue
-        a = agg.setdefault(name, [0.0, 0])
-        a[0] += float(e.get("dur", 0.0))
-        a[1] += 1
-    rows = sorted(agg.items(), key=lambda kv: -kv[1][0])[:top]
-    return [{"name": k, "us_per_call": v[0] / calls, "count_per_call": v[1] / calls}
-            for k, v in rows]
-
-
 def trace_names(ev: list[dict]) -> tuple[dict, dict, set]:
     """A trace's process names {pid: name}, thread names {(pid, tid): name} and the pids of
     its devices."""
@@ -336,7 +314,9 @@ def profile(call: Callable[[], Any], calls: int, *, reset: Callable[[], None] | 
     first; `reset` before those and before the traced ones): per kernel name its time and
     launches per call, the total kernel time per call (`kernel_us_per_step`), and the span
     from the first kernel's start to the last one's end. `{"error": ...}` where the trace holds
-    no device kernels (a CPU)."""
+    no device kernels (a CPU: not traced at all, a CPU trace records none)."""
+    if jax.default_backend() == "cpu":
+        return {"error": "no device kernels on a CPU backend"}
     if reset is not None:
         jax.block_until_ready(reset())
     for _ in range(2):
@@ -397,34 +377,6 @@ def kernel_us(call: Callable[[], Any], calls: int = 20) -> float | None:
     """Device kernel time per call (CUPTI trace; no dispatch or gaps); None where the backend
     records no kernels (a CPU)."""
     return profile(call, calls, top=0).get("kernel_us_per_step")
-
-
-# ---------------------------------------------------------------------------------------------
-# Device sweep scripts (benchmarks/h200_*.py)
-# ---------------------------------------------------------------------------------------------
-
-
-def sweep_row(res: dict, row: dict, work: Callable[[dict], None], path: str) -> None:
-    """One row of a device sweep script: `work(row)` fills the row; a failure is recorded in it
-    and in `res["errors"]`, and the sweep goes on. The row is printed as JSON and all of `res`
-    rewritten to `path`, so a run cut short keeps what it measured."""
-    try:
-        work(row)
-    except Exception as e:
-        row["error"] = f"{type(e).__name__}: {str(e)[:500]}"
-        res["errors"].append(traceback.format_exc()[-2000:])
-    res["results"].append(row)
-    print(json.dumps(row), flush=True)
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1, default=str)
-
-
-def sweep_times(call: Callable[[], Any], heavy: bool, heavy_inner: int = 1) -> dict:
-    """A device sweep row's times: `wall_us` (median of back-to-back calls) and `kernel_us`
-    (device kernel time per call; None off a GPU); fewer repetitions for a `heavy` call."""
-    wall = measure(call, warmup=2, groups=5 if heavy else 15,
-                   inner=heavy_inner if heavy else 10)["median_us"]
-    return {"wall_us": wall, "kernel_us": kernel_us(call, 3 if heavy else 20)}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,8 +5,7 @@
 - pool keys cached in the state against recomputed from the cached k and gate rows;
 - the two fused input GEMMs against seven separate ones;
 - the state donated to the jitted step against copied;
-- decode rows padded to max_verify against one row;
-- the gather-attend kernel's split count (pallas only).
+- decode rows padded to max_verify against one row.
 """
 
 from __future__ import annotations
@@ -18,14 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsa_jax import indexer, layer, projection
-from dsa_jax.pallas import index_write
-from dsa_jax.pallas import sparse_attend as sparse_attend_op
 
 from .harness import check_device, err_text, kernel_us, log, measure, profile_step
 from .measures import run_step
 from .roofline import absorbed_vs_runtime
 from .schema import ratio
-from .workloads import Cycle, StepRunner, attend_inputs, random_state
+from .workloads import StepRunner, random_state
 
 FORM_TIMES = "_us: median wall time, _kernel_us: device kernel time (trace)"
 
@@ -37,8 +34,6 @@ def run(suite) -> None:
     suite.save()
     if suite.args.no_levers:
         return
-    if "pallas" in suite.impls:
-        split_sweep(suite, lev)
     for name, fn in (("kv_b_absorbed_vs_runtime_measured", kv_b_forms),
                      ("pool_keys_cached_vs_recomputed", pool_keys),
                      ("fused_projections_vs_separate", fused_projections),
@@ -49,39 +44,6 @@ def run(suite) -> None:
         lev[name] = suite.guarded(f"lever {name}", functools.partial(fn, suite))
         suite.save()
     row_padding(suite, lev)
-
-
-def split_sweep(suite, lev: dict) -> None:
-    """The gather-attend kernel's programs per (row, head block), at the decode step's shapes
-    (`dsa_jax.pallas.sparse_attend.sparse_attend_pallas(num_splits=...)`)."""
-    p, cfg = suite.plan, suite.cfg
-    scale = cfg.qk_nope_head_dim ** -0.5
-    sweep = {}
-    for b in (1, p.big_batch):
-        for s in suite.tqdm((None,) + tuple(p.split_sweep), f"split sweep b{b}"):
-            if suite.late():
-                break
-
-            def one(b=b, s=s):
-                st, sets = attend_inputs(cfg, b, 1, cfg.num_heads, cfg.sel_width, p.ctx,
-                                         900 + b)
-                fn = jax.jit(functools.partial(sparse_attend_op.sparse_attend_pallas,
-                                               softmax_scale=scale, num_splits=s))
-                call = Cycle(lambda q, sel: fn(q, st.latent, st.kv_scale, st.block_tables,
-                                               sel), sets)
-                jax.block_until_ready(call())
-                return measure(call, warmup=p.warmup, groups=p.groups, inner=p.inner)
-
-            t = suite.guarded(f"split sweep b{b} splits {s}", one)
-            sweep[f"b{b}-splits{s or 'default'}"] = {
-                "B": b, "splits": s or "default",
-                **{k: t.get(k) for k in ("median_us", "p10_us", "p90_us", "error")}}
-            suite.save()
-    lev["attend_split_sweep"] = {
-        "results": sweep, "shape": "R=1, H=num_heads, W=sel_width, fp8",
-        "note": "splits = programs per (row, head block) over the slot list; default = the "
-                "kernel's own choice (num_splits=None)"}
-    suite.save()
 
 
 def row_padding(suite, lev: dict) -> None:
@@ -207,7 +169,11 @@ def kv_b_forms(suite) -> dict:
 def _recomputed_scores(cfg, qi, w, index_k, index_g, ape, n_cand):
     b, t, di = index_k.shape
     members = (b, t // ape.shape[0], ape.shape[0], di)  # [B, P, KP, Di]
-    keys = index_write.pool_key(index_k.reshape(members), index_g.reshape(members), ape)
+    # each pool's key: a softmax over its KP members per channel, fp32 (what the index write
+    # stores when a pool completes)
+    logits = index_g.reshape(members).astype(jnp.float32) + ape
+    keys = jnp.sum(jax.nn.softmax(logits, axis=-2)
+                   * index_k.reshape(members).astype(jnp.float32), axis=-2)
     return indexer.pool_scores(cfg, qi, w, keys, n_cand)
 
 

@@ -72,7 +72,7 @@ def run_step(suite, impl: str, tp: int, num_seqs: int, k: int, ctx: int,
     return t
 
 
-def _per_impl(suite, point, fn) -> dict:
+def per_impl(suite, point, fn) -> dict:
     return {impl: suite.guarded(f"{point.name} {impl}", functools.partial(fn, impl))
             for impl in suite.tqdm(suite.impls, point.name)}
 
@@ -81,7 +81,7 @@ def step(suite, point) -> dict:
     """A decode, verify or scaling point: the jitted step at the point's shape."""
     q = point.params
     changes = {"max_context": q["max_context"]} if "max_context" in q else {}
-    timings = _per_impl(suite, point, lambda impl: run_step(
+    timings = per_impl(suite, point, lambda impl: run_step(
         suite, impl, q["tp"], q["batch"], q["k"], q["ctx"], changes, point.kernel_time))
     cfg = suite.cfg.replace(tp_degree=q["tp"])
     pb = param_bytes(suite.weights_for(q["tp"]))
@@ -128,7 +128,7 @@ def public_decode(suite, point) -> dict:
                  timed="dsa_jax.decode(cfg, weights, state, x [1, D]), blocked after each call")
         return t
 
-    return {"timings": _per_impl(suite, point, one), "cost": None}
+    return {"timings": per_impl(suite, point, one), "cost": None}
 
 
 def gather_attend(suite, point) -> dict:
@@ -144,8 +144,7 @@ def gather_attend(suite, point) -> dict:
 
         # The arrays the attend reads are the program's arguments; the state's indexer arrays
         # are not (as leaves of a state argument, jit prunes them from the program but the
-        # dispatch still checks each: ~4-18 us a call on the lent hosts,
-        # h100-gaps-launches-20261206-s30-call6.json, attend-a-state vs attend-a-3launch).
+        # dispatch still checks each: ~4-18 us a call measured on the lent hosts).
         @jax.jit
         def fn(latent, kv_scale, block_tables, q, sel):
             return attend_rows(cfg, st._replace(latent=latent, kv_scale=kv_scale,
@@ -169,7 +168,7 @@ def gather_attend(suite, point) -> dict:
     fields = {"flashmla_TFLOPs": FLASHMLA_TFLOPS,
               "flop_count": "4*rows*heads*slots*C (QK and PV over the C=512 latent); FlashMLA "
                             "counts 2*h*s_q*topk*(576+512) per sequence"}
-    return {"timings": _per_impl(suite, point, one), "cost": cost, "fields": fields}
+    return {"timings": per_impl(suite, point, one), "cost": cost, "fields": fields}
 
 
 def call_floor_us(fn, args: list[tuple], plan) -> float:
@@ -207,7 +206,7 @@ def selection(suite, point) -> dict:
         t["kernel_us"] = kernel_us(call)  # device time beside the wall (gather_attend says why)
         return t
 
-    return {"timings": _per_impl(suite, point, one), "cost": selection_cost(suite.cfg, b, r, ctx)}
+    return {"timings": per_impl(suite, point, one), "cost": selection_cost(suite.cfg, b, r, ctx)}
 
 
 def prefill(suite, point) -> dict:
@@ -230,7 +229,7 @@ def prefill(suite, point) -> dict:
         return t
 
     cost = prefill_cost(suite.cfg, param_bytes(suite.weights_for(1)), s)
-    return {"timings": _per_impl(suite, point, one), "cost": cost}
+    return {"timings": per_impl(suite, point, one), "cost": cost}
 
 
 def compile_count(suite, point) -> dict:

@@ -3,8 +3,8 @@ shape parameters and its target, with a pure `met(result) -> bool`.
 
 `plan_points(cfg, plan)` lists them for one plan: the full one (GLM-5.3-Flash shapes on an
 H200, the targets of issues #14 and #12) or the smoke one (the tiny config on a CPU, the same
-rules). A point whose `kind` is None has no measuring function in this harness yet: the suite
-records it with its `status` and render shows it as "-".
+rules). Every point has a measuring function (`kind`: benchmarks/measures.py's and
+benchmarks/loop.py's `MEASURES`).
 """
 
 from __future__ import annotations
@@ -15,10 +15,8 @@ from typing import Any
 
 GROUPS = ("decode", "hf", "kernels", "selection", "prefill", "scaling", "tp8", "memory",
           "levers", "breakdown", "loop")
-NOT_MEASURED = "not measured: needs dsa_jax serving loop"
-LOOP_LAYERS = 8  # layers scanned in one program (the loop and speculation points)
-TOKENS_PER_DISPATCH = 32  # decode steps per host dispatch (the loop points)
 SPEC_DRAFTS = 3  # draft tokens verified per step (the speculation point)
+SPEC_ACCEPTANCE = 0.7  # the share of drafts the speculation point's scripted drafter gets right
 MiB = 2 ** 20
 
 
@@ -40,8 +38,10 @@ class Plan:
     warmup: int
     groups: int
     inner: int
-    long_groups: int  # prefill / HF at long contexts
-    split_sweep: tuple[int, ...]
+    long_groups: int  # prefill / HF at long contexts, the serving loop's dispatches
+    loop_layers: int  # layers of the serving loop's model (scanned in one program)
+    loop_tokens: int  # decode steps per host dispatch (the loop and engine points)
+    engine_prompt: int  # prompt tokens of each of the engine point's sequences
 
 
 def full_plan(cfg) -> Plan:
@@ -49,7 +49,7 @@ def full_plan(cfg) -> Plan:
                 scaling_ctx=(1024, 4096, 16384, 65536, 131072),
                 kernel_a=(64, 1, cfg.num_heads, cfg.sel_width), kernel_b=(128, 2, 128, 2048),
                 hf_ctx=(1024, 4096, 16384, 65536, 131072), tp=(1, 8), warmup=3, groups=15,
-                inner=10, long_groups=7, split_sweep=(1, 2, 4, 8, 16))
+                inner=10, long_groups=7, loop_layers=8, loop_tokens=32, engine_prompt=2048)
 
 
 def smoke_plan(cfg) -> Plan:
@@ -59,13 +59,13 @@ def smoke_plan(cfg) -> Plan:
                 scaling_ctx=(m // 4, m // 2, m),
                 kernel_a=(4, 1, cfg.num_heads, cfg.sel_width), kernel_b=(2, 2, 16, cfg.index_topk),
                 hf_ctx=(m,), tp=(1, 8), warmup=1, groups=3, inner=2, long_groups=2,
-                split_sweep=(1, 2))
+                loop_layers=2, loop_tokens=4, engine_prompt=12)
 
 
 def quick(plan: Plan) -> Plan:
     """The full shapes with the fewest repetitions (a dry run of the shapes, e.g. on a CPU)."""
     return dataclasses.replace(plan, warmup=1, groups=2, inner=1, long_groups=1,
-                               hf_ctx=plan.hf_ctx[:1], split_sweep=plan.split_sweep[:2])
+                               hf_ctx=plan.hf_ctx[:1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,14 +150,13 @@ def bytes_at_most(n: int) -> AtMost:
 class Point:
     name: str
     group: str  # the suite group (GROUPS) that runs it
-    kind: str | None  # its measuring function (benchmarks/measures.py); None: not measured yet
+    kind: str  # its measuring function (`MEASURES` of benchmarks/measures.py, loop.py)
     what: str  # the measured work, in words
     rule: AtMost | Equals | Reported
     params: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # written to the JSON
     hf: int | str | None = None  # the Hugging Face counterpart (a decode context or a kind)
     relative_to: str | None = None  # the K=1 point a verify is compared with
     kernel_time: bool = False  # also trace the device kernel time
-    status: str | None = None  # why a point is not measured
 
     @property
     def target(self) -> str:
@@ -258,31 +257,30 @@ def _memory_points(cfg, plan: Plan) -> list[Point]:
 
 
 def _loop_points(cfg, plan: Plan) -> list[Point]:
-    n, ctx = LOOP_LAYERS, plan.ctx
-    per_tok = "us_per_token_per_layer"
-    kern = "kernel_us_per_token_per_layer"
-    out = [Point(f"loop-b{b}-l{n}", "loop", None,
-                 f"serving loop: {n} layers scanned in one program, {b} sequence(s), context "
-                 f"{ctx}, {TOKENS_PER_DISPATCH} tokens per dispatch; time per token per layer",
-                 times(kern, x, "the layers' kernel time", field=per_tok),
-                 {"batch": b, "layers": n, "ctx": ctx,
-                  "tokens_per_dispatch": TOKENS_PER_DISPATCH}, status=NOT_MEASURED)
-           for b, x in ((1, 1.1), (plan.big_batch, 1.2))]
+    n, ctx, big, per = plan.loop_layers, plan.ctx, plan.big_batch, plan.loop_tokens
+    model = f"{n} layers (full and shared in turn) scanned in one program"
+    out = [Point(f"loop-b{b}-l{n}", "loop", "loop",
+                 f"serving loop (dsa_jax.serve.run): {model}, {b} sequence(s), context {ctx}, "
+                 f"{per} tokens per dispatch; time per token per layer",
+                 times("kernel_us_per_token_per_layer", x, "the layers' kernel time",
+                       field="us_per_token_per_layer"),
+                 {"batch": b, "layers": n, "ctx": ctx, "tokens_per_dispatch": per})
+           for b, x in ((1, 1.1), (big, 1.2))]
     out.append(Point(
-        f"spec-b1-l{n}-k{SPEC_DRAFTS}", "loop", None,
-        f"speculative decoding: {n} layers, 1 sequence, {SPEC_DRAFTS} drafts verified per "
-        f"step, context {ctx}", Reported("tokens_per_s", "tokens/s reported with the "
-                                         "acceptance rate it ran at"),
-        {"batch": 1, "layers": n, "drafts": SPEC_DRAFTS, "ctx": ctx}, status=NOT_MEASURED))
-    b = plan.big_batch
+        f"spec-b1-l{n}-k{SPEC_DRAFTS}", "loop", "spec",
+        f"speculative decoding: {model}, 1 sequence, {SPEC_DRAFTS} drafts verified per round "
+        f"(a scripted drafter, {SPEC_ACCEPTANCE:g} of its drafts right), context {ctx}; time "
+        f"per token", Reported("tokens_per_s", "tokens/s reported with the acceptance it ran "
+                                               "at"),
+        {"batch": 1, "layers": n, "drafts": SPEC_DRAFTS, "ctx": ctx,
+         "tokens_per_dispatch": per, "stated_acceptance": SPEC_ACCEPTANCE}))
     out.append(Point(
-        f"engine-b{b}-l{n}", "loop", None,
-        f"the engine's own step as a user drives it (Engine.step): {n} layers, {b} sequences "
-        f"of 2K-token prompts, {TOKENS_PER_DISPATCH} tokens per dispatch; time per step per "
+        f"engine-b{big}-l{n}", "loop", "engine",
+        f"the engine's own step as a user drives it (Engine.step): {model}, {big} sequences "
+        f"of {plan.engine_prompt}-token prompts, {per} tokens per dispatch; time per step per "
         f"layer", times("kernel_per_step_per_layer_us", 1.5, "its kernel time",
                         field="per_step_per_layer_us"),
-        {"batch": b, "layers": n, "tokens_per_dispatch": TOKENS_PER_DISPATCH},
-        status=NOT_MEASURED))
+        {"batch": big, "layers": n, "prompt": plan.engine_prompt, "tokens_per_dispatch": per}))
     return out
 
 

@@ -3,11 +3,9 @@ JSON: each takes results as loaded and returns lines."""
 
 from __future__ import annotations
 
-import glob
-import json
 import os
 
-from benchmarks.schema import fmt_us, fmt_x, ratio
+from benchmarks.schema import fmt_us, fmt_x
 
 STAGES = ("project", "cache_writes", "pool_scores", "top_k", "expand", "attend",
           "output_projection")
@@ -28,11 +26,11 @@ def met_cell(met: bool | None) -> str:
 
 
 def time_cell(p: dict) -> str:
-    """A point's figure: its time (with what its kind adds), its memory, or its status."""
+    """A point's figure: its time (with what its kind adds), or its memory."""
     if "value_MiB" in p:
         return f"{p.get('value_MiB', 0):.2f} MiB ({p.get('value_bytes')} B)"
-    if p.get("status"):
-        return f"- ({p['status']})"
+    if p.get("group") == "loop" or p.get("median_us") is None:
+        return loop_cell(p)
     extra = ""
     if p.get("TFLOPs") is not None:
         extra = f" ({p['TFLOPs']:.0f} TFLOP/s, {p.get('GBps', 0):.0f} GB/s)"
@@ -44,35 +42,33 @@ def time_cell(p: dict) -> str:
                  + (f", call floor {fmt_us(floor)})" if floor is not None else ")"))
     if p.get("device_step_us") is not None:
         extra = f" (device step {fmt_us(p['device_step_us'])})"
-    if p.get("median_us") is None:
-        return loop_cell(p)
     return fmt_us(p.get("median_us")) + extra
 
 
 def loop_cell(p: dict) -> str:
-    """The serving-loop points (benchmarks/h200_loop.py): time per token per layer and its
-    ratio to the layers' kernel time, or tokens/s for the speculation point."""
+    """The serving-loop points (benchmarks/loop.py): time per token (or step) per layer and
+    its ratio to the layers' kernel time, or tokens/s for the speculation point."""
+    over = p.get("wall_over_kernel")
+    kern = f" ({over:.2f}x kernels)" if over is not None else ""
     if p.get("us_per_token_per_layer") is not None:
-        return (f"{fmt_us(p['us_per_token_per_layer'])} per token per layer "
-                f"({p['wall_over_kernel']:.2f}x kernels)")
+        return f"{fmt_us(p['us_per_token_per_layer'])} per token per layer{kern}"
     if p.get("per_step_per_layer_us") is not None:  # the engine's step
-        return (f"{fmt_us(p['per_step_per_layer_us'])} per step per layer "
-                f"({p['wall_over_kernel']:.2f}x kernels)")
+        return f"{fmt_us(p['per_step_per_layer_us'])} per step per layer{kern}"
     if p.get("tokens_per_s") is not None:
         return (f"{p['tokens_per_s']:.0f} tok/s ({p['speedup']:.2f}x plain, acceptance "
                 f"{p['measured_acceptance']:.2f})")
     return "-"
 
 
-def points_table(rows: list[tuple], labels: dict[str, str]) -> list[str]:
-    """One row per (point, path of its run, target, met): `labels[path]` names the run."""
-    lines = ["| point | run | impl | time | floor | time / floor | bound | target | met | XLA | "
+def points_table(rows: list[tuple]) -> list[str]:
+    """One row per (point, target, met)."""
+    lines = ["| point | impl | time | floor | time / floor | bound | target | met | XLA | "
              "vs XLA | HF | vs HF |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for p, path, target, met in rows:
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p, target, met in rows:
         roof = p.get("roofline") or {}
         lines.append(
-            f"| {p['name']} | {labels[path]} | {p.get('impl') or '-'} | {time_cell(p)} | "
+            f"| {p['name']} | {p.get('impl') or '-'} | {time_cell(p)} | "
             f"{fmt_us(p.get('floor_us'))} | {fmt_x(p.get('time_over_floor'))} | "
             f"{roof.get('bound', '-')} | {target} | {met_cell(met)} | "
             f"{fmt_us(p.get('xla_us'))} | {fmt_x(p.get('ratio_vs_xla'))} | "
@@ -83,10 +79,10 @@ def points_table(rows: list[tuple], labels: dict[str, str]) -> list[str]:
 def readme_rows(rows: list[tuple]) -> list[str]:
     lines = ["| point | time | floor | time / floor | met | vs XLA | vs HF |",
              "|---|---|---|---|---|---|---|"]
-    for p, _, _, met in rows:
+    for p, _, met in rows:
         cell = (f"{p.get('value_MiB', 0):.1f} MiB" if "value_MiB" in p
-                else fmt_us(p.get("median_us")) if p.get("median_us") is not None
-                else loop_cell(p))
+                else loop_cell(p) if p.get("group") == "loop" or p.get("median_us") is None
+                else fmt_us(p.get("median_us")))
         lines.append(f"| {p['name']} | {cell} | {fmt_us(p.get('floor_us'))} | "
                      f"{fmt_x(p.get('time_over_floor'))} | {met_cell(met)} | "
                      f"{fmt_x(p.get('ratio_vs_xla'))} | {fmt_x(p.get('ratio_vs_hf'), 4)} |")
@@ -119,27 +115,6 @@ def impl_table(points: list[dict]) -> list[str]:
     return lines
 
 
-def public_api_table(points: list[dict]) -> list[str]:
-    """`dsa_jax.decode` beside the jitted step, where a decode point recorded both (runs
-    before the public-decode point existed kept it in the step point's timings)."""
-    rows = []
-    for p in points:
-        for impl, t in (p.get("impls") or {}).items():
-            pub = t.get("public_decode_us") if isinstance(t, dict) else None
-            if isinstance(pub, dict) and pub.get("median_us") is not None:
-                rows.append(f"| {p['name']} | {impl} | {fmt_us(t.get('median_us'))} | "
-                            f"{fmt_us(pub['median_us'])} | "
-                            f"{fmt_x(ratio(pub['median_us'], t.get('median_us')), 1)} |")
-    if not rows:
-        return []
-    return ["### The public `dsa_jax.decode` call vs the jitted step", "",
-            "Same state, same context; `decode` runs its host-side checks (a device -> host read "
-            "of the lengths and block tables), pads the row to max_verify, calls the step and "
-            "slices the outputs.", "",
-            "| point | impl | jitted step | dsa_jax.decode | ratio |", "|---|---|---|---|---|",
-            *rows, ""]
-
-
 def hf_table(res: dict) -> list[str]:
     hf = (res.get("baselines") or {}).get("hf") or {}
     fills = sorted({(r.get(i) or {}).get("cache_fill") for r in hf["contexts"].values()
@@ -162,12 +137,11 @@ def hf_table(res: dict) -> list[str]:
     return lines
 
 
-def breakdown_table(path: str, res: dict, out_md: str) -> list[str]:
+def breakdown_table(res: dict) -> list[str]:
     """A run's stage breakdown of the decode, verify and prefill steps."""
     bd = res["breakdown"]
     lines = ["### Where the step's time goes", "",
-             f"From {link(path, out_md)} ({res.get('date', '?')[:19]}, `{res.get('command')}`): "
-             "each stage of the step jitted alone at the step's shapes (decode `bN` and verify "
+             "Each stage of the step jitted alone at the step's shapes (decode `bN` and verify "
              f"`bN-kK` at context {(res.get('plan') or {}).get('ctx')}, rows padded to "
              "max_verify; `prefillS` from an empty context), median wall time; `sum` adds the "
              "stages; `step` is the whole jitted step (calls pipelined); `step, blocked` blocks "
@@ -203,36 +177,6 @@ def breakdown_table(path: str, res: dict, out_md: str) -> list[str]:
     return lines + [""]
 
 
-def launch_section(results_dir: str, out_md: str) -> list[str]:
-    """The newest benchmarks/h200_launch.py run that holds the trivial-program rows (the
-    batch-1 step: host dispatch against GPU time)."""
-    found = []
-    for path in glob.glob(os.path.join(results_dir, "*launch*.json")):
-        with open(path) as f:
-            res = json.load(f)
-        if any(r.get("impl") == "trivial" for r in res.get("results") or []):
-            found.append((res.get("date", ""), path, res))
-    if not found:
-        return []
-    _, path, res = max(found)
-    lines = [f"### Host dispatch against GPU time at batch 1: {link(path, out_md)} "
-             f"({res.get('date', '?')[:19]})", "", f"`{res.get('command')}`; each flag set in a "
-             "fresh process; `trivial` = a one-kernel program with the step's argument buffers; "
-             "`layers` > 1: that many layers in one program, figures per layer.", "",
-             "| flag set | impl | TP | K | layers | step | kernels | idle | host dispatch |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in res["results"]:
-        if r.get("error"):
-            lines.append(f"| {r['variant']} | {r['impl']} | {r['tp']} | {r['k']} | | "
-                         f"error: `{r['error'][:80]}` |")
-            continue
-        lines.append(f"| {r['variant']} | {r['impl']} | {r['tp']} | {r['k']} | "
-                     f"{r.get('layers_in_program', 1)} | {fmt_us(r.get('step_us'))} | "
-                     f"{fmt_us(r.get('kernel_us'))} | {fmt_us(r.get('idle_us'))} | "
-                     f"{fmt_us(r.get('dispatch_us'))} |")
-    return lines + [""]
-
-
 def levers_section(res: dict) -> list[str]:
     lev = res.get("levers") or {}
     lines = []
@@ -248,19 +192,6 @@ def levers_section(res: dict) -> list[str]:
                          f"{100 * d['runtime_fewer_bytes_frac']:.0f}% | "
                          f"{d['runtime_flops_per_row'] / 1e6:.1f} M | "
                          f"{d['absorbed_flops_per_row'] / 1e6:.1f} M |")
-        lines.append("")
-    sweep = lev.get("attend_split_sweep")
-    if sweep:
-        lines += ["### Split count of the gather-attend (pallas, R=1, H=64, W=2051, fp8)", "",
-                  sweep.get("note", ""), "",
-                  "| batch | splits | median | p10-p90 |", "|---|---|---|---|"]
-        for r in sweep["results"].values():
-            if r.get("median_us") is None:
-                lines.append(f"| {r['B']} | {r['splits']} | error | "
-                             f"`{(r.get('error') or '').splitlines()[0][:80]}` |")
-            else:
-                lines.append(f"| {r['B']} | {r['splits']} | {fmt_us(r['median_us'])} | "
-                             f"{fmt_us(r.get('p10_us'))}-{fmt_us(r.get('p90_us'))} |")
         lines.append("")
     for key, title, base, other in (
             ("kv_b_absorbed_vs_runtime_measured", "Absorbed vs run-time kv_b (measured)",
@@ -295,36 +226,4 @@ def two_forms_table(lever: dict, title: str, base: str, other: str) -> list[str]
                      f"{fmt_us(r.get(f'{other}_kernel_us'))} | "
                      f"{fmt_x(r.get(f'{other}_over_{base}_kernel'))} | "
                      f"{fmt_us(r.get(f'{base}_us'))} | {fmt_us(r.get(f'{other}_us'))} |")
-    return lines + [""]
-
-
-def parallel_section(results_dir: str, out_md: str) -> list[str]:
-    """The newest benchmarks/h200_parallel.py run: TP and DP against one GPU (times per decode
-    step inside a jitted loop, targets) and the parity of each layout against one GPU."""
-    found = []
-    for path in glob.glob(os.path.join(results_dir, "*parallel*.json")):
-        with open(path) as f:
-            res = json.load(f)
-        if res.get("times"):
-            found.append((res.get("date", ""), path, res))
-    if not found:
-        return []
-    _, path, res = max(found)
-    lines = [f"## Several GPUs: {link(path, out_md)} ({res.get('date', '?')[:19]}, "
-             f"`{res.get('command', '?')}`)", "",
-             "| layout | us per step | vs one GPU | target |", "|---|---|---|---|"]
-    times, targets = res["times"], res.get("targets") or {}
-    for name, t in times.items():
-        base, limit = targets.get(name, (None, None))
-        ratio = (t["wall_us_per_step"] / times[base]["wall_us_per_step"]
-                 if base in times else None)
-        lines.append(f"| {name} (dp {t['dp']} x tp {t['tp']}, {t['num_seqs']} seqs) | "
-                     f"{fmt_us(t['wall_us_per_step'])} | {fmt_x(ratio)} | "
-                     f"{'<= ' + format(limit, '.2f') + 'x' if limit else '-'} |")
-    lines += ["", "| layout vs one GPU | step | `sel` equal | y err / bound |", "|---|---|---|---|"]
-    for layout, checks in (res.get("parity") or {}).items():
-        for step, c in checks.items():
-            if isinstance(c, dict):
-                lines.append(f"| {layout} | {step} | {'yes' if c['sel_equal'] else '**no**'} | "
-                             f"{c['y_worst_err_over_bound']:.2g} |")
     return lines + [""]

@@ -6,8 +6,10 @@ a run is one JSON object with `schema_version`, `command`, `argv`, `smoke`, `dat
 `baselines`, optional `breakdown` and `group_seconds`. A point has at least `POINT_KEYS`;
 a timed point also `impl`, `time_over_floor`, `roofline`, `xla_us`, `ratio_vs_xla`, `hf_key`,
 `hf_us`, `ratio_vs_hf`, `impls` (per implementation: `median_us`, `p10_us`, `p90_us`, ... or
-`error`); a memory point `value_bytes` and `value_MiB`; a point not measured by this harness
-yet a `status` (median_us null, met false).
+`error`); a memory point `value_bytes` and `value_MiB`; a serving-loop point (group `loop`)
+its time per token or step per layer as `median_us`, beside the figures benchmarks/loop.py
+names (`LIFTED`). A run also records `commit` (the checkout's `git rev-parse --short HEAD`,
+else its `--note`; runs before it have none).
 """
 
 from __future__ import annotations

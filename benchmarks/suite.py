@@ -1,7 +1,7 @@
 """The suite: runs the points of each group (benchmarks/points.py) with their measuring
-functions (benchmarks/measures.py), the levers, the breakdown and the Hugging Face baseline,
-and writes one JSON per run (schema in benchmarks/schema.py), rewritten after every point so
-a run cut short keeps what it measured.
+functions (benchmarks/measures.py, the serving loop's in benchmarks/loop.py), the levers, the
+breakdown and the Hugging Face baseline, and writes one JSON per run (schema in
+benchmarks/schema.py), rewritten after every point so a run cut short keeps what it measured.
 
 Roofline for every point: the fewest bytes the step must move (weights read once, the caches it
 must read and write, its inputs and outputs) over the measured copy bandwidth (a large
@@ -21,16 +21,16 @@ from collections.abc import Callable
 import jax
 from tqdm import tqdm
 
-from . import breakdown, hf_baseline, levers
+from . import breakdown, hf_baseline, levers, loop, measures
 from .harness import CompileLog, DeviceLost, check_device, err_text, log, measure_ceilings
-from .measures import MEASURES
 from .points import Plan, Point, plan_points
 from .schema import SCHEMA_VERSION, fmt_us, ratio, write_json
 from .workloads import random_hf_tensors, random_weights
 
 # Per-implementation figures copied to the point from its main implementation's timing.
 LIFTED = ("kernel_us", "call_floor_us", "device_step_us", "compiles", "GBps", "TFLOPs",
-          "frac_of_bandwidth", "frac_of_matmul_rate", "frac_of_flashmla")
+          "frac_of_bandwidth", "frac_of_matmul_rate", "frac_of_flashmla") + loop.LIFTED
+MEASURES = {**measures.MEASURES, **loop.MEASURES}
 TIMING_METHOD = (
     "JAX: warm-up calls, then groups of `inner` back-to-back calls with jax.block_until_ready "
     "around each group; median over groups of group time / inner. The layer step is "
@@ -70,6 +70,7 @@ class Suite:
         self._hf_tensors = None
         self._weights: dict = {}  # tp -> folded weights
         self.compile_record: dict = {}  # (cfg, B) -> the first call of every timed step
+        self.loop_weights = None  # the serving loop's model weights (benchmarks/loop.py)
 
     # ----------------------------------------------------------------- bookkeeping
     def elapsed(self) -> float:
@@ -148,13 +149,11 @@ class Suite:
             base = ((self.records.get(point.relative_to) or {}).get("impls") or {}).get(main)
             rec["k1_step_us"] = (base or {}).get("median_us")
             rec["ratio_vs_k1"] = ratio(median, rec["k1_step_us"])
-        if point.status:
-            rec["status"] = point.status
         rec["met"] = False if timings and median is None else point.met(rec)
         return rec
 
     def add(self, point: Point) -> dict:
-        measured = {} if point.kind is None else MEASURES[point.kind](self, point)
+        measured = MEASURES[point.kind](self, point)
         rec = self.record(point, measured)
         self.records[point.name] = rec
         self.result["points"].append(rec)
@@ -222,7 +221,7 @@ class Suite:
             print(f"bench: the ceilings could not be measured: {e}", file=sys.stderr)
             return 1
         for g in [g for g in groups if g != "hf"] + [g for g in groups if g == "hf"]:
-            if g not in ("memory", "hf", "loop") and self.over_budget(g):
+            if g not in ("memory", "hf") and self.over_budget(g):
                 continue
             t0 = time.time()
             try:
@@ -260,7 +259,7 @@ def format_table(result: dict) -> str:
                          "-", "-", "-", "-"))
             continue
         f, rx, rh = p.get("time_over_floor"), p.get("ratio_vs_xla"), p.get("ratio_vs_hf")
-        rows.append((p["name"], str(p.get("impl") or p.get("status") or "-"),
+        rows.append((p["name"], str(p.get("impl") or "-"),
                      fmt_us(p.get("median_us")), fmt_us(p.get("floor_us")),
                      f"{f:.2f}" if f else "-", str(p.get("met")), fmt_us(p.get("xla_us")),
                      f"{rx:.2f}" if rx else "-", fmt_us(p.get("hf_us")),

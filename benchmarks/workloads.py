@@ -17,17 +17,24 @@ import numpy as np
 
 from dsa_jax import bitwise_jit, layer
 from dsa_jax.state import DsaState, quantize_latent, ring_rows
-from dsa_jax.weights import fold_weights, init_random_hf_tensors
+from dsa_jax.weights import fold_weights, hf_shapes, random_hf_value
 
+# The PRNG of the random states and caches: XLA's RngBitGenerator compiles ~4x faster than
+# threefry on a CPU (the values never matter to the timing).
+RNG = "rbg"
 STEP = bitwise_jit(layer.step, static_argnames=("cfg", "attend_rows"), donate_argnames=("state",))
 STEP_WHAT = ("dsa_jax.bitwise_jit(dsa_jax.layer.step, state donated), rows padded to "
              "cfg.max_verify, the gather-attend on the call's k rows (attend_rows=k, as "
              "decode/decode_k run it)")
 
 
-def random_hf_tensors(cfg, seed: int) -> dict:
-    """Random fp32 HF tensors of one layer (dsa_jax.weights.init_random_hf_tensors)."""
-    return init_random_hf_tensors(cfg, jax.random.key(seed))
+def random_hf_tensors(cfg, seed: int, has_indexer: bool = True) -> dict:
+    """Random fp32 HF tensors of one layer: the library's recipe
+    (`dsa_jax.weights.random_hf_value`) on numpy's normal draws (no compile per shape)."""
+    rng = np.random.default_rng(seed)
+    return {name: np.asarray(random_hf_value(name, rng.standard_normal(shape, np.float32)),
+                             np.float32)
+            for name, shape in hf_shapes(cfg, has_indexer).items()}
 
 
 def random_weights(cfg, hf: dict, tp: int):
@@ -51,7 +58,7 @@ def random_state(cfg, num_seqs: int, length: int, seed: int, kv_scale: float = 1
 @functools.partial(jax.jit, static_argnums=(0, 1, 4, 5, 6))
 def _random_state_jit(cfg, num_seqs, length, seed, kv_scale, indexer, rows) -> DsaState:
     nb = num_seqs * cfg.blocks_per_seq
-    ks = jax.random.split(jax.random.key(seed), 6)
+    ks = jax.random.split(jax.random.key(seed, impl=RNG), 6)
     c = jax.random.normal(ks[0], (nb, cfg.block_size, cfg.kv_lora_rank), jnp.bfloat16)
     scale = jnp.asarray(kv_scale, jnp.float32)
     latent = quantize_latent(cfg, c.astype(jnp.float32) if cfg.cache_dtype == "float32"
@@ -70,9 +77,11 @@ def _random_state_jit(cfg, num_seqs, length, seed, kv_scale, indexer, rows) -> D
                     index_lengths=lengths + 0)
 
 
+@functools.partial(jax.jit, donate_argnums=0)
 def random_caches(st, keys):
-    """`st` (a `DsaState` or a model state) with its latent cache, indexer ring and pool keys
-    random (never zeros), drawn from `keys[0..3]`; lengths as they were."""
+    """`st` (a `DsaState` or a model state, donated) with its latent cache, indexer ring and
+    pool keys random (never zeros), drawn from `keys[0..3]`; lengths as they were. One
+    compiled program per state shape."""
     return st._replace(
         latent=jax.random.normal(keys[0], st.latent.shape, jnp.bfloat16).astype(st.latent.dtype),
         index_k=jax.random.normal(keys[1], st.index_k.shape, jnp.bfloat16).astype(
@@ -171,20 +180,6 @@ def selection_inputs(cfg, b: int, r: int, ctx: int, seed: int, n_sets: int = 3):
              put(rng.standard_normal((b, r, hi), np.float32) * np.float32((hi * di) ** -0.5)))
             for _ in range(n_sets)]
     return keys, pos, valid, sets
-
-
-def prompt_selection_inputs(cfg, n: int, seed: int = 9):
-    """A prompt's pool-score inputs from an empty context: n rows of one sequence sharing its
-    keys, row t with (t + 1) // KP candidate pools -> (qi [1, n, Hi, Di], w [1, n, Hi],
-    keys [1, P, Di] in the index cache dtype, n_cand [1, n] int32)."""
-    rng = np.random.default_rng(seed)
-    hi, di, p = cfg.index_n_heads, cfg.index_head_dim, cfg.num_pools
-    qi = jnp.asarray(rng.standard_normal((1, n, hi, di), np.float32))
-    w = jnp.asarray(rng.standard_normal((1, n, hi), np.float32) * np.float32((hi * di) ** -0.5))
-    keys = jnp.asarray(0.3 * rng.standard_normal((1, p, di), np.float32)
-                       ).astype(cfg.index_cache_dtype)
-    n_cand = jnp.asarray(((np.arange(n) + 1) // cfg.index_kpool)[None, :].astype(np.int32))
-    return qi, w, keys, n_cand
 
 
 class Cycle:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Lint and the CPU test suite, on two pytest-xdist workers (CI's machine has 2 cores).
 # `worksteal`: an idle worker takes queued tests from the other, so the few minute-long tests
-# do not leave one worker waiting at the end (times: benchmarks/notes.md, twenty-ninth).
+# do not leave one worker waiting at the end.
 # Extra arguments go to pytest (`-n 0`: one process).
 set -euo pipefail
 cd "$(dirname "$0")/.."

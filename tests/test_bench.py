@@ -1,13 +1,13 @@
-"""The benchmark harness (`benchmarks/`, outside the installed package), on the CPU: the smoke
-plan of the whole suite, the JSON schema (also of every committed result), the cost functions
-against the committed H200 run's roofline, the targets' `met` rules, render, the device
-scripts' helpers, and that the harness uses only dsa_jax's public names."""
+"""The benchmark suite (`benchmarks/`, outside the installed package), on the CPU: the smoke
+plan of the whole suite (serving loop included), the JSON schema (also of every committed
+result), the cost functions against the committed H200 run's roofline, the targets' `met`
+rules, render from one run, and that the suite uses only dsa_jax's public modules and names."""
 
 import ast
+import fcntl
 import glob
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -20,27 +20,42 @@ from dsa_jax.shapes import ODD, glm53_flash, tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
-MAIN_RUN = os.path.join(RESULTS, "h200-bench-20261202-s11-call4.json")
+MAIN_RUN = os.path.join(RESULTS, "h200-bench-20261204-s22-call2.json")
 
 
-@pytest.fixture(scope="module")
-def smoke_result(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench")
-    # tp8 runs the same code as tp1 with another config, and the HF baseline needs torch:
-    # both are left out here to keep the test short.
-    rc = bench_main(["--smoke", "--no-hf", "--no-levers", "--no-progress", "--skip", "tp8",
-                     "--out", str(out), "--name", "smoke.json"])
-    assert rc == 0
-    files = glob.glob(os.path.join(out, "*.json"))
-    assert [os.path.basename(f) for f in files] == ["smoke.json"]
-    with open(files[0]) as f:
+def run_bench(out, name: str, *args: str) -> dict:
+    """`python -m benchmarks --smoke ...` in a subprocess (its own XLA flags: the smoke
+    compiles at optimization level 0); the run's JSON."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    p = subprocess.run([sys.executable, "-m", "benchmarks", "--smoke", "--no-progress",
+                        "--out", str(out), "--name", name, *args], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert [os.path.basename(f) for f in glob.glob(os.path.join(out, "*.json"))] == [name]
+    with open(os.path.join(out, name)) as f:
         return json.load(f)
+
+
+@pytest.fixture(scope="session")
+def smoke_result(tmp_path_factory):
+    """One smoke run per test session, shared by the pytest-xdist workers (the first to come
+    runs it, under a lock, in the session's shared temp folder)."""
+    # tp8 runs the same code as tp1 with another config, and the HF baseline needs torch:
+    # both are left out here to keep the test short (tests/test_bench_hf.py runs the HF one).
+    args = ("smoke.json", "--no-hf", "--no-levers", "--skip", "tp8")
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return run_bench(tmp_path_factory.mktemp("bench"), *args)
+    shared = tmp_path_factory.getbasetemp().parent  # this session's, common to its workers
+    with open(shared / "bench-smoke.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        path = shared / "bench-smoke" / "smoke.json"
+        if path.exists():
+            return json.loads(path.read_text())
+        return run_bench(path.parent, *args)
 
 
 def _by_name(result):
     return {p["name"]: p for p in result["points"]}
-
-
 
 
 def test_smoke_run_has_the_schema(smoke_result):
@@ -51,25 +66,18 @@ def test_smoke_run_has_the_schema(smoke_result):
     floor = smoke_result["ceilings"]["detail"]["jax_call_floor"]
     assert smoke_result["ceilings"]["call_floor_us"] == floor["median_us"] > 0
     assert smoke_result["plan"]["big_batch"] == 2 and smoke_result["smoke"] is True
-
-
-LOOP_FIELDS = {"loop-b1-l8": "us_per_token_per_layer", "loop-b64-l8": "us_per_token_per_layer",
-               "spec-b1-l8-k3": "tokens_per_s", "public-decode-b1": "median_us",
-               "engine-b64-l8": "per_step_per_layer_us"}
+    assert "commit" in smoke_result  # git's short hash here, else the --note
 
 
 def test_every_committed_result_keeps_the_schema():
-    """Bench runs (`python -m benchmarks`) keep the bench schema; the serving-loop runs of
-    benchmarks/h200_loop.py, whose points the tables also show, keep their own fields."""
+    """benchmarks/results/ holds one bench run per card kind, each with the bench schema."""
     runs = schema.load_runs(RESULTS)
-    loop = [(path, res) for path, res in runs if "h200_loop.py" in res.get("command", "")]
-    assert len(runs) - len(loop) >= 10 and loop
+    assert len(runs) == len(glob.glob(os.path.join(RESULTS, "*.json"))) >= 1
+    cards = [render.card_of(res) for _, res in runs]
+    assert sorted(cards) == sorted(set(cards)) and "h200" in cards, cards
     for path, res in runs:
-        if (path, res) in loop:
-            for p in res["points"]:
-                assert p["name"] in LOOP_FIELDS and p[LOOP_FIELDS[p["name"]]] > 0, path
-        else:
-            assert schema.result_problems(res) == [], path
+        assert schema.result_problems(res) == [], path
+        assert not res.get("smoke"), path
 
 
 def test_json_round_trip_keeps_every_field(smoke_result, tmp_path):
@@ -91,11 +99,12 @@ def test_the_smoke_plan_runs_every_point(smoke_result):
     assert [p["name"] for p in smoke_result["points"]] == want
     names = set(want)
     for name in ("decode-b1-k1-tp1", "verify-b1-k3-tp1", "decode-b2-k1-tp1", "public-decode-b1",
-                 "selection-b2", "selection-b2-r4", "compile-b1-k1", "loop-b1-l8",
-                 "loop-b2-l8", "spec-b1-l8-k3"):
+                 "selection-b2", "selection-b2-r4", "compile-b1-k1", "loop-b1-l2",
+                 "loop-b2-l2", "spec-b1-l2-k3", "engine-b2-l2"):
         assert name in names, name
     assert sum(n.startswith("attend-kernel-") for n in names) == 2
     assert sum(n.startswith("scaling-") for n in names) == 3
+    assert smoke_result["errors"] == [] and smoke_result["skipped"] == []
 
 
 def test_timed_points_have_xla_times_and_a_floor(smoke_result):
@@ -139,12 +148,27 @@ def test_lone_call_points_record_their_call_floor(smoke_result):
     assert "call_floor_us" not in pts["decode-b1-k1-tp1"]
 
 
-def test_not_measured_points_say_why(smoke_result):
+def test_the_serving_loop_points_are_measured(smoke_result):
+    """The loop group: the device loop at 1 and big_batch sequences, speculation with the
+    scripted drafter (its tokens those of plain decoding) and the engine's step, each timed
+    per token (or step) per layer; no kernel time on a CPU; the pallas attempt recorded."""
+    from benchmarks.render_tables import time_cell
+
     pts = _by_name(smoke_result)
-    for name in ("loop-b1-l8", "loop-b2-l8", "spec-b1-l8-k3"):
+    for name in ("loop-b1-l2", "loop-b2-l2"):
         p = pts[name]
-        assert p["status"] == points.NOT_MEASURED and p["median_us"] is None
-        assert p["met"] is False and p["impls"] == {}
+        assert p["impl"] == "xla" and p["median_us"] == p["us_per_token_per_layer"] > 0
+        assert p["dispatch_us"] == pytest.approx(p["median_us"] * 4 * 2)  # 4 tokens, 2 layers
+        assert p["kernel_us_per_token_per_layer"] is None and p["met"] is False
+        assert "ImplementationError" in p["impls"]["pallas"]["error"]
+        assert time_cell(p).endswith("per token per layer"), time_cell(p)
+    spec = pts["spec-b1-l2-k3"]
+    assert spec["tokens_equal_plain"] is True and spec["tokens_per_s"] > 0 and spec["met"]
+    assert 0 < spec["measured_acceptance"] <= 1 and spec["stated_acceptance"] == 0.7
+    assert "tok/s" in time_cell(spec)
+    eng = pts["engine-b2-l2"]
+    assert eng["median_us"] == eng["per_step_per_layer_us"] > 0 and eng["tokens_per_s"] > 0
+    assert time_cell(eng).endswith("per step per layer")
 
 
 def test_pallas_off_gpu_is_recorded_and_one_compile_serves_every_context(smoke_result):
@@ -229,7 +253,8 @@ def test_cost_functions_reproduce_the_committed_roofline():
              "attend-kernel-64x1-h64-w2051": roofline.attend_cost(64, 1, 64, 2051, 512),
              "attend-kernel-128x2-h128-w2048": roofline.attend_cost(128, 2, 128, 2048, 512)}
     missing = [name for name in cases if name not in pts]
-    assert missing in ([], ["scaling-b1-k1-ctx65536"]), missing  # that run skipped scaling
+    # that run measured the decode, kernel and selection groups (prefill ran out of budget)
+    assert missing == ["scaling-b1-k1-ctx65536", "prefill-9000"], missing
     for name, (nbytes, flops) in cases.items():
         if name in missing:
             continue
@@ -283,97 +308,94 @@ def test_full_plan_targets_state_their_numbers():
         assert p.met(at_bound), name
         over = {k: v * 1.01 if k in p.rule.needs[:1] else v for k, v in at_bound.items()}
         assert not p.met(over), name
-    for name in ("loop-b1-l8", "loop-b64-l8", "spec-b1-l8-k3"):
-        assert pts[name].kind is None and pts[name].status == points.NOT_MEASURED
-        assert pts[name].params["layers"] == 8 and pts[name].params["ctx"] == 16384
-    assert pts["loop-b1-l8"].params["tokens_per_dispatch"] == 32
+    kinds = {"loop-b1-l8": "loop", "loop-b64-l8": "loop", "spec-b1-l8-k3": "spec",
+             "engine-b64-l8": "engine"}
+    for name, kind in kinds.items():
+        assert pts[name].kind == kind and pts[name].group == "loop"
+        assert pts[name].params["layers"] == 8 and pts[name].params["tokens_per_dispatch"] == 32
+    assert pts["loop-b1-l8"].params["ctx"] == pts["spec-b1-l8-k3"].params["ctx"] == 16384
     assert pts["spec-b1-l8-k3"].params["drafts"] == 3
+    assert pts["engine-b64-l8"].params["prompt"] == 2048
+    assert pts["engine-b64-l8"].met({"per_step_per_layer_us": 15.0,
+                                     "kernel_per_step_per_layer_us": 10.0})
     assert {p.group for p in pts.values()} <= set(points.GROUPS)
+    from benchmarks.suite import MEASURES
+    assert {p.kind for p in pts.values()} <= set(MEASURES)
 
 
 
 
-def _render(results, tmp_path, readme=""):
+def _render(tmp_path, *args, readme=""):
     md, png = tmp_path / "BENCHMARKS.md", tmp_path / "scaling.png"
-    assert render.main(["--results", str(results), "--out", str(md), "--png", str(png),
-                        "--readme", str(readme)]) == 0
+    assert render.main([*args, "--out", str(md), "--png", str(png), "--readme", str(readme)]) == 0
     return md.read_text(), png
 
 
-def test_render_shows_the_latest_result_of_each_point(tmp_path):
-    """Every committed results file renders; the points table takes each point from the newest
-    run that measured it, and superseded runs leave the tables."""
-    for path, _ in schema.load_runs(RESULTS):  # each file alone
-        one = tmp_path / os.path.basename(path)[:-5]
-        one.mkdir()
-        shutil.copy(path, one)
-        _render(one, one)
-    text, png = _render(RESULTS, tmp_path)
-    assert png.exists() and png.stat().st_size > 1000
-    table = text.split("### Runs behind this table")[0]
-    # tp8 was measured last in -080538, the rest of the decode points in -071856.
-    row = next(r for r in table.splitlines() if r.startswith("| decode-b1-k1-tp8 |"))
-    assert "| 148.0 us |" in row
-    assert "h200-bench-20261130-040257" not in text  # an early, superseded run
-    # a run on an H100 (s27 call 1: the device tool's choice) leaves the tables, not results/
-    assert "h100-bench-20261206-s27-call1" not in text
-    assert not render.on_target_device({"machine": {"device": "NVIDIA H100 80GB HBM3"}})
-    assert render.on_target_device({"machine": {"device": "NVIDIA H200"}})
-    # a run of defaults reverted since (marked `superseded`) leaves the tables, not results/
-    assert "h200-bench-20261201-s3" not in table
-    assert "notes.md" in text and "### Changes (prediction" not in text  # linked, not copied
-    # Today's targets are applied to the stored results (the run's own verdict stays in it).
-    assert "float8_e4m3fn: <= 55 us | **no** |" in table  # attend 64x1: 77.3 us stored (s25)
+def test_render_shows_one_run(tmp_path):
+    """BENCHMARKS.md comes from one run: by default the newest complete run of the H200 (here
+    none is complete: the newest, said so), named with its card, jax version and commit;
+    today's targets applied to its points; the plan's points it lacks listed."""
+    text, png = _render(tmp_path, "--results", RESULTS)
+    assert "h200-bench-20261204-s22-call2.json" in text and "h100-bench" not in text
+    assert "**NVIDIA H200**, jax **0.11.2**, commit **not recorded" in text
+    table = text.split("### Points of today's plan this run did not measure")[0]
+    row = next(r for r in table.splitlines() if r.startswith("| decode-b64-k1-tp1 |"))
+    assert "| 233.0 us (kernels 188.1 us) |" in row and "context 16384: <= 250 us | yes |" in row
     row = next(r for r in table.splitlines() if r.startswith("| attend-kernel-64x1-"))
-    assert "| 77.3 us (kernels 57.7 us) |" in row  # the newest run of the point (s25 call 2)
-    assert "context 16384: <= 250 us | yes |" in table  # decode-b64: 233.0 us stored (s22)
-    # points a run lists in `superseded_points` never show (s16 call 2's selection-b64-r4 ran
-    # a top-k default reverted since); the newest run's (s22 call 2) does
-    row = next(r for r in table.splitlines() if r.startswith("| selection-b64-r4 |"))
-    assert "| 94.9 us (kernels 58.7 us) |" in row
-    # The serving-loop points come from benchmarks/h200_loop.py's run, per token per layer.
-    row = next(r for r in table.splitlines() if r.startswith("| loop-b1-l8 |"))
-    assert "per token per layer" in row
+    assert "| 126.4 us (kernels 57.3 us) |" in row and "<= 55 us | **no** |" in row
+    assert "## The run's points (4 of 8 met)" in text
+    absent = text.split("### Points of today's plan this run did not measure")[1]
+    for name in ("prefill-9000", "loop-b1-l8", "spec-b1-l8-k3", "engine-b64-l8",
+                 "memory-state-bytes-per-seq-ctx16384"):
+        assert f"| {name} |" in absent, name
+    assert not png.exists()  # the run has no scaling points
+    h100, _ = _render(tmp_path, "--results", RESULTS, "--card", "h100")
+    assert "h100-bench-20261206-s30-call7.json" in h100 and "NVIDIA H100" in h100
+    # A file on the command line, whatever the card.
+    again, _ = _render(tmp_path, os.path.join(RESULTS, "h100-bench-20261206-s30-call7.json"))
+    assert again == h100
 
 
-def test_render_writes_the_readme_block_and_not_measured_points(smoke_result, tmp_path):
-    results = tmp_path / "results"
-    results.mkdir()
+def test_render_picks_the_newest_complete_run(tmp_path):
+    current = render.current_points()
+    full = {"machine": {"device": "NVIDIA H200"}, "date": "2026-12-01", "smoke": False,
+            "points": [{"name": n, "median_us": 1.0} for n in current]}
+    newer = {**full, "date": "2026-12-02", "points": full["points"][:3]}
+    h100 = {**full, "date": "2026-12-03", "machine": {"device": "NVIDIA H100 80GB HBM3"}}
+    for name, res in (("a", full), ("b", newer), ("c", h100)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(res))
+    assert render.pick_run(str(tmp_path), "h200", current)[0].endswith("a.json")
+    assert render.pick_run(str(tmp_path), "h100", current)[0].endswith("c.json")
+    (tmp_path / "a.json").unlink()  # no complete H200 run: the newest
+    assert render.pick_run(str(tmp_path), "h200", current)[0].endswith("b.json")
+    assert render.pick_run(str(tmp_path), "a100", current) is None
+
+
+def test_render_writes_the_readme_block_from_the_run(smoke_result, tmp_path):
     full = json.loads(json.dumps(smoke_result))
-    full["smoke"] = False  # render shows full runs only
-    (results / "run.json").write_text(json.dumps(full))
+    full["smoke"] = False
+    full["commit"] = "abc1234"
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps(full))
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{render.README_BEGIN}\nold\n{render.README_END}\nrest\n")
-    text, png = _render(results, tmp_path, readme)
+    text, png = _render(tmp_path, str(run), readme=readme)
     assert "| decode-b1-k1-tp1 |" in text and png.exists()
-    row = next(r for r in text.splitlines() if r.startswith("| loop-b1-l8 |"))
-    assert f"- ({points.NOT_MEASURED})" in row and row.count("| - |") >= 5
+    assert "commit **abc1234**" in text and "jax **" in text
+    row = next(r for r in text.splitlines() if r.startswith("| loop-b1-l2 |"))
+    assert "per token per layer" in row
     new = readme.read_text()
     assert new.startswith("intro\n") and new.endswith(f"{render.README_END}\nrest\n")
-    assert "old" not in new and "| decode-b1-k1-tp1 |" in new
-    # A launch-study file (benchmarks/h200_launch.py) is rendered as its own table.
-    rows = [{"variant": "default-0", "impl": "pallas", "tp": 8, "k": 1, "step_us": 147.4,
-             "kernel_us": 116.3, "idle_us": 31.1, "dispatch_us": 112.5},
-            {"variant": "default-0", "impl": "trivial", "tp": 8, "k": 1, "dispatch_us": 70.9},
-            {"variant": "off-1", "impl": "xla", "tp": 1, "k": 3, "error": "Boom: bad"}]
-    (results / "h200-launch.json").write_text(json.dumps({"command": "c", "results": rows}))
-    text, _ = _render(results, tmp_path)
-    assert "| default-0 | pallas | 8 | 1 | 1 | 147.4 us | 116.3 us | 31.1 us | 112.5 us |" in text
-    assert "| default-0 | trivial | 8 | 1 | 1 | - | - | - | 70.9 us |" in text
-    assert "error: `Boom: bad`" in text
-
-
+    assert "old" not in new and "| decode-b1-k1-tp1 |" in new and "commit abc1234" in new
+    row = next(r for r in new.splitlines() if r.startswith("| spec-b1-l2-k3 |"))
+    assert "tok/s" in row
 
 
 def test_measured_levers(tmp_path):
     """The levers group (xla only on a CPU): the absorbed kv_b form and the separate input GEMMs
     compute the same function as the step's forms (tiny config: fp32 weights, so only fp32
     rounding apart), and both pool-key forms and both state forms are timed."""
-    rc = bench_main(["--smoke", "--only", "levers", "--impls", "xla", "--no-progress",
-                     "--out", str(tmp_path), "--name", "levers.json"])
-    assert rc == 0
-    with open(tmp_path / "levers.json") as f:
-        lev = json.load(f)["levers"]
+    lev = run_bench(tmp_path, "levers.json", "--only", "levers", "--impls", "xla")["levers"]
     kv_b = lev["kv_b_absorbed_vs_runtime_measured"]["results"]
     assert set(kv_b) == {"tp1-b1", "tp1-b2", "tp8-b1", "tp8-b2"}
     for res in kv_b.values():
@@ -433,3 +455,17 @@ def test_benchmarks_use_only_public_dsa_jax_names():
     for path in files:
         with open(path) as f:
             assert private_dsa_jax_names(f.read()) == [], path
+
+
+def test_benchmarks_import_no_kernel_module():
+    """The suite reaches the kernels through the package's public modules only (dsa_jax,
+    layer, attend, indexer, select, serve, engine, model, ...), never `dsa_jax.pallas`."""
+    for path in glob.glob(os.path.join(ROOT, "benchmarks", "*.py")):
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        mods = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        mods += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        assert not [m for m in mods if m.startswith("dsa_jax.pallas")], path
+        froms = [a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                 and n.module == "dsa_jax" for a in n.names]
+        assert "pallas" not in froms, path

@@ -1,15 +1,12 @@
-"""The benchmark harness's Hugging Face baseline (its cache fill, its batch in chunks, every
-step point carrying an HF time) and the device sweeps' row helpers, on the CPU."""
+"""The benchmark suite's Hugging Face baseline (its cache fill, its batch in chunks, every step
+point carrying an HF time), on the CPU."""
 
 import json
 
-import jax
-import jax.numpy as jnp
 import pytest
 
 from benchmarks import hf_baseline
 from benchmarks.__main__ import main as bench_main
-from benchmarks.harness import sweep_row, sweep_times
 from benchmarks.workloads import random_hf_tensors
 from dsa_jax.shapes import tiny
 
@@ -74,46 +71,3 @@ def test_hf_batch_in_chunks_when_it_does_not_fit():
     assert "out of memory" in out["chunks"]["why"]
     small = hf_baseline.in_chunks(run, 8)
     assert small["median_us"] == 80.0 and "chunks" not in small
-
-
-
-
-def test_sweep_row_records_failures_and_keeps_going(tmp_path):
-    """A device sweep's row that raises is recorded (row and errors), and the file holds every
-    row written so far."""
-    res = {"results": [], "errors": []}
-    path = tmp_path / "sweep.json"
-
-    def ok(row):
-        row["us"] = 1.5
-
-    def bad(row):
-        raise RuntimeError("Triton could not compile this tile")
-
-    sweep_row(res, {"case": "a"}, ok, str(path))
-    sweep_row(res, {"case": "b"}, bad, str(path))
-    saved = json.loads(path.read_text())
-    assert [r["case"] for r in saved["results"]] == ["a", "b"]
-    assert saved["results"][0]["us"] == 1.5
-    assert "RuntimeError: Triton could not compile" in saved["results"][1]["error"]
-    assert len(saved["errors"]) == 1 and "Traceback" in saved["errors"][0]
-
-
-def test_sweep_times_counts_calls_and_reports_both_times():
-    """A sweep row's times: the call runs the timing's warm-up plus groups x inner times and
-    the trace's 2 warm-up plus its calls (fewer of each when heavy); the wall time is positive,
-    and off a GPU there is no kernel time."""
-    calls = []
-    f = jax.jit(lambda v: v * 2.0)
-    x = jnp.arange(7.0) + 1.0
-
-    def call():
-        calls.append(1)
-        return f(x)
-
-    t = sweep_times(call, heavy=False)
-    assert t["wall_us"] > 0 and t["kernel_us"] is None
-    assert len(calls) == (2 + 15 * 10) + (2 + 20)
-    calls.clear()
-    sweep_times(call, heavy=True, heavy_inner=2)
-    assert len(calls) == (2 + 5 * 2) + (2 + 3)

@@ -70,8 +70,7 @@ def test_batched_prefill_selects_what_each_sequence_alone_selects_at_glm53_flash
     """Two sequences' 128-row prompt chunks in one prefill (256 GEMM rows) against each alone
     (128): the selections and the indexer cache bit for bit, the outputs within bf16 rounding.
     Without the options XLA split the indexer's GEMMs differently at 256 and 128 rows: on the
-    H200 42 of these 256 rows selected another pool (benchmarks/results/h200-bits-20261130.json,
-    `control`)."""
+    H200 42 of these 256 rows selected another pool (2026-11-30)."""
     cfg = glm53_flash(max_context=4096, implementation="pallas")
     weights = dsa_jax.init_random_weights(cfg, jax.random.key(5))
     base = random_state(cfg, weights, 2, 1531, 7, kv_scale=1 / 64, dtype=jnp.bfloat16)

@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 
 import dsa_jax
-from benchmarks.harness import jit_cache_size
 from dsa_jax import layer, mirror
 from dsa_jax.mirror import HostNumbers
-from dsa_jax.shapes import ODD
+from dsa_jax.shapes import ODD, glm53_flash
 from dsa_jax.step_checks import StepError, check_numbers, check_tables, tables_fit
 from dsa_jax.testing import copy_tree, random_rows, random_state
 
@@ -21,6 +20,12 @@ CFG = ODD
 
 def _bits(tree):
     return [None if a is None else np.asarray(a).tobytes() for a in jax.tree.leaves(tree)]
+
+
+def jit_cache_size(fn) -> int | None:
+    """Entries in a jitted function's cache (jax's own counter); None where jax has none."""
+    size = getattr(fn, "_cache_size", None)
+    return int(size()) if callable(size) else None
 
 
 @pytest.mark.parametrize("kind, k, indexer", [("decode", 1, True), ("verify", 3, True),
@@ -44,6 +49,30 @@ def test_dispatch_step_equals_layout_step_bitwise(kind, k, indexer):
     new = layer.dispatch_step(cfg, layout, weights, copy_tree(state), x, n_dev, shared)
     assert _bits(new) == _bits(old)
     assert np.asarray(new[1].lengths).tolist() == [7 + k, 7 + k]
+
+
+@pytest.mark.gpu
+def test_the_public_decode_and_its_programs_agree_at_glm53_flash_shapes():
+    """Compiled (one GLM-5.3-Flash block, pallas, fp8 cache, one sequence past the selection's
+    width): `dsa_jax.decode`, the program with the config static and the whole state donated
+    (`layout_step`), the one with both bound and only the changing fields donated
+    (`dispatch_step`) and `dispatch_step(out=)` (y and sel written into donated buffers) give
+    the same y, sel and state, bit for bit."""
+    cfg = glm53_flash(implementation="pallas", max_context=4096)
+    weights = dsa_jax.init_random_weights(cfg, jax.random.key(8))
+    state = random_state(cfg, weights, 1, 3001, 4, dtype=jnp.bfloat16, kv_scale=1 / 64)
+    x = random_rows(10, 1, cfg.hidden_size, dtype=jnp.bfloat16)  # [1, D]
+    layout, n_new = layer.prepare_step(cfg, weights, state, x, kind="decode")
+    n_dev = jnp.asarray(n_new)
+    old = layer.layout_step(cfg, layout, weights, copy_tree(state), x, n_dev, None)
+    new = layer.dispatch_step(cfg, layout, weights, copy_tree(state), x, n_dev, None)
+    bufs = (jnp.zeros((1, cfg.hidden_size), jnp.float32), jnp.zeros((1, cfg.sel_width),
+                                                                    jnp.int32))
+    out = layer.dispatch_step(cfg, layout, weights, copy_tree(state), x, n_dev, None, out=bufs)
+    public = dsa_jax.decode(cfg, weights, copy_tree(state), x)
+    for got in (new, out, public):
+        assert _bits(got) == _bits(old)
+    assert np.isfinite(np.asarray(old[0])).all()
 
 
 def test_only_the_changing_fields_are_donated_and_the_rest_shared():

@@ -1,9 +1,12 @@
 """The on-device serving loop (`dsa_jax.serve`): the device loop equals the per-step Python
-loop, speculative tokens equal plain tokens (n-gram and draft-model drafters, greedy and
-sampled, with stop tokens), bit for bit; sampling and drafting on their own; bad input."""
+loop, speculative tokens equal plain tokens (n-gram, draft-model and scripted drafters, greedy
+and sampled, with stop tokens), bit for bit; one compile across contexts; sampling and
+drafting on their own; bad input. The same checks compiled on the GPU at GLM-5.3-Flash
+shapes: tests/test_gpu_serving.py."""
 
 import jax
 import jax.numpy as jnp
+import loop_checks
 import numpy as np
 import pytest
 
@@ -245,3 +248,34 @@ def test_the_loop_on_its_real_rows_under_the_row_invariant_gemms():
     assert outs.tokens.shape[-1] == 1
     assert [[int(f)] + t for f, t in zip(np.asarray(first), serve.emitted_tokens(outs),
                                          strict=True)] == plain
+
+
+def test_scripted_speculation_equals_plain_on_random_caches(stacked):
+    """The CPU twin of tests/test_gpu_serving.py's 16K check (the bench's spec point): one
+    sequence on random caches filled almost to max_context, plain tokens, then speculating
+    with a drafter right 7 times in 10 from the same state: the same tokens."""
+    got = loop_checks.scripted_speculation(MCFG.dsa, 37, 8, stacked=stacked)
+    assert got["speculative"] == got["plain"] and len(got["plain"]) == 8
+    assert 0 < got["kept"] < got["drafted"]
+
+
+def test_the_loop_program_compiles_once_across_contexts(stacked):
+    """`serve.run` at one batch and dispatch length: one compile serves every context (the
+    lengths are data), here 20 and 80 tokens into a 96-token context."""
+    prog = serve.Program(MCFG)
+    states = [loop_checks.random_serving(prog, 2, n, jax.random.key(n)) for n in (20, 80)]
+    traces = []
+
+    def listener(event, duration, **kw):
+        if event == "/jax/core/compile/jaxpr_trace_duration":
+            traces.append(kw.get("fun_name"))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for sv in states:  # 5 steps a dispatch: a length no other test here compiles
+            sv, outs, _ = serve.run(prog, stacked, None, sv, 5)
+            jax.block_until_ready(outs)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert traces.count("_run") == 1, traces
+    assert np.asarray(sv.model.lengths).tolist() == [85, 85]

@@ -104,9 +104,9 @@ def test_decode_k_is_bit_identical_with_row_invariant_gemms_at_glm53_flash_shape
 def test_decode_k_bits_hold_after_another_configs_programs():
     """The order in which a 4-row verify at TP 1 differed from its serial decodes in y's last
     bits on the H200: a TP 8 model's decode_k and decodes first, then TP 1's, in one process
-    (2026-12-01: 4 of 5 runs of `benchmarks/h200_decode_k_bits.py 8 1` over that session's
-    variants, the code before it among them; TP 1 alone 3 of 3 equal; the test above,
-    parametrized, passed or failed with what had run before it)."""
+    (2026-12-01: 4 of 5 runs of TP 8 then TP 1 in one process over that session's variants,
+    the code before it among them; TP 1 alone 3 of 3 equal; the test above, parametrized,
+    passed or failed with what had run before it)."""
     for tp in (8, 1):
         cfg = glm53_flash(max_context=4096, tp_degree=tp, implementation="pallas")
         weights = _weights(cfg)
