@@ -97,7 +97,7 @@ class DsaConfig:
     # U_v and o_proj are bf16 (`projection.prompt_u_v_kernel`); "xla" keeps XLA's GEMM there.
     gemm: str = "auto"
     # A decode's or verify's pool top-k and q_b GEMM in one launch where both run as kernels
-    # (`pallas/topk_matmul.py`, `layer.shares_q_launch`): the same results as one after the
+    # (`pallas/topk_matmul.py`, `step.shares_q_launch`): the same results as one after the
     # other (False), in less device time.
     colaunch: bool = True
 

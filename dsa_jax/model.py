@@ -53,7 +53,11 @@ from dsa_jax.attend import write_latents
 from dsa_jax.config import DsaConfig
 from dsa_jax.implementation import rms_norm_op, row_gemms
 from dsa_jax.indexer import pool_scores, write_index_rows
-from dsa_jax.layer import (
+from dsa_jax.projection import kernel_rows, matmul, norm, output_projection, project, x_columns
+from dsa_jax.select import expand_selection, top_pools
+from dsa_jax.stacked import LayerOf
+from dsa_jax.state import DsaState, init_state, ring_guard
+from dsa_jax.step import (
     attend_first_rows,
     candidate_pools,
     cut_rows,
@@ -64,10 +68,6 @@ from dsa_jax.layer import (
     slots_and_q_abs,
     step,
 )
-from dsa_jax.projection import kernel_rows, matmul, norm, output_projection, project, x_columns
-from dsa_jax.select import expand_selection, top_pools
-from dsa_jax.stacked import LayerOf
-from dsa_jax.state import DsaState, init_state, ring_guard
 from dsa_jax.weights import DsaWeights, init_random_weights
 
 
@@ -368,13 +368,13 @@ def _in_place(stack: DsaWeights, index: jax.Array, layer: DsaWeights) -> DsaWeig
                              for f in IN_PLACE_FIELDS if getattr(layer, f) is not None})
 
 
-def _island(h: jax.Array, on: bool) -> jax.Array:
-    """The hidden rows `h [B, R, D]` where a layer starts: a fusion boundary when `on`."""
-    return lax.optimization_barrier(h) if on else h
+def _island(h: jax.Array) -> jax.Array:
+    """The hidden rows `h [B, R, D]` where a layer starts: a fusion boundary."""
+    return lax.optimization_barrier(h)
 
 
 def _segment(cfg: DsaConfig, seg: Segment, stack: Stack, h, caches: _Caches, rows: _Rows,
-             barrier: bool, hidden: bool):
+             hidden: bool):
     """Scan the segment's groups: each runs its full layer, then (scanned) its shared ones.
     Returns h, the caches, `sels [G, B, R, W]` and (if `hidden`) every layer's input rows
     `[G * g, B, R, D]`, else None."""
@@ -389,7 +389,7 @@ def _segment(cfg: DsaConfig, seg: Segment, stack: Stack, h, caches: _Caches, row
     def group(carry, xs):
         h, caches = carry
         wf, ws, norms, layer, full, gi = xs
-        h = _island(h, barrier)
+        h = _island(h)
         h_in = h
         pre = norm(cfg, h, LayerOf(norm_stack, gi * g, norms[0]), eps)
         y, caches, sel = _block(cfg, _in_place(stack.full, gi, wf), caches, rows, layer, full,
@@ -400,7 +400,7 @@ def _segment(cfg: DsaConfig, seg: Segment, stack: Stack, h, caches: _Caches, row
             def shared(carry, xs):
                 h, caches = carry
                 w, norm_w, l, j = xs
-                h = _island(h, barrier)
+                h = _island(h)
                 w = _in_place(shared_stack, gi * (g - 1) + j, w)
                 pre = norm(cfg, h, LayerOf(norm_stack, gi * g + 1 + j, norm_w), eps)
                 y, caches, _ = _block(cfg, w, caches, rows, l, None, pre, sel)
@@ -449,14 +449,12 @@ def step_rows(cfg: DsaConfig, rows: int) -> int:
 
 
 def forward(mcfg: ModelConfig, weights: StackedWeights, ms: ModelState, tokens: jax.Array,
-            n_new: jax.Array, *, layer_barrier: bool = True, hidden: bool = False,
-            attend_rows: int | None = None):
+            n_new: jax.Array, *, hidden: bool = False, attend_rows: int | None = None):
     """tokens [B, R] (first n_new [B] real) -> (logits [B, R, V] f32, state, sel [B, R, W]).
 
     `sel` is the first layer's selection. Pure and traceable; no checks (the caller's host
     side validates: lengths + n_new <= max_context, block tables cover the rows).
-    layer_barrier: a fusion boundary where each layer starts (module docstring); False only
-    to measure or diagnose without it (benchmarks/h200_scan_check.py). hidden: also return
+    Each layer starts at a fusion boundary (module docstring). hidden: also return
     every layer's input rows `[L, B, R, D]` (a fourth output, to find the first layer two
     programs differ in; it changes the program). attend_rows: static, `layer.step`'s promise
     (`n_new <= attend_rows`): every layer's selection and gather-attend run on the first
@@ -479,11 +477,10 @@ def forward(mcfg: ModelConfig, weights: StackedWeights, ms: ModelState, tokens: 
     h = weights.embed[tokens]  # [B, R, D]
     sel0, hs = None, []
     for seg, stack in zip(layer_plan(cfg.indexer_types), weights.segments, strict=True):
-        h, caches, sels, seg_hs = _segment(cfg, seg, stack, h, caches, rows, layer_barrier,
-                                           hidden)
+        h, caches, sels, seg_hs = _segment(cfg, seg, stack, h, caches, rows, hidden)
         sel0 = sels[0] if sel0 is None else sel0
         hs.append(seg_hs)
-    logits = lm_head(mcfg, weights.final_norm, weights.lm_head, _island(h, layer_barrier))
+    logits = lm_head(mcfg, weights.final_norm, weights.lm_head, _island(h))
     ms = ms._replace(latent=caches.latent.reshape(ms.latent.shape),
                      index_k=caches.index_k.reshape(ms.index_k.shape),
                      index_g=caches.index_g.reshape(ms.index_g.shape),
@@ -495,24 +492,24 @@ def forward(mcfg: ModelConfig, weights: StackedWeights, ms: ModelState, tokens: 
 
 
 def forward_unrolled(mcfg: ModelConfig, weights: ModelWeights, states, tokens: jax.Array,
-                     n_new: jax.Array, *, layer_barrier: bool = True, hidden: bool = False,
+                     n_new: jax.Array, *, hidden: bool = False,
                      attend_rows: int | None = None):
     """The reference: `forward` with one `layer.step` per layer over per-layer states (the
-    same fusion boundaries as `forward` under the same `layer_barrier`; `hidden` and
+    same fusion boundaries as `forward`; `hidden` and
     `attend_rows` likewise)."""
     cfg = mcfg.dsa
     h = weights.embed[tokens]  # [B, R, D]
     new_states, sel, sel0, hs = [], None, None, []
     for i, (lw, st) in enumerate(zip(weights.layers, states, strict=True)):
         shared = None if lw.has_indexer else sel
-        h = _island(h, layer_barrier)
+        h = _island(h)
         hs.append(h)
         y, st, sel = step(cfg, lw, st, rms_norm_op(cfg, h, weights.norms[i], cfg.rms_norm_eps),
                           n_new, shared, attend_rows=attend_rows)
         sel0 = sel if sel0 is None else sel0
         h = h + y
         new_states.append(st)
-    logits = lm_head(mcfg, weights.final_norm, weights.lm_head, _island(h, layer_barrier))
+    logits = lm_head(mcfg, weights.final_norm, weights.lm_head, _island(h))
     if hidden:
         return logits, tuple(new_states), sel0, jnp.stack(hs)
     return logits, tuple(new_states), sel0

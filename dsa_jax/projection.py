@@ -25,13 +25,15 @@ from dsa_jax.implementation import (
     rms_norm_op,
     row_gemms,
     scaled_q_abs_op,
+    takes_scaled_q,
 )
-from dsa_jax.pallas import scaled_q_abs as sqa
-from dsa_jax.pallas.matmul import matmul_xla, per_head_xla
-from dsa_jax.pallas.rms_norm import rms_norm_xla as rms_norm  # the definition (public)
-from dsa_jax.pallas.sparse_attend import takes_scaled_q
+from dsa_jax.implementation import q_abs_bound as kernel_q_abs_bound
 from dsa_jax.stacked import LayerOf, operand
 from dsa_jax.weights import DsaWeights
+
+matmul_xla = matmul_op.reference  # the definitions (XLA's ops)
+per_head_xla = per_head_op.reference
+rms_norm = rms_norm_op.reference  # public: the block's RMSNorm
 
 __all__ = ["Projections", "absorb_q", "kernel_rows", "matmul", "norm", "output_projection",
            "per_head", "project", "project_kv", "prompt_rows", "prompt_u_v_kernel", "q_abs_bound",
@@ -110,10 +112,10 @@ def norm(cfg: DsaConfig, v: jax.Array, w, eps: float, **kwargs) -> jax.Array:
 def q_abs_bound(q: jax.Array, u_k) -> jax.Array:
     """`q [..., Hl, Dn]` f32 (the U_k GEMM's input) -> `[..., Hl]` f32, at least every |a_h|
     that `per_head(q, u_k, 1)` computes (Cauchy-Schwarz at the GEMM's operands, with a margin
-    for the f32 roundings: `pallas.scaled_q_abs.q_abs_bound`). Known before the GEMM runs
+    for the f32 roundings: `implementation.q_abs_bound`). Known before the GEMM runs
     (`scaled_q_abs`), where an amax of q_abs would read q_abs back. u_k: an array or a
     `LayerOf`."""
-    return sqa.q_abs_bound(q, u_k.layer if isinstance(u_k, LayerOf) else u_k)
+    return kernel_q_abs_bound(q, u_k.layer if isinstance(u_k, LayerOf) else u_k)
 
 
 def scaled_q_abs(q: jax.Array, u_k, cfg: DsaConfig | None = None
@@ -182,8 +184,7 @@ def project(cfg: DsaConfig, weights: DsaWeights, x: jax.Array, *, defer_q: bool 
                                  impl != "pallas"))
     # With bf16 q_b and U_k weights q is only ever read rounded to bf16 (both U_k GEMMs round
     # it): a prompt's q_b GEMM (XLA's) then writes bf16 itself, half the bytes written and
-    # read back, the same values (its fp32 sums rounded once; on the H200 equal bits to the
-    # f32 result rounded: h200-scaled-q-20261202-s15-call3.json).
+    # read back, the same values (its fp32 sums rounded once, as the f32 result rounded).
     q_bf16 = scaled and weights.q_proj.dtype == weights.u_k.dtype == jnp.bfloat16
     if defer_q:
         if scaled:
@@ -223,8 +224,8 @@ def prompt_u_v_kernel(cfg: DsaConfig, lead: tuple[int, ...], u_v, o_proj) -> boo
     """Whether a prompt's U_v product (rows `lead`) runs the per-head Pallas kernel writing
     bf16 (`output_projection`): prompt rows, the kernels on (`cfg.implementation`), `cfg.gemm`
     not "xla", and bf16 U_v and o_proj weights (o_proj rounds its operand to bf16 anyway, so
-    the kernel's rounding is that one). On the H200 it is faster than XLA's GEMM there
-    (benchmarks/notes.md, lever MM). A decode's and a verify's rows keep `per_head`."""
+    the kernel's rounding is that one), faster than XLA's GEMM there on the H200. A decode's
+    and a verify's rows keep `per_head`."""
     return (prompt_rows(cfg, lead) and resolve(cfg.implementation) != "xla"
             and cfg.gemm != "xla" and u_v.dtype == o_proj.dtype == jnp.bfloat16)
 

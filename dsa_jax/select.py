@@ -8,22 +8,18 @@ order is exactly that one; the Pallas top-k (pallas/pool_topk.py) and the raw Tr
 
 from __future__ import annotations
 
-import math
-
 import jax
 
 from dsa_jax.config import DsaConfig
-from dsa_jax.implementation import pool_topk_op, resolve
-from dsa_jax.pallas import pool_topk
+from dsa_jax.implementation import Expansion, expand_xla, pool_topk_op
+from dsa_jax.implementation import select_slots as select_slots_op
 
 
-def top_pools(cfg: DsaConfig, scores: jax.Array,
-              tuning: pool_topk.PoolTopkTuning | None = None) -> jax.Array:
+def top_pools(cfg: DsaConfig, scores: jax.Array, tuning=None) -> jax.Array:
     """`scores [..., P]` -> the best `min(select_k, P)` pool indices `[..., k]`, best first.
     Every implementation returns the same indices (the kernels are tested with `==`); the
-    pallas path runs a kernel for rows of at most `pallas.pool_topk.KERNEL_MAX_P` pools,
-    lax.top_k beyond (measured faster there). tuning: the kernel's (None: its defaults, the
-    raw Triton kernel for a compiled prompt's rows; `pool_topk.runs_triton` says which one runs)."""
+    pallas path runs a kernel for rows of at most `implementation.KERNEL_MAX_P` pools,
+    lax.top_k beyond. tuning: the top-k kernel's (None: its defaults)."""
     options = None if tuning is None else dict(tuning=tuning)
     return pool_topk_op(cfg, scores, min(cfg.select_k, scores.shape[-1]),
                         kernel_options=options)
@@ -36,34 +32,22 @@ def expand_selection(cfg: DsaConfig, pools: jax.Array, pos: jax.Array, valid: ja
     pools: [..., k] best first; pos: [...] the row's position t; valid: [...] rows to fill.
     Slots `[0, n_sel*KP)` hold the pools' tokens in selection order, `n_sel = min(select_k,
     (t+1)//KP)`; the tail's `(t+1) % KP` tokens follow at `n_sel*KP` (per row); the rest -1.
-    (`pool_topk.expand_xla`, the top-k kernel's own definition of its slots.)
+    (`implementation.expand_xla`, the top-k kernel's own definition of its slots.)
     """
     k = min(cfg.select_k, pools.shape[-1])
-    return pool_topk.expand_xla(pools[..., :k], pos, valid, expansion(cfg))
+    return expand_xla(pools[..., :k], pos, valid, expansion(cfg))
 
 
-def expansion(cfg: DsaConfig) -> pool_topk.Expansion:
+def expansion(cfg: DsaConfig) -> Expansion:
     """The block's token slots as the top-k kernel writes them."""
-    return pool_topk.Expansion(cfg.index_kpool, cfg.sel_width, cfg.always_select_tail)
+    return Expansion(cfg.index_kpool, cfg.sel_width, cfg.always_select_tail)
 
 
 def select_slots(cfg: DsaConfig, scores: jax.Array, pos: jax.Array, valid: jax.Array, *,
-                 tuning: pool_topk.PoolTopkTuning | None = None) -> jax.Array:
+                 tuning=None) -> jax.Array:
     """`expand_selection(cfg, top_pools(cfg, scores), pos, valid)`, the same slots bit for bit:
-    scores [..., P], pos and valid [...] -> [..., W]. Where the pallas path runs the top-k
-    kernel (rows of at most `pool_topk.KERNEL_MAX_P` pools) the kernel writes the slots
-    itself (`pool_topk.pool_topk_expand_pallas`: no separate expansion pass) unless the raw
-    Triton kernel runs (`pool_topk.runs_triton`, by default for a compiled prompt's rows: it returns
-    the pools, the expansion runs apart); `tuning`: the kernel's (None: its defaults)."""
-    impl = resolve(cfg.implementation)
-    k = min(cfg.select_k, scores.shape[-1])
-    tuning = tuning or pool_topk.PoolTopkTuning()
-    if impl == "xla" or scores.shape[-1] > pool_topk.KERNEL_MAX_P:
-        return expand_selection(cfg, top_pools(cfg, scores), pos, valid)
-    interpret = impl == "pallas-interpret"
-    if pool_topk.runs_triton(tuning, math.prod(scores.shape[:-1]), interpret):
-        # a kernel that writes no slots: the expansion apart
-        pools = pool_topk.pool_topk_pallas(scores, k, interpret=interpret, tuning=tuning)
-        return expand_selection(cfg, pools, pos, valid)
-    return pool_topk.pool_topk_expand_pallas(scores, k, pos, valid, expansion(cfg),
-                                             interpret=interpret, tuning=tuning)
+    scores [..., P], pos and valid [...] -> [..., W]. Where the top-k kernel runs it writes
+    the slots itself (no separate expansion pass); `tuning`: the kernel's (None: its
+    defaults)."""
+    return select_slots_op(cfg, scores, min(cfg.select_k, scores.shape[-1]), pos, valid,
+                           expansion(cfg), tuning)

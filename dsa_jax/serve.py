@@ -71,7 +71,7 @@ class Emitted(NamedTuple):
 # cuBLAS GEMMs, so XLA's Triton GEMMs are off) instead of a copy of it per layer and token.
 # Autotuning off: each GEMM takes cuBLAS's heuristic algorithm for its shape, the same in every
 # program and every compile (timed autotuning picks by measured speed, so two programs, or two
-# compiles of one, may sum in other orders). Measured on the H200: benchmarks/notes.md (#15).
+# compiles of one, may sum in other orders).
 IN_PLACE_WEIGHTS = {"xla_gpu_enable_dynamic_slice_fusion": True,
                     "xla_gpu_enable_triton_gemm": False,
                     "xla_gpu_autotune_level": 0}

@@ -24,8 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsa_jax.config import DsaConfig
-from dsa_jax.pallas.common import next_pow2, quantize, round_to
-from dsa_jax.pallas.row_meta import mark_after
+from dsa_jax.numerics import mark_after, next_pow2, quantize, round_to
 
 
 class StateError(ValueError):

@@ -28,8 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import dsa_jax
-from dsa_jax.implementation import OPS
-from dsa_jax.pallas import sparse_attend
+from dsa_jax.implementation import OPS, default_compute_dtype
 from dsa_jax.weights import hf_shapes, random_hf_value
 
 IMPLEMENTATIONS = ("xla", "pallas-interpret", "pallas")
@@ -298,7 +297,7 @@ def attend_roundoff(impl: str, cache_dtype, backend: str = "triton") -> float:
     The Triton kernel feeds bf16 operands for fp8 / bf16 caches; fp32 ones for an fp32 cache:
     IEEE in interpret mode, 3-pass tf32 compiled. The Mosaic GPU kernel (`backend`
     "mosaic", fp8 caches) feeds f16 operands (see `attend_bound` for its absolute floors)."""
-    compute = sparse_attend.default_compute_dtype(jnp.dtype(cache_dtype))
+    compute = default_compute_dtype(jnp.dtype(cache_dtype))
     if impl == "xla":
         return E32
     if backend == "mosaic":

@@ -1,31 +1,30 @@
-"""Gather-attend kernels beside the Triton default: the Triton column split (interpret mode),
-the Mosaic GPU kernel's host side and arithmetic, and the backend rule.
+"""Gather-attend kernels beside the Triton default: the Triton kernel's gather (interpret
+mode), the Mosaic GPU kernel's host side and arithmetic, and the backend rule.
 
 Mosaic GPU kernels do not run here: jax's experimental GPU interpret mode (0.10.2) lacks
-primitives the kernel uses (plgpu.load, run_state). So the kernel itself is checked on the H200
-by benchmarks/h200_attend.py against the jnp twin with the bound below (results committed in
-benchmarks/results/h200-attend-run*.json), and here its arithmetic is modelled in numpy (the
-same rounding points: f16 q, f16 p, fp32 sums, log2-unit softmax, per-split partials merged by
-`merge_splits`) and held to that bound, together with the jnp pieces it runs (`row_scales`).
+primitives the kernel uses (plgpu.load, run_state). So the kernel itself is checked on the GPU
+against the jnp twin with the bound below (tests/test_kernels.py, `gpu` marker), and here its
+arithmetic is modelled in numpy (the same rounding points: f16 q scaled per head group, f16 p,
+fp32 sums, log2-unit softmax, per-split partials in f16 merged by `merge_splits`) and held to
+that bound, together with the jnp pieces it runs (`row_scales`, `head_scales`), and it is
+lowered for CUDA at odd shapes.
 
 Tolerances, derived (e = 2^-24, fp32 accumulation), per row with s = softmax_scale * kv_scale,
 c_j the dequantized latent row, M = max_j |c_j|_inf and L_j = s sum_c |q_c| |c_jc|:
   * Triton (bf16 operands, u = 2^-8): tests/test_kernels.py's bound (dsa_jax.testing),
-    2 [(exp(2D) - 1) + u + 4 (W + S) e] M with D = max_j (u + 2 C e) L_j; the column split only
-    reorders fp32 sums, which 2 C e L_j already covers.
-  * Mosaic (f16 operands, u = 2^-11): each row's q is scaled by 2^k (max |q| in [2^13, 2^14))
-    before the f16 rounding: |dq| <= u |q| + 2^-25 2^-k (f16 subnormals), latents are exact
+    2 [(exp(2D) - 1) + u + 4 (W + S) e] M with D = max_j (u + 2 C e) L_j.
+  * Mosaic (f16 operands, u = 2^-11): each head group's q is scaled by 2^k (its max |q| in
+    [2^13, 2^14)) before the f16 rounding: |dq| <= u |q| + 2^-25 2^-k (f16 subnormals), with
+    2^-k at most the row's own scale's (`row_scales`), latents are exact
     (e4m3 is a subset of f16), so the logits move by D = max_j (u + 2 C e) L_j
     + s 2^-25 2^-k max_j sum_c |c_jc|. p is rounded to f16 (relative u, absolute 2^-25 below
     2^-14) against an fp32 denominator >= 1: u M + W 2^-25 M. exp2 (approximate, ~2^-22) and
     the fp32 sums: 4 (W + S) e M. => 2 [(exp(2D) - 1) + u + W 2^-25 + 4 (W + S) e] M.
-    With f16 partials (`MgpuTuning.half_partials`, S > 1) each split's normalized partial is
-    rounded to f16 in the cache's units before the merge (relative u, absolute 2^-25 kv_scale
-    below f16's normal range); the merge is a convex combination: + u M + 2^-25 kv_scale
-    inside the bracket's factor 2.
+    With S > 1 each split's normalized partial is rounded to f16 in the cache's units before
+    the merge (relative u, absolute 2^-25 kv_scale below f16's normal range); the merge is a
+    convex combination: + u M + 2^-25 kv_scale inside the bracket's factor 2.
 """
 
-import dataclasses
 import functools
 
 import jax
@@ -38,9 +37,7 @@ from dsa_jax.pallas import mgpu_gather
 from dsa_jax.pallas import sparse_attend as sa
 from dsa_jax.pallas import sparse_attend_mgpu as mg
 
-E32 = T.E32
-U_BF16, U_F16 = T.unit_roundoff(jnp.bfloat16), T.unit_roundoff(jnp.float16)
-DTYPES = ["float8_e4m3fn", "bfloat16", "float32"]
+U_F16 = T.unit_roundoff(jnp.float16)
 
 
 def _bound(q, lat, kv_scale, tables, sel, scale, u, splits, q_sub=None, half=False):
@@ -52,34 +49,9 @@ def _bound(q, lat, kv_scale, tables, sel, scale, u, splits, q_sub=None, half=Fal
     return T.attend_bound(q, lat, kv_scale, tables, sel, scale, u, splits, **floors)
 
 
-# ------------------------------------------------------------------ Triton column split
+# ------------------------------------------------------------------ Triton kernel
 
-TRITON_CB = sa.AttendTuning(backend="triton", col_blocks=2)
-# (B, R, H, C, W, block size, blocks per seq, kwargs, dtypes): odd heads and widths, partial
-# tiles and column blocks (C = 40, 48 pad to 64: 2 blocks of 32, the second partly padding),
-# more splits than some rows have tiles, two head blocks.
-CB_CASES = [
-    (2, 3, 5, 24, 37, 8, 6, dict(block_w=16), DTYPES),
-    (1, 2, 3, 40, 70, 16, 5, dict(block_w=16, num_splits=3), ["float8_e4m3fn"]),
-    (2, 1, 20, 48, 19, 4, 7, dict(block_h=16, num_splits=2, block_w=16), ["bfloat16"]),
-]
-CB_PARAMS = [(i, dt) for i, case in enumerate(CB_CASES) for dt in case[-1]]
-
-
-@pytest.mark.parametrize("case,dtype", CB_PARAMS)
-def test_triton_column_split_matches_twin(case, dtype):
-    b, r, h, c, w, bs, mb, kw, _ = CB_CASES[case]
-    args = T.attend_inputs(30 + case + len(dtype), b, r, h, c, w, bs, mb, dtype, empty=[(0, 0)])
-    out = sa.sparse_attend_pallas(*args, softmax_scale=0.3, interpret=True, tuning=TRITON_CB,
-                                  **kw)
-    ref = sa.sparse_attend_xla(*args, softmax_scale=0.3)
-    u = U_BF16 if dtype != "float32" else E32
-    T.assert_attend_close(out, ref, _bound(*args, 0.3, u, splits=8))
-    assert (np.asarray(out)[0, 0] == 0).all()  # an empty selection returns exactly 0
-
-
-@pytest.mark.parametrize("col_blocks", [1, 2])
-def test_triton_never_reads_unselected_rows(col_blocks):
+def test_triton_never_reads_unselected_rows():
     """Every cache row outside the selection (slot 0 included, which empty slots clamp to) is
     NaN: the output has no NaN and equals, bitwise, the output with those rows finite."""
     q, lat, kv, tables, sel = T.attend_inputs(7, 2, 2, 5, 24, 37, 8, 6, "float8_e4m3fn",
@@ -92,7 +64,7 @@ def test_triton_never_reads_unselected_rows(col_blocks):
     used[rows[rows >= 0]] = True
     flat = np.asarray(lat.astype(jnp.float32)).reshape(nb * bs, c)
     poisoned = jnp.asarray(np.where(used[:, None], flat, np.nan).reshape(lat.shape), lat.dtype)
-    tun = sa.AttendTuning(backend="triton", col_blocks=col_blocks)
+    tun = sa.AttendTuning(backend="triton")
     outs = [np.asarray(sa.sparse_attend_pallas(q, x, kv, tables, sel, softmax_scale=0.3,
                                                interpret=True, tuning=tun, block_w=16))
             for x in (poisoned, lat)]
@@ -131,64 +103,23 @@ def test_backend_rule():
                                 softmax_scale=0.3, interpret=True, tuning=mos)
 
 
-def test_prompt_rows_take_the_prompt_tiles():
-    """A prompt chunk (more than PROMPT_ROWS rows per sequence, all live) runs
-    `mosaic_prompt`; a decode or verify padded to max_verify rows, and every row where it is
-    None, runs `mosaic`."""
-    assert sa.AttendTuning().mosaic_prompt is None  # the default: one design for every row
-    assert sa.AttendTuning().mosaic.design == "flashmla"
-    t = sa.AttendTuning(mosaic=mg.MgpuTuning(), mosaic_prompt=mg.MgpuTuning(
-        convert="producer", consumer_regs=208, producer_regs=88))
-    assert sa.mosaic_tuning(t, 2048, 2048, 2048) == t.mosaic_prompt != t.mosaic
-    assert sa.mosaic_tuning(t, 9, 18, 18) == t.mosaic_prompt  # 2 sequences x 9 rows
-    assert sa.mosaic_tuning(t, 8, 16, 16) == t.mosaic  # a short prompt: not prompt-shaped
-    assert sa.mosaic_tuning(t, 4, 64, 256) == t.mosaic  # a padded decode of 64 sequences
-    assert sa.mosaic_tuning(t, 16, 8, 16) == t.mosaic  # rows not all live
-    off = sa.AttendTuning(mosaic_prompt=None)
-    assert sa.mosaic_tuning(off, 2048, 2048, 2048) == off.mosaic
-    assert t.mosaic_prompt.convert == "producer" and t.mosaic.convert == "consumer"
-
-
-def test_tuning_errors_name_the_value():
-    for bad, match in ((dict(backend="cuda"), "cuda"), (dict(col_blocks=3), "col_blocks=3")):
-        with pytest.raises(ValueError, match=match):
-            sa.AttendTuning(**bad)
-    for bad, match in ((dict(block_w=32), "block_w=32"), (dict(row_pad=8), "row_pad=8"),
-                       (dict(consumer_regs=256, producer_regs=64), "3 \\* 168"),
-                       (dict(consumer_regs=216, producer_regs=80), "wait forever"),
-                       (dict(producer_regs=44), "multiple of 8"),
-                       (dict(index_group=0), "index_group=0"), (dict(stages=0), "stages=0"),
-                       (dict(convert="tma"), "convert='tma'"),
-                       (dict(gather_ahead=True), "gather_ahead"),
-                       (dict(full_logits=True), "full_logits"),
-                       (dict(convert="producer", full_logits=True, persistent=True),
-                        "persistent=False"),
-                       (dict(convert="producer", pingpong=True), "pingpong"),
-                       (dict(design="fa3"), "design='fa3'"),
-                       (dict(design="flashmla", persistent=True), "persistent"),
-                       (dict(design="flashmla", convert="producer"), "convert='producer'"),
-                       (dict(design="flashmla", block_w=128), "block_w=128"),
-                       (dict(design="flashmla", converters=3), "converters=3"),
-                       (dict(converters=2), "design='flashmla'"),
-                       (dict(stage_slots=False), "design='flashmla'"),
-                       (dict(design="flashmla", scale_heads=8), "scale_heads=8"),
-                       (dict(scale_heads=16), "needs design='flashmla'"),
-                       (dict(design="flashmla", scale_heads=16, prep_per_sm=1),
-                        "prep_per_sm=0"),
-                       (dict(design="flashmla", converters=2, flashmla_regs=(232, 144)),
-                        "wait forever")):
-        with pytest.raises(ValueError, match=match):
-            mg.MgpuTuning(**bad)
+def test_tuning_defaults_are_the_librarys_and_errors_name_the_value():
+    assert sa.AttendTuning().mosaic == mg.MgpuTuning() and sa.AttendTuning().backend == "auto"
+    with pytest.raises(ValueError, match="cuda"):
+        sa.AttendTuning(backend="cuda")
+    with pytest.raises(ValueError, match="max_splits=0"):
+        mg.MgpuTuning(max_splits=0)
 
 
 def test_mosaic_plan_fits_the_h200():
     t = mg.MgpuTuning()
-    # Q halves 64 KiB, 2 staged tiles of 64 padded rows, f16 tile halves 64 KiB, logits 32 KiB.
-    assert mg.smem_bytes(512, t) == 65536 + 2 * 64 * 528 + 65536 + 32768 <= 227 * 1024
+    # Q halves 64 KiB, two f16 tiles 128 KiB, P 8 KiB, the row statistics (the slots on top).
+    assert mg.smem_bytes(512) == 65536 + 2 * 65536 + 8192 + 512 <= mg.SMEM_LIMIT
     assert mg.supports(jnp.float8_e4m3fn, 512) is None
     assert mg.supports(jnp.float8_e4m3fn, 384) is None
     assert "bfloat16" in mg.supports(jnp.bfloat16, 512)
-    assert "shared memory" in mg.supports(jnp.float8_e4m3fn, 512, mg.MgpuTuning(stages=3))
+    assert "C=640" in mg.supports(jnp.float8_e4m3fn, 640)
+    assert "C=192" in mg.supports(jnp.float8_e4m3fn, 192)
     # 64 rows x 1 head block: 2 splits fill 132 multiprocessors; 256 x 2 need no split.
     assert mg.num_splits(64, 33, 132, 16) == 2
     assert mg.num_splits(512, 32, 132, 16) == 1
@@ -203,25 +134,12 @@ def test_mosaic_plan_fits_the_h200():
             most = max(1, min(64, tiles, 132 // ps))
             per = -(-tiles // s)
             assert (s - 1) * per < tiles and per == -(-tiles // most)
-    # The producer-converted plan: no fp8 staging, two f16 tiles in its place.
-    prod = mg.MgpuTuning(convert="producer")
-    assert mg.smem_bytes(512, prod) == 65536 + 2 * 65536 + 32768 <= 227 * 1024
-    full = mg.MgpuTuning(convert="producer", full_logits=True)
-    assert mg.smem_bytes(512, full) == 65536 + 2 * 65536  # no partial-logit exchange
-    assert mg.supports(jnp.float8_e4m3fn, 384, prod) is None
-    # FlashMLA's split: Q, two f16 tiles, P, the row statistics (the slots come on top).
-    fm = mg.MgpuTuning(design="flashmla")
-    assert mg.smem_bytes(512, fm) == 65536 + 2 * 65536 + 8192 + 512 <= mg.SMEM_LIMIT
-    assert mg.supports(jnp.float8_e4m3fn, 384, fm) is None
-    assert "converters" in mg.supports(jnp.float8_e4m3fn, 384,
-                                       mg.MgpuTuning(design="flashmla", converters=2))
-    assert "shared memory" in mg.supports(jnp.float8_e4m3fn, 512,
-                                          mg.MgpuTuning(convert="producer", stages=3))
 
 
 @pytest.mark.parametrize("c", [384, 512])
 def test_register_gather_places_every_element_once(c):
-    """The producer's register gather (`mgpu_gather`, the same index code evaluated on ints):
+    """The converting warpgroup's register gather (`mgpu_gather`, the same index code evaluated
+    on ints):
     the 128 threads' chunks cover every element of a 64-row tile once, a warp's load is 256
     contiguous bytes of the rows, and each chunk lands where the swizzled f16 tile holds that
     (row, column): tiled (8, 64), the 16-byte chunk index XOR the row within its 8-row tile."""
@@ -259,24 +177,25 @@ def test_row_scales_are_exact_powers_of_two():
     amax = np.abs(q).max(axis=(1, 2)) * up
     live = amax > 0
     assert ((amax[live] >= 2.0 ** 13) & (amax[live] < 2.0 ** 14)).all()
-    q16, down16 = mg.scale_rows_f16(jnp.asarray(q))
-    back = np.asarray(q16, np.float64) * np.asarray(down16)[:, None, None]
+    q16 = (jnp.asarray(q) * jnp.asarray(up)[:, None, None]).astype(jnp.float16)
+    back = np.asarray(q16, np.float64) * down[:, None, None]
     tol = U_F16 * np.abs(q) + 2.0 ** -25 * down[:, None, None]  # f16 rounding, subnormals
     assert np.isfinite(back).all() and (np.abs(back - q) <= tol).all()
 
 
-def _mosaic_model(q, lat, kv, tables, sel, scale, splits, block_w=64, full_logits=False,
-                  half=False):
+def _mosaic_model(q, lat, kv, tables, sel, scale, splits, half=True):
     """The Mosaic kernel's arithmetic in numpy float32 (same rounding points), then the same
-    split merge: [B, R, H, C]. full_logits: one fp32 dot over all C (`MgpuTuning.full_logits`,
-    and design="flashmla", the library's default) rather than two column halves added (the
-    exchange design's partial logits). half: `MgpuTuning.half_partials` (with splits > 1 the
-    partials f16 in the cache's units, the merge scaling by kv)."""
+    split merge: [B, R, H, C], and the rows' q floors 2^-25 2^-k [B, R] (the largest of their
+    head groups'). q scaled per group of `SCALE_HEADS` heads (`mosaic_inputs_jnp`), each logit
+    row by its head's 2^-k; the logits one fp32 dot over all C. half: with splits > 1 the
+    partials f16 in the cache's units and the merge scaling by kv, as the kernel writes them
+    (False: f32 partials, to show the rounding)."""
     half = half and splits > 1
     b, r, h, c = q.shape
-    n, w = b * r, sel.shape[-1]
-    up, down = (np.asarray(x) for x in mg.row_scales(jnp.asarray(q.reshape(n, h, c))))
-    q16 = (np.asarray(q).reshape(n, h, c) * up[:, None, None]).astype(np.float16)
+    n, w, block_w = b * r, sel.shape[-1], mg.BLOCK_W
+    q16, _, down, _, _ = (np.asarray(x) for x in sa.mosaic_inputs_jnp(
+        jnp.asarray(q).reshape(n, h, c), sel, tables, lat.shape[1], hp=mg.HEADS_PER_CTA, wp=w))
+    q16, down = q16[:, :h], down[:, :h]
     slots = np.asarray(jax.vmap(sa.token_slots, in_axes=(0, 0, None))(
         sel, tables, lat.shape[1])).reshape(n, w)
     tiles_all = -(-w // block_w)
@@ -288,7 +207,7 @@ def _mosaic_model(q, lat, kv, tables, sel, scale, splits, block_w=64, full_logit
     m_out = np.zeros((n, splits, h), np.float32)
     l_out = np.zeros((n, splits, h), np.float32)
     for i in range(n):
-        ls = np.float32(kv * scale) * np.float32(down[i]) * log2e
+        ls = (np.float32(kv * scale) * down[i] * log2e)[:, None]  # [H, 1]
         for s in range(splits):
             m = np.full(h, -1e30, np.float32)
             l = np.zeros(h, np.float32)
@@ -297,10 +216,7 @@ def _mosaic_model(q, lat, kv, tables, sel, scale, splits, block_w=64, full_logit
                 sl = slots[i, (s * tiles + t) * block_w:(s * tiles + t + 1) * block_w]
                 tile = np.where((sl >= 0)[:, None], flat[np.maximum(sl, 0)], 0.0)
                 tile = tile.astype(np.float16).astype(np.float32)  # [BW, C]
-                hc = c // 2
-                parts = [q16[i][:, k * hc:(k + 1) * hc].astype(np.float32)
-                         @ tile[:, k * hc:(k + 1) * hc].T for k in range(2)]
-                dots = q16[i].astype(np.float32) @ tile.T if full_logits else parts[0] + parts[1]
+                dots = q16[i].astype(np.float32) @ tile.T
                 logits = np.where(sl[None] >= 0, dots * ls, -np.inf)
                 m_new = np.maximum(m, logits.max(axis=1))
                 alpha = np.exp2(m - m_new)
@@ -313,19 +229,18 @@ def _mosaic_model(q, lat, kv, tables, sel, scale, splits, block_w=64, full_logit
     o = o.astype(np.float16) if half else o
     out = sa.merge_splits(jnp.asarray(o), jnp.asarray(m_out), jnp.asarray(l_out),
                           scale=jnp.float32(kv) if half else None)
-    return np.asarray(out).reshape(b, r, h, c), (2.0 ** -25) * down.reshape(b, r)
+    return np.asarray(out).reshape(b, r, h, c), (2.0 ** -25) * down.max(axis=1).reshape(b, r)
 
 
-@pytest.mark.parametrize("splits,full_logits,half", [(1, False, False), (3, False, False),
-                                                     (3, True, False), (3, True, True)])
-def test_mosaic_arithmetic_meets_the_f16_bound(splits, full_logits, half):
+@pytest.mark.parametrize("splits", [1, 3])
+def test_mosaic_arithmetic_meets_the_f16_bound(splits):
     args = T.attend_inputs(11 + splits, 2, 2, 5, 256, 150, 16, 12, "float8_e4m3fn", kv_scale=1 / 64,
                    empty=[(1, 0)])
-    got, q_sub = _mosaic_model(*args, 0.0625, splits, full_logits=full_logits, half=half)
+    got, q_sub = _mosaic_model(*args, 0.0625, splits)
     ref = sa.sparse_attend_xla(*args, softmax_scale=0.0625)
-    T.assert_attend_close(got, ref, _bound(*args, 0.0625, U_F16, splits, q_sub, half=half))
-    if half:  # the partials' rounding shows: not the f32 partials' result
-        f32, _ = _mosaic_model(*args, 0.0625, splits, full_logits=full_logits)
+    T.assert_attend_close(got, ref, _bound(*args, 0.0625, U_F16, splits, q_sub, half=splits > 1))
+    if splits > 1:  # the partials' rounding shows: not the f32 partials' result
+        f32, _ = _mosaic_model(*args, 0.0625, splits, half=False)
         assert (got != f32).any()
     assert (got[1, 0] == 0).all()
     # The bound is not vacuous: the bf16 kernel's error on the same inputs is larger.
@@ -335,45 +250,30 @@ def test_mosaic_arithmetic_meets_the_f16_bound(splits, full_logits, half):
     assert 0 < e16 < np.abs(np.asarray(tri) - np.asarray(ref)).max()
 
 
-@pytest.mark.parametrize("tuning", [
-    mg.MgpuTuning(), mg.MgpuTuning(persistent=True), mg.MgpuTuning(prep="triton"),
-    mg.MgpuTuning(prep="triton", prep_heads=64, prep_warps=16, persistent=True),
-    mg.MgpuTuning(prep="triton", q_in_kernel=True), mg.MgpuTuning(convert="producer"),
-    mg.MgpuTuning(convert="producer", gather_ahead=True, persistent=True),
-    mg.MgpuTuning(convert="producer", full_logits=True, pingpong=True),
-    mg.MgpuTuning(design="flashmla"), mg.MgpuTuning(design="flashmla", stage_slots=False),
-    mg.MgpuTuning(design="flashmla", scale_heads=16),
-    mg.MgpuTuning(design="flashmla", scale_heads=64),
-    mg.MgpuTuning(design="flashmla", scale_heads=16, half_partials=True)])
-def test_mosaic_variants_lower_for_cuda(tuning):
+def test_mosaic_kernel_lowers_for_cuda():
     """The Mosaic kernel cannot run here, but it lowers (Pallas -> Mosaic GPU MLIR) on any
-    host: each variant traces and lowers at odd shapes (5 heads padded to 64, C = 384, a
-    partial last tile, 3 splits) before it reaches the device."""
+    host: it traces and lowers at odd shapes (5 heads padded to 64, C = 384, a partial last
+    tile, 3 splits) before it reaches the device, with the Triton prep and merge beside it."""
     f32, i32 = jnp.float32, jnp.int32
     fn = functools.partial(sa.sparse_attend_pallas, softmax_scale=0.1, num_splits=3,
-                           tuning=sa.AttendTuning("mosaic", mosaic=tuning))
+                           tuning=sa.AttendTuning("mosaic"))
     args = (jax.ShapeDtypeStruct((2, 3, 5, 384), f32),
             jax.ShapeDtypeStruct((30, 16, 384), jnp.float8_e4m3fn),
             jax.ShapeDtypeStruct((), f32), jax.ShapeDtypeStruct((2, 12), i32),
             jax.ShapeDtypeStruct((2, 3, 150), i32))
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 1
-    assert ("custom_call @__gpu$xla.gpu.triton" in text) == (tuning.prep == "triton")
+    assert text.count("custom_call @__gpu$xla.gpu.triton") == 2  # the prep, the merge
 
 
-@pytest.mark.parametrize("design", ["flashmla", "exchange"])
-@pytest.mark.parametrize("direct", [True, False])
 @pytest.mark.parametrize("splits", [1, 2])
-def test_mosaic_prompt_result_is_written_by_the_kernel(design, direct, splits):
-    """A prompt's attend (no padded block) in bf16: with one split and `direct_out` the Mosaic
-    kernel writes the bf16 result itself and no merge kernel runs (the prep is the program's
-    only Triton call); with two splits, or direct_out=False, the f32 partials go through the
-    merge kernel as before. Lowered for CUDA on any host."""
+def test_mosaic_prompt_result_is_written_by_the_kernel(splits):
+    """A prompt's attend (no padded block) in bf16: with one split the Mosaic kernel writes the
+    bf16 result itself and no merge kernel runs (the prep is the program's only Triton call);
+    with two splits the partials go through the merge kernel. Lowered for CUDA on any host."""
     f32, i32 = jnp.float32, jnp.int32
-    tuning = mg.MgpuTuning(design=design, direct_out=direct)
     fn = functools.partial(sa.sparse_attend_pallas, softmax_scale=0.1, num_splits=splits,
-                           out_dtype=jnp.bfloat16,
-                           tuning=sa.AttendTuning("mosaic", mosaic=tuning))
+                           out_dtype=jnp.bfloat16, tuning=sa.AttendTuning("mosaic"))
     args = (jax.ShapeDtypeStruct((2, 3, 64, 512), f32),
             jax.ShapeDtypeStruct((30, 16, 512), jnp.float8_e4m3fn),
             jax.ShapeDtypeStruct((), f32), jax.ShapeDtypeStruct((2, 12), i32),
@@ -383,18 +283,17 @@ def test_mosaic_prompt_result_is_written_by_the_kernel(design, direct, splits):
     assert lowered.out_info.dtype == jnp.bfloat16 and lowered.out_info.shape == (2, 3, 64, 512)
     assert text.count("custom_call @mosaic_gpu") == 1
     triton_calls = text.count("custom_call @__gpu$xla.gpu.triton")
-    assert triton_calls == (1 if direct and splits == 1 else 2)  # the prep (+ the merge)
+    assert triton_calls == (1 if splits == 1 else 2)  # the prep (+ the merge)
 
 
 def test_mosaic_partials_check_the_q_scales_shape():
     z = jnp.zeros
     args = (z((2, 64, 512), jnp.float16), z((2, 128), jnp.int32), z((30, 512), jnp.float8_e4m3fn))
-    for tuning, scales in ((mg.MgpuTuning(design="flashmla", scale_heads=16), (2,)),
-                           (mg.MgpuTuning(design="flashmla"), (2, 64))):
+    for scales in ((2,), (2, 16)):  # one per head: [N, Hp]
         with pytest.raises(ValueError, match="q scales"):
             mg.sparse_attend_mgpu_partials(jnp.float32(1.0), (z(scales), z(scales)),
                                            z((2,), jnp.int32), *args, softmax_scale=0.1,
-                                           splits=1, tiles=2, tuning=tuning)
+                                           splits=1, tiles=2)
 
 
 def test_head_scales_are_row_scales_of_each_group():
@@ -412,30 +311,22 @@ def test_mosaic_partials_refuse_a_narrow_dtype_with_splits():
     z = jnp.zeros
     with pytest.raises(ValueError, match="partials to be merged stay float32"):
         mg.sparse_attend_mgpu_partials(
-            jnp.float32(1.0), (z((2,)), z((2,))), z((2,), jnp.int32), z((2, 64, 512), jnp.float16),
+            jnp.float32(1.0), (z((2, 64)), z((2, 64))), z((2,), jnp.int32),
+            z((2, 64, 512), jnp.float16),
             z((2, 128), jnp.int32), z((30, 512), jnp.float8_e4m3fn), softmax_scale=0.1,
             splits=2, tiles=1, out_dtype=jnp.bfloat16)
 
 
-@pytest.mark.parametrize("tuning", [mg.MgpuTuning(), mg.MgpuTuning(prep="jnp"),
-                                    mg.MgpuTuning(q_in_kernel=True),
-                                    mg.MgpuTuning(design="flashmla"),
-                                    mg.MgpuTuning(design="flashmla", converters=2),
-                                    mg.MgpuTuning(design="flashmla", scale_heads=32),
-                                    mg.MgpuTuning(design="flashmla", scale_heads=16,
-                                                  prep="jnp"),
-                                    mg.MgpuTuning(design="flashmla", scale_heads=16,
-                                                  half_partials=True)])
-def test_mosaic_decode_rows_lower_for_cuda(tuning):
+def test_mosaic_decode_rows_lower_for_cuda():
     """A decode's attend (the first of 4 rows per sequence read in place by the prep, the
-    padded block written by the merge kernel in bf16) lowers on any host, for each way the
-    kernel's inputs are made."""
+    padded block written by the merge kernel in bf16) lowers on any host; the 2 splits'
+    partials reach the merge as f16."""
     f32, i32 = jnp.float32, jnp.int32
 
     def fn(q, lat, kv, tables, sel, fill):
         return sa.sparse_attend_pallas(q, lat, kv, tables, sel, softmax_scale=0.1,
                                        num_splits=2, out_dtype=jnp.bfloat16, rows=1, fill=fill,
-                                       tuning=sa.AttendTuning("mosaic", mosaic=tuning))
+                                       tuning=sa.AttendTuning("mosaic"))
 
     args = (jax.ShapeDtypeStruct((2, 4, 64, 512), f32),
             jax.ShapeDtypeStruct((30, 16, 512), jnp.float8_e4m3fn),
@@ -443,13 +334,7 @@ def test_mosaic_decode_rows_lower_for_cuda(tuning):
             jax.ShapeDtypeStruct((2, 4, 150), i32), jax.ShapeDtypeStruct((2, 4), f32))
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 1
-    # f16 partials (half_partials, 2 splits) reach the merge as f16: [2 rows, 2, 64, 512].
-    assert ("tensor<2x2x64x512xf16>" in text) == tuning.half_partials
-
-
-def test_mosaic_half_partials_need_the_flashmla_design():
-    with pytest.raises(ValueError, match="half_partials=True needs design"):
-        mg.MgpuTuning(half_partials=True)
+    assert "tensor<2x2x64x512xf16>" in text  # [2 rows, 2 splits, 64, 512]
 
 
 def test_auto_takes_triton_on_a_gpu_that_is_not_hopper(monkeypatch):
@@ -472,63 +357,24 @@ def test_auto_takes_triton_on_a_gpu_that_is_not_hopper(monkeypatch):
         assert sa.pick_backend(sa.AttendTuning("mosaic"), fp8, 64, 512, False, False) == "mosaic"
 
 
-def test_flashmla_slot_staging_refuses_past_shared_memory():
-    """design='flashmla' stages a split's slots in shared memory: a split of more tiles than
-    fit is refused with the limit named (stage_slots=False lowers the same call)."""
+def test_mosaic_slot_staging_refuses_past_shared_memory():
+    """The kernel stages a split's slots in shared memory: a split of more tiles than fit is
+    refused with the limit named; two splits of the same slots lower."""
     f32, i32 = jnp.float32, jnp.int32
     w = 107 * 64  # 107 tiles in one split: 27,392 B of slots on 205,312 B
 
-    def fn(t):
-        return functools.partial(sa.sparse_attend_pallas, softmax_scale=0.1, num_splits=1,
-                                 tuning=sa.AttendTuning("mosaic", mosaic=t))
+    def fn(splits):
+        return functools.partial(sa.sparse_attend_pallas, softmax_scale=0.1,
+                                 num_splits=splits, tuning=sa.AttendTuning("mosaic"))
 
     args = (jax.ShapeDtypeStruct((1, 1, 64, 512), f32),
             jax.ShapeDtypeStruct((120, 64, 512), jnp.float8_e4m3fn),
             jax.ShapeDtypeStruct((), f32), jax.ShapeDtypeStruct((1, 120), i32),
             jax.ShapeDtypeStruct((1, 1, w), i32))
     with pytest.raises(ValueError, match="107 tiles per split.*> 232448"):
-        jax.jit(fn(mg.MgpuTuning(design="flashmla"))).trace(*args).lower(
-            lowering_platforms=("cuda",))
-    text = jax.jit(fn(mg.MgpuTuning(design="flashmla", stage_slots=False))).trace(
-        *args).lower(lowering_platforms=("cuda",)).as_text()
+        jax.jit(fn(1)).trace(*args).lower(lowering_platforms=("cuda",))
+    text = jax.jit(fn(2)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 1
-
-
-@pytest.mark.parametrize("name", ["diag-noload", "diag-nostore"])
-def test_attend_diagnostics_lower_and_restore_the_gather(name):
-    """benchmarks/attend_diag.py's timing-only converters lower for CUDA inside their patch,
-    the lowering differs from the library's kernel, and the patch leaves `mgpu_gather` as it
-    was (a diagnostic never reaches a later variant)."""
-    from benchmarks import attend_diag
-
-    f32, i32 = jnp.float32, jnp.int32
-    args = (jax.ShapeDtypeStruct((1, 2, 64, 512), f32),
-            jax.ShapeDtypeStruct((30, 16, 512), jnp.float8_e4m3fn),
-            jax.ShapeDtypeStruct((), f32), jax.ShapeDtypeStruct((1, 30), i32),
-            jax.ShapeDtypeStruct((1, 2, 150), i32))
-
-    def lowered():  # a new function each time, as h200_attend's are: no cached trace
-        fn = functools.partial(sa.sparse_attend_pallas, softmax_scale=0.1, num_splits=2,
-                               tuning=sa.AttendTuning("mosaic"))
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-    before = (mgpu_gather.make_gather, mgpu_gather.make_store)
-    plain = lowered()
-    with attend_diag.patched(name):
-        diag = lowered()
-    assert (mgpu_gather.make_gather, mgpu_gather.make_store) == before
-    assert diag.count("custom_call @mosaic_gpu") == 1 and diag != plain
-    with pytest.raises(ValueError, match="unknown diagnostic"), attend_diag.patched("diag-x"):
-        pass
-    assert (mgpu_gather.make_gather, mgpu_gather.make_store) == before
-
-
-BOUND = mg.MgpuTuning(design="flashmla", scale_heads=16, bound_scales=True, direct_out=True)
-
-
-def test_bound_scales_need_the_per_head_kernel():
-    with pytest.raises(ValueError, match="bound_scales=True needs scale_heads"):
-        mg.MgpuTuning(design="flashmla", bound_scales=True)
 
 
 def test_q_abs_bound_bounds_the_absorbed_query():
@@ -592,7 +438,7 @@ def _check_scaled(q, u, scale, h, c):
 
 def test_bound_scales_lower_for_cuda_without_the_prep():
     """A prompt's attend given q_scaled lowers with no Triton prep and no merge (one split);
-    without it, or with bound_scales off, the prep runs as before."""
+    without it the prep runs."""
     f32, i32 = jnp.float32, jnp.int32
     args = (jax.ShapeDtypeStruct((1, 40, 5, 512), f32),
             jax.ShapeDtypeStruct((30, 16, 512), jnp.float8_e4m3fn),
@@ -600,40 +446,32 @@ def test_bound_scales_lower_for_cuda_without_the_prep():
             jax.ShapeDtypeStruct((1, 40, 150), i32),
             jax.ShapeDtypeStruct((1, 40, 5, 512), jnp.float16),
             jax.ShapeDtypeStruct((1, 40, 5), f32))
-    for tuning, hint, prep in ((BOUND, True, False), (BOUND, False, True),
-                               (dataclasses.replace(BOUND, bound_scales=False), True, True)):
-        def fn(q, lat, kv, tables, sel, q16, down, tuning=tuning, hint=hint):
+    for hint in (True, False):
+        def fn(q, lat, kv, tables, sel, q16, down, hint=hint):
             return sa.sparse_attend_pallas(q, lat, kv, tables, sel, softmax_scale=0.1,
                                            num_splits=1, out_dtype=jnp.bfloat16,
                                            q_scaled=(q16, down) if hint else None,
-                                           tuning=sa.AttendTuning("mosaic", mosaic=tuning))
+                                           tuning=sa.AttendTuning("mosaic"))
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("custom_call @mosaic_gpu") == 1
-        assert ("custom_call @__gpu$xla.gpu.triton" in text) == prep, (tuning, hint)
-
-
-def test_h200_attend_names_the_library_default():
-    """benchmarks/h200_attend.py's "mosaic-lib" is the tuning the library runs."""
-    from benchmarks import h200_attend
-    assert mg.MgpuTuning(**h200_attend.MOSAIC_VARIANTS["mosaic-lib"]) == sa.AttendTuning().mosaic
+        assert ("custom_call @__gpu$xla.gpu.triton" in text) == (not hint)
 
 
 def test_prompt_rows_carry_the_scaled_q_only_where_the_attend_reads_it(monkeypatch):
-    """`sparse_attend.takes_scaled_q`: only where the tuning has bound_scales and picks the
-    Mosaic kernel (fp8 cache, 64 heads, compiled: never in interpret mode). `Projections
+    """`sparse_attend.takes_scaled_q`: only where the tuning picks the Mosaic kernel (fp8
+    cache, 64 heads, compiled: never in interpret mode). `Projections
     .q_scaled` follows it: None for a decode's rows (<= max_verify) and for "xla"; with the
     gate open, a prompt's rows carry `scaled_q_abs`."""
     import os
 
     from dsa_jax import config, projection
     from dsa_jax import weights as W
-    fp8, on = jnp.dtype(jnp.float8_e4m3fn), sa.AttendTuning(mosaic=BOUND)
-    off = sa.AttendTuning(mosaic=dataclasses.replace(BOUND, bound_scales=False))
-    assert sa.takes_scaled_q(fp8, 64, 512, False, on)
-    assert not sa.takes_scaled_q(fp8, 64, 512, False, off)
-    assert not sa.takes_scaled_q(fp8, 64, 512, True, on)  # interpret: the Triton kernel
-    assert not sa.takes_scaled_q(jnp.dtype(jnp.bfloat16), 64, 512, False, on)
-    assert not sa.takes_scaled_q(fp8, 64, 512, False, sa.AttendTuning("triton", mosaic=BOUND))
+    fp8 = jnp.dtype(jnp.float8_e4m3fn)
+    assert sa.takes_scaled_q(fp8, 64, 512, False)
+    assert not sa.takes_scaled_q(fp8, 64, 512, True)  # interpret: the Triton kernel
+    assert not sa.takes_scaled_q(jnp.dtype(jnp.bfloat16), 64, 512, False)
+    assert not sa.takes_scaled_q(fp8, 8, 512, False)  # 8 heads: the Triton kernel
+    assert not sa.takes_scaled_q(fp8, 64, 512, False, sa.AttendTuning("triton"))
     path = os.path.join(os.path.dirname(__file__), "..", "dsa_jax", "configs", "tiny.json")
     cfg = config.DsaConfig.from_json(path, implementation="pallas-interpret")
     w = W.fold_weights(cfg, T.random_hf_numpy(cfg, np.random.default_rng(0)))

@@ -1,6 +1,6 @@
 """`attend_prep.prep_pallas` (the Mosaic kernel's inputs in one Triton launch) against its jnp
 twin `sparse_attend.mosaic_inputs_jnp`: bitwise (`==` on the bits) in interpret mode, on odd
-shapes and extreme q magnitudes; its Triton lowering for cuda at the bench shapes."""
+shapes and extreme q magnitudes; its Triton lowering for cuda at GLM-5.3-Flash's shapes."""
 
 import jax
 import jax.numpy as jnp
@@ -27,56 +27,20 @@ def _extreme_rows(q: np.ndarray) -> np.ndarray:
     return q
 
 
-# (B, R, H, C, W, block size, blocks per seq, Hp, Wp, heads per chunk, programs): odd heads
-# (padded heads stored as zeros), C = 384 (3 column chunks), slot padding past W, the whole
-# row kept (chunk >= H) and read in chunks (the second read of each chunk), Hp not a power of
-# two, programs looping over rows (9 rows on 4 programs: the last loop step is partial).
-CASES = [
-    (3, 3, 5, 384, 70, 16, 9, 64, 128, 32, None),
-    (2, 4, 96, 512, 300, 32, 12, 128, 320, 32, 3),
-    (2, 4, 96, 512, 300, 32, 12, 128, 320, 128, None),
-    (7, 1, 160, 128, 37, 8, 6, 192, 64, 256, 4),
-]
-
-
-@pytest.mark.parametrize("case", range(len(CASES)))
-def test_prep_is_bitwise_the_jnp_twin(case):
-    b, r, h, c, w, bs, mb, hp, wp, chunk, programs = CASES[case]
-    q, _, _, tables, sel = T.attend_inputs(50 + case, b, r, h, c, w, bs, mb, "float8_e4m3fn",
-                                           empty=[(1, 0)])
-    q = jnp.asarray(_extreme_rows(np.asarray(q).reshape(b * r, h, c)))
-    got = ap.prep_pallas(q, sel, tables, bs, hp=hp, wp=wp, heads_per_chunk=chunk,
-                         programs=programs, interpret=True)
-    want = sa.mosaic_inputs_jnp(q, sel, tables, bs, hp=hp, wp=wp)
-    T.assert_trees_bitwise_equal(got, want)
-    no_q = ap.prep_pallas(q, sel, tables, bs, hp=hp, wp=wp, heads_per_chunk=chunk,
-                          programs=programs, write_q=False, interpret=True)
-    assert no_q[0] is None
-    T.assert_trees_bitwise_equal(no_q[1:], want[1:])
-    q16, up, down, slots, live = (np.asarray(x) for x in got)
-    assert np.isfinite(q16.astype(np.float32)).all() and (q16[:, h:] == 0).all()
-    # Every row with a normal amax is scaled into [2^13, 2^14] (2^14 after rounding up); row
-    # 2's f32 subnormals may be flushed to zero on the CPU, in the twin as in the kernel.
-    amax16 = np.abs(q16.astype(np.float32)).max(axis=(1, 2))
-    assert ((amax16[3:] >= 2.0 ** 13) & (amax16[3:] <= 2.0 ** 14)).all() and amax16[1] >= 2 ** 13
-    assert up[0] == 2.0 ** 13 and up[2] in (2.0 ** 126, 2.0 ** 13)  # row 2 kept / flushed
-    assert (slots[:, w:] == -1).all() and (live[1 * r] == 0)  # padding; the empty row
-
-
-@pytest.mark.parametrize("rows,programs", [(1, None), (2, 2)])
-def test_prep_reads_the_first_rows_in_place(rows, programs):
+@pytest.mark.parametrize("rows", [1, 2])
+def test_prep_reads_the_first_rows_in_place(rows):
     """rows=: each sequence's first rows of [B, R] read in place (a decode's real row): bitwise
     the twin of those rows sliced out, and the other rows (random here) never read."""
-    b, r, h, c, w, bs, mb = 3, 4, 5, 32, 70, 16, 6
+    b, r, h, c, w, bs, mb = 3, 4, 40, 32, 70, 16, 6
     q, _, _, tables, sel = T.attend_inputs(77 + rows, b, r, h, c, w, bs, mb, "float8_e4m3fn",
                                            empty=[(1, 0)])
-    got = ap.prep_pallas(q.reshape(b * r, h, c), sel, tables, bs, hp=16, wp=80, rows=rows,
-                         heads_per_chunk=8, programs=programs, interpret=True)
+    got = ap.prep_pallas(q.reshape(b * r, h, c), sel, tables, bs, hp=64, wp=80, rows=rows,
+                         interpret=True)
     want = sa.mosaic_inputs_jnp(q[:, :rows].reshape(b * rows, h, c), sel[:, :rows], tables, bs,
-                                hp=16, wp=80)
+                                hp=64, wp=80)
     T.assert_trees_bitwise_equal(got, want)
     with pytest.raises(ValueError, match="rows=5"):
-        ap.prep_pallas(q.reshape(b * r, h, c), sel, tables, bs, hp=16, wp=80, rows=5,
+        ap.prep_pallas(q.reshape(b * r, h, c), sel, tables, bs, hp=64, wp=80, rows=5,
                        interpret=True)
 
 
@@ -96,14 +60,10 @@ def test_prep_refuses_bad_arguments():
     q = jnp.zeros((4, 5, 128), jnp.float32)
     sel = jnp.zeros((2, 2, 10), jnp.int32)
     tables = jnp.zeros((2, 3), jnp.int32)
-    with pytest.raises(ValueError, match="heads_per_chunk=24"):
-        ap.prep_pallas(q, sel, tables, 8, hp=64, wp=64, heads_per_chunk=24)
     with pytest.raises(ValueError, match="hp=4"):
         ap.prep_pallas(q, sel, tables, 8, hp=4, wp=64)
     with pytest.raises(ValueError, match="wp=40"):
         ap.prep_pallas(q, sel, tables, 8, hp=64, wp=40)
-    with pytest.raises(ValueError, match="programs=0"):
-        ap.prep_pallas(q, sel, tables, 8, hp=64, wp=64, programs=0)
     with pytest.raises(ValueError, match="does not match"):
         ap.prep_pallas(q, sel[:1], tables, 8, hp=64, wp=64)
     # 65536 rows x 64 heads x 512 as f16: 2^31 elements in 4 GiB, past 32-bit offsets.
@@ -112,22 +72,19 @@ def test_prep_refuses_bad_arguments():
         jax.eval_shape(lambda q: ap.prep_pallas(q, jnp.zeros((65536, 1, 8), jnp.int32),
                                                 jnp.zeros((65536, 1), jnp.int32), 8, hp=64,
                                                 wp=16), big)
-    for bad, match in ((dict(prep="xla"), "prep='xla'"), (dict(prep_heads=48), "48"),
-                       (dict(prep_per_sm=-1), "prep_per_sm=-1")):
-        with pytest.raises(ValueError, match=match):
-            mg.MgpuTuning(**bad)
 
 
-@pytest.mark.parametrize("shape,chunk,programs", [((64, 1, 64, 2051, 256, 64, 2176), 32, None),
-                                                  ((128, 2, 128, 2048, 256, 128, 2048), 32, 132)])
-def test_prep_lowers_for_cuda(shape, chunk, programs):
-    """The Triton lowering refuses what interpret mode accepts: lower at the bench shapes."""
+@pytest.mark.parametrize("shape,rows", [((64, 4, 64, 2051, 256, 64, 2176), 1),
+                                        ((1, 2048, 64, 2051, 256, 64, 2112), None),
+                                        ((128, 2, 128, 2048, 256, 128, 2048), None)])
+def test_prep_lowers_for_cuda(shape, rows):
+    """The Triton lowering refuses what interpret mode accepts: lower at GLM-5.3-Flash's
+    shapes (a decode's first of 4 rows, a prompt chunk, 2 rows of 128 heads)."""
     b, r, h, w, mb, hp, wp = shape
     f32, i32 = jnp.float32, jnp.int32
 
     def fn(q, sel, tables):
-        return ap.prep_pallas(q, sel, tables, 64, hp=hp, wp=wp, heads_per_chunk=chunk,
-                              programs=programs)
+        return ap.prep_pallas(q, sel, tables, 64, hp=hp, wp=wp, rows=rows)
 
     args = (jax.ShapeDtypeStruct((b * r, h, 512), f32), jax.ShapeDtypeStruct((b, r, w), i32),
             jax.ShapeDtypeStruct((b, mb), i32))
@@ -144,12 +101,11 @@ GROUP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("slots_apart", [True, False])
 @pytest.mark.parametrize("case", range(len(GROUP_CASES)))
-def test_prep_with_head_group_scales_is_bitwise_the_jnp_twin(case, slots_apart):
-    """scale_heads: one program per (row, head group), each group scaled into [2^13, 2^14) by
-    its own amax (the slots by a program of their own or by group 0's); bitwise the twin, and
-    each group's scale at least its row's."""
+def test_prep_is_bitwise_the_jnp_twin(case):
+    """One program per (row, head group), each group scaled into [2^13, 2^14) by its own amax,
+    and one per row for its slots; bitwise the twin, and each group's scale at least its
+    row's."""
     b, r, h, c, w, bs, mb, hp, wp, g = GROUP_CASES[case]
     q, _, _, tables, sel = T.attend_inputs(90 + case, b, r, h, c, w, bs, mb, "float8_e4m3fn",
                                            empty=[(1, 0)])
@@ -157,8 +113,7 @@ def test_prep_with_head_group_scales_is_bitwise_the_jnp_twin(case, slots_apart):
     q = _extreme_rows(q) if b * r >= 7 else q
     q[-1, : min(h, g)] *= 1e3  # one group far larger than the row's others
     q = jnp.asarray(q)
-    got = ap.prep_pallas(q, sel, tables, bs, hp=hp, wp=wp, scale_heads=g,
-                         slots_apart=slots_apart, interpret=True)
+    got = ap.prep_pallas(q, sel, tables, bs, hp=hp, wp=wp, scale_heads=g, interpret=True)
     want = sa.mosaic_inputs_jnp(q, sel, tables, bs, hp=hp, wp=wp, scale_heads=g)
     T.assert_trees_bitwise_equal(got, want)
     q16, up, down, slots, live = (np.asarray(x) for x in got)
@@ -174,23 +129,13 @@ def test_prep_with_head_group_scales_is_bitwise_the_jnp_twin(case, slots_apart):
     row_up = np.asarray(mg.row_scales(q)[0])  # [N]
     assert (up.reshape(b * r, hp // g, g)[:, :, 0] >= row_up[:, None])[normal].all()
     assert (q16[:, h:] == 0).all() and (slots[:, w:] == -1).all() and live[1 * r] == 0
-
-
-def test_prep_with_head_group_scales_reads_the_first_rows_in_place():
-    b, r, h, c, w, bs, mb = 3, 4, 40, 32, 70, 16, 6
-    q, _, _, tables, sel = T.attend_inputs(97, b, r, h, c, w, bs, mb, "float8_e4m3fn",
-                                           empty=[(1, 0)])
-    got = ap.prep_pallas(q.reshape(b * r, h, c), sel, tables, bs, hp=64, wp=80, rows=1,
-                         scale_heads=16, interpret=True)
-    want = sa.mosaic_inputs_jnp(q[:, :1].reshape(b, h, c), sel[:, :1], tables, bs, hp=64,
-                                wp=80, scale_heads=16)
-    T.assert_trees_bitwise_equal(got, want)
+    if b * r >= 7:  # _extreme_rows: rows 0 and 2 take the zero row's and the subnormals' k
+        assert up[0, 0] == 2.0 ** 13 and up[2, 0] in (2.0 ** 126, 2.0 ** 13)
 
 
 @pytest.mark.parametrize("kw,match", [(dict(scale_heads=8), "power of two >= 16"),
                                       (dict(scale_heads=48), "power of two"),
-                                      (dict(scale_heads=16, programs=2), "programs=2"),
-                                      (dict(scale_heads=16, write_q=False), "write_q=False")])
+                                      (dict(scale_heads=128), "dividing hp=64")])
 def test_prep_refuses_head_groups_it_cannot_run(kw, match):
     q, _, _, tables, sel = T.attend_inputs(3, 1, 1, 5, 32, 20, 16, 2, "float8_e4m3fn")
     with pytest.raises(ValueError, match=match):

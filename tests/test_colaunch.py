@@ -16,6 +16,7 @@ from dsa_jax.pallas import matmul as mm
 from dsa_jax.pallas import pool_topk as tk
 from dsa_jax.pallas import topk_matmul as tm
 from dsa_jax.pallas.colaunch import Part, colaunch, unravel
+from dsa_jax.step import shares_q_launch
 
 
 def test_unravel_is_row_major():
@@ -87,7 +88,7 @@ def _scores(rng, lead, p, ties=True):
 
 
 @pytest.mark.parametrize("lead, p, k, m_lead, n, kdim", [
-    ((1, 1), 300, 40, (1, 1), 160, 96),  # one decode row; P padded to the chunk
+    ((1, 1), 300, 40, (1, 1), 160, 96),  # one decode row; P padded to a power of two
     ((3, 2), 257, 64, (3, 4), 48, 128),  # a verify's rows; a short GEMM
     ((2, 1), 64, 64, (2, 1), 2336 // 16, 256),  # k = P
 ])
@@ -136,7 +137,7 @@ def test_topk_matmul_is_the_two_kernels_bit_for_bit(kernel_impl, lead, p, k, m_l
 def test_where_the_two_cannot_share_a_launch_they_run_apart_with_the_same_results():
     s1, v1, w1 = (1, 1, 300), (1, 1, 96), (160, 96)
     assert tm.shares_launch(s1, v1, w1, True)
-    assert not tm.shares_launch((1, 1, 8192), v1, w1, True)  # past the register chunk
+    assert not tm.shares_launch((1, 1, 8192), v1, w1, True)  # past tk.KERNEL_MAX_P
     assert not tm.shares_launch((0, 1, 300), v1, w1, True)  # no rows
     assert not tm.shares_launch(s1, (0, 96), w1, True)
     triton = tk.PoolTopkTuning(backend="triton")
@@ -153,6 +154,9 @@ def test_where_the_two_cannot_share_a_launch_they_run_apart_with_the_same_result
     np.testing.assert_array_equal(np.asarray(pools), np.asarray(tk.pool_topk_xla(scores, 40)))
     np.testing.assert_array_equal(
         np.asarray(q), np.asarray(mm.matmul_pallas(v, w, interpret=True, tuning=eight)))
+    long = _scores(rng, (1, 1), 8192)  # rows past the kernels: lax.top_k, as the layer runs
+    pools, _ = tm.topk_matmul_pallas(long, 40, v, w, interpret=True)
+    np.testing.assert_array_equal(np.asarray(pools), np.asarray(tk.pool_topk_xla(long, 40)))
 
 
 def _block(impl):
@@ -168,16 +172,16 @@ def test_a_decode_and_a_verify_with_the_shared_launch_keep_their_bits(kernel_imp
     assert cfg.colaunch and cfg.replace(colaunch=False).colaunch is False
     state = T.random_state(cfg, w, 2, 70, seed=1)
     x = T.random_rows(2, 2, 3, cfg.hidden_size, dtype=jnp.bfloat16)  # [B, 3, D]
-    assert layer.shares_q_launch(cfg, w, x)
-    assert not layer.shares_q_launch(cfg.replace(colaunch=False), w, x)
-    assert not layer.shares_q_launch(cfg, w, jnp.zeros((2, cfg.max_verify + 1, 1)))
+    assert shares_q_launch(cfg, w, x)
+    assert not shares_q_launch(cfg.replace(colaunch=False), w, x)
+    assert not shares_q_launch(cfg, w, jnp.zeros((2, cfg.max_verify + 1, 1)))
     ones = jnp.ones((2,), jnp.int32)
     for c, want in ((cfg, 1), (cfg.replace(colaunch=False), 0)):  # a decode's one row
         text = str(jax.make_jaxpr(lambda s, x, c=c: layer.step(c, w, s, x, ones))(
             state, x[:, :1])).replace("'", "")
         assert text.count("name=topk_matmul") == want
         assert text.count("name=pool_topk") == 1 - want
-        # `layer.decode_front`: the rows' metadata beside the x projection's GEMM, its three
+        # `step.decode_front`: the rows' metadata beside the x projection's GEMM, its three
         # readers in one launch, the pool keys beside the indexer query's GEMM
         for name in ("meta_matmul", "x_readers", "pool_keys_matmul"):
             assert text.count(f"name={name}") == want, name
@@ -206,7 +210,7 @@ def test_readers_of_a_split_gemms_parts_give_the_summed_results(kernel_impl):
     """`matmul_part(summed=False)`'s K parts, read by kernels that add them in split order
     (`common.load_parts`): the norm, the latent write, the index write and the summed
     columns give, bit for bit, what they give on `matmul_pallas`'s summed result (the decode
-    front reads the x projection so, `layer.decode_front`)."""
+    front reads the x projection so, `step.decode_front`)."""
     from dsa_jax.pallas import index_write as iw
     from dsa_jax.pallas import latent_write as lw
     from dsa_jax.pallas import rms_norm as rn

@@ -54,10 +54,11 @@ def _check_attend(impl, args, scale, backend="triton", splits=8, **kernel_option
     if impl != "xla" and backend == "mosaic":
         b, r, h, c = args[0].shape
         down = np.asarray(row_scales(args[0].reshape(b * r, h, c))[1]).reshape(b, r)
+        # The row's scale bounds its head groups' (each group's amax is at most the row's).
         floors = dict(q_floor=2.0 ** -25 * down, p_floor=2.0 ** -25)
-        if kernel_options["tuning"].mosaic.half_partials:  # 4 rows: every row split (>1)
-            floors.update(partial_u=T.unit_roundoff(jnp.float16),
-                          partial_floor=2.0 ** -25 * float(args[2]))
+        # f16 partials: 4 rows at GLM's shapes are split over many programs each.
+        floors.update(partial_u=T.unit_roundoff(jnp.float16),
+                      partial_floor=2.0 ** -25 * float(args[2]))
     want = T.attend_definition(*args, scale)
     T.assert_attend_close(out, want, T.attend_bound(*args, scale, u, splits, **floors),
                           T.attend_rel_limit(u))
@@ -220,13 +221,13 @@ def _check_pool(impl, args, **kernel_options):
     return np.asarray(out)
 
 
-@pytest.mark.parametrize("shape,kw", [
-    ((2, 3, 3, 12, 37), {}),  # odd Hi, Di, P; one partial tile
-    ((3, 2, 5, 20, 100), dict(block_p=16, num_chunks=3)),  # partial chunk past P
-    ((1, 4, 32, 128, 70), dict(block_p=32)),  # GLM Hi, Di
+@pytest.mark.parametrize("shape", [
+    (2, 3, 3, 12, 37),  # odd Hi, Di, P; one partial tile
+    (3, 2, 5, 20, 100),  # a partial tile past P; 2 rows per sequence
+    (1, 4, 32, 128, 70),  # GLM Hi, Di
 ])
-def test_pool_scores_matches_definition(impl, shape, kw):
-    _check_pool(impl, T.pool_inputs(sum(shape), *shape), **kw)
+def test_pool_scores_matches_definition(impl, shape):
+    _check_pool(impl, T.pool_inputs(sum(shape), *shape))
 
 
 @pytest.mark.gpu
@@ -239,35 +240,12 @@ def test_pool_scores_at_glm53_flash_shapes(impl):
 
 
 def test_pool_scores_tiles_past_the_candidates(kernel_impl):
-    """Candidate counts on, before and after tile edges (block_p 16), and 0 (a padded row):
-    the kernel skips the tiles with no candidate; scores and -inf must still match."""
-    qi, w, keys, _ = T.pool_inputs(8, 2, 4, 5, 20, 100)  # the shape of the chunked case above
-    n_cand = jnp.array([[0, 15, 16, 17], [32, 33, 99, 100]], jnp.int32)
-    out = _check_pool(kernel_impl, (qi, w, keys, n_cand), block_p=16, num_chunks=3)
+    """Candidate counts on, before and after 64-pool tile edges, and 0 (a padded row): the
+    kernel skips the tiles with no candidate; scores and -inf must still match."""
+    qi, w, keys, _ = T.pool_inputs(8, 2, 4, 5, 20, 200)
+    n_cand = jnp.array([[0, 63, 64, 65], [128, 129, 199, 200]], jnp.int32)
+    out = _check_pool(kernel_impl, (qi, w, keys, n_cand))
     assert np.isneginf(out[0, 0]).all()
-
-
-@pytest.mark.parametrize("rows_per_program", [1, 2, 8])
-def test_pool_scores_row_groups(kernel_impl, rows_per_program):
-    """Rows of one sequence scored together (R = 5: the last group is padded; 8 > R: one
-    group holds every row of a sequence plus padding)."""
-    args = T.pool_inputs(9, 2, 5, 3, 12, 37)
-    _check_pool(kernel_impl, args, block_p=16, rows_per_program=rows_per_program)
-    with pytest.raises(ValueError, match="rows_per_program 3"):
-        T.run_op("pool_scores", kernel_impl, *args, kernel_options=dict(rows_per_program=3))
-
-
-@pytest.mark.gpu
-def test_pool_scores_rows_per_program_give_the_same_bits_at_glm53_flash_shapes():
-    """A row's scores must not depend on how many rows of its sequence share a program (a
-    decode row alone, a prompt chunk's rows two at a time): the SPEC's batched == per-row
-    selection rests on it. GLM-5.3-Flash indexer shapes, 16K context, 4 rows per sequence."""
-    cfg = glm53_flash()
-    args = T.pool_inputs(21, 3, 4, cfg.index_n_heads, cfg.index_head_dim, cfg.num_pools)
-    outs = [np.asarray(T.run_op("pool_scores", "pallas", *args,
-                                kernel_options=dict(rows_per_program=rb))) for rb in (1, 2, 4)]
-    for out in outs[1:]:
-        np.testing.assert_array_equal(out, outs[0])
 
 
 def test_pool_scores_negative_zero_is_normalized(impl):
@@ -283,29 +261,25 @@ def test_pool_scores_negative_zero_is_normalized(impl):
 
 # ---------------------------------------------------------------------------------- pool top-k
 
-def _check_topk(impl, s, k, **kernel_options):
-    if kernel_options:  # the Pallas kernel's fields (compiled, the default is the Triton one)
-        kernel_options = {"backend": "pallas", **kernel_options}
-    out = np.asarray(T.run_op("pool_topk", impl, s, k, kernel_options=kernel_options))
+def _check_topk(impl, s, k):
+    out = np.asarray(T.run_op("pool_topk", impl, s, k))
     chex.assert_trees_all_equal(out, T.topk_definition(s, k), strict=True)
     assert all(len(set(row)) == k for row in out.reshape(-1, k))  # distinct pools
 
 
-@pytest.mark.parametrize("n,p,k,live,kw", [
-    (4, 4096, 512, [4096, 0, 0, 0], {}),  # a decode row padded to max_verify, GLM's P and k
-    (3, 300, 37, [300, 150, 37], {}),  # P, k not powers of two; live == k
-    (3, 1000, 200, [1000, 511, 3], dict(chunk=256)),  # several chunks, live < k
-    (2, 64, 64, [64, 33], dict(rank_block=16)),  # k == P
-    (2, 70, 1, [70, 0], {}),  # k == 1
-    (3, 300, 37, [300, 150, 37], dict(radix_bits=1)),  # 32 passes of 2 thresholds
-    (3, 1000, 200, [1000, 511, 3], dict(chunk=256, radix_bits=4)),  # 8 passes of 16
+@pytest.mark.parametrize("n,p,k,live", [
+    (4, 4096, 512, [4096, 0, 0, 0]),  # a decode row padded to max_verify, GLM's P and k
+    (3, 300, 37, [300, 150, 37]),  # P, k not powers of two; live == k
+    (3, 1000, 200, [1000, 511, 3]),  # live < k
+    (2, 64, 64, [64, 33]),  # k == P
+    (2, 70, 1, [70, 0]),  # k == 1
 ])
 @pytest.mark.parametrize("ties", [False, True])
-def test_pool_topk_equals_the_total_order(impl, n, p, k, live, kw, ties):
+def test_pool_topk_equals_the_total_order(impl, n, p, k, live, ties):
     """The indices of the total order, bit for bit: ties (lower index first), -inf tails,
     -0.0 below +0.0, rows with fewer candidates than k. Under "xla" this is lax.top_k, whose
     documented tie rule the selection relies on."""
-    _check_topk(impl, T.topk_scores(n + p + k, n, p, live, ties), k, **kw)
+    _check_topk(impl, T.topk_scores(n + p + k, n, p, live, ties), k)
 
 
 def _exit_cases(p: int, k: int) -> np.ndarray:
@@ -329,16 +303,12 @@ def _exit_cases(p: int, k: int) -> np.ndarray:
     return rows
 
 
-@pytest.mark.parametrize("radix_bits,early_exit", [(1, True), (2, True), (3, True), (4, True),
-                                                   (2, False)])
-def test_pool_topk_radix_early_exit(impl, radix_bits, early_exit):
+def test_pool_topk_radix_early_exit(impl):
     """The radix select stops where a threshold has exactly k keys at or above it (rows 0, 3),
     at the last pass (1), or runs every pass and breaks the tie by index (2): the same
     indices as the total order in each case, with `==`."""
     p, k = 1000, 200
-    s = jnp.asarray(_exit_cases(p, k))
-    _check_topk(impl, s, k, radix_bits=radix_bits, chunk=256 if radix_bits == 3 else 1024,
-                early_exit=early_exit)
+    _check_topk(impl, jnp.asarray(_exit_cases(p, k)), k)
 
 
 @pytest.mark.gpu

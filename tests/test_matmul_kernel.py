@@ -78,8 +78,8 @@ def test_per_head_matches_the_definition(kernel_impl, w_contract):
 @pytest.mark.parametrize("n,k,heads", [(100, 1536, None), (130, 4096, None), (40, 24, 3)])
 def test_a_row_has_the_same_bits_at_every_row_count(kernel_impl, n, k, heads):
     """The kernel's promise: the default tiles change with the row count (16-, 64- and
-    128-row tiles below), a row's bits do not. XLA's dot makes no such promise (on the H200 a
-    row's bits moved with M: benchmarks/results/h200-gemm-20261201-s8-call1.json)."""
+    128-row tiles below), a row's bits do not. XLA's dot makes no such promise (its
+    algorithm, and so a row's bits, may change with M)."""
     interpret = kernel_impl == "pallas-interpret"
     v, w = _operands(150, n, k, seed=n, heads=heads, w_contract=2)
     run = ((lambda x: mm.matmul_pallas(x, w, interpret=interpret)) if heads is None else

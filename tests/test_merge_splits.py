@@ -97,9 +97,9 @@ def test_merge_kernel_lowers_for_cuda(splits, pad):
 
 @pytest.mark.parametrize("n,s,pad", [(3, 3, None), (2, 33, (1, 4)), (4, 1, (2, 3))])
 def test_merge_kernel_scales_half_partials(n, s, pad):
-    """f16 partials in the cache's units (`MgpuTuning.half_partials`, values up to e4m3's 448)
-    and the cache's scale: the kernel against the twin (f32 sums of the same f16 values, the
-    scale applied to the merged rows), and the twin against the f32 merge of the scaled
+    """f16 partials in the cache's units (the Mosaic kernel's with splits, values up to e4m3's
+    448) and the cache's scale: the kernel against the twin (f32 sums of the same f16 values,
+    the scale applied to the merged rows), and the twin against the f32 merge of the scaled
     partials. With a pad, the kernel's rows are the twin's padded by `padded_rows_jnp`."""
     hp, cp, kv = 16, 64, 0.0137
     o, m, l = _partials(n, s, hp, cp, seed=31 + s)

@@ -3,6 +3,7 @@ for bit; its plan, its stacked state and its program size."""
 
 import jax
 import jax.numpy as jnp
+import loop_checks
 import numpy as np
 import pytest
 
@@ -95,7 +96,7 @@ def test_the_scanned_model_on_the_row_invariant_gemms(kernel_impl):
     # Traced once per scan body: 6 GEMMs of a full layer, 5 of a shared one (no indexer
     # query), each on its stack and layer index (3 operands); segments (full, shared, shared)
     # and (full); the LM head on its one weight. No XLA dot is left. A full layer's q_b GEMM
-    # shares the top-k's launch (`layer.shares_q_launch`: its scores, the rows' positions and
+    # shares the top-k's launch (`step.shares_q_launch`: its scores, the rows' positions and
     # validity (read by the kernel: no pass before it), then the
     # GEMM's index, rows and stack), with cfg.colaunch off it runs alone.
     assert ops.count("pallas_call:matmul/3") == (5 + 5) + 5 and "dot_general" not in ops
@@ -222,45 +223,6 @@ def test_program_does_not_grow_with_depth():
     assert _program_lines(2) == _program_lines(8)
 
 
-def test_scan_check_smoke_runs_every_candidate(tmp_path, capsys):
-    """benchmarks/h200_scan_check.py on the CPU: every candidate runs, and every pair without
-    compiler options is equal bit for bit (the CPU fuses the same in both programs)."""
-    import json
-
-    from benchmarks import h200_scan_check as S
-
-    out = tmp_path / "scan-check.json"
-    # The glue patches only touch the Pallas path (the smoke runs xla): ops_barrier stands
-    # for them.
-    free = ["repeat", "plain", "barrier", "per_layer_jit", "ops_barrier", "barrier+hidden"]
-    code = S.main(["--smoke", "--steps", "2", "--candidates", *free, "--out", str(out)])
-    res = json.loads(out.read_text())["results"]["tiny-xla"]
-    assert code == 0 and set(res) == set(free)
-    assert all(r["equal"] for r in res.values()), res
-    assert "per_layer_jit" in capsys.readouterr().out  # the table, printed last
-
-
-def test_scan_check_diff_finds_the_layer():
-    from benchmarks import h200_scan_check as S
-
-    cfg = CFG.replace(indexer_types=REGULAR)
-    mcfg, weights, stacked, ms = S.setup(cfg, 37)
-    states = M.unfold_state(mcfg, ms)
-    logits = jnp.ones((2, 4, 37))
-    sel = jnp.zeros((2, 4, cfg.index_topk), jnp.int32)
-    assert S.compare(mcfg, (logits, ms, sel), (logits, states, sel)) is None
-    bumped = list(states)
-    lat = bumped[2].latent
-    bumped[2] = bumped[2]._replace(latent=lat.at[0, 0, 0].set(lat[0, 0, 0] * 2 + 1))
-    d = S.compare(mcfg, (logits.at[0, 0, 0].add(1e-3), ms, sel), (logits, bumped, sel))
-    assert d["first_layer"] == 2 and d["sel0_equal"] and d["logits"]["n_diff"] == 1
-    assert set(d["layers"]) == {"2"} and d["layers"]["2"]["latent"]["n_diff"] == 1
-    hs = jnp.ones((4, 2, 4, cfg.hidden_size))
-    d = S.compare(mcfg, (logits, ms, sel, hs.at[3, 1].add(1e-6)), (logits, states, sel, hs))
-    assert d["first_hidden_layer"] == 2 and set(d["hidden"]) == {"3"}
-    assert "layers" not in d  # the caches equal: only the hidden rows tell
-
-
 def test_hidden_rows_equal_between_the_two_forms():
     """`hidden=True`: every layer's input rows [L, B, R, D], equal bit for bit in both forms;
     layer 0's are the embeddings."""
@@ -298,42 +260,35 @@ def test_rms_norm_is_an_island():
 
 
 @pytest.mark.gpu
-def test_scanned_equals_unrolled_bitwise_at_glm_shapes():
+@pytest.mark.parametrize("in_place", [True, False])
+def test_scanned_equals_unrolled_bitwise_at_glm_shapes(in_place):
     """The must-hold of issue 15 on the GPU: 8 GLM-5.3-Flash layers (full, shared) x 4, 1K
-    context, 2 sequences, prompt and decode rows: logits, selection and every cache `==`."""
-    from benchmarks.loop_checks import check_scan_equals_unrolled
+    context, 2 sequences, prompt, verify and decode rows: logits, selection and every cache
+    `==`, under the options of the default `Program` (weights read in place) and without."""
     from dsa_jax.shapes import glm53_flash
     cfg = glm53_flash(implementation="pallas", max_context=1024,
                       indexer_types=("full", "shared") * 4)
-    assert check_scan_equals_unrolled(cfg, 256)
+    assert loop_checks.scan_equals_unrolled(cfg, 256, in_place=in_place)
 
 
-def test_scan_taps_come_back_in_layer_order_and_find_the_first_difference():
-    """benchmarks/h200_scan_taps.py: every tap of the scanned model comes back once per layer
-    that computes it (the indexer's only from full layers), and a difference is reported at the
-    first layer it appears in."""
-    import jax.numpy as jnp
+@pytest.mark.gpu
+def test_new_rows_land_in_their_place_in_a_4_gib_stacked_pool():
+    """The `loop-b64-l8` model (8 GLM-5.3-Flash layers, 64 sequences x 16K, fp8): its stacked
+    latent pool is exactly 2**32 bytes, past where 32-bit element offsets wrap. One decode
+    forward of the scanned model (the stacked pool) and of the unrolled stack (per-layer pools
+    of 512 MiB) near the end of every context: in every layer, each sequence's new latent row
+    is the same row in both (at most a few bits apart, never half a row: a row written to the
+    wrong place would be)."""
+    from dsa_jax.shapes import glm53_flash
+    cfg = glm53_flash(implementation="pallas", indexer_types=("full", "shared") * 4)
+    got = loop_checks.written_rows(cfg, 256, 64)
+    assert got["pool_bytes"] == 2 ** 32
+    assert got["rows_far_apart_per_layer"] == [0] * 8
 
-    from benchmarks import h200_scan_taps as taps
-    from benchmarks.h200_scan_check import setup
+
+def test_new_rows_land_in_their_place_on_the_tiny_model():
+    """The check above on the CPU (tiny config, 2 sequences, a small pool)."""
     from dsa_jax.shapes import tiny
-    cfg = tiny(implementation="xla", max_context=64, indexer_types=("full", "shared") * 2)
-    mcfg, _, stacked, ms = setup(cfg, 64, 2)
-    r = cfg.max_verify
-    taps._records.clear()
-    taps._records["__program__"] = "scan"
-    with taps.tapped():
-        fwd = jax.jit(lambda w, s, t, n: M.forward(mcfg, w, s, t, n))
-        jax.block_until_ready(fwd(stacked, ms, jnp.ones((2, r), jnp.int32),
-                                  jnp.ones((2,), jnp.int32)))
-    jax.effects_barrier()
-    got = taps._records["scan"]
-    assert len(got["project.q_abs"]) == 4 and len(got["project.x"]) == 4
-    assert len(got["project.qi"]) == 2 and len(got["pool_scores.out"]) == 2
-    want = {k: [v.copy() for v in vs] for k, vs in got.items()}
-    want["attend.out"][2] = want["attend.out"][2] + 1.0  # layer 2's attention apart
-    want["output_projection.out"][3] = want["output_projection.out"][3] * 2.0
-    d = taps.first_difference(got, want)
-    assert d["first_occurrence"] == 2
-    assert [t["tap"] for t in d["taps_apart_there"]] == ["attend.out"]
-    assert taps.first_difference(got, got) is None
+    cfg = tiny(implementation="xla", max_context=64, indexer_types=("full", "shared"))
+    got = loop_checks.written_rows(cfg, 64, 2)
+    assert got["rows_far_apart_per_layer"] == [0, 0] and got["pool_bytes"] > 0

@@ -69,33 +69,20 @@ from dsa_jax.pallas import pool_topk_triton as ptt
 from dsa_jax.pallas import triton_topk_kernel as tk
 from tests.test_pool_topk_triton import CASES, special_rows
 
-def run(scores, k, tuning):
+def run(scores, k):
     n, p = scores.shape
     s = torch.from_numpy(np.array(scores, np.float32))
     out = torch.full((n, k), -7, dtype=torch.int32)
-    cu, ci = (torch.zeros(ptt.scratch_shape(n, p, k, tuning), dtype=torch.int32) for _ in "ab")
-    tk.pool_topk_kernel[(n,)](s, out, cu, ci, **ptt.kernel_constants(p, k, tuning))
+    cu, ci = (torch.zeros(ptt.scratch_shape(n, p, k), dtype=torch.int32) for _ in "ab")
+    tk.pool_topk_kernel[(n,)](s, out, cu, ci, **ptt.kernel_constants(p, k))
     return out.numpy()
 
 inputs = [(name, np.asarray(T.topk_scores(seed, n, p, live, ties)), k)
           for name, seed, n, p, k, live, ties in CASES] + special_rows()
 results = []
-for method, bits, short, prefix in [
-        ("radix", 8, True, True), ("radix", 4, True, True), ("sort", 8, True, True),
-        ("radix", 8, False, True), ("sample", 8, True, True), ("sample", 4, True, True),
-        ("radix", 8, True, False)]:
-    tuning = ptt.TritonTopkTuning(method=method, digit_bits=bits, short_rows=short,
-                                  prefix=prefix)
-    for name, scores, k in inputs:
-        # the interpreter sorts slowly: the other methods on small inputs (and radix 4 on
-        # the tied P 300 too)
-        small = scores.shape[-1] <= 128 or (bits == 4 and name == "p300-k37-ties")
-        full = (method, bits, short, prefix) in (("radix", 8, True, True),
-                                                 ("sample", 8, True, True))
-        if not (full or small or (not prefix and name.startswith(("p300", "prefix")))):
-            continue
-        ok = np.array_equal(run(scores, k, tuning), T.topk_definition(scores, k))
-        results.append([method, bits, short, prefix, name, bool(ok)])
+for name, scores, k in inputs:
+    ok = np.array_equal(run(scores, k), T.topk_definition(scores, k))
+    results.append([name, bool(ok)])
 print(json.dumps(results))
 """
 
@@ -110,18 +97,12 @@ def test_kernel_in_triton_interpreter_equals_the_total_order():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    n_inputs = len(CASES) + len(special_rows())
-    # radix 8 and sample 8 on every input; radix 4 and sample 4 (the decode's "auto") on 6;
-    # sort and radix 8 without short rows on 5; radix 8 without the prefix branches (radix
-    # only) on the 8 inputs of P <= 128 or 300
-    assert len(results) == 2 * n_inputs + 6 + 6 + 5 + 5 + 8
+    assert len(results) == len(CASES) + len(special_rows())
     assert [r for r in results if not r[-1]] == []
 
 
-@pytest.mark.parametrize("p,k,kw", [(4096, 512, dict()), (4096, 512, dict(method="radix")),
-                                    (300, 37, dict(method="topk")),
-                                    (300, 37, dict(method="sort")), (1, 1, dict(digit_bits=4))])
-def test_kernel_compiles_for_hopper(p, k, kw):
+@pytest.mark.parametrize("p,k", [(4096, 512), (300, 37), (96, 40), (1, 1)])
+def test_kernel_compiles_for_hopper(p, k):
     """The kernel compiled for sm_90 on the CPU (Triton's compiler and ptxas need no GPU):
     what jax-triton compiles on the H200, so a lowering error shows here first."""
     triton = pytest.importorskip("triton", reason="the 'triton' package (test extra)")
@@ -129,62 +110,38 @@ def test_kernel_compiles_for_hopper(p, k, kw):
     from triton.compiler import ASTSource
 
     from dsa_jax.pallas import triton_topk_kernel as tk
-    tuning = ptt.TritonTopkTuning(**kw)
-    consts = ptt.kernel_constants(p, k, tuning)
+    consts = ptt.kernel_constants(p, k)
     sig = {"s_ptr": "*fp32", "out_ptr": "*i32", "cu_ptr": "*i32", "ci_ptr": "*i32",
            **{name: "constexpr" for name in consts}}
     compiled = triton.compile(ASTSource(fn=tk.pool_topk_kernel, signature=sig, constexprs=consts),
                               target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": tuning.num_warps, "num_stages": 1})
+                              options={"num_warps": ptt.NUM_WARPS, "num_stages": 1})
     assert "pool_topk_kernel" in compiled.asm["ptx"]
 
 
 # ------------------------------------------------------------------ around the kernel (CPU)
 
 
-def test_backend_and_tuning_are_checked():
+def test_backend_is_checked():
     with pytest.raises(ValueError, match="backend='cuda'"):
         pt.PoolTopkTuning(backend="cuda")
-    with pytest.raises(ValueError, match="method='heap'"):
-        ptt.TritonTopkTuning(method="heap")
-    with pytest.raises(ValueError, match="digit_bits=5"):
-        ptt.TritonTopkTuning(digit_bits=5)
-    with pytest.raises(ValueError, match="num_warps=3"):
-        ptt.TritonTopkTuning(num_warps=3)
     assert pt.PoolTopkTuning().backend == "auto"  # see PoolTopkTuning.backend
 
 
-def test_auto_picks_sample_for_decode_rows_and_radix_for_prompts():
-    """The "auto" rules are static on the row count (AUTO_SAMPLE_MAX_ROWS for the method,
-    AUTO_TRITON_MIN_ROWS for the backend); explicit fields stay as given; interpret mode runs
-    the Pallas kernel under backend "auto"."""
-    auto = ptt.TritonTopkTuning()
-    n = ptt.AUTO_SAMPLE_MAX_ROWS
-    assert (auto.resolved(4).method, auto.resolved(4).digit_bits) == ("sample", 4)
-    assert (auto.resolved(n).method, auto.resolved(n).digit_bits) == ("sample", 4)
-    assert (auto.resolved(n + 1).method, auto.resolved(n + 1).digit_bits) == ("radix", 4)
-    assert ptt.TritonTopkTuning(method="sample").resolved(4).digit_bits == 8
-    assert ptt.TritonTopkTuning(method="radix").resolved(9000).digit_bits == 8
-    assert ptt.TritonTopkTuning(digit_bits=8).resolved(4).method == "sample"
-    assert ptt.TritonTopkTuning(method="radix", digit_bits=4).resolved(9000).digit_bits == 4
-    assert ptt.kernel_constants(4096, 512, auto, rows=9000)["METHOD"] == ptt.METHODS["radix"]
-    assert ptt.kernel_constants(4096, 512, auto, rows=64)["METHOD"] == ptt.METHODS["sample"]
-    # the prefix branches (radix only): a quarter and a half of the 4096 lanes; none for
-    # "sample" (a decode's rows under "auto"), without short rows, for the sorting methods, or
-    # where the prefix is shorter than KP
-    c = ptt.kernel_constants(4096, 512, auto, rows=9000)
-    assert (c["METHOD"], c["QUARTER"], c["HALF"]) == (ptt.METHODS["radix"], 1024, 2048)
-    c = ptt.kernel_constants(4096, 512, auto, rows=64)
-    assert (c["METHOD"], c["QUARTER"], c["HALF"]) == (ptt.METHODS["sample"], 0, 0)
-    radix = ptt.TritonTopkTuning(method="radix")
-    c = ptt.kernel_constants(300, 37, radix)  # 512 lanes, KP 64
+def test_auto_picks_triton_for_a_prompts_rows_and_the_prefix_lanes():
+    """The "auto" rule is static on the row count (AUTO_TRITON_MIN_ROWS); interpret mode runs
+    the Pallas kernel under backend "auto". The kernel's prefix branches: a quarter and a half
+    of the padded lanes, each where it holds KP lanes at least."""
+    c = ptt.kernel_constants(4096, 512)
+    assert (c["QUARTER"], c["HALF"], c["KP"], c["DIGIT_BITS"]) == (1024, 2048, 512, 4)
+    c = ptt.kernel_constants(300, 37)  # 512 lanes, KP 64
     assert (c["QUARTER"], c["HALF"]) == (128, 256)
-    assert ptt.kernel_constants(4096, 1500, radix)["QUARTER"] == 0  # KP 2048
-    assert ptt.kernel_constants(4096, 1500, radix)["HALF"] == 2048
-    for kw in (dict(prefix=False), dict(short_rows=False), dict(method="topk"),
-               dict(method="sort"), dict(method="sample")):
-        c = ptt.kernel_constants(4096, 512, ptt.TritonTopkTuning(**{"method": "radix", **kw}))
-        assert (c["QUARTER"], c["HALF"]) == (0, 0), kw
+    assert ptt.kernel_constants(4096, 1500)["QUARTER"] == 0  # KP 2048
+    assert ptt.kernel_constants(4096, 1500)["HALF"] == 2048
+    assert (ptt.kernel_constants(96, 40)["QUARTER"], ptt.kernel_constants(96, 40)["HALF"]) == (
+        0, 64)  # 128 lanes, KP 64: the half only
+    assert (ptt.kernel_constants(1, 1)["QUARTER"], ptt.kernel_constants(1, 1)["HALF"]) == (0, 0)
+    assert ptt.scratch_shape(9000, 4096, 512) == (9000, 512)
     k = pt.PoolTopkTuning(backend="auto")
     m = pt.AUTO_TRITON_MIN_ROWS
     assert pt.runs_triton(k, m, interpret=False) and not pt.runs_triton(k, m - 1, False)
@@ -242,30 +199,25 @@ def test_xla_implementation_ignores_the_kernel_choice():
 # ------------------------------------------------------------------ compiled (GPU)
 
 
-def _gpu_topk(s, k, **kw):
+def _gpu_topk(s, k):
     pytest.importorskip("jax_triton", reason="the raw Triton top-k needs jax-triton "
                                              "(gpu extra)")
-    return np.asarray(pt.pool_topk_pallas(s, k, tuning=pt.PoolTopkTuning(
-        backend="triton", triton=ptt.TritonTopkTuning(**kw))))
+    return np.asarray(pt.pool_topk_pallas(s, k, tuning=pt.PoolTopkTuning(backend="triton")))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kw", [dict(), dict(method="radix"), dict(method="radix", digit_bits=4),
-                                dict(method="topk"), dict(method="radix", short_rows=False),
-                                dict(prefix=False)])
-def test_compiled_equals_the_total_order(kw):
+def test_compiled_equals_the_total_order():
     for name, seed, n, p, k, live, ties in CASES:
         s = T.topk_scores(seed, n, p, live, ties)
-        chex.assert_trees_all_equal(_gpu_topk(s, k, **kw), T.topk_definition(s, k),
+        chex.assert_trees_all_equal(_gpu_topk(s, k), T.topk_definition(s, k),
                                     custom_message=name)
     for name, s, k in special_rows():
-        chex.assert_trees_all_equal(_gpu_topk(jnp.asarray(s), k, **kw),
+        chex.assert_trees_all_equal(_gpu_topk(jnp.asarray(s), k),
                                     T.topk_definition(s, k), custom_message=name)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["radix", "sample", "topk"])
-def test_compiled_at_glm53_flash_shapes(method):
+def test_compiled_at_glm53_flash_shapes():
     """k 512 of P 4096: a padded decode, a verify, short rows, ties, live prefixes at the
     prefix branches' edges (a quarter, a half, one more); batch dims kept."""
     cfg = shapes.glm53_flash()
@@ -273,15 +225,15 @@ def test_compiled_at_glm53_flash_shapes(method):
     for ties in (False, True):
         live = [p, 0, 0, 0, p, p, p, 0, p // 2 + 1, k, k - 1, 3, p // 4, p // 4 + 1, p // 2]
         s = T.topk_scores(11 + ties, len(live), p, live, ties).reshape(3, 5, p)
-        got = _gpu_topk(s, k, method=method)
+        got = _gpu_topk(s, k)
         chex.assert_shape(got, (3, 5, k))
         chex.assert_trees_all_equal(got, T.topk_definition(s, k))
 
 
 @pytest.mark.gpu
 def test_the_default_at_a_prompts_rows():
-    """The default tuning (backend "auto": the Triton kernel from AUTO_TRITON_MIN_ROWS rows,
-    its "auto" method: radix) at GLM-5.3-Flash's P and k: rows with a causal prompt's
+    """The default tuning (backend "auto": the Triton kernel from AUTO_TRITON_MIN_ROWS rows)
+    at GLM-5.3-Flash's P and k: rows with a causal prompt's
     candidate counts (fewer than k, exactly k, up to P), ties."""
     pytest.importorskip("jax_triton", reason="the raw Triton top-k needs jax-triton "
                                              "(gpu extra)")

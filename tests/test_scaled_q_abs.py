@@ -64,100 +64,61 @@ def _assert_close(got, want, q, u, scale="bound"):
         assert ((top >= 2.0 ** 13) & (top <= 2.0 ** 14))[live].all()
 
 
-@pytest.mark.parametrize("n,h,dn,c,wdt,qdt,tiles", [
-    (37, 3, 48, 80, jnp.bfloat16, jnp.float32, dict(block_m=16, block_n=32, block_k=16)),
-    (37, 3, 48, 80, jnp.bfloat16, jnp.bfloat16, dict(block_m=16, block_n=32, block_k=16)),
-    (70, 5, 40, 64, jnp.bfloat16, jnp.float32, {}),
-    (130, 5, 72, 96, jnp.bfloat16, jnp.bfloat16, {}),  # the default tiles, partial tiles
-    (9, 2, 40, 48, jnp.float32, jnp.float32, dict(block_m=16, block_n=16, block_k=32)),
-    (37, 3, 48, 80, jnp.bfloat16, jnp.float32, dict(block_m=16, block_n=32, block_k=16,
-                                                     squares_apart=True)),
-    (130, 5, 72, 96, jnp.bfloat16, jnp.bfloat16, dict(squares_apart=True)),
-    (37, 3, 48, 80, jnp.bfloat16, jnp.bfloat16, dict(block_m=16, block_n=32, block_k=16,
-                                                      squares_apart=False)),  # converted
-    (37, 3, 48, 80, jnp.bfloat16, jnp.float32, dict(block_m=16, block_n=128, block_k=16,
-                                                     scale="amax")),
-    (130, 5, 72, 96, jnp.bfloat16, jnp.bfloat16, dict(scale="amax")),  # default tiles
-    (9, 2, 40, 48, jnp.float32, jnp.float32, dict(block_m=16, block_n=64, block_k=32,
-                                                   scale="amax")),
+# The kernel's tiles and scale follow q's dtype and C (`tiles`, `default_scale`): f32 rows
+# take 128 x 256 tiles, others 64 x 512; "amax" where the tiles hold C whole, else "bound".
+@pytest.mark.parametrize("n,h,dn,c,wdt,qdt", [
+    (70, 5, 40, 64, jnp.bfloat16, jnp.float32),  # amax
+    (130, 5, 72, 96, jnp.bfloat16, jnp.bfloat16),  # amax, partial row tiles, Dn past a chunk
+    (9, 2, 40, 48, jnp.float32, jnp.float32),  # amax, f32 weights
+    (37, 3, 72, 300, jnp.bfloat16, jnp.float32),  # bound, C past a column tile
+    (9, 2, 40, 260, jnp.float32, jnp.float32),  # bound, f32 weights
+    (20, 2, 48, 520, jnp.bfloat16, jnp.bfloat16),  # bound: bf16 rows converted to f32
 ])
-def test_kernel_matches_its_definition(kernel_impl, n, h, dn, c, wdt, qdt, tiles):
+def test_kernel_matches_its_definition(kernel_impl, n, h, dn, c, wdt, qdt):
     """q in f32 and in bf16 (as a prompt's q_b GEMM writes it with bf16 weights)."""
     q, u = _inputs(n, h, dn, c, wdt)
     q = q.astype(qdt)
-    scale = sqa.resolved_tuning(sqa.ScaledQAbsTuning(**tiles), qdt, c).scale
-    want = jax.jit(functools.partial(sqa.scaled_q_abs_xla, scale=scale))(q, u)
-    got = T.run_op("scaled_q_abs", kernel_impl, q, u, kernel_options=tiles)
+    scale = sqa.default_scale(qdt, c)
+    want = jax.jit(sqa.scaled_q_abs_xla)(q, u)
+    got = T.run_op("scaled_q_abs", kernel_impl, q, u)
     _assert_close(got, want, q.astype(jnp.float32), u, scale)
 
 
-def test_the_default_form_follows_the_rows_dtype():
-    """squares_apart None: the apart form for bf16 rows (the one-loop form is wrong for them on
-    the H200), the one-loop form for f32 rows (faster there); an explicit choice is kept."""
-    t = sqa.ScaledQAbsTuning()
-    assert t.squares_apart is None
-    assert sqa.resolved_tuning(t, jnp.bfloat16).squares_apart is True
-    assert sqa.resolved_tuning(t, jnp.float32).squares_apart is False
-    for fixed in (False, True):
-        kept = sqa.ScaledQAbsTuning(squares_apart=fixed)
-        assert sqa.resolved_tuning(kept, jnp.bfloat16).squares_apart is fixed
-        assert sqa.resolved_tuning(kept, jnp.float32).squares_apart is fixed
-
-
-def test_the_default_tiles_follow_the_rows_dtype():
-    """block_m, block_n None: 64 x 512 for bf16 rows (faster there on the H200), 128 x 256 for
-    f32 rows; a tile that is set is kept, one that is not a power of two >= 16 refused."""
-    t = sqa.ScaledQAbsTuning()
-    got = {dt: sqa.resolved_tuning(t, dt) for dt in (jnp.bfloat16, jnp.float32)}
-    assert (got[jnp.bfloat16].block_m, got[jnp.bfloat16].block_n) == (64, 512)
-    assert (got[jnp.float32].block_m, got[jnp.float32].block_n) == (128, 256)
-    kept = sqa.resolved_tuning(sqa.ScaledQAbsTuning(block_n=128), jnp.bfloat16)
-    assert (kept.block_m, kept.block_n) == (64, 128)
-    with pytest.raises(ValueError, match="block_m=96"):
-        sqa.ScaledQAbsTuning(block_m=96)
-
-
-def test_the_default_scale_is_the_amax_where_a_program_holds_c():
-    """scale None: "amax" where the tiles hold a head's C whole (a prompt's bf16 rows at
-    GLM's C = 512 under the 64 x 512 tiles; f32 rows' 128 x 256 tiles at C <= 256), else
-    "bound"; the definition's None follows the default tiles; a set scale is kept."""
-    r = sqa.resolved_tuning
-    t = sqa.ScaledQAbsTuning()
-    assert t.scale is None and r(t, jnp.float32).scale is None  # no C: left undecided
-    assert r(t, jnp.bfloat16, 512).scale == "amax" and r(t, jnp.bfloat16, 1024).scale == "bound"
-    assert r(t, jnp.float32, 512).scale == "bound" and r(t, jnp.float32, 256).scale == "amax"
-    assert r(sqa.ScaledQAbsTuning(block_n=128), jnp.bfloat16, 512).scale == "bound"
-    assert r(sqa.ScaledQAbsTuning(scale="bound"), jnp.bfloat16, 512).scale == "bound"
+def test_the_tiles_and_the_scale_follow_the_rows_dtype_and_c():
+    """64 x 512 tiles for bf16 rows, 128 x 256 for f32 rows; "amax" where the tiles hold a
+    head's C whole (a prompt's bf16 rows at GLM's C = 512; f32 rows at C <= 256), else
+    "bound"; the definition's scale None follows the same rule."""
+    assert sqa.tiles(jnp.bfloat16) == (64, 512) and sqa.tiles(jnp.float32) == (128, 256)
     assert sqa.default_scale(jnp.bfloat16, 512) == "amax"
+    assert sqa.default_scale(jnp.bfloat16, 1024) == "bound"
     assert sqa.default_scale(jnp.float32, 512) == "bound"
-    q, u = _inputs(6, 2, 40, 64, jnp.bfloat16, seed=4)
+    assert sqa.default_scale(jnp.float32, 256) == "amax"
+    q, u = _inputs(6, 2, 40, 300, jnp.bfloat16, seed=4)
     for qdt in (jnp.float32, jnp.bfloat16):
         got = sqa.scaled_q_abs_xla(q.astype(qdt), u)
-        want = sqa.scaled_q_abs_xla(q.astype(qdt), u, scale="amax")  # C = 64: amax either way
+        want = sqa.scaled_q_abs_xla(q.astype(qdt), u, scale=sqa.default_scale(qdt, 300))
         for a, b in zip(got, want, strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("scale", ["bound", "amax"])
-def test_kernel_reads_a_stacked_weight_in_place(kernel_impl, scale):
+@pytest.mark.parametrize("c", [64, 300])  # f32 rows: amax, bound
+def test_kernel_reads_a_stacked_weight_in_place(kernel_impl, c):
     """u_k a stack [G, H, Dn, C] at a layer index (clamped as XLA's dynamic index)."""
-    q, u = _inputs(21, 3, 40, 64, jnp.bfloat16, seed=1)
+    q, u = _inputs(21, 3, 40, c, jnp.bfloat16, seed=1)
     stack = jnp.stack([u * 0.5, u, u * 3.0])
     for layer, want_w in ((1, u), (7, u * 3.0)):
-        got = T.run_op("scaled_q_abs", kernel_impl, q, stack, jnp.int32(layer),
-                       kernel_options=dict(scale=scale))
-        want = jax.jit(functools.partial(sqa.scaled_q_abs_xla, scale=scale))(q, want_w)
-        _assert_close(got, want, q, want_w, scale)
+        got = T.run_op("scaled_q_abs", kernel_impl, q, stack, jnp.int32(layer))
+        want = jax.jit(sqa.scaled_q_abs_xla)(q, want_w)
+        _assert_close(got, want, q, want_w, sqa.default_scale(q.dtype, c))
 
 
 def test_kernel_rows_keep_their_bits_at_any_row_count(kernel_impl):
     """A row's result is its own: the same bits in a 5-row call and a 70-row one (what lets
     the wrapper split a call whose result would wrap Triton's 32-bit offsets)."""
-    q, u = _inputs(70, 2, 40, 64, jnp.bfloat16, seed=2)
-    for scale in ("bound", "amax"):
-        opts = dict(scale=scale)
-        full = T.run_op("scaled_q_abs", kernel_impl, q, u, kernel_options=opts)
-        part = T.run_op("scaled_q_abs", kernel_impl, q[33:38], u, kernel_options=opts)
+    for c in (64, 300):  # f32 rows: amax, bound
+        q, u = _inputs(70, 2, 40, c, jnp.bfloat16, seed=2)
+        full = T.run_op("scaled_q_abs", kernel_impl, q, u)
+        part = T.run_op("scaled_q_abs", kernel_impl, q[33:38], u)
         for a, b in zip(full, part, strict=True):
             np.testing.assert_array_equal(np.asarray(a[33:38]), np.asarray(b))
 
@@ -166,15 +127,14 @@ def test_the_bound_is_that_of_the_rounded_operand_under_jit():
     """`q_abs_bound` under jit equals it op by op: XLA keeps the rounding of q to the weight's
     dtype (a convert pair it would drop: the norm was q's own, up to 2^-9 off), and so does
     the kernel where XLA runs it (interpret mode under jit)."""
-    q, u = _inputs(16, 4, 40, 64, jnp.bfloat16, seed=3)
+    q, u = _inputs(16, 4, 40, 300, jnp.bfloat16, seed=3)  # f32 rows at C = 300: "bound"
+    assert sqa.default_scale(q.dtype, 300) == "bound"
     np.testing.assert_array_equal(np.asarray(jax.jit(sqa.q_abs_bound)(q, u)),
                                   np.asarray(sqa.q_abs_bound(q, u)))
-    for apart in (False, True):
-        kernel = jax.jit(functools.partial(sqa.scaled_q_abs_pallas, interpret=True,
-                                           squares_apart=apart, scale="bound"))
-        want = jax.jit(functools.partial(sqa.scaled_q_abs_xla, scale="bound"))(q, u)[1]
-        np.testing.assert_array_equal(np.asarray(kernel(q, u)[1]),  # the kernel's under jit
-                                      np.asarray(want))
+    kernel = jax.jit(functools.partial(sqa.scaled_q_abs_pallas, interpret=True))
+    want = jax.jit(sqa.scaled_q_abs_xla)(q, u)[1]
+    np.testing.assert_array_equal(np.asarray(kernel(q, u)[1]),  # the kernel's under jit
+                                  np.asarray(want))
     qo = np.asarray(q.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
     col = np.sqrt((np.asarray(u, np.float64) ** 2).sum(1).max(-1))  # [H]
     want = np.sqrt((qo ** 2).sum(-1)) * col * sqa.BOUND_MARGIN
@@ -185,13 +145,7 @@ def test_bad_shapes_are_refused():
     q, u = _inputs(4, 3, 40, 64, jnp.bfloat16)
     with pytest.raises(ValueError, match=r"q's last axes \[3, 39\] must be u_k's"):
         sqa.scaled_q_abs_pallas(q[..., :39], u, interpret=True)
-    with pytest.raises(ValueError, match="block_n=48 must be a power of two"):
-        sqa.ScaledQAbsTuning(block_n=48)
     with pytest.raises(ValueError, match="stacked u_k must be"):
         sqa.scaled_q_abs_pallas(q, u, jnp.int32(0), interpret=True)
-    with pytest.raises(ValueError, match="scale='amax' needs block_n >= C=64"):
-        sqa.scaled_q_abs_pallas(q, u, interpret=True, scale="amax", block_n=32)
-    with pytest.raises(ValueError, match="scale='max' must be one of"):
-        sqa.ScaledQAbsTuning(scale="max")
     with pytest.raises(ValueError, match="scale='max' must be one of"):
         sqa.scaled_q_abs_xla(q, u, scale="max")

@@ -138,10 +138,8 @@ def test_xla_store_writes_the_kernels_bytes(dtype, c):
     rows, odd widths, a poisoned cache, invalid rows, permuted tables."""
     args = T.latent_write_inputs(c + 100, dtype, c)
     cache = args[2]
-    kernel = latent_write_pallas(*args, eps=1e-5, interpret=True,
-                                 tuning=lw.LatentWriteTuning(store="kernel"))
-    xla = latent_write_pallas(*args, eps=1e-5, interpret=True,
-                              tuning=lw.LatentWriteTuning(store="xla"))
+    kernel = lw.store_in_place(*args, eps=1e-5, interpret=True)
+    xla = lw.store_by_xla(*args, eps=1e-5, interpret=True)
     assert (_bytes(xla) == _bytes(kernel)).all()
     written = (_bytes(kernel) != _bytes(cache)).any(-1)  # [NB, bs]
     assert 0 < written.sum() < written.size / 2
@@ -152,7 +150,7 @@ def test_xla_store_writes_the_kernels_bytes(dtype, c):
 ZONE = [
     ((65535, 64, 512), jnp.float8_e4m3fn, False),  # one block below 2**31 elements
     ((65536, 64, 512), jnp.float8_e4m3fn, True),  # 2 GiB: offsets reach 2**31
-    ((98304, 64, 512), jnp.float8_e4m3fn, True),  # 3 GiB (the first H200 failure)
+    ((98304, 64, 512), jnp.float8_e4m3fn, True),  # 3 GiB
     ((131072, 64, 512), jnp.float8_e4m3fn, True),  # 4 GiB: the B=64 x 16K x 8-layer pool
     ((131073, 64, 512), jnp.float8_e4m3fn, False),  # past 2**32 bytes: 64-bit offsets
     ((65536, 64, 512), jnp.bfloat16, True),  # exactly 2**31 elements, 2**32 bytes
@@ -163,20 +161,16 @@ ZONE = [
 @pytest.mark.parametrize("shape,dtype,wraps", ZONE)
 def test_store_rule_follows_the_offset_limit(shape, dtype, wraps):
     """The addressing rule itself, at sizes past 2**31 (nothing allocated): where Triton's
-    offsets would wrap the write stores through XLA, elsewhere in place; an explicit kernel
-    store there is refused."""
+    offsets would wrap the write stores through XLA, elsewhere in place (the in-place store
+    refuses such a cache: `test_triton_kernels_refuse_a_cache_their_offsets_would_wrap`)."""
     nb, bs, c = shape
     assert triton_offsets_wrap(shape, dtype) == wraps
     assert triton_offsets_wrap((nb * bs, c), dtype) == wraps  # the flat view the kernel sees
-    assert lw.pick_store(lw.LatentWriteTuning(), shape, dtype) == ("xla" if wraps else "kernel")
-    assert lw.pick_store(lw.LatentWriteTuning(store="xla"), shape, dtype) == "xla"
-    if wraps:
-        with pytest.raises(KernelLimitError, match=r"latent cache .* bytes: the Pallas Triton"):
-            lw.pick_store(lw.LatentWriteTuning(store="kernel"), shape, dtype)
+    assert lw.pick_store(shape, dtype) == ("xla" if wraps else "kernel")
 
 
 def test_a_cache_xla_stores_takes_no_shared_launch():
-    """`latent_write_part` (the kernel storing in place, for `layer.decode_front`'s launch)
+    """`latent_write_part` (the kernel storing in place, for `step.decode_front`'s launch)
     refuses a cache whose offsets would wrap (traced only), where `pick_store` says "xla";
     the decode front then writes alone."""
     kv, table = jnp.zeros((1, 1, 512)), jnp.zeros((1, 2), jnp.int32)
@@ -191,20 +185,19 @@ def test_a_cache_xla_stores_takes_no_shared_launch():
         if ok:
             assert jax.eval_shape(fn, cache).shape == (nb * 64, 512)
         else:
-            assert lw.pick_store(lw.LatentWriteTuning(), cache.shape, cache.dtype) == "xla"
+            assert lw.pick_store(cache.shape, cache.dtype) == "xla"
             with pytest.raises(KernelLimitError, match=r"latent cache .* bytes"):
                 jax.eval_shape(fn, cache)
 
 
-def _write_call(store="auto"):
+def _write_call(store=latent_write_pallas):
     kv = jax.random.normal(jax.random.key(0), (2, 3, 512))
     # The top blocks of a 4 GiB pool: flat rows up to 2**23 - 1, byte offsets past 2**31.
     table = jnp.asarray([[131071, 131070], [0, 98304]], jnp.int32)
     pos = jnp.asarray([[126, 127, 64], [0, 1, 64]], jnp.int32)
     valid = jnp.ones((2, 3), bool)
-    return lambda c: latent_write_pallas(kv, jnp.ones(512), c, jnp.float32(1.0), table, pos,
-                                         valid, eps=1e-6, interpret=True,
-                                         tuning=lw.LatentWriteTuning(store=store))
+    return lambda c: store(kv, jnp.ones(512), c, jnp.float32(1.0), table, pos, valid,
+                           eps=1e-6, interpret=True)
 
 
 @pytest.mark.parametrize("nb,zone", [(131072, True), (98304, True), (131073, False),
@@ -247,7 +240,7 @@ def test_flat_slots_past_2_31_bytes():
 ])
 def test_triton_kernels_refuse_a_cache_their_offsets_would_wrap(nb, dtype, refused):
     """A latent cache of 2**31 or more elements and at most 2**32 bytes is refused by the
-    Triton gather-attend and by the write's in-place kernel store (store="kernel") before
+    Triton gather-attend and by the write's in-place kernel store (`store_in_place`) before
     anything runs (traced only: no memory is used); one block fewer or more passes. The
     write's default store takes such a cache (through XLA)."""
     cache = jax.ShapeDtypeStruct((nb, 64, 512), dtype)
@@ -255,7 +248,7 @@ def test_triton_kernels_refuse_a_cache_their_offsets_would_wrap(nb, dtype, refus
     sel = jnp.zeros((1, 1, 4), jnp.int32)
     table = jnp.zeros((1, 1), jnp.int32)
     calls = [
-        _write_call("kernel"),
+        _write_call(lw.store_in_place),
         lambda c: sparse_attend_pallas(q, c, jnp.float32(1.0), table, sel, softmax_scale=0.1,
                                        interpret=True),
     ]
@@ -355,13 +348,10 @@ def test_latent_write_lowers_for_cuda(rows, stacked):
 
 
 def test_a_decodes_writes_run_the_shared_launchs_warps_a_prompts_their_own():
-    """The write kernels' warps follow the rows per sequence (`index_write.default_warps`,
-    `LatentWriteTuning.warps`): a decode's or verify's at the decode front's 4 (its parts
-    share launches at that count, `layer.decode_front`), a prompt's at 1 and 2; a field set
-    explicitly is kept."""
+    """The write kernels' warps follow the rows per sequence (`index_write.warps_for`,
+    `latent_write.warps_for`): a decode's or verify's at the decode front's 4 (its parts
+    share launches at that count, `decode_front`), a prompt's at 1 and 2."""
     for r in (1, 4, iw.SHARED_ROWS):
-        assert iw.IndexWriteTuning().warps(r) == lw.LatentWriteTuning().warps(r) == 4
-    assert iw.IndexWriteTuning().warps(iw.SHARED_ROWS + 1) == 1
-    assert lw.LatentWriteTuning().warps(2048) == 2
-    assert iw.IndexWriteTuning(num_warps=2).warps(1) == 2
-    assert lw.LatentWriteTuning(num_warps=8).warps(4096) == 8
+        assert iw.warps_for(r) == lw.warps_for(r) == 4
+    assert iw.warps_for(iw.SHARED_ROWS + 1) == 1
+    assert lw.warps_for(2048) == 2

@@ -1,5 +1,5 @@
-"""Helpers every kernel file shares: padding sizes, the FP8 quantize, tuning overrides, the
-device's multiprocessor count."""
+"""Helpers every kernel file shares: padding sizes, the FP8 quantize (`dsa_jax.numerics`),
+addressing limits, tuning overrides, the device's multiprocessor count."""
 
 from __future__ import annotations
 
@@ -8,21 +8,16 @@ from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental.pallas import triton as plt
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# The model's shared definitions, which the kernels import from here too.
+from dsa_jax.numerics import FP8_MAX, next_pow2, quantize, round_to  # noqa: F401
 
 # Multiprocessors of an H100 / H200 SXM, the GPUs the kernels are tuned on: the count assumed
 # where the device does not report its own (CPU, interpret mode).
 DEFAULT_SM_COUNT = 132
 
 T = TypeVar("T")
-
-
-def next_pow2(n: int) -> int:
-    """The smallest power of two >= n (1 for n <= 1): Triton block shapes are powers of two."""
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def load_parts(ref, parts: int, *index, mask, other=0.0):
@@ -45,35 +40,13 @@ def check_triton_blocks(tuning, names: tuple[str, ...]) -> None:
                              f"(Triton)")
 
 
-def quantize(c: jax.Array, scale: jax.Array, dtype) -> jax.Array:
-    """fp32 values -> a cache dtype. float8_e4m3fn: `clip(c / scale, -448, 448)`, saturating
-    (the cast alone would turn values past 448 into NaN); any other dtype: a plain cast."""
-    if jnp.dtype(dtype) == jnp.float8_e4m3fn:
-        return jnp.clip(c / scale, -FP8_MAX, FP8_MAX).astype(dtype)
-    return c.astype(dtype)
-
-
-def round_to(v: jax.Array, dtype) -> jax.Array:
-    """fp32 values rounded to `dtype`'s (bf16, f16: round to nearest even; f32: as they are),
-    still fp32: what a store in `dtype` and a read give. By `lax.reduce_precision`, which XLA
-    keeps; a cast pair inside one program it may drop (excess precision, measured on the CPU:
-    a reference's pool keys stayed fp32)."""
-    dtype = jnp.dtype(dtype)
-    if dtype == jnp.float32:
-        return v
-    if dtype not in (jnp.bfloat16, jnp.float16):
-        raise ValueError(f"round_to: dtype {dtype.name} is not bfloat16, float16 or float32")
-    info = jnp.finfo(dtype)
-    return lax.reduce_precision(v, exponent_bits=info.nexp, mantissa_bits=info.nmant)
-
-
 # jax's Pallas Triton lowering computes element offsets in 32-bit integers for any array of at
 # most 2**32 bytes (64-bit only above), so an array of 2**31 or more elements in that range
-# (fp8: 2..4 GiB; bf16: exactly 4 GiB) is addressed with offsets that wrap: an H200 run wrote
-# out of bounds (benchmarks/results/h200-offsets-20261130.json). Pallas Triton cannot bitcast
-# a ref; a word view made in jnp is a free bitcast on the GPU, but a write packing words there
-# stored other bits than the per-element kernel (h200-offsets-20261201-run2.json), so the
-# latent write stores through XLA in that zone (latent_write.py) and the Triton attend refuses.
+# (fp8: 2..4 GiB; bf16: exactly 4 GiB) is addressed with offsets that wrap: the kernel writes
+# out of bounds. Pallas Triton cannot bitcast a ref; a word view made in jnp is a free bitcast
+# on the GPU, but a write packing words there stored other bits than the per-element kernel,
+# so the latent write stores through XLA in that zone (latent_write.py) and the Triton attend
+# refuses.
 class KernelLimitError(ValueError):
     """An array a kernel cannot address correctly; raised while tracing, before anything
     runs."""
@@ -121,8 +94,8 @@ def gpu_is_not_hopper(device: jax.Device | None = None) -> bool:
     """True where `device` (default: the first device) reports a CUDA compute capability whose
     major version is not 9: the Mosaic GPU kernels compile for sm_90a only, so the `auto`
     backend rules take the Triton kernels there. A device reporting none (a CPU) counts as
-    Hopper, so the rule stays the one measured on the H200 wherever the attribute is missing
-    (jax's CUDA devices carry it as a string such as "9.0")."""
+    Hopper, so the rule stays the Hopper one wherever the attribute is missing (jax's CUDA
+    devices carry it as a string such as "9.0")."""
     device = jax.devices()[0] if device is None else device
     cc = getattr(device, "compute_capability", None)
     return bool(cc) and str(cc).split(".")[0] != "9"
@@ -146,8 +119,8 @@ def check_register_budgets(consumers: int, consumer_regs: int, producer_regs: in
     warpgroups and one producer, 128 threads each) cannot be granted: each a multiple of 8 in
     [24, 256], and together within the registers the CTA is launched with (65536 over its
     threads, at most 255 each, rounded down to a multiple of 8): `setmaxnreg` only moves
-    registers within that pool, so a consumer's increase beyond it waits forever (a 216 / 80
-    split of 3 x 168 hung on the H200: benchmarks/results/h200-attend-run9.json)."""
+    registers within that pool, so a consumer's increase beyond it waits forever (the kernel
+    hangs)."""
     for name, v in (("consumer_regs", consumer_regs), ("producer_regs", producer_regs)):
         if v % 8 or not 24 <= v <= 256:
             raise ValueError(f"{name}={v} must be a multiple of 8 in [24, 256] (setmaxnreg)")

@@ -16,7 +16,6 @@ The rows of one call are consecutive positions: `pos[b, r] = pos[b, 0] + r`.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import NamedTuple
@@ -33,33 +32,20 @@ from dsa_jax.pallas.common import (
     next_pow2,
     round_to,
     stacked_weight,
-    with_overrides,
 )
 
 LN_EPS = 1e-6  # the indexer's k_norm epsilon (HF nn.LayerNorm(eps=1e-6))
 
 
-@dataclasses.dataclass(frozen=True)
-class IndexWriteTuning:
-    """Launch parameters of `index_write_pallas` (one program per row, in each of its
-    launches).
-
-    num_warps: warps per program; a program handles one Di-wide row (Di = 128 for GLM-5.3).
-    None: `default_warps(R)`."""
-    num_warps: int | None = None
-
-    def warps(self, rows_per_seq: int) -> int:
-        return default_warps(rows_per_seq) if self.num_warps is None else self.num_warps
-
-
 # Up to this many rows per sequence (a decode's or a verify's) the writes run 4 warps, as the
 # decode front's other parts and the indexer query's GEMM: they share launches
-# (`layer.decode_front`: the same programs at the same warps); a prompt's rows keep 1.
+# (`decode_front`: the same programs at the same warps); a prompt's rows keep 1.
 SHARED_ROWS = 16
 
 
-def default_warps(rows_per_seq: int) -> int:
-    """The index write's warps for steps of `rows_per_seq` rows (see `SHARED_ROWS`)."""
+def warps_for(rows_per_seq: int) -> int:
+    """The index write's warps per program (one Di-wide row each) for steps of
+    `rows_per_seq` rows per sequence (see `SHARED_ROWS`)."""
     return 4 if rows_per_seq <= SHARED_ROWS else 1
 
 
@@ -333,7 +319,7 @@ def index_write_parts(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b:
                       weight_layer: jax.Array | None = None, meta: jax.Array | None = None,
                       parts: int | None = None) -> IndexWriteParts:
     """`index_write_pallas`'s kernels for these arguments (its own) as `IndexWriteParts`, for
-    launches shared with other kernels (`layer.decode_front`): the same programs. parts:
+    launches shared with other kernels (`decode_front`): the same programs. parts:
     k_raw and g are `[S, B, R, N]`, a split GEMM's K parts (`matmul_part(summed=False)`),
     read as their sum (`load_parts`: the same values)."""
     s_parts = 1 if parts is None else parts
@@ -415,9 +401,7 @@ def index_write_pallas(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b
                        layer: jax.Array | int = 0, *, layers: int = 1,
                        cols: tuple[int, int] | None = None,
                        weight_layer: jax.Array | None = None, meta: jax.Array | None = None,
-                       interpret: bool = False,
-                       tuning: IndexWriteTuning = IndexWriteTuning(), **overrides
-                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                       interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`index_write_xla` as Pallas launches, a program per row, writing the ring and the keys
     in place (aliased): (1) the rows: LayerNorm, the stored k into a step buffer, and every
     row whose slot is not one of the earlier members' (the first Rr - KP + 1 rows of the step:
@@ -426,12 +410,11 @@ def index_write_pallas(k_raw: jax.Array, g: jax.Array, norm_w: jax.Array, norm_b
     the stacked weights are read in place at that index (a kernel operand is a whole buffer:
     a slice would be a copy). meta: `row_meta(pos, valid, layer, ...)` of these arrays, computed
     by the caller (the step's metadata launch, `pallas/row_meta.py`; None: computed here).
-    `overrides`: fields of `tuning` by name (`num_warps=2`)."""
-    tuning = with_overrides(tuning, overrides)
+    Each launch at `warps_for(R)` warps."""
     parts = index_write_parts(k_raw, g, norm_w, norm_b, ape, index_k, index_g, pool_keys,
                               pos, valid, layer, layers=layers, cols=cols,
                               weight_layer=weight_layer, meta=meta)
-    warps = tuning.warps(k_raw.shape[1])
+    warps = warps_for(k_raw.shape[1])
     rows_outs = _launch(parts.rows, warps, interpret, "index_write_rows")
     pool_outs = _launch(parts.pool(rows_outs), warps, interpret, "index_write_pool_keys")
     late_outs = (_launch(parts.late_rows(rows_outs), warps, interpret,

@@ -9,12 +9,11 @@ cache of 2..4 GiB, whose element offsets it would compute in 32 bits and wrap), 
 kernel computes the rows into a small `[N, C]` buffer and XLA stores them with a scatter
 (64-bit addressing; on the GPU in place, the cache donated). The stored bytes are the same
 either way: the kernel's values are computed by the same code, only the store differs
-(`LatentWriteTuning.store`; tests/test_write_kernels.py).
+(`pick_store`; tests/test_write_kernels.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -31,36 +30,16 @@ from dsa_jax.pallas.common import (
     quantize,
     stacked_weight,
     triton_offsets_wrap,
-    with_overrides,
 )
 from dsa_jax.pallas.index_write import SHARED_ROWS
 
-STORES = ("auto", "kernel", "xla")
 
-
-@dataclasses.dataclass(frozen=True)
-class LatentWriteTuning:
-    """Launch parameters of `latent_write_pallas` (one program per row).
-
-    num_warps: warps per program, each program storing one row of C values; None: 4 for
-      steps of up to `index_write.SHARED_ROWS` rows per sequence (the decode front's launch,
-      `layer.decode_front`: the same program at the same warps), 2 beyond (a prompt's).
-    store: who stores the rows into the cache: "kernel" (in place through the cache aliased
-      to the kernel's output; refused with `KernelLimitError` where its offsets would wrap),
-      "xla" (the kernel returns the rows `[N, C]`, an XLA scatter stores them), or "auto" (the
-      default): "kernel" unless `triton_offsets_wrap` says the cache needs "xla". The rule is
-      fixed; both give the same bytes."""
-    num_warps: int | None = None
-    store: str = "auto"
-
-    def warps(self, rows_per_seq: int) -> int:
-        if self.num_warps is not None:
-            return self.num_warps
-        return 4 if rows_per_seq <= SHARED_ROWS else 2
-
-    def __post_init__(self):
-        if self.store not in STORES:
-            raise ValueError(f"store={self.store!r}: must be one of {STORES}")
+def warps_for(rows_per_seq: int) -> int:
+    """The write's warps per program (one program per row of C values) for steps of
+    `rows_per_seq` rows per sequence: 4 up to `index_write.SHARED_ROWS` (a decode's or a
+    verify's: the decode front's launch runs the same program at the same warps,
+    `decode_front`), 2 beyond (a prompt's)."""
+    return 4 if rows_per_seq <= SHARED_ROWS else 2
 
 
 def _rms_norm(v: jax.Array, w: jax.Array, eps: float, width: int) -> jax.Array:
@@ -153,16 +132,13 @@ def _write_program(ids, *refs, width: int, eps: float, to_rows: bool, col: int,
     plt.store(out_ref.at[jnp.maximum(slot, 0), cols], stored, mask=in_width & (slot >= 0))
 
 
-def pick_store(tuning: LatentWriteTuning, cache_shape, cache_dtype) -> str:
-    """"kernel" or "xla" for a cache `[NB, bs, C]` (`LatentWriteTuning.store`'s rule); an
-    explicit "kernel" the kernel cannot address raises `KernelLimitError`."""
+def pick_store(cache_shape, cache_dtype) -> str:
+    """Who stores the rows into a cache `[NB, bs, C]`: "kernel" (in place, through the cache
+    aliased to the kernel's output) unless `triton_offsets_wrap` says the kernel cannot
+    address it, then "xla" (the kernel returns the rows `[N, C]`, an XLA scatter stores them).
+    Both give the same bytes."""
     nb, bs, c = cache_shape
-    if tuning.store == "kernel":
-        check_triton_addressable(cache_shape, cache_dtype, "latent cache")
-        return "kernel"
-    if tuning.store == "xla" or triton_offsets_wrap((nb * bs, c), cache_dtype):
-        return "xla"
-    return "kernel"
+    return "xla" if triton_offsets_wrap((nb * bs, c), cache_dtype) else "kernel"
 
 
 def scatter_rows(latent: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
@@ -205,10 +181,10 @@ def latent_write_part(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
     """`latent_write_pallas`'s kernel storing in place (store "kernel") as a `colaunch.Part`
     (a program per row, the cache aliased to its output) and `finish(outs)` -> the new cache
     `[NB, bs, C]` (for a launch shared with other kernels: the same program, so the same
-    bytes at the same `num_warps`). Refused (`KernelLimitError`) where the kernel cannot
-    address the cache (`pick_store` gives "xla" there). parts: kv_raw is `[S, B, R, N]`, a
-    split GEMM's K parts (`matmul_part(summed=False)`), stored as their sum (`load_parts`:
-    the same values)."""
+    bytes at the same warps, `warps_for`). Refused (`KernelLimitError`) where the kernel
+    cannot address the cache (`pick_store` gives "xla" there). parts: kv_raw is
+    `[S, B, R, N]`, a split GEMM's K parts (`matmul_part(summed=False)`), stored as their sum
+    (`load_parts`: the same values)."""
     check_triton_addressable(latent.shape, latent.dtype, "latent cache")  # KernelLimitError
     operands, static, n = _operands(kv_raw, norm_w, latent, kv_scale, block_tables, pos,
                                     valid, col, layer, slots, parts)
@@ -224,36 +200,53 @@ def latent_write_pallas(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
                         kv_scale: jax.Array, block_tables: jax.Array, pos: jax.Array,
                         valid: jax.Array, *, eps: float, col: int | None = None,
                         layer: jax.Array | None = None, slots: jax.Array | None = None,
-                        interpret: bool = False,
-                        tuning: LatentWriteTuning = LatentWriteTuning(), **overrides
-                        ) -> jax.Array:
+                        interpret: bool = False) -> jax.Array:
     """`latent_write_xla` as one Pallas launch, a program per row, writing the cache in place
     (the cache is aliased to the output; donate it to avoid a copy); where the kernel cannot
-    address the cache, the kernel's rows stored by an XLA scatter (`LatentWriteTuning.store`).
-    With `layer`, row `layer` of the stacked `norm_w [G, C]` read in place (a kernel operand
-    is a whole buffer: a slice would be a copy). slots: `flat_slots(pos, valid, block_tables,
-    bs)` flattened `[N]`, computed by the caller (the step's metadata launch,
-    `pallas/row_meta.py`; None: computed here). `overrides`: fields of `tuning` by name
-    (`num_warps=4`)."""
-    tuning = with_overrides(tuning, overrides)
-    store = pick_store(tuning, latent.shape, latent.dtype)
-    params = plt.CompilerParams(num_warps=tuning.warps(kv_raw.shape[1]), num_stages=1)
-    if store == "kernel":
-        part, finish = latent_write_part(kv_raw, norm_w, latent, kv_scale, block_tables, pos,
-                                         valid, eps=eps, col=col, layer=layer, slots=slots)
-        out = pl.pallas_call(
-            lambda *refs: part.body((pl.program_id(0),), *refs),
-            grid=part.grid,
-            in_specs=[pl.BlockSpec()] * len(part.inputs),  # [layer], scale [1], w, raw
-            # [1, N, >= C], slots [N], the cache
-            out_specs=pl.BlockSpec(),
-            out_shape=part.out_shape[0],
-            input_output_aliases=part.aliases,
-            compiler_params=params,
-            interpret=interpret,
-            name="latent_write",
-        )(*part.inputs)
-        return finish((out,))
+    address the cache, the kernel's rows stored by an XLA scatter (`pick_store`). With
+    `layer`, row `layer` of the stacked `norm_w [G, C]` read in place (a kernel operand is a
+    whole buffer: a slice would be a copy). slots: `flat_slots(pos, valid, block_tables, bs)`
+    flattened `[N]`, computed by the caller (the step's metadata launch, `pallas/row_meta.py`;
+    None: computed here)."""
+    store = (store_in_place if pick_store(latent.shape, latent.dtype) == "kernel"
+             else store_by_xla)
+    return store(kv_raw, norm_w, latent, kv_scale, block_tables, pos, valid, eps=eps, col=col,
+                 layer=layer, slots=slots, interpret=interpret)
+
+
+def store_in_place(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
+                   kv_scale: jax.Array, block_tables: jax.Array, pos: jax.Array,
+                   valid: jax.Array, *, eps: float, col: int | None = None,
+                   layer: jax.Array | None = None, slots: jax.Array | None = None,
+                   interpret: bool = False) -> jax.Array:
+    """`latent_write_pallas` where `pick_store` says "kernel": the kernel stores the rows in
+    the cache aliased to its output. Refused (`KernelLimitError`) for a cache it cannot
+    address."""
+    part, finish = latent_write_part(kv_raw, norm_w, latent, kv_scale, block_tables, pos,
+                                     valid, eps=eps, col=col, layer=layer, slots=slots)
+    out = pl.pallas_call(
+        lambda *refs: part.body((pl.program_id(0),), *refs),
+        grid=part.grid,
+        in_specs=[pl.BlockSpec()] * len(part.inputs),  # [layer], scale [1], w, raw
+        # [1, N, >= C], slots [N], the cache
+        out_specs=pl.BlockSpec(),
+        out_shape=part.out_shape[0],
+        input_output_aliases=part.aliases,
+        compiler_params=plt.CompilerParams(num_warps=warps_for(kv_raw.shape[1]),
+                                           num_stages=1),
+        interpret=interpret,
+        name="latent_write",
+    )(*part.inputs)
+    return finish((out,))
+
+
+def store_by_xla(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
+                 kv_scale: jax.Array, block_tables: jax.Array, pos: jax.Array,
+                 valid: jax.Array, *, eps: float, col: int | None = None,
+                 layer: jax.Array | None = None, slots: jax.Array | None = None,
+                 interpret: bool = False) -> jax.Array:
+    """`latent_write_pallas` where `pick_store` says "xla": the kernel computes the rows
+    `[N, C]` (the same program), an XLA scatter stores them (64-bit addressing)."""
     operands, static, n = _operands(kv_raw, norm_w, latent, kv_scale, block_tables, pos,
                                     valid, col, layer, slots)
     body = functools.partial(_write_program, eps=eps, to_rows=True, **static)
@@ -262,6 +255,8 @@ def latent_write_pallas(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
         in_specs=[pl.BlockSpec()] * len(operands),  # [layer], scale, w, raw, slots
         out_specs=pl.BlockSpec(),
         out_shape=jax.ShapeDtypeStruct((n, latent.shape[2]), latent.dtype),
-        compiler_params=params, interpret=interpret, name="latent_rows",
+        compiler_params=plt.CompilerParams(num_warps=warps_for(kv_raw.shape[1]),
+                                           num_stages=1),
+        interpret=interpret, name="latent_rows",
     )(*operands)  # [N, C]
     return scatter_rows(latent, rows, operands[-1])

@@ -41,33 +41,28 @@ __all__ = ["MatmulTuning", "default_tuning", "matmul_pallas", "matmul_part", "ma
 
 @dataclasses.dataclass(frozen=True)
 class MatmulTuning:
-    """Tiles of `matmul_pallas` / `per_head_pallas`.
+    """Tiles of `matmul_pallas` / `per_head_pallas` (`default_tuning` picks them per shape).
 
     A row's bits depend on `splits` (and on N and K), not on the tile shapes: an MMA row reads
-    no other row, and each tile sums its K chunks in order, 16 at a time, whatever block_k. On
-    the H200 every block_m (16, 64, 128), block_n, block_k, num_stages and num_warps tried gave
-    a row the same bits at every M; two splits did not (benchmarks/results/h200-gemm-*.json).
+    no other row, and each tile sums its K chunks in order, 16 at a time, whatever block_k.
     So `default_tuning` fixes `splits` from the weight's shape and picks the tiles per M.
 
     block_m, block_n, block_k: the program's tile of rows, output columns and the K chunk of
     one loop step (powers of two, >= 16). splits: K is cut into this many contiguous parts, one
     program each, summed afterwards in split order (for GEMMs with few column tiles and a long
-    K). num_warps, num_stages: Triton's launch and software-pipelining depth. evict_weights:
-    the weight tiles' L2 eviction policy "evict_first" (a weight is streamed once per call)."""
+    K). num_warps, num_stages: Triton's launch and software-pipelining depth."""
     block_m: int = 64
     block_n: int = 64
     block_k: int = 64
     splits: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    evict_weights: bool = False
 
 
 # Up to this many rows the kernel rounds v to w's dtype itself (no conversion launch); past it
-# v is converted before the call: every column program re-reads the row tile, whose fp32 copy
-# doubled that traffic (the b64 decode's o_proj took 68 us with fp32 rows against 41 us in
-# bf16: h200-decode-variants-20261201-s8-call3.json, h200-gemm-20261201-s8-call2.json).
-# Either way the rows are rounded to nearest even: the same bits.
+# v is converted before the call: every column program re-reads the row tile, and an fp32
+# copy of it doubles that traffic. Either way the rows are rounded to nearest even: the same
+# bits.
 CONVERT_IN_KERNEL_ROWS = 16
 SMEM_BUDGET = 200 * 1024  # of the H200's 227 KiB per block: Triton's pipeline stages
 
@@ -84,12 +79,11 @@ def splits_for(n: int, k: int, heads: int = 1) -> int:
 
 def default_tuning(n: int, k: int, heads: int = 1, m: int = 64) -> MatmulTuning:
     """The tiles for `m` rows times an `[n, k]` weight (`heads` of them for the per-head
-    products): `splits_for(n, k, heads)`, whatever m (the rows' bits), and the tile shapes
-    measured fastest for m rows at the block's shapes (h200-gemm-20261201-s8-call2.json):
-    16-row tiles for a few rows, 128-row ones past 64, 128-deep K chunks for the long-K
-    GEMMs, deeper pipelines where a program's K part is long; 128-deep K chunks also for the
-    per-head products over K >= 512 at up to 64 rows (U_v: at one row 6.3 vs 7.4 us on cold
-    weights, h200-gemm-20261203-s19-call2.json; a prompt's rows keep 64: 351 vs 433 us)."""
+    products): `splits_for(n, k, heads)`, whatever m (the rows' bits), and tile shapes chosen
+    per m (docs/performance.md): 16-row tiles for a few rows, 128-row ones past 64, 128-deep K
+    chunks for the long-K GEMMs, deeper pipelines where a program's K part is long; 128-deep K
+    chunks also for the per-head products over K >= 512 at up to 64 rows (a prompt's rows
+    keep 64)."""
     splits = splits_for(n, k, heads)
     deep = heads == 1 or (k >= 512 and m <= 64)
     block_k = 128 if deep and k % (splits * 128) == 0 else 64
@@ -138,7 +132,7 @@ def per_head_xla(v: jax.Array, w: jax.Array, w_contract: int,
 
 
 def _tile(ids, *refs, m: int, n: int, k: int, bm: int, bn: int, bk: int, tiles: int,
-          splits: int, heads: int, w_kn: bool, stacked: bool, evict: str | None):
+          splits: int, heads: int, w_kn: bool, stacked: bool):
     """Program ids (i, j, hs): rows i*bm.., columns j*bn.. of head hs // splits, K part
     hs % splits (the kernel's program ids, or a co-launch's: `colaunch.Part`).
 
@@ -163,13 +157,11 @@ def _tile(ids, *refs, m: int, n: int, k: int, bm: int, bn: int, bk: int, tiles: 
         a = a.astype(w_ref.dtype)  # [bm, bk]: the operand rounded as the definition rounds it
         if w_kn:
             b = plt.load(w_ref.at[hw, ks[:, None], cols[None, :]],
-                         mask=k_ok[:, None] & col_ok[None, :], other=0.0,
-                         eviction_policy=evict)  # [bk, bn]
+                         mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [bk, bn]
             dims = (((1,), (0,)), ((), ()))
         else:
             b = plt.load(w_ref.at[hw, cols[:, None], ks[None, :]],
-                         mask=col_ok[:, None] & k_ok[None, :], other=0.0,
-                         eviction_policy=evict)  # [bn, bk]
+                         mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [bn, bk]
             dims = (((1,), (1,)), ((), ()))
         return acc + lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
@@ -206,8 +198,7 @@ def _gemm_part(v: jax.Array, w: jax.Array, w_kn: bool, tuning: MatmulTuning,
     t = tuning
     body = functools.partial(_tile, m=m, n=n, k=k, bm=t.block_m, bn=t.block_n, bk=t.block_k,
                              tiles=tiles, splits=t.splits, heads=heads, w_kn=w_kn,
-                             stacked=stacked,
-                             evict="evict_first" if t.evict_weights else None)
+                             stacked=stacked)
     part = Part(body, (pl.cdiv(m, t.block_m), pl.cdiv(n, t.block_n), heads * t.splits),
                 tuple([jnp.reshape(layer, (1,))] if stacked else []) + (v, w),
                 (jax.ShapeDtypeStruct((t.splits, m, heads, n),

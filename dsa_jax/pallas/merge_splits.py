@@ -3,16 +3,15 @@
 `sparse_attend.merge_splits` (jnp, the twin) combines each row's per-split normalized partials.
 XLA fuses that jnp with whatever surrounds it, so its reduction order and FMA contraction can
 depend on the program it sits in. This kernel fixes the order: the same code combines the
-splits in the same order in every program. The Mosaic attend path merges with it (a decode
-and a max_verify-row verify differed on the H200 with the jnp merge fused into different
-neighbours: benchmarks/notes.md, 2026-12-01 fifth), and so does the Triton path (at TP 8 it
-differed the same way, 2026-12-01 sixth).
+splits in the same order in every program. Both attend paths merge with it (with the jnp
+merge fused into different neighbours, a decode and a max_verify-row verify differed in
+their last bits on the H200, on the Mosaic path and on the Triton path at TP 8).
 
 It also writes what the attend's caller needs in the same pass: the merged rows rounded to the
 output projection's operand dtype, put in place in a block padded to more rows per sequence
 (a decode attends 1 of its `max_verify` rows; `padded_rows_jnp` is the twin of that part).
-Partials may be f16 in the cache's units (`MgpuTuning.half_partials`): the merge sums in f32
-and applies the cache's scale to the merged rows.
+Partials may be f16 in the cache's units (the Mosaic kernel's with more than one split): the
+merge sums in f32 and applies the cache's scale to the merged rows.
 """
 
 from __future__ import annotations
@@ -90,7 +89,7 @@ def merge_splits_pallas(o: jax.Array, m: jax.Array, l: jax.Array, *, interpret: 
     f32 -> [N, Hp, Cp] `dtype` (0 where no split saw a valid slot; the fp32 merge rounded
     once). Hp a multiple of 16; Cp a multiple of 32 or a power of two below it (the attend
     kernels' padded shapes). scale: [] or [1] f32, multiplied into the merged rows (partials in
-    the cache's units, `MgpuTuning.half_partials`).
+    the cache's units, as the Mosaic kernel writes them with more than one split).
 
     pad: `(rows_in, fill)`, fill [B, Rt] f32 with `N = B * rows_in` and `Rt >= rows_in`: the N
     rows are each sequence's first `rows_in` rows, and the result is `[B * Rt, Hp, Cp]` with
@@ -137,7 +136,7 @@ def padded_rows_jnp(rows: jax.Array, fill: jax.Array, dtype) -> jax.Array:
     """The twin of `merge_splits_pallas`'s padding: rows [B, R, ...] f32, fill [B, Rt] f32 ->
     [B, Rt, ...] `dtype`, rows r < R as given (rounded to dtype), the others fill[b, r]. A fill
     of the whole block and the rows put in place, not a concatenate: XLA then writes the block
-    once instead of copying it (decode-b64, benchmarks/notes.md)."""
+    once instead of copying it."""
     b, r = rows.shape[:2]
     rt = fill.shape[1]
     block = jnp.broadcast_to(fill.reshape(b, rt, *(1,) * (rows.ndim - 2)).astype(dtype),

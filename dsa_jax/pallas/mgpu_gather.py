@@ -1,17 +1,16 @@
 """Register gather of fp8 latent rows and their f16 store, for the Mosaic GPU attend kernel's
-producer (`MgpuTuning.convert="producer"`), as inline Mosaic GPU code.
+converting warpgroup (`sparse_attend_mgpu`), as inline Mosaic GPU code.
 
 Pallas' Lane-level loads take one array per call from a sliced ref, so a tile of rows chosen
 by index cannot be loaded into registers with them; `plgpu.inline_mgpu` gives the per-thread
-loads. The producer warpgroup reads a tile's rows straight from the cache into registers
-(`gather`: thread `tid` of 128 holds 8-byte chunks `k * 128 + tid` of the tile, so a warp
-reads 256 contiguous bytes of a row per load), converts them e4m3 -> f16 and writes the
-swizzled f16 tile that the consumers' wgmma reads (`store`). No fp8 staging buffer: its
-shared memory holds a second f16 tile instead, so the conversion leaves the consumers'
-critical path (they only wait, multiply and run the softmax).
+loads. The warpgroup reads a tile's rows straight from the cache into registers (`gather`:
+thread `tid` of 128 holds 8-byte chunks `k * 128 + tid` of the tile, so a warp reads 256
+contiguous bytes of a row per load), converts them e4m3 -> f16 and writes the swizzled f16
+tile that the wgmma reads (`store`). No fp8 staging buffer: its shared memory holds a second
+f16 tile instead, so the conversion stays off the softmax warpgroup's critical path.
 
 An empty slot (-1) yields zeros without any load (a branch per chunk), so no cache row
-outside the selection is read, as in the bulk-copy producer.
+outside the selection is read.
 """
 
 from __future__ import annotations
@@ -98,20 +97,11 @@ def tile_layout(block_w: int, c: int):
     return plgpu.Layout.WG_STRIDED((block_w * c,), vec_size=VEC)
 
 
-def check_shapes(block_w: int, c: int):
-    """None if the register gather handles these shapes, else why not."""
-    if (block_w * c) % (WG * VEC):
-        return f"block_w * C = {block_w * c} not a multiple of {WG * VEC}"
-    if c % 128:
-        return f"C={c} not a multiple of 128"
-    return None
-
-
-def make_gather(block_w: int, c: int, slots_first: bool = False):
-    """gather(slots [block_w] i32 GMEM ref, latent [NS, C] fp8 GMEM ref) -> the tile's rows,
-    fp8 [block_w * C] in `tile_layout` (row-major; rows of empty slots are zeros).
-    slots_first: every chunk's slot index is loaded before the first row load (the branches
-    then wait on registers, not on one index load each)."""
+def make_gather(block_w: int, c: int):
+    """gather(slots [block_w] i32 ref, latent [NS, C] fp8 GMEM ref) -> the tile's rows, fp8
+    [block_w * C] in `tile_layout` (row-major; rows of empty slots are zeros). Every chunk's
+    slot index is loaded before the first row load, so the branches wait on registers, not on
+    one index load each. block_w * C a multiple of 128 * 8 (whole chunks per thread)."""
     n_el = block_w * c
     lay = tile_layout(block_w, c)
     chunks = n_el // (WG * VEC)
@@ -128,11 +118,10 @@ def make_gather(block_w: int, c: int, slots_first: bool = False):
         tid = _tid()
         regs = []
         places = [chunk_source(_MlirOps, tid, k, c) for k in range(chunks)]
-        first = ([memref.load(slots, [_idx(row)]) for row, _ in places] if slots_first
-                 else None)
+        first = [memref.load(slots, [_idx(row)]) for row, _ in places]
         for k in range(chunks):
             row, col = places[k]
-            slot = first[k] if slots_first else memref.load(slots, [_idx(row)])  # i32
+            slot = first[k]  # i32
             live = arith.cmpi(arith.CmpIPredicate.sge, slot, _i32(0))
             branch = scf.IfOp(live, [ity], has_else=True)  # bytes through the branch
             with ir.InsertionPoint(branch.then_block):
@@ -149,8 +138,8 @@ def make_gather(block_w: int, c: int, slots_first: bool = False):
 
 def make_store(block_w: int, c: int, swz, row0: int = 0):
     """store(tile, dst): tile from `make_gather`; dst the f16 [2, rows, C/2] shared ref
-    (column halves, one per consumer), tiled (8, 64) and 128-byte swizzled as `swz`; the
-    tile's block_w rows land at rows row0.. (a multiple of 8)."""
+    (column halves, as the wgmma reads them), tiled (8, 64) and 128-byte swizzled as `swz`;
+    the tile's block_w rows land at rows row0.. (a multiple of 8)."""
     assert row0 % 8 == 0, row0
     lay = tile_layout(block_w, c)
     chunks = block_w * c // (WG * VEC)

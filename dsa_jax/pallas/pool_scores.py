@@ -31,7 +31,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from dsa_jax.pallas import pool_scores_mgpu as mgpu_scores
-from dsa_jax.pallas.common import gpu_is_not_hopper, next_pow2, sm_count, with_overrides
+from dsa_jax.pallas import tuned
+from dsa_jax.pallas.common import next_pow2, sm_count, with_overrides
 from dsa_jax.pallas.row_meta import candidate_pools
 
 # Query rows per lax.map step of the XLA twin: bounds the [rows, Hi, P] fp32 block.
@@ -134,78 +135,50 @@ def pool_scores_xla(qi: jax.Array, w: jax.Array, pool_keys: jax.Array,
 # Pallas (Triton) kernel.
 #
 # Grid (row group, pool chunk), row groups fastest. A program holds RB rows of one sequence
-# (`rows_per_program`; a verify's or a prompt's rows share their sequence's keys), loads their
-# qi as one [RB*Hi, Di] block and their head weights, then walks its chunk of pools (by default
-# a single tile) in tiles [BP, Di], masked: the last tile may be partial, Di may not be a power
-# of two, and the key array is never copied. One dot serves the RB rows, so each key tile is
-# read once per group. A tile past every row's candidates reads no key (`bounded_loop`: the
-# loop runs over the chunk's live tiles only, then stores -inf for the rest, so its body has no
-# branch). The dot is qi [RB*Hp, Dp] x keys^T (heads as the MMA's M: 32 rows for one GLM row)
-# or, with `pools_as_m`, keys [BP, Dp] x qi^T (the pool tile as M, 64 or more rows: the shape
-# Hopper's wgmma takes). fp32-accurate throughout, since the scores feed an exact top-k: the
-# dot runs as 3-pass tf32 (or 6-pass bf16) on the GPU (Triton's IEEE fp32 dot measured an order
-# of magnitude slower than XLA's on the H200) and as IEEE fp32 in interpret mode.
+# (`default_rows_per_program`; a prompt's rows share their sequence's keys), loads their
+# qi as one [RB*Hi, Di] block and their head weights, then walks its chunk of pools in tiles
+# [BLOCK_P, Di], masked: the last tile may be partial, Di may not be a power of two, and the
+# key array is never copied. One dot serves the RB rows, so each key tile is read once per
+# group. A tile past every row's candidates reads no key: decode and verify rows test each
+# tile with a branch; a prompt's rows (`prompt_shaped`) loop over the chunk's live tiles only,
+# then store -inf for the rest, so the loop body is a plain load -> dot that Triton can
+# pipeline. The dot is keys [BP, Dp] x qi^T: the pool tile as the MMA's M (64 rows, the shape
+# Hopper's wgmma takes), the heads as N. fp32-accurate throughout, since the scores feed an
+# exact top-k: the dot runs as 3-pass tf32 on the GPU (Triton's IEEE fp32 dot is far slower
+# than XLA's) and as IEEE fp32 in interpret mode.
 # ---------------------------------------------------------------------------------------------
+
+BACKENDS = ("triton", "mosaic", "auto")
+BLOCK_P = 64  # pools per tile
+NUM_WARPS = 4
+NUM_STAGES = 3
+_PRECISION = lax.DotAlgorithmPreset.TF32_TF32_F32_X3  # compiled; interpret mode: HIGHEST
 
 
 @dataclasses.dataclass(frozen=True)
 class PoolScoresTuning:
-    """Launch parameters of `pool_scores_pallas` (H200 sweeps: benchmarks/results/
-    h200-kernel-parity.json, h200-pool-rows.json, h200-selection.json; benchmarks/notes.md).
+    """Which kernel runs `pool_scores_pallas`.
 
-    block_p: pools per tile. num_chunks: programs per row group, each looping over its share
-    of the tiles (None: set by `target_programs` or `tiles_per_program`).
-    target_programs: where num_chunks is None, split each row group's tiles into enough
-    chunks for about this many programs in all (None: `PROMPT_PROGRAMS_PER_SM` per
-    multiprocessor where the rule chooses `bounded_loop`, else by tiles_per_program).
-    tiles_per_program: where neither is set (None: `default_tiles_per_program`).
-    rows_per_program: rows of one sequence scored per program, a power of two (None:
-    `default_rows_per_program`). pools_as_m: the dot as keys [BP, Di] x qi^T (the pool tile is
-    the MMA's M, heads its N) instead of qi x keys^T. bounded_loop: a program loops over just
-    its tiles that hold a candidate (then stores -inf for the rest) instead of testing every
-    tile with a branch, so the loop body is a plain load -> dot that Triton can pipeline
-    (`num_stages`); None: `prompt_shaped(rows per sequence)`. precision: how the GPU runs the
-    fp32 dots, "tf32x3" (3 tf32 products of split operands) or "bf16x6" (6 bf16 products of
-    operands split in three; its dropped terms are O(2^-22) relative, inside the tf32x3 bound
-    the tests assert); interpret mode runs IEEE fp32 either way. num_warps, num_stages: Triton's.
-    backend: "triton" (this kernel), "mosaic" (`pool_scores_mgpu`: Pallas Mosaic GPU, bulk key
-    copies and wgmmas, compiled for a Hopper GPU only, no interpret mode, the fields above do
-    not apply to it; raises where it cannot run) or "auto" (the default; H200, 16K context:
-    1.7-1.9x faster at 64 decode rows with or without padding rows, 1.6x for a 9000-row prompt,
-    equal at batch 1, benchmarks/results/h200-pool-scores-mgpu-20261201-r1/r2.json, and its
-    bits independent of the batch, checked there): mosaic where it runs these Hi and
-    Di (`pool_scores_mgpu.supports`) on a Hopper GPU (`common.gpu_is_not_hopper`), not in
-    interpret mode, and no field above is set away from its default (an explicit Triton tile
-    is a request for this kernel), triton otherwise. The rule depends on Hi, Di and the GPU's
-    generation only, never on the rows or the batch, so a decode and a prompt of one model run
-    the same kernel and a row scores the same bits in both. mosaic: that
-    kernel's tuning (`MgpuScoresTuning`; its schedule per shape from `fit`)."""
-    block_p: int = 64
-    num_chunks: int | None = None
-    target_programs: int | None = None
-    tiles_per_program: int | None = None
-    rows_per_program: int | None = None
-    pools_as_m: bool = True
-    bounded_loop: bool | None = None
-    precision: str = "tf32x3"
-    num_warps: int = 4
-    num_stages: int = 3
+    backend: "triton" (this file's kernel), "mosaic" (`pool_scores_mgpu`: Pallas Mosaic GPU,
+    bulk key copies and wgmmas, compiled for a Hopper GPU only, no interpret mode; raises
+    where it cannot run) or "auto" (the default): mosaic where it runs these Hi, Di and key
+    dtype (`pool_scores_mgpu.supports`) on a Hopper GPU (`common.gpu_is_not_hopper`), not in
+    interpret mode; triton otherwise (`pick_backend`, `tuned.DEFAULTS`). The Mosaic kernel is
+    the faster at decode and prompt rows alike. The rule depends on Hi, Di, the keys' dtype and
+    the GPU's generation only, never on the rows or the batch, so a decode and a prompt of one
+    model run the same kernel and a row scores the same bits in both."""
     backend: str = "auto"
-    mosaic: mgpu_scores.MgpuScoresTuning = mgpu_scores.MgpuScoresTuning()
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"pool_scores: backend={self.backend!r} must be one of {BACKENDS}")
 
 
-BACKENDS = ("triton", "mosaic", "auto")
-
-
 def pick_backend(tuning: PoolScoresTuning, hi: int, di: int, interpret: bool,
                  key_dtype=jnp.float32) -> str:
     """"triton" or "mosaic" by `PoolScoresTuning.backend`'s rule (for pool keys of
     `key_dtype`); raises where "mosaic" was asked for and cannot run."""
-    why = mgpu_scores.supports(tuning.mosaic, hi, di, key_dtype)
+    why = mgpu_scores.supports(hi, di, key_dtype)
     if tuning.backend == "mosaic":
         if interpret:
             raise ValueError("pool_scores: backend='mosaic' compiles for a Hopper GPU and has "
@@ -213,18 +186,15 @@ def pick_backend(tuning: PoolScoresTuning, hi: int, di: int, interpret: bool,
         if why is not None:
             raise ValueError(f"pool_scores: backend='mosaic' does not run {why}")
         return "mosaic"
-    triton_args = dataclasses.replace(tuning, backend="triton", mosaic=PoolScoresTuning().mosaic)
-    if (tuning.backend == "triton" or interpret or why is not None or gpu_is_not_hopper()
-            or triton_args != dataclasses.replace(PoolScoresTuning(), backend="triton")):
+    if (tuning.backend == "triton" or why is not None
+            or tuned.backends(interpret).scores != "mosaic"):
         return "triton"
     return "mosaic"
-_PRECISIONS = {"tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
-               "bf16x6": lax.DotAlgorithmPreset.BF16_BF16_F32_X6}
 
 
 def _scores_kernel(first_ref, ncand_ref, qi_ref, w_ref, keys_ref, out_ref, *, group_rows: int,
                    groups_per_seq: int, num_pools: int, width: int, block_p: int, tiles: int,
-                   precision, pools_as_m: bool, bounded_loop: bool):
+                   precision, bounded_loop: bool):
     """One (row group, pool chunk) program: `tiles` tiles of BP pools for RB rows.
 
     first_ref: [2] int32, the first scored sequence (its keys are read at `first + seq`) and
@@ -252,39 +222,28 @@ def _scores_kernel(first_ref, ncand_ref, qi_ref, w_ref, keys_ref, out_ref, *, gr
         return plt.load(keys_ref.at[seq, base + pools[:, None], dims[None, :]], mask=mask,
                         other=jnp.zeros((), keys_ref.dtype)).astype(jnp.float32)  # [BP, Dp]
 
-    def score_tile(pools, in_range):  # -> [RB, BP] (heads as M) or [BP, RB] (pools as M)
+    def score_tile(pools, in_range):  # -> [BP, RB]: the pool tile as M, heads as N
         keys = load_keys(pools, in_range)
-        if pools_as_m:
-            dots = lax.dot_general(keys, qi, (((1,), (1,)), ((), ())), precision=precision,
-                                   preferred_element_type=jnp.float32)  # [BP, RB*Hp]
-            heads = w[None, :] * jnp.maximum(dots, 0.0)
-            if group_rows == 1:
-                scores = jnp.sum(heads, axis=1)[:, None]  # [BP, 1]
-            else:
-                scores = jnp.sum(heads.reshape(block_p, group_rows, hp), axis=2)  # [BP, RB]
-            scores = jnp.where(scores == 0, 0.0, scores)  # -0.0 -> 0.0
-            return jnp.where(pools[:, None] < n_cand[None, :], scores, -jnp.inf)
-        dots = lax.dot_general(qi, keys, (((1,), (1,)), ((), ())), precision=precision,
-                               preferred_element_type=jnp.float32)  # [RB*Hp, BP]
-        heads = (w[:, None] * jnp.maximum(dots, 0.0)).reshape(group_rows, hp, block_p)
-        scores = jnp.sum(heads, axis=1)  # [RB, BP]
+        dots = lax.dot_general(keys, qi, (((1,), (1,)), ((), ())), precision=precision,
+                               preferred_element_type=jnp.float32)  # [BP, RB*Hp]
+        heads = w[None, :] * jnp.maximum(dots, 0.0)
+        if group_rows == 1:
+            scores = jnp.sum(heads, axis=1)[:, None]  # [BP, 1]
+        else:
+            scores = jnp.sum(heads.reshape(block_p, group_rows, hp), axis=2)  # [BP, RB]
         scores = jnp.where(scores == 0, 0.0, scores)  # -0.0 -> 0.0
-        return jnp.where(pools[None, :] < n_cand[:, None], scores, -jnp.inf)
+        return jnp.where(pools[:, None] < n_cand[None, :], scores, -jnp.inf)
 
     def store(pools, in_range, scores):
-        if pools_as_m:
-            mask = jnp.broadcast_to(in_range[:, None], (block_p, group_rows))
-            plt.store(out_ref.at[rows[None, :], pools[:, None]], scores, mask=mask)
-        else:
-            mask = jnp.broadcast_to(in_range[None, :], (group_rows, block_p))
-            plt.store(out_ref.at[rows[:, None], pools[None, :]], scores, mask=mask)
+        mask = jnp.broadcast_to(in_range[:, None], (block_p, group_rows))
+        plt.store(out_ref.at[rows[None, :], pools[:, None]], scores, mask=mask)
 
     def pools_of(t):
         first = (chunk * tiles + t) * block_p
         pools = first + jnp.arange(block_p, dtype=jnp.int32)  # [BP]
         return pools, pools < num_pools
 
-    dead_shape = (block_p, group_rows) if pools_as_m else (group_rows, block_p)
+    dead_shape = (block_p, group_rows)
 
     def dead(t, carry):
         pools, in_range = pools_of(t)
@@ -317,25 +276,8 @@ def _scores_kernel(first_ref, ncand_ref, qi_ref, w_ref, keys_ref, out_ref, *, gr
     lax.fori_loop(0, tiles, tile, 0)
 
 
-def chunk_split(tuning: PoolScoresTuning, groups: int, tiles_all: int) -> tuple[int, int]:
-    """(programs per row group, tiles per program) for `groups` row groups of `tiles_all`
-    tiles each: `num_chunks` if set, else enough chunks for about `target_programs` programs,
-    else `tiles_per_program` tiles each (None: `default_tiles_per_program`); no program
-    without a tile."""
-    if tuning.num_chunks is not None:
-        chunks = tuning.num_chunks
-    elif tuning.target_programs is not None:
-        chunks = -(-tuning.target_programs // groups)
-    else:
-        per = tuning.tiles_per_program or default_tiles_per_program(groups, tiles_all)
-        chunks = -(-tiles_all // per)
-    chunks = max(1, min(chunks, tiles_all))
-    tiles = -(-tiles_all // chunks)
-    return -(-tiles_all // tiles), tiles
-
-
-# A prompt's rows (more than a verify's per sequence) loop over their live tiles; see
-# `resolve_tuning`.
+# A prompt's rows (more than a verify's per sequence) loop over their live tiles
+# (`prompt_shaped`), in about PROMPT_PROGRAMS_PER_SM programs per multiprocessor.
 PROMPT_ROWS = 8
 PROMPT_PROGRAMS_PER_SM = 4
 # Decode and verify rows: two tiles per program (qi loaded and split once for both) where at
@@ -343,39 +285,42 @@ PROMPT_PROGRAMS_PER_SM = 4
 MIN_PROGRAMS_PER_SM = 4
 
 
-def default_tiles_per_program(groups: int, tiles_all: int) -> int:
+def chunk_split(groups: int, tiles_all: int, bounded_loop: bool,
+                sms: int | None = None) -> tuple[int, int]:
+    """(programs per row group, tiles per program) for `groups` row groups of `tiles_all`
+    tiles each: with `bounded_loop` (a prompt's rows) enough chunks for about
+    `PROMPT_PROGRAMS_PER_SM` programs per multiprocessor in all, else
+    `default_tiles_per_program` tiles each; no program without a tile. sms: multiprocessors
+    (None: `common.sm_count()`)."""
+    sms = sms or sm_count()
+    if bounded_loop:
+        chunks = -(-PROMPT_PROGRAMS_PER_SM * sms // groups)
+    else:
+        chunks = -(-tiles_all // default_tiles_per_program(groups, tiles_all, sms))
+    chunks = max(1, min(chunks, tiles_all))
+    tiles = -(-tiles_all // chunks)
+    return -(-tiles_all // tiles), tiles
+
+
+def default_tiles_per_program(groups: int, tiles_all: int, sms: int) -> int:
     """2 where `groups * tiles_all / 2` programs still give `MIN_PROGRAMS_PER_SM` per
-    multiprocessor, else 1: on the H200 two tiles per program beat one by 5% at 64 sequences
-    (70.1 vs 74.1 us) and by 8% for 64 padded decodes of one row per program (86.8 vs 94.2
-    us), benchmarks/results/h200-selection.json."""
-    return 2 if groups * tiles_all // 2 >= MIN_PROGRAMS_PER_SM * sm_count() else 1
+    multiprocessor, else 1: two tiles per program load and split qi once for both, which was
+    faster for decode rows wherever the programs still fill the GPU."""
+    return 2 if groups * tiles_all // 2 >= MIN_PROGRAMS_PER_SM * sms else 1
 
 
 def prompt_shaped(rows_per_seq: int) -> bool:
     """Whether rows of this many per sequence are a prompt chunk: causal rows whose live pool
     counts differ, where a program looping over just its live tiles (qi loaded once) beat one
-    program per tile 2.25x at 9000 rows on the H200, while one tile per program stayed faster
-    for decode and verify rows (benchmarks/results/h200-selection-run1.json)."""
+    program per tile, while one tile per program stayed faster for decode and verify rows."""
     return rows_per_seq > PROMPT_ROWS
-
-
-def resolve_tuning(tuning: PoolScoresTuning, rows_per_seq: int) -> PoolScoresTuning:
-    """`tuning` with its None fields chosen: bounded_loop by `prompt_shaped`, and then (no
-    num_chunks, no target_programs) `PROMPT_PROGRAMS_PER_SM` programs per multiprocessor."""
-    if tuning.bounded_loop is not None:
-        return tuning
-    bounded = prompt_shaped(rows_per_seq)
-    target = tuning.target_programs
-    if bounded and target is None and tuning.num_chunks is None:
-        target = PROMPT_PROGRAMS_PER_SM * sm_count()
-    return dataclasses.replace(tuning, bounded_loop=bounded, target_programs=target)
 
 
 def default_rows_per_program(rows_per_seq: int) -> int:
     """Rows of one sequence per program: one for a decode or verify step (up to 4 rows, most of
     them padding in a decode: with keys as the MMA's M, a program of padding rows skips its
-    tiles, h200-selection.json), two for a prompt chunk (its rows share the keys). A row's
-    scores are the same bits either way (tests/test_kernels.py, H200)."""
+    tiles), two for a prompt chunk (its rows share the keys). A row's scores are the same bits
+    either way (tests/test_selection_kernels.py, and on the GPU)."""
     return 1 if rows_per_seq <= 4 else 2
 
 
@@ -393,8 +338,8 @@ def pool_scores_pallas(qi: jax.Array, w: jax.Array, pool_keys: jax.Array,
 
     Hi and Di are padded to powers of two >= 16 (the smallest dot tile) with zeros, which add
     nothing: padded heads carry weight 0, padded dims multiply zero keys. R is padded to a
-    multiple of `rows_per_program` with rows that have no candidate. `overrides`: fields of
-    `tuning` by name (`block_p=32`).
+    multiple of `default_rows_per_program` with rows that have no candidate. `overrides`:
+    fields of `tuning` by name (`backend="triton"`).
     """
     first, b = seq_range(qi.shape[0], seqs)
     base, p = pool_range(pool_keys.shape[1], pools)
@@ -403,7 +348,7 @@ def pool_scores_pallas(qi: jax.Array, w: jax.Array, pool_keys: jax.Array,
     mosaic = pick_backend(tuning, hi, di, interpret, pool_keys.dtype) == "mosaic"
     if mosaic and seqs is None and positions is not None:
         row_counts(n_cand, positions)  # the arguments' check
-        return mgpu_scores.pool_scores_mgpu(qi, w, pool_keys, None, tuning=tuning.mosaic,
+        return mgpu_scores.pool_scores_mgpu(qi, w, pool_keys, None,
                                             pools=None if pools is None else (base, p),
                                             positions=positions)
     n_cand = row_counts(n_cand, positions)
@@ -415,29 +360,23 @@ def pool_scores_pallas(qi: jax.Array, w: jax.Array, pool_keys: jax.Array,
             # sliced (a copy); a row's scores do not depend on its batch (GPU tests), so the
             # bits are those of the whole batch.
             pool_keys = lax.dynamic_slice_in_dim(pool_keys, first, b, 0)
-        return mgpu_scores.pool_scores_mgpu(qi, w, pool_keys, n_cand, tuning=tuning.mosaic,
+        return mgpu_scores.pool_scores_mgpu(qi, w, pool_keys, n_cand,
                                             pools=None if pools is None else (base, p))
-    tuning = resolve_tuning(tuning, r)
-    rb = tuning.rows_per_program or default_rows_per_program(r)
-    if rb & (rb - 1):
-        raise ValueError(f"rows_per_program {rb} must be a power of two")
+    bounded_loop = prompt_shaped(r)
+    rb = default_rows_per_program(r)
     rp = pl.cdiv(r, rb) * rb  # rows per sequence, padded
     hp, dp = max(16, next_pow2(hi)), max(16, next_pow2(di))
-    block_p = min(tuning.block_p, max(16, next_pow2(p)))
+    block_p = min(BLOCK_P, max(16, next_pow2(p)))
     tiles_all = pl.cdiv(p, block_p)
     groups = b * rp // rb
-    chunks, tiles = chunk_split(tuning, groups, tiles_all)
+    chunks, tiles = chunk_split(groups, tiles_all, bounded_loop)
     qi_p = jnp.pad(qi.astype(jnp.float32), ((0, 0), (0, rp - r), (0, hp - hi), (0, dp - di)))
     w_p = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, rp - r), (0, hp - hi)))
     ncand_p = jnp.pad(n_cand.astype(jnp.int32), ((0, 0), (0, rp - r)))  # pad rows: none
-    if tuning.precision not in _PRECISIONS:
-        raise ValueError(f"pool_scores: precision={tuning.precision!r} must be one of "
-                         f"{sorted(_PRECISIONS)}")
-    precision = lax.Precision.HIGHEST if interpret else _PRECISIONS[tuning.precision]
+    precision = lax.Precision.HIGHEST if interpret else _PRECISION
     kernel = functools.partial(_scores_kernel, group_rows=rb, groups_per_seq=rp // rb,
                                num_pools=p, width=di, block_p=block_p, tiles=tiles,
-                               precision=precision, pools_as_m=tuning.pools_as_m,
-                               bounded_loop=tuning.bounded_loop)
+                               precision=precision, bounded_loop=bounded_loop)
     out = pl.pallas_call(
         kernel,
         grid=(groups, chunks),
@@ -450,8 +389,7 @@ def pool_scores_pallas(qi: jax.Array, w: jax.Array, pool_keys: jax.Array,
         ],
         out_specs=pl.BlockSpec(),  # [Np, P], stored with a mask
         out_shape=jax.ShapeDtypeStruct((b * rp, p), jnp.float32),
-        compiler_params=plt.CompilerParams(num_warps=tuning.num_warps,
-                                           num_stages=tuning.num_stages),
+        compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
         interpret=interpret,
         name="pool_scores",
     )(jnp.stack([first, base]), ncand_p.reshape(b * rp), qi_p.reshape(groups, rb * hp, dp),

@@ -3,27 +3,26 @@
 The same function as `pool_scores.pool_scores_xla` (the definition): `score[b, r, p] =
 sum_h w[b, r, h] * relu(qi[b, r, h] . K[b, p])`, -inf for `p >= n_cand[b, r]`, -0.0 -> 0.0.
 
-* one CTA per (query row, pool chunk); the chunk is `tiles` tiles of `block_p` pools;
-* warpgroup 2 (producer) streams the chunk's live key tiles [block_p, Dp] (f32, or bf16 as a
-  bf16 index cache stores them) by bulk (TMA) copies into a ring of `stages` buffers; tiles
-  past the row's candidates are never read;
+* one CTA per (row group, pool chunk); the chunk is `tiles` tiles of `BLOCK_P` pools; a row
+  group is `Plan.rows` rows of one sequence, their heads side by side in the wgmma N, so one
+  key tile serves them all;
+* warpgroup 2 (producer) streams the chunk's live key tiles [BLOCK_P, Dp] (f32, or bf16 as a
+  bf16 index cache stores them) by bulk (TMA) copies into a ring of `Plan.stages` buffers;
+  tiles past the rows' candidates are never read;
+* warpgroups 0 and 1 (consumers) take the tiles in turn;
 * for bf16 keys ("bf16x3", the GLM-5.3 default) each consumer feeds its tile straight from
   shared memory to one wgmma against qi's three bf16 parts (`split_bf16`, side by side in N):
   k q1 + (k q2 + k q3), every product exact; the parts are split from the row group's f32 qi
-  by the consumers in shared memory (`MgpuScoresTuning.split_q`; or in jnp before the call);
-* for fp32 keys, warpgroups 0 and 1 (consumers; or only 0) take the tiles in turn. Each
-  splits its tile in registers into exact tf32 values, K = hi + lo + (dropped, <= 2^-20
-  |K|), writes hi back in place and lo to its own buffer, and runs three wgmmas (tf32
-  operands from shared memory, fp32 accumulator [block_p, Hp]): hi x qhi + lo x qhi + hi x
-  qlo, the pool tile as M and the heads as N (qi split the same way by `split_tf32`, in jnp,
-  once per row). Every operand is an exact tf32 value, so the result does not depend on
-  whether the tensor core truncates or rounds the low bits of an fp32 word (the bound is
-  `testing.TF32X3_ROUNDOFF`, as for the Triton kernel's tf32x3 dot). The epilogue (every
-  precision) applies relu, the head weights and the head sum in registers and stores the
-  tile's [block_p] scores;
-* or, with `precision="bf16x6"`, each consumer splits its tile into three bf16 parts in
-  registers and feeds them to the wgmma as its A operand straight from registers (six
-  products; see `MgpuScoresTuning.precision`), releasing the ring buffer as soon as it is read;
+  by the consumers in shared memory (`Plan.split_q`; or in jnp before the call where the
+  split's register layout does not fit);
+* for fp32 keys ("tf32x3") each consumer splits its tile in registers into tf32 parts, K = hi
+  + lo + (dropped, <= 2^-20 |K|), writes lo to its own buffer, and runs the products hi x qhi
+  + lo x qhi + hi x qlo as two wgmmas (tf32 operands from shared memory, the pool tile as M
+  and the heads as N; qi split the same way by `split_tf32`, in jnp, once per row): the raw
+  keys are fed as hi, which Hopper's tensor core reads as their truncated tf32 bits
+  (`dots_tf32x3`; the bound is `testing.TF32X3_ROUNDOFF`, as for the Triton kernel's tf32x3
+  dot). The epilogue (both precisions) applies relu, the head weights and the head sum in
+  registers and stores the tile's [BLOCK_P] scores;
 * a pool's score depends only on its key, its row's qi and w and these fixed instructions, not
   on the chunking, the grid or the other rows: a row scores the same bits alone or batched.
 
@@ -49,144 +48,85 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from dsa_jax.pallas.common import check_register_budgets, sm_count
+from dsa_jax.pallas.common import sm_count
 from dsa_jax.pallas.pool_scores_mgpu_dots import (
     F32_SWIZZLE,
     TF32_MASK,
     dots_bf16x3,
-    dots_bf16x6,
     dots_tf32x3,
     split_bf16,
     split_bf16_into,
     split_tf32,
 )
 
-__all__ = ["MgpuScoresTuning", "TF32_MASK", "fit", "pool_scores_mgpu", "split_bf16",
-           "split_tf32", "supports"]
+__all__ = ["Plan", "TF32_MASK", "fit", "pool_scores_mgpu", "split_bf16", "split_tf32",
+           "supports"]
 
-_PARTS = {"tf32x3": 2, "bf16x6": 3, "bf16x3": 3}  # parts qi is split into, per precision
-# The precisions that apply to each key dtype; the first is the default (`precision=None`).
-KEY_PRECISIONS = {"float32": ("tf32x3", "bf16x6"), "bfloat16": ("bf16x3",)}
-_BF16_PARTS = ("bf16x6", "bf16x3")  # qi split by `split_bf16`, 64-column swizzles
+# The precision each key dtype runs: "tf32x3" for fp32 keys, "bf16x3" for bf16 keys (a bf16
+# index cache), and the parts qi is split into for it.
+KEY_PRECISIONS = {"float32": "tf32x3", "bfloat16": "bf16x3"}
+_PARTS = {"tf32x3": 2, "bf16x3": 3}
 DECODE_ROWS = 4  # rows per sequence of a decode or verify step (max_verify), see default_chunks
+BLOCK_P = 64  # pools per tile: the wgmma M
+CONSUMERS = 2  # compute warpgroups, taking the tiles in turn, each with its lo buffer
+# Per-thread register budgets (setmaxnreg), within the CTA's registers at launch
+# (`common.check_register_budgets`).
+CONSUMER_REGS = 232
+PRODUCER_REGS = 40
 
 
 @dataclasses.dataclass(frozen=True)
-class MgpuScoresTuning:
-    """Tiles and pipeline of the Mosaic GPU scores kernel. The defaults are the fastest variant
-    measured on the H200 with a measured prompt too (benchmarks/notes.md, "Pool scores as a
-    Mosaic GPU kernel"; for bf16 keys its tenth session): fp32 keys tf32x3, fuse_qlo, raw keys
-    as hi; bf16 keys bf16x3 (stages 2 / 8, one consumer, block_p 128 measured no faster);
-    4 stages for decode rows and 2 rows per CTA for a prompt's (bf16x6 measured as fast as
-    tf32x3 at decode shapes, its prompt unmeasured).
+class Plan:
+    """The kernel's schedule for one call, chosen by `fit` from Hi, Di, the rows per sequence
+    and the keys' dtype (the library never sets one; tests pass one to compare schedules at
+    one shape). None of its fields changes a score's bits: each pool's products and sums are
+    the same instructions in any schedule (checked on the GPU).
 
-    block_p: pools per tile (the wgmma M): 64 or 128.
-    stages: key buffers in the ring, a multiple of `consumers` (consumer c owns the buffers
-      s = c mod consumers, so each of its barriers is waited on at every phase). None, and
-      rows and persistent None: chosen per call by `fit` (none of them changes a score's
-      bits: each pool's products and sums are the same instructions in any schedule).
-    consumers: compute warpgroups (1 or 2), taking the tiles in turn, each with its lo buffer.
-    chunks: CTAs per row, each taking a contiguous share of the tiles (None: about one CTA per
-      multiprocessor over all rows, at least one per row: `default_chunks`).
-    write_hi: write the truncated hi part of each key tile back before the dots (exact tf32
-      operands); False (the default) feeds the raw fp32 keys as hi: the H200's tensor core
-      ignores an fp32 word's low 13 bits, so both give the same bits there (checked on the
-      GPU: h200_pool_scores_mgpu.py's `write_hi_equal`; a rounding tensor core would fail the
-      parity tests' bound), without the 32 KiB write per tile.
-    fuse_qlo: the products with qhi and qlo of the hi keys as one wgmma of N = 2 Hp (the hi
-      tile read from shared memory once for both) and lo x qhi as a second accumulator, the
-      three summed in registers (the default); else three wgmmas into one accumulator (other
-      sums: other bits).
-    rows: rows of one sequence per CTA (a power of two), their heads side by side in the wgmma
-      N (rows x Hp, or 2 x rows x Hp with fuse_qlo, at most 256): one key split serves them
-      all; a sequence's rows are padded to a multiple with rows that have no candidate. A row's
-      bits are the same at any `rows` only if the tensor core computes each output column
-      independently of the others (checked on the GPU, benchmarks/h200_pool_scores_mgpu.py).
-    precision: for fp32 keys "tf32x3" (above) or "bf16x6"; for bf16 keys "bf16x3"; None (the
-      default): the first of `KEY_PRECISIONS` for the keys' dtype (`with_precision`; a
-      precision that does not apply to the keys raises). "bf16x6": keys and qi split into
-      three bf16 parts each
-      (`split_bf16`), six products k1 q1 + k1 q2 + k2 q1 + k1 q3 + k2 q2 + k3 q1 with the key
-      parts as the wgmma's A straight from registers (no shared-memory write of split keys;
-      the ring buffer is released once read), qi's parts [q1 | q2 | q3] side by side in N;
-      what is dropped stays < 2^-19.5 relative per product, inside `TF32X3_ROUNDOFF`.
-      write_hi and fuse_qlo do not apply. "bf16x3": the keys are bf16 values already (pool
-      keys stored in a bf16 index cache), streamed into the ring as bf16 and fed to one
-      wgmma from shared memory against qi's three bf16 parts (N = 3 rows Hp): k q1 + (k q2 +
-      k q3), each product exact (`dots_bf16x3`); half the key bytes of fp32 keys.
-    persistent: one CTA per multiprocessor, each taking a contiguous run of the (row group,
-      chunk) items with its ring running on across them (the next item's first keys load while
-      the last one computes; qi double-buffered, reloaded where the row group changes); for a
-      prompt's many rows, whose CTAs would otherwise each fill and drain the ring.
-    split_q: for the precisions that split qi into bf16 parts, where the split is done: True:
-      in the kernel, the producer loading the row group's f32 qi and the consumers writing
-      its parts in shared memory (`split_bf16_into`, whose register layout takes 64 rows: a
-      row group of fewer rows x heads is computed as more heads there, `kernel_heads`),
-      instead of a jnp split whose three bf16 copies of a prompt's qi XLA writes and the
-      kernel reads back (an 88 us fusion at 9000 rows on the H200,
-      h200-profile-20261202-s16-call2.json); False: in jnp; None (the default): in the kernel
-      wherever it can. The parts have the same bits either way (exact masks, one rounding).
-    consumer_regs / producer_regs: per-thread register budgets (setmaxnreg), within the CTA's
-      registers at launch (`common.check_register_budgets`).
-    """
-
-    block_p: int = 64
-    stages: int | None = None
-    consumers: int = 2
-    chunks: int | None = None
-    write_hi: bool = False
-    fuse_qlo: bool = True
-    rows: int | None = None
-    precision: str | None = None
-    persistent: bool | None = None
-    split_q: bool | None = None
-    consumer_regs: int = 232
-    producer_regs: int = 40
+    precision: "tf32x3" (fp32 keys) or "bf16x3" (bf16 keys): `KEY_PRECISIONS`.
+    rows: rows of one sequence per CTA (a power of two), their heads side by side in the
+      wgmma N (rows x Hp, or 2 x rows x Hp for tf32x3's hi x [qhi | qlo], at most 256); a
+      sequence's rows are padded to a multiple with rows that have no candidate.
+    stages: key buffers in the ring, a multiple of `CONSUMERS` (consumer c owns the buffers
+      s = c mod CONSUMERS, so each of its barriers is waited on at every phase).
+    split_q: bf16x3 only: qi's bf16 parts split in the kernel (the producer loading the row
+      group's f32 qi and the consumers writing its parts in shared memory, `split_bf16_into`,
+      whose register layout takes 64 rows: a row group of fewer rows x heads is computed as
+      more heads there, `kernel_heads`) instead of in jnp, whose three bf16 copies of a
+      prompt's qi XLA writes and the kernel reads back. The parts have the same bits either
+      way (exact masks, one rounding)."""
+    precision: str
+    rows: int
+    stages: int
+    split_q: bool
 
     def __post_init__(self):
-        if self.block_p not in (64, 128):
-            raise ValueError(f"block_p={self.block_p} must be 64 or 128 (wgmma M tiles)")
-        if self.consumers not in (1, 2):
-            raise ValueError(f"consumers={self.consumers} must be 1 or 2")
-        if self.stages is not None and (self.stages < self.consumers
-                                        or self.stages % self.consumers):
+        if self.precision not in _PARTS:
+            raise ValueError(f"precision={self.precision!r} must be one of {sorted(_PARTS)}")
+        if self.stages < CONSUMERS or self.stages % CONSUMERS:
             raise ValueError(f"stages={self.stages} must be a positive multiple of "
-                             f"consumers={self.consumers}")
-        if self.precision is not None and self.precision not in _PARTS:
-            raise ValueError(f"precision={self.precision!r} must be one of {sorted(_PARTS)} "
-                             f"or None")
-        if self.rows is not None and (self.rows < 1 or self.rows & (self.rows - 1)):
+                             f"CONSUMERS={CONSUMERS}")
+        if self.rows < 1 or self.rows & (self.rows - 1):
             raise ValueError(f"rows={self.rows} must be a power of two")
-        if self.chunks is not None and self.chunks < 1:
-            raise ValueError(f"chunks={self.chunks} must be >= 1")
-        check_register_budgets(self.consumers, self.consumer_regs, self.producer_regs)
 
 
-def with_precision(t: MgpuScoresTuning, key_dtype) -> MgpuScoresTuning:
-    """t with `precision` resolved for keys of `key_dtype` (None: that dtype's default);
-    raises, naming the options, for a precision that does not apply to those keys or keys of
-    another dtype."""
+def key_precision(key_dtype) -> str:
+    """The precision for pool keys of `key_dtype`; raises, naming the supported dtypes, for
+    another."""
     name = jnp.dtype(key_dtype).name
-    options = KEY_PRECISIONS.get(name)
-    if options is None:
+    if name not in KEY_PRECISIONS:
         raise ValueError(f"pool_scores_mgpu: pool keys of dtype {name} are not supported "
                          f"(one of {sorted(KEY_PRECISIONS)})")
-    if t.precision is None:
-        return dataclasses.replace(t, precision=options[0])
-    if t.precision not in options:
-        raise ValueError(f"pool_scores_mgpu: precision={t.precision!r} does not apply to "
-                         f"{name} pool keys (one of {options})")
-    return t
+    return KEY_PRECISIONS[name]
 
 
 def padded_dims(hi: int, di: int, precision: str = "tf32x3") -> tuple[int, int]:
     """(Hp, Dp): heads to a multiple of 8, dims to a multiple of one 128-byte swizzle of the
     dot's operands (32 f32, 64 bf16)."""
-    step = 64 if precision in _BF16_PARTS else F32_SWIZZLE
+    step = 64 if precision == "bf16x3" else F32_SWIZZLE
     return -(-hi // 8) * 8, -(-di // step) * step
 
 
-def kernel_heads(hp: int, t: MgpuScoresTuning) -> int:
+def kernel_heads(hp: int, t: Plan) -> int:
     """The qi rows per score row in shared memory and the wgmma N: Hp (`padded_dims`), and
     with `split_q` more until rows x heads is a multiple of 64, the register layout's rows
     that the split works in (a decode row of 32 heads: 64). The extra rows are never written
@@ -199,83 +139,65 @@ def kernel_heads(hp: int, t: MgpuScoresTuning) -> int:
     return -(-hp // step) * step
 
 
-def smem_bytes(hp: int, dp: int, t: MgpuScoresTuning) -> int:
-    """Shared memory the kernel allocates (the H200 gives a CTA at most 227 KiB); hp as
+def smem_bytes(hp: int, dp: int, t: Plan) -> int:
+    """Shared memory the kernel allocates (a Hopper CTA gets at most 227 KiB); hp as
     `padded_dims` gives it (`kernel_heads` applied here)."""
     hp = kernel_heads(hp, t)
-    slots = 2 if t.persistent else 1  # qi buffers
     if t.split_q:  # the f32 qi the parts are split from
-        return 4 * dp * slots * t.rows * hp + smem_bytes(hp, dp, dataclasses.replace(
-            t, split_q=False))
+        return 4 * dp * t.rows * hp + smem_bytes(hp, dp, dataclasses.replace(t, split_q=False))
     if t.precision == "bf16x3":  # bf16 keys, no lo buffers; qi in three bf16 parts
-        return 2 * dp * t.stages * t.block_p + slots * 2 * dp * 3 * t.rows * hp
-    if t.precision == "bf16x6":  # no lo buffers; qi in three bf16 parts
-        return 4 * dp * t.stages * t.block_p + slots * 2 * dp * 3 * t.rows * hp
-    return 4 * dp * (t.stages * t.block_p + t.consumers * t.block_p + slots * 2 * t.rows * hp)
+        return 2 * dp * t.stages * BLOCK_P + 2 * dp * 3 * t.rows * hp
+    return 4 * dp * (t.stages * BLOCK_P + CONSUMERS * BLOCK_P + 2 * t.rows * hp)
 
 
-# `fit`'s choices where the tuning leaves them None, in order of preference (first that fits):
-# (rows, persistent, stages) for a prompt's rows (more than DECODE_ROWS per sequence), and for
-# decode and verify rows. See benchmarks/notes.md ("Pool scores as a Mosaic GPU kernel").
-PROMPT_PLANS = ((2, False, 2), (1, False, 4), (1, False, 2))
-DECODE_PLANS = ((1, False, 4), (1, False, 2))
+# `fit`'s plans in order of preference (the first that fits): (rows, stages) for a prompt's
+# rows (more than DECODE_ROWS per sequence), and for decode and verify rows.
+PROMPT_PLANS = ((2, 2), (1, 4), (1, 2))
+DECODE_PLANS = ((1, 4), (1, 2))
 
 
-def fit(t: MgpuScoresTuning, hi: int, di: int, r: int, key_dtype=jnp.float32
-        ) -> MgpuScoresTuning:
-    """t with its None fields (precision for `key_dtype` keys, rows, persistent, stages,
-    split_q) chosen for Hi, Di and r rows per sequence: the first plan of PROMPT_PLANS (r >
-    DECODE_ROWS) or DECODE_PLANS whose wgmma N and shared memory fit, qi split in the kernel
-    wherever it can be, fields set in t kept. Raises (naming the limit) if none fits."""
-    t = with_precision(t, key_dtype)
+def fit(hi: int, di: int, r: int, key_dtype=jnp.float32) -> Plan:
+    """The plan for Hi, Di, r rows per sequence and keys of `key_dtype`: the first of
+    PROMPT_PLANS (r > DECODE_ROWS) or DECODE_PLANS whose wgmma N and shared memory fit, qi
+    split in the kernel wherever it can be. Raises (naming the limit) if none fits."""
+    precision = key_precision(key_dtype)
     plans = PROMPT_PLANS if r > DECODE_ROWS else DECODE_PLANS
     last = None
-    for rows, persistent, stages in plans:
-        cand = dataclasses.replace(
-            t, rows=t.rows if t.rows is not None else rows,
-            persistent=t.persistent if t.persistent is not None else persistent,
-            stages=t.stages if t.stages is not None else max(stages, t.consumers))
-        if t.split_q is None:
-            split = dataclasses.replace(cand, split_q=True)
-            cand = dataclasses.replace(cand, split_q=why_not(split, hi, di) is None)
+    for rows, stages in plans:
+        cand = Plan(precision, rows, max(stages, CONSUMERS), split_q=False)
+        split = dataclasses.replace(cand, split_q=True)
+        cand = dataclasses.replace(cand, split_q=why_not(split, hi, di) is None)
         last = why_not(cand, hi, di)
         if last is None:
             return cand
     raise ValueError(f"pool_scores_mgpu: {last}")
 
 
-def why_not(t: MgpuScoresTuning, hi: int, di: int) -> str | None:
-    """None if the kernel runs tuning t (every field set) at Hi, Di; else why not."""
-    if t.split_q and t.precision not in _BF16_PARTS:
-        return (f"split_q=True needs a precision that splits qi into bf16 parts "
-                f"{_BF16_PARTS} (precision {t.precision})")
+def why_not(t: Plan, hi: int, di: int) -> str | None:
+    """None if the kernel runs plan t at Hi, Di; else why not."""
+    if t.split_q and t.precision != "bf16x3":
+        return (f"split_q=True needs a precision that splits qi into bf16 parts (bf16x3; "
+                f"precision {t.precision})")
     hp, dp = padded_dims(hi, di, t.precision)
     hk = kernel_heads(hp, t)
-    n_max = {"bf16x6": 3, "bf16x3": 3,
-             "tf32x3": 2 if t.fuse_qlo else 1}[t.precision] * t.rows * hk
+    n_max = _PARTS[t.precision] * t.rows * hk
     if n_max > 256:
-        return (f"wgmma N = {n_max} > 256 (Hi {hi} padded to {hk}, rows {t.rows}, fuse_qlo "
-                f"{t.fuse_qlo}, precision {t.precision}, split_q {t.split_q})")
+        return (f"wgmma N = {n_max} > 256 (Hi {hi} padded to {hk}, rows {t.rows}, precision "
+                f"{t.precision}, split_q {t.split_q})")
     if smem_bytes(hp, dp, t) > 227 * 1024:
         return (f"shared memory {smem_bytes(hp, dp, t)} B > 227 KiB (Hi {hi}, Di {di}, "
-                f"block_p {t.block_p}, stages {t.stages}, rows {t.rows}, persistent "
-                f"{t.persistent})")
+                f"stages {t.stages}, rows {t.rows})")
     return None
 
 
-def supports(t: MgpuScoresTuning, hi: int, di: int, key_dtype=jnp.float32) -> str | None:
-    """None if the kernel runs at Hi, Di and keys of `key_dtype` with t's fixed fields (its
-    None fields at their smallest: one row per CTA, not persistent, one buffer per consumer);
-    else why not."""
+def supports(hi: int, di: int, key_dtype=jnp.float32) -> str | None:
+    """None if the kernel runs at Hi, Di and keys of `key_dtype` (at its smallest plan: one
+    row per CTA, one buffer per consumer, qi split in jnp); else why not."""
     try:
-        t = with_precision(t, key_dtype)
+        precision = key_precision(key_dtype)
     except ValueError as e:
         return str(e)
-    least = dataclasses.replace(
-        t, rows=1 if t.rows is None else t.rows,
-        persistent=False if t.persistent is None else t.persistent,
-        stages=t.consumers if t.stages is None else t.stages, split_q=bool(t.split_q))
-    return why_not(least, hi, di)
+    return why_not(Plan(precision, rows=1, stages=CONSUMERS, split_q=False), hi, di)
 
 
 def default_chunks(b: int, r: int, tiles_all: int, sms: int) -> int:
@@ -288,23 +210,21 @@ def default_chunks(b: int, r: int, tiles_all: int, sms: int) -> int:
 
 
 def _kernel(*refs, block_p: int, tiles: int, chunks: int, stages: int, consumers: int,
-            groups_per_seq: int, rows: int, hp: int, hk: int, dp: int, write_hi: bool,
-            fuse_qlo: bool, precision: str, split_q: bool, consumer_regs: int,
-            producer_regs: int, programs: int, items: int, kpool: int, real_rows: int):
+            groups_per_seq: int, rows: int, hp: int, hk: int, dp: int, precision: str,
+            split_q: bool, consumer_regs: int, producer_regs: int, items: int, kpool: int,
+            real_rows: int):
     """CTAs of consumers + 1 warpgroups; see the module docstring. An item is a (row group,
-    chunk) pair; with programs == 0 each CTA takes one item (grid index i: chunk fastest,
-    then sequence, then the row group within its sequence), else CTA p
-    takes the items [p items / programs, (p + 1) items / programs) in order (row groups
-    major), its ring and barrier phases running on across them, and qi reloaded (into the
-    other of two buffers) only where the row group changes.
+    chunk) pair; each CTA takes one item (grid index i: chunk fastest, then sequence, then the
+    row group within its sequence). Its loops carry (tiles so far, qi loads, row group) from
+    (0, 0, -1): the ring's phases and the qi buffer follow from them.
 
     refs: ncand_ref [N] int32 (N = G * rows), or with kpool pos_ref and valid_ref [B*R] int32
     and bool, each row's count `candidate_pools` of them, computed here (no pass before the
     kernel; rows r >= real_rows = R of a sequence, the padding, have none); then base_ref, ...,
     out_ref. base_ref [1] int32: pool p's key is read at pool
     `base + p` of keys_ref's pool axis; q_ref [G, 2 rows Hp, Dp] f32 (the group's qi split:
-    every row's tf32 hi parts, then every row's lo parts; for bf16x6 and bf16x3 [G, 3 rows Hp,
-    Dp] bf16, the three parts; with split_q the f32 qi [G, rows Hp, Dp], each row's Hp heads
+    every row's tf32 hi parts, then every row's lo parts; for bf16x3 [G, 3 rows Hp, Dp]
+    bf16, the three parts; with split_q the f32 qi [G, rows Hp, Dp], each row's Hp heads
     loaded at row r * hk of shared memory: `kernel_heads`); w_ref [G, rows Hp] f32 (padded
     heads 0); keys_ref [B, Pk, Dp] f32;
     out_ref [N, Pc] f32 with Pc = chunks * tiles * block_p >= P (every element written).
@@ -327,17 +247,15 @@ def _kernel(*refs, block_p: int, tiles: int, chunks: int, stages: int, consumers
     nq = rows * hk  # the wgmma N of one of qi's parts (hk > hp: columns never read)
     tf32 = (plgpu.TilingTransform((8, F32_SWIZZLE)), plgpu.SwizzleTransform(128))
     row_layout = plgpu.Layout.WGMMA.reduce(1)  # [block_p]: one value per accumulator row
-    q_slots = 2 if programs else 1
+    q_slots = 1  # qi buffers
 
-    def item(i):  # -> (row group, first tile, live tiles, the rows' candidate counts)
-        if programs:  # row groups major: a CTA's run of items shares qi
-            group, chunk = i // chunks, lax.rem(i, chunks)
-        else:  # the first row group of every sequence first: in a padded decode the
-            # real rows (each sequence's first) start in the first wave
-            i = lax.axis_index("i")
-            chunk, rest = lax.rem(i, chunks), i // chunks
-            seqs = items // (chunks * groups_per_seq)
-            group = lax.rem(rest, seqs) * groups_per_seq + rest // seqs
+    def item():  # -> (row group, first tile, live tiles, the rows' candidate counts)
+        # the first row group of every sequence first: in a padded decode the real rows
+        # (each sequence's first) start in the first wave
+        i = lax.axis_index("i")
+        chunk, rest = lax.rem(i, chunks), i // chunks
+        seqs = items // (chunks * groups_per_seq)
+        group = lax.rem(rest, seqs) * groups_per_seq + rest // seqs
         first = chunk * tiles
         n_cands = [n_cand(group * rows + r) for r in range(rows)]
         most = functools.reduce(jnp.maximum, n_cands)
@@ -345,13 +263,7 @@ def _kernel(*refs, block_p: int, tiles: int, chunks: int, stages: int, consumers
         return group, first, live, n_cands
 
     def each_item(body):  # body(item, carry) -> carry; carry (tiles so far, qi loads, group)
-        init = (jnp.int32(0), jnp.int32(0), jnp.int32(-1))
-        if not programs:
-            body(item(None), init)
-            return
-        pid = lax.axis_index("p")
-        lax.fori_loop(pid * items // programs, (pid + 1) * items // programs,
-                      lambda i, carry: body(item(i), carry), init)
+        body(item(), (jnp.int32(0), jnp.int32(0), jnp.int32(-1)))
 
     def scoped(kbuf, qbuf, q_full, q_free, full, free, lobuf=None, q_f32=None,
                q_split=None):
@@ -367,11 +279,6 @@ def _kernel(*refs, block_p: int, tiles: int, chunks: int, stages: int, consumers
 
             @pl.when(new_q)
             def _():
-                if programs:
-                    @pl.when(qc >= 1)
-                    def _():  # done with the last group's qi
-                        plgpu.barrier_arrive(q_free.at[lax.rem(qc - 1, q_slots)])
-
                 slot = lax.rem(qc, q_slots)
                 plgpu.barrier_wait(q_full.at[slot])
                 if split_q:  # qi's parts from its f32 values, by every consumer's share
@@ -397,15 +304,11 @@ def _kernel(*refs, block_p: int, tiles: int, chunks: int, stages: int, consumers
                     s = lax.rem(gt + t, stages)
                     k_ref = kbuf.at[s]
                     plgpu.barrier_wait(full.at[s])
-                    if precision == "bf16x6":
-                        acc = dots_bf16x6(k_ref, qb, free.at[s], block_p=block_p, nq=nq,
-                                           dp=dp)
-                    elif precision == "bf16x3":
+                    if precision == "bf16x3":
                         acc = dots_bf16x3(k_ref, qb, block_p=block_p, nq=nq)
                         plgpu.barrier_arrive(free.at[s])  # wgmma done: refill the buffer
                     else:
-                        acc = dots_tf32x3(k_ref, lo_ref, qb, nq=nq, dp=dp, write_hi=write_hi,
-                                           fuse_qlo=fuse_qlo)
+                        acc = dots_tf32x3(k_ref, lo_ref, qb, nq=nq, dp=dp)
                         plgpu.barrier_arrive(free.at[s])  # wgmmas done: refill the buffer
                     pools = (first + t) * block_p + plgpu.broadcasted_iota(
                         jnp.int32, (block_p,), 0, layout=row_layout)
@@ -439,11 +342,6 @@ def _kernel(*refs, block_p: int, tiles: int, chunks: int, stages: int, consumers
             @pl.when(new_q)
             def _():
                 slot = lax.rem(qc, q_slots)
-                if programs:
-                    @pl.when(qc >= q_slots)
-                    def _():  # the consumers are done with the qi loaded two groups ago
-                        plgpu.barrier_wait(q_free.at[slot])
-
                 if hk == hp:
                     plgpu.copy_gmem_to_smem(q_ref.at[group],
                                             (q_f32 if split_q else qbuf).at[slot],
@@ -483,13 +381,15 @@ def _kernel(*refs, block_p: int, tiles: int, chunks: int, stages: int, consumers
             each_item(produce)
 
     bf16 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    part = (jnp.bfloat16, bf16) if precision in _BF16_PARTS else (jnp.float32, tf32)
-    ring = (jnp.bfloat16, bf16) if precision == "bf16x3" else (jnp.float32, tf32)
+    part = (jnp.bfloat16, bf16) if precision == "bf16x3" else (jnp.float32, tf32)
+    ring = part  # bf16x3: bf16 keys and qi parts; tf32x3: f32 keys and qi parts
     scratch = [
         plgpu.SMEM((stages, block_p, dp), ring[0], transforms=ring[1]),  # key ring
         plgpu.SMEM((q_slots, _PARTS[precision] * nq, dp), part[0], transforms=part[1]),  # qi
         plgpu.Barrier(num_arrivals=1 if hk == hp else rows, num_barriers=q_slots),  # qi loaded
-        plgpu.Barrier(num_arrivals=consumers, num_barriers=q_slots),  # qi no longer read
+        # qi no longer read: waited on by no one with one item per CTA; allocated so that the
+        # kernel's shared memory (and its compiled code) stays the one checked on the GPU
+        plgpu.Barrier(num_arrivals=consumers, num_barriers=q_slots),
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # key buffer filled
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # key buffer consumed
     ]
@@ -503,19 +403,19 @@ def _kernel(*refs, block_p: int, tiles: int, chunks: int, stages: int, consumers
 
 
 def pool_scores_mgpu(qi: jax.Array, w: jax.Array, pool_keys: jax.Array,
-                     n_cand: jax.Array | None, *, tuning: MgpuScoresTuning = MgpuScoresTuning(),
-                     sms: int | None = None, pools=None,
-                     positions: tuple[jax.Array, jax.Array, int] | None = None) -> jax.Array:
+                     n_cand: jax.Array | None, *, sms: int | None = None, pools=None,
+                     positions: tuple[jax.Array, jax.Array, int] | None = None,
+                     plan: Plan | None = None) -> jax.Array:
     """`pool_scores_xla` as a Mosaic GPU kernel; same arguments, the result within the tf32x3
     bound (tests/test_pool_scores_mgpu.py). qi [B, R, Hi, Di] f32, w [B, R, Hi] f32,
-    pool_keys [B, P, Di] f32 or bf16 (read as stored; `MgpuScoresTuning.precision`), n_cand
-    [B, R] int32 -> [B, R, P] f32. sms: multiprocessors for
-    `default_chunks` (default `common.sm_count()`). pools: `(base, P)` with base an int32
-    scalar (checked by the caller, `pool_scores.pool_range`): the keys are pools base .. base
-    + P - 1 of `pool_keys`' pool axis, read in place where P and Di need no padding.
-    positions: `(pos [B, R] int32, valid [B, R] bool, KP)` in place of n_cand (None): the
-    kernel takes each row's count as `row_meta.candidate_pools(pos, valid, KP)` itself, so no
-    pass runs before it (a lone selection call's launch)."""
+    pool_keys [B, P, Di] f32 or bf16 (read as stored; `KEY_PRECISIONS`), n_cand [B, R] int32
+    -> [B, R, P] f32. sms: multiprocessors for `default_chunks` (default
+    `common.sm_count()`). pools: `(base, P)` with base an int32 scalar (checked by the caller,
+    `pool_scores.pool_range`): the keys are pools base .. base + P - 1 of `pool_keys`' pool
+    axis, read in place where P and Di need no padding. positions: `(pos [B, R] int32, valid
+    [B, R] bool, KP)` in place of n_cand (None): the kernel takes each row's count as
+    `row_meta.candidate_pools(pos, valid, KP)` itself, so no pass runs before it (a lone
+    selection call's launch). plan: the schedule (None: `fit`'s for these shapes)."""
     b, r, hi, di = qi.shape
     base, p = (jnp.int32(0), pool_keys.shape[1]) if pools is None else pools
     if (n_cand is None) == (positions is None):
@@ -528,22 +428,28 @@ def pool_scores_mgpu(qi: jax.Array, w: jax.Array, pool_keys: jax.Array,
             or (positions is not None and positions[1].shape != (b, r))):
         raise ValueError(f"pool_scores_mgpu: shapes qi {qi.shape}, w {w.shape}, keys "
                          f"{pool_keys.shape}, n_cand or pos {rows_shape} do not agree")
-    t = fit(tuning, hi, di, r, pool_keys.dtype)
+    t = plan or fit(hi, di, r, pool_keys.dtype)
+    if t.precision != key_precision(pool_keys.dtype):
+        raise ValueError(f"pool_scores_mgpu: precision={t.precision!r} does not apply to "
+                         f"{jnp.dtype(pool_keys.dtype).name} pool keys "
+                         f"({key_precision(pool_keys.dtype)!r})")
+    if (why := why_not(t, hi, di)) is not None:
+        raise ValueError(f"pool_scores_mgpu: {why}")
     hp, dp = padded_dims(hi, di, t.precision)
     rb = t.rows
     rp = -(-r // rb) * rb  # rows per sequence, padded
     groups = b * rp // rb
     n = b * rp
-    tiles_all = pl.cdiv(p, t.block_p)
-    chunks = t.chunks or default_chunks(b, rp // rb, tiles_all, sms or sm_count())
+    tiles_all = pl.cdiv(p, BLOCK_P)
+    chunks = default_chunks(b, rp // rb, tiles_all, sms or sm_count())
     chunks = min(chunks, tiles_all)
     tiles = pl.cdiv(tiles_all, chunks)
     chunks = pl.cdiv(tiles_all, tiles)  # no chunk without a tile
-    width = chunks * tiles * t.block_p  # >= P: whole tiles are stored
+    width = chunks * tiles * BLOCK_P  # >= P: whole tiles are stored
     q = jnp.pad(qi.astype(jnp.float32), ((0, 0), (0, rp - r), (0, hp - hi), (0, dp - di)))
     q = q.reshape(groups, rb * hp, dp)  # [G, rows Hp, Dp] f32: what the kernel reads if split_q
     if not t.split_q:  # bf16 parts [G, 3 rows Hp, Dp]: q1, q2, q3; or tf32 [G, 2 rows Hp, Dp]
-        q = jnp.concatenate((split_bf16 if t.precision in _BF16_PARTS else split_tf32)(q),
+        q = jnp.concatenate((split_bf16 if t.precision == "bf16x3" else split_tf32)(q),
                             axis=1)
     w_p = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, rp - r), (0, hp - hi)))
     w_p = w_p.reshape(groups, rb * hp)  # [G, rows Hp]
@@ -552,29 +458,26 @@ def pool_scores_mgpu(qi: jax.Array, w: jax.Array, pool_keys: jax.Array,
     else:  # flattened (free); the kernel pads past R itself
         row_args = (positions[0].astype(jnp.int32).reshape(b * r),
                     positions[1].astype(jnp.bool_).reshape(b * r))
-    keys = pool_keys  # [B, Pk, Di] as stored: f32 or bf16 (with_precision checked which)
+    keys = pool_keys  # [B, Pk, Di] as stored: f32 or bf16 (key_precision checked which)
     p8 = -(-p // 8) * 8  # the bulk copy tiles the pool axis by 8
     if (p8, dp) != (p, di):  # odd P or Di: a padded copy (the GLM shapes need none)
         if keys.shape[1] != p:
             keys = lax.dynamic_slice_in_dim(keys, base, p, 1)
         base = jnp.int32(0)
         keys = jnp.pad(keys, ((0, 0), (0, p8 - p), (0, dp - di)))
-    kernel = functools.partial(
-        _kernel, block_p=t.block_p, tiles=tiles, stages=t.stages, consumers=t.consumers,
-        groups_per_seq=rp // rb, rows=rb, hp=hp, hk=kernel_heads(hp, t), dp=dp, write_hi=t.write_hi,
-        fuse_qlo=t.fuse_qlo, precision=t.precision, split_q=t.split_q,
-        consumer_regs=t.consumer_regs,
-        producer_regs=t.producer_regs, chunks=chunks,
-        kpool=0 if positions is None else positions[2], real_rows=r)
     items = groups * chunks
-    programs = min(items, sms or sm_count()) if t.persistent else 0  # (else one CTA per item)
-    kernel = functools.partial(kernel, programs=programs, items=items)
+    kernel = functools.partial(
+        _kernel, block_p=BLOCK_P, tiles=tiles, stages=t.stages, consumers=CONSUMERS,
+        groups_per_seq=rp // rb, rows=rb, hp=hp, hk=kernel_heads(hp, t), dp=dp,
+        precision=t.precision, split_q=t.split_q, consumer_regs=CONSUMER_REGS,
+        producer_regs=PRODUCER_REGS, chunks=chunks, items=items,
+        kpool=0 if positions is None else positions[2], real_rows=r)
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((n, width), jnp.float32),
-        grid=(programs or items,),  # the x axis (y and z allow 65535)
-        grid_names=("p",) if programs else ("i",),
-        num_threads=t.consumers + 1,
+        grid=(items,),  # the x axis (y and z allow 65535)
+        grid_names=("i",),
+        num_threads=CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             approx_math=False, unsafe_no_auto_barriers=True, reduction_scratch_bytes=0,

@@ -1,6 +1,6 @@
 """The dot products of the Mosaic GPU pool-scores kernel (`pool_scores_mgpu.py`): operand splits
 into exact tf32 or bf16 parts and the wgmmas of one key tile against a row group's qi parts.
-Every precision stays inside `testing.TF32X3_ROUNDOFF` per product (see each function)."""
+Both precisions stay inside `testing.TF32X3_ROUNDOFF` per product (see each function)."""
 
 from __future__ import annotations
 
@@ -30,37 +30,31 @@ def split_tf32(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return hi, trunc(x - hi)
 
 
-def dots_tf32x3(k_ref, lo_ref, qbuf, *, nq: int, dp: int, write_hi: bool, fuse_qlo: bool):
-    """The tile's head dots [BP, nq] f32 as three tf32 products: k_ref [BP, Dp] f32 (the
-    keys; their hi parts written back unless not write_hi), lo_ref [BP, Dp] f32 (lo parts
-    written here), qbuf [2 nq, Dp] f32 (qi's hi parts, then lo parts)."""
+def dots_tf32x3(k_ref, lo_ref, qbuf, *, nq: int, dp: int):
+    """The tile's head dots [BP, nq] f32 as three tf32 products, hi x qhi + lo x qhi + hi x
+    qlo: k_ref [BP, Dp] f32 (the raw keys, fed as hi: Hopper's tensor core ignores an fp32
+    word's low 13 bits, so they multiply as their truncated hi parts without a write back;
+    a rounding tensor core would fail the parity tests' bound), lo_ref [BP, Dp] f32 (lo parts
+    written here), qbuf [2 nq, Dp] f32 (qi's hi parts, then lo parts). The products with qhi
+    and qlo of the hi keys are one wgmma of N = 2 nq (the hi tile read from shared memory once
+    for both), lo x qhi a second accumulator, the three summed in registers."""
     block_p = k_ref.shape[0]
     for c in range(dp // F32_SWIZZLE):  # one swizzle column at a time
         cols = pl.ds(c * F32_SWIZZLE, F32_SWIZZLE)
         k = k_ref.at[:, cols][...]  # [BP, 32] f32
         hi = trunc(k)
-        if write_hi:
-            k_ref.at[:, cols][...] = hi
         lo_ref.at[:, cols][...] = trunc(k - hi)
-    plgpu.commit_smem()  # hi and lo visible to wgmma
+    plgpu.commit_smem()  # lo visible to wgmma
     q_hi = plgpu.transpose_ref(qbuf.at[pl.ds(0, nq)], (1, 0))  # [Dp, nq]
-    if fuse_qlo:  # hi x [qhi | qlo] (N = 2 nq: hi read once), lo x qhi
-        def dots(both_ref, lo_acc_ref):
-            plgpu.wgmma(both_ref, k_ref, plgpu.transpose_ref(qbuf, (1, 0)))
-            plgpu.wgmma(lo_acc_ref, lo_ref, q_hi)
-            return both_ref[...], lo_acc_ref[...]
 
-        both, lo_acc = pl.run_scoped(dots, plgpu.ACC((block_p, 2 * nq), jnp.float32),
-                                     plgpu.ACC((block_p, nq), jnp.float32))
-        return (both[:, :nq] + lo_acc) + both[:, nq:]  # [BP, nq]
+    def dots(both_ref, lo_acc_ref):  # hi x [qhi | qlo] (N = 2 nq: hi read once), lo x qhi
+        plgpu.wgmma(both_ref, k_ref, plgpu.transpose_ref(qbuf, (1, 0)))
+        plgpu.wgmma(lo_acc_ref, lo_ref, q_hi)
+        return both_ref[...], lo_acc_ref[...]
 
-    def dots3(acc_ref):
-        plgpu.wgmma(acc_ref, k_ref, q_hi)
-        plgpu.wgmma(acc_ref, lo_ref, q_hi)
-        plgpu.wgmma(acc_ref, k_ref, plgpu.transpose_ref(qbuf.at[pl.ds(nq, nq)], (1, 0)))
-        return acc_ref[...]
-
-    return pl.run_scoped(dots3, plgpu.ACC((block_p, nq), jnp.float32))  # [BP, nq]
+    both, lo_acc = pl.run_scoped(dots, plgpu.ACC((block_p, 2 * nq), jnp.float32),
+                                 plgpu.ACC((block_p, nq), jnp.float32))
+    return (both[:, :nq] + lo_acc) + both[:, nq:]  # [BP, nq]
 
 
 def split_bf16(x):
@@ -90,36 +84,6 @@ def split_bf16_into(q_ref, qbuf, wg, *, consumers: int):
                 parts = split_bf16(q_ref.at[pl.ds(r * 64, 64), cols][...])  # 3 x [64, 64]
                 for i, part in enumerate(parts):
                     qbuf.at[pl.ds(i * nq + r * 64, 64), cols][...] = part
-
-
-def dots_bf16x6(k_ref, qbuf, free, *, block_p: int, nq: int, dp: int):
-    """The tile's head dots [BP, nq] f32 as six bf16 products (k1 q1 + k1 q2 + k2 q1 +
-    k1 q3 + k2 q2 + k3 q1; with `split_bf16`' bounds the dropped k2 q3 + k3 q2 + k3 q3 and the
-    parts' residuals leave < 2^-19.5 |kq| per product, inside `TF32X3_ROUNDOFF`): the keys
-    k_ref [BP, Dp] f32 are read into registers and split there (the wgmma's A from registers:
-    no shared-memory write, and the buffer is released at once), qbuf [3 nq, Dp] bf16 holds
-    qi's parts q1, q2, q3. Dp is taken 64 columns at a time (registers)."""
-    def dots(a1, a2, a3):  # [BP, 3 nq], [BP, 2 nq], [BP, nq]
-        parts = []
-        for c in range(dp // 64):
-            k = k_ref.at[:, pl.ds(c * 64, 64)][...]  # [BP, 64] f32
-            parts.append(split_bf16(k))
-        plgpu.barrier_arrive(free)  # the keys are in registers: refill the buffer
-
-        for c, (k1, k2, k3) in enumerate(parts):
-            def q(n, c=c):  # the first n parts of qi, this column block: [64, n nq]
-                return plgpu.transpose_ref(qbuf.at[pl.ds(0, n * nq), pl.ds(c * 64, 64)], (1, 0))
-
-            plgpu.wgmma(a1, k1, q(3))
-            plgpu.wgmma(a2, k2, q(2))
-            plgpu.wgmma(a3, k3, q(1))
-        return a1[...], a2[...], a3[...]
-
-    a1, a2, a3 = pl.run_scoped(dots, plgpu.ACC((block_p, 3 * nq), jnp.float32),
-                               plgpu.ACC((block_p, 2 * nq), jnp.float32),
-                               plgpu.ACC((block_p, nq), jnp.float32))
-    small = (a1[:, 2 * nq:] + a2[:, nq:]) + a3  # k1 q3 + k2 q2 + k3 q1
-    return a1[:, :nq] + ((a1[:, nq:2 * nq] + a2[:, :nq]) + small)  # [BP, nq]
 
 
 def dots_bf16x3(k_ref, qbuf, *, block_p: int, nq: int):

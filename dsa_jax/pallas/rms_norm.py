@@ -2,16 +2,14 @@
 
 Why a kernel for a norm: XLA picks a reduction's order (how it tiles and vectorizes the row
 sum) per program, from the fusion around it, and barriers on the norm's input and output do
-not pin it. The q_a norm of the scanned model and of the unrolled stack came out a last bit
-apart on a few dozen of 256 rows at 64 sequences on the H200 with equal inputs
-(benchmarks/results/h200-scan-taps-20261201-b64.json), which then moved whole rows of the
-next GEMM. A Pallas kernel compiles as written wherever it appears: the same code, the same
-sum order, in every program that calls it.
+not pin it: the q_a norm of the scanned model and of the unrolled stack can come out a last
+bit apart with equal inputs, which then moves whole rows of the next GEMM. A Pallas kernel
+compiles as written wherever it appears: the same code, the same sum order, in every program
+that calls it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -21,15 +19,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from dsa_jax.pallas.colaunch import Part
-from dsa_jax.pallas.common import layer_index, load_parts, next_pow2, with_overrides
+from dsa_jax.pallas.common import layer_index, load_parts, next_pow2
 
-
-@dataclasses.dataclass(frozen=True)
-class RmsNormTuning:
-    """Launch parameters of `rms_norm_pallas` (one program per row).
-
-    num_warps: warps per program, each program normalizing one row held in registers."""
-    num_warps: int = 4
+# Warps per program, each program normalizing one row held in registers (the decode front's
+# shared launch runs its parts at this count too: `decode_front`).
+NUM_WARPS = 4
 
 
 def _columns(full: int, cols: tuple[int, int] | None, w: jax.Array,
@@ -61,9 +55,8 @@ def rms_norm_xla(v: jax.Array, w: jax.Array, eps: float, *, cols: tuple[int, int
     kernel then writes it directly, no conversion pass).
 
     The barriers on its input and output keep XLA from fusing the norm with what surrounds it
-    (fused differently in two programs it rounded differently on the H200:
-    benchmarks/results/h200-scan-taps-20261201-r*.json); they do not pin the reduction's
-    order, which the Pallas kernel does."""
+    (fused differently in two programs, it rounds differently); they do not pin the
+    reduction's order, which the Pallas kernel does."""
     start, width, at = _columns(v.shape[-1], cols, w, layer)
     if at is not None:
         w = w[at]  # [n]
@@ -94,7 +87,7 @@ def rms_norm_part(v: jax.Array, w: jax.Array, eps: float, *,
                   layer: jax.Array | None = None, parts: int | None = None):
     """`rms_norm_pallas`'s kernel as a `colaunch.Part` (a program per row) and `finish(outs)`,
     which turns its output into that function's result (for a launch shared with other
-    kernels: the same program, so the same bits at the same `num_warps`). parts: v is
+    kernels: the same program, so the same bits at the same warps, `NUM_WARPS`). parts: v is
     `[S, ..., full]`, a split GEMM's K parts (`matmul_part(summed=False)`), normalized as
     their sum (`load_parts`: the same values as the summed v)."""
     full = v.shape[-1]
@@ -115,13 +108,11 @@ def rms_norm_part(v: jax.Array, w: jax.Array, eps: float, *,
 
 
 def rms_norm_pallas(v: jax.Array, w: jax.Array, eps: float, *, cols: tuple[int, int] | None = None,
-                    dtype=jnp.float32, layer: jax.Array | None = None, interpret: bool = False,
-                    tuning: RmsNormTuning = RmsNormTuning(), **overrides) -> jax.Array:
+                    dtype=jnp.float32, layer: jax.Array | None = None, interpret: bool = False
+                    ) -> jax.Array:
     """`rms_norm_xla` as one Pallas launch, a program per row (the columns `cols` of `v` read
     in place, the result written in `dtype`; with `layer`, row `layer` of the stacked weights
-    `w [G, n]` read in place: a kernel operand is a whole buffer, so a slice would be a copy).
-    `overrides`: fields of `tuning` by name (`num_warps=8`)."""
-    tuning = with_overrides(tuning, overrides)
+    `w [G, n]` read in place: a kernel operand is a whole buffer, so a slice would be a copy)."""
     part, finish = rms_norm_part(v, w, eps, cols=cols, dtype=dtype, layer=layer)
     out = pl.pallas_call(
         lambda *refs: part.body((pl.program_id(0),), *refs),
@@ -129,7 +120,7 @@ def rms_norm_pallas(v: jax.Array, w: jax.Array, eps: float, *, cols: tuple[int, 
         in_specs=[pl.BlockSpec()] * len(part.inputs),  # [layer], v [1, N, full], w [n] or [G, n]
         out_specs=pl.BlockSpec(),
         out_shape=part.out_shape[0],
-        compiler_params=plt.CompilerParams(num_warps=tuning.num_warps, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
         interpret=interpret,
         name="rms_norm",
     )(*part.inputs)  # [N, n]

@@ -4,10 +4,10 @@ launch.
 A decode step's rows need a handful of small integer arrays, all functions of the lengths,
 the ring marks, the rows' counts and the block tables: the latent cache slots, the index
 write's seven rows, the candidate pools and the positions the expanding top-k reads, and the
-lengths and marks after the step. XLA computes them in one launch each (about 1 us apiece
-of a decode-b1 step's device time, for a few integers); here one program computes all of
-them, and `meta_matmul_pallas` runs that program beside the x projection's GEMM, whose
-output none of them needs (`colaunch`).
+lengths and marks after the step. XLA computes them in one launch each (a launch's fixed
+cost apiece, for a few integers); here one program computes all of them, and
+`meta_matmul_pallas` runs that program beside the x projection's GEMM, whose output none of
+them needs (`colaunch`).
 
 `row_meta_xla` is the definition: the functions the consumers use when given no metadata
 (`latent_write.flat_slots`, `index_write.row_meta`, `candidate_pools`, `pool_topk.positions`,
@@ -22,14 +22,13 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental.pallas import triton as plt
 
+from dsa_jax.numerics import candidate_pools, mark_after, next_pow2
 from dsa_jax.pallas import index_write as iw
 from dsa_jax.pallas import latent_write as lw
 from dsa_jax.pallas import matmul as mm
 from dsa_jax.pallas.colaunch import Part, colaunch
-from dsa_jax.pallas.common import next_pow2
 from dsa_jax.pallas.pool_topk import positions
 
 __all__ = ["RowGeometry", "RowMeta", "candidate_pools", "mark_after", "meta_matmul_pallas",
@@ -71,21 +70,6 @@ class RowMeta(NamedTuple):
     pv: jax.Array  # [B*k] int32: their positions, -1 where not valid (`pool_topk.positions`)
     lengths: jax.Array  # [B] int32: lengths + n_new
     marks: jax.Array  # [B] int32: the ring marks after the step (`mark_after`)
-
-
-def candidate_pools(pos: jax.Array, valid: jax.Array, kpool: int) -> jax.Array:
-    """Complete pools visible at `pos`: `(t + 1) // KP`; 0 where not valid (the pool-score
-    kernel then reads no key)."""
-    return jnp.where(valid, (pos + 1) // kpool, 0)
-
-
-def mark_after(lengths, marks, n_new, ring_rows: int):
-    """The ring mark after a step writes `n_new` rows at `lengths` (numpy or jnp; `[B]`, or
-    any tile): rows `[M' - Rr, lengths + n_new)` are then held. A mark more than Rr ahead
-    (left by a rewind to a pool boundary) says nothing about the rows the step writes, hence
-    the min. `state.ring_mark_after` is this at the config's Rr."""
-    xp = np if isinstance(lengths, np.ndarray) else jnp
-    return xp.maximum(xp.minimum(marks, lengths + ring_rows), lengths + n_new)
 
 
 def _rows(lengths: jax.Array, n_new: jax.Array, r: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -187,11 +171,11 @@ def row_meta_part(g: RowGeometry, lengths: jax.Array, marks: jax.Array, n_new: j
 
 
 def row_meta_pallas(g: RowGeometry, lengths: jax.Array, marks: jax.Array, n_new: jax.Array,
-                    block_tables: jax.Array, *, interpret: bool = False,
-                    num_warps: int = 4) -> RowMeta:
-    """`row_meta_xla` as one Pallas program: the same integers."""
+                    block_tables: jax.Array, *, interpret: bool = False) -> RowMeta:
+    """`row_meta_xla` as one Pallas program (its launch alone; the step runs it beside the x
+    projection's GEMM, `meta_matmul_pallas`): the same integers."""
     part, finish = row_meta_part(g, lengths, marks, n_new, block_tables, interpret=interpret)
-    (outs,) = colaunch([part], num_warps=num_warps, num_stages=1, interpret=interpret,
+    (outs,) = colaunch([part], num_warps=4, num_stages=1, interpret=interpret,
                        name="row_meta")
     return finish(outs)
 
@@ -207,8 +191,7 @@ def meta_matmul_xla(g: RowGeometry, lengths: jax.Array, marks: jax.Array, n_new:
 def meta_matmul_pallas(g: RowGeometry, lengths: jax.Array, marks: jax.Array,
                        n_new: jax.Array, block_tables: jax.Array, v: jax.Array, w: jax.Array,
                        layer: jax.Array | None = None, *, interpret: bool = False,
-                       matmul_tuning: mm.MatmulTuning | None = None, summed: bool = True
-                       ) -> tuple[RowMeta, jax.Array]:
+                       summed: bool = True) -> tuple[RowMeta, jax.Array]:
     """`meta_matmul_xla` as one launch: the metadata program first, then the GEMM's tiles
     (`matmul_part`: its own tiles, so `matmul_pallas`'s bits), at the GEMM's warps and
     pipeline depth. summed False: the GEMM's K parts `[S, ..., N]`, unsummed
@@ -216,7 +199,7 @@ def meta_matmul_pallas(g: RowGeometry, lengths: jax.Array, marks: jax.Array,
     m_part, m_finish = row_meta_part(g, lengths, marks, n_new, block_tables,
                                      interpret=interpret)
     rows = max(1, v.size // v.shape[-1])
-    mt = matmul_tuning or mm.default_tuning(*w.shape[-2:], 1, rows)
+    mt = mm.default_tuning(*w.shape[-2:], 1, rows)
     g_part, g_finish = mm.matmul_part(v, w, layer, tuning=mt, summed=summed)
     m_outs, g_outs = colaunch([m_part, g_part], num_warps=mt.num_warps,
                               num_stages=mt.num_stages, interpret=interpret,

@@ -18,7 +18,6 @@ same way.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -27,17 +26,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from dsa_jax.pallas.common import (
-    check_triton_blocks,
-    layer_index,
-    round_to,
-    triton_offsets_wrap,
-    with_overrides,
-)
+from dsa_jax.pallas.common import layer_index, round_to, triton_offsets_wrap
 
-__all__ = ["BOUND_MARGIN", "SCALES", "SCALE_TOP", "ScaledQAbsTuning", "column_norm",
-           "default_scale", "q_abs_bound", "resolved_tuning", "scale_exponent",
-           "scaled_q_abs_pallas", "scaled_q_abs_xla"]
+__all__ = ["BOUND_MARGIN", "SCALES", "SCALE_TOP", "column_norm", "default_scale",
+           "q_abs_bound", "scale_exponent", "scaled_q_abs_pallas", "scaled_q_abs_xla", "tiles"]
 
 # The bound's margin for the f32 rounding of the two norms and of the GEMM's K-term sums
 # (each below K 2^-24 relative).
@@ -48,44 +40,27 @@ SCALE_TOP = 14
 SCALES = ("bound", "amax")
 
 
-@dataclasses.dataclass(frozen=True)
-class ScaledQAbsTuning:
-    """Tiles of `scaled_q_abs_pallas`: block_m rows times block_n of the C columns of one head
-    per program, K in chunks of block_k (powers of two, >= 16). The bound needs a row's whole
-    K, which every program loads anyway; the C columns may be split (each program recomputes
-    its rows' bound: the same bits). block_m, block_n None (the default): chosen by the rows'
-    dtype (`resolved_tuning`): 128 x 256 for f32 rows, 64 x 512 for others (one GLM head's
-    C whole, q read once; 642.6 vs 714.6 us at 128 x 256 from a prompt's bf16 rows on the
-    H200, h200-scaled-q-20261202-s16-call3.json).
+# The kernel's tiles: block_m rows times block_n of the C columns of one head per program, K
+# in chunks of BLOCK_K. By the rows' dtype (`tiles`): 64 x 512 for rows that are not f32 (one
+# GLM head's C whole, q read once: the faster tiles for a prompt's bf16 rows), 128 x 256 for
+# f32 rows. The bound needs a row's whole K, which every program loads anyway; the C columns
+# may be split (each program recomputes its rows' bound: the same bits).
+F32_TILES, OTHER_TILES = (128, 256), (64, 512)
+BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 8, 3
 
-    squares_apart: the bound's squares summed in a loop of their own before the GEMM's, whose
-    loads then feed the dot alone, so bf16 rows are read as they are (half the bytes of f32
-    ones). False: one loop, rows of another dtype than f32 converted to f32 first (bf16 rows
-    feeding both the dot and the squares came out wrong on the H200, Triton 3.6:
-    h200-scaled-q-20261202-s15-call3.json). None (the default): apart exactly for rows that
-    are not f32, the faster form of each on the H200 (h200-scaled-q-20261202-s16-call1.json;
-    both forms right there from f32 and bf16 rows).
 
-    scale: where each (row, head)'s power of two comes from: "bound" (`q_abs_bound`, from
-    the squares summed beside the GEMM) or "amax" (the GEMM's f32 result itself, its largest
-    |a_hc| over the head's C columns: no squares; needs block_n >= C, a program holding a
-    head's C whole; squares_apart then unused). None (the default): "amax" where the tiles
-    hold C whole, else "bound" (`default_scale`; prefill-9000's 9000 bf16 rows: 553 vs 640 us
-    on the H200, h200-scaled-q-20261203-s21-call2.json). An amax just below 2^14 may round up
-    to 2^14 in f16 (as the decode prep's may); the attend accumulates in f32."""
-    block_m: int | None = None
-    block_n: int | None = None
-    block_k: int = 64
-    num_warps: int = 8
-    num_stages: int = 3
-    squares_apart: bool | None = None
-    scale: str | None = None
+def tiles(q_dtype) -> tuple[int, int]:
+    """(block_m, block_n) of the kernel for rows of `q_dtype`."""
+    return F32_TILES if jnp.dtype(q_dtype) == jnp.float32 else OTHER_TILES
 
-    def __post_init__(self):
-        check_triton_blocks(self, tuple(n for n in ("block_m", "block_n", "block_k")
-                                        if getattr(self, n) is not None))
-        if self.scale is not None and self.scale not in SCALES:
-            raise ValueError(f"scale={self.scale!r} must be one of {SCALES}")
+
+def default_scale(q_dtype, c: int) -> str:
+    """Where each (row, head)'s power of two comes from, for rows of `q_dtype` and C = `c`:
+    "amax" (the GEMM's f32 result itself, its largest |a_hc| over the head's C columns: no
+    squares, the faster form) where a program holds a head's C columns whole (`tiles`), else
+    "bound" (`q_abs_bound`, from the squares summed beside the GEMM). An amax just below 2^14
+    may round up to 2^14 in f16 (as the decode prep's may); the attend accumulates in f32."""
+    return "amax" if tiles(q_dtype)[1] >= c else "bound"
 
 
 def _weight(u_k: jax.Array, layer: jax.Array | None) -> jax.Array:
@@ -147,25 +122,14 @@ def _pow2(k: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type((k + 127) << 23, jnp.float32)
 
 
-def _rounded(x: jax.Array, dtype) -> jax.Array:
-    """x rounded to `dtype` (to nearest even), as f32. From f32 to bf16 by the bits: a cast
-    pair would be dropped where XLA runs the kernel (interpret mode, excess precision)."""
-    if x.dtype == jnp.float32 and jnp.dtype(dtype) == jnp.bfloat16:
-        bits = lax.bitcast_convert_type(x, jnp.uint32)
-        bits = (bits + (jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1)))) & jnp.uint32(
-            0xFFFF0000)
-        return lax.bitcast_convert_type(bits, jnp.float32)
-    return x.astype(dtype).astype(jnp.float32)
-
-
 def _kernel(*refs, m: int, k: int, bm: int, bn: int, bk: int, heads: int, stacked: bool,
-            apart: bool, amax: bool):
+            amax: bool):
     """Program (j, i, h): rows i*bm.. of head h, C columns j*bn.. (j fastest: the programs
     sharing a row tile run together and read it from L2). One loop over K's chunks (Triton
-    pipelines its loads) sums the GEMM and each row's squares; the bound's power of two then
-    scales the f32 result, which is rounded to f16 once. apart (`squares_apart`): the squares
-    in a first loop of their own, then the GEMM's. amax (scale "amax", bn >= C): no squares;
-    the power of two from the result's largest |value| in each row (col_ref unread).
+    pipelines its loads) sums the GEMM and each row's squares (f32 rows); the bound's power
+    of two then scales the f32 result, which is rounded to f16 once. amax (scale "amax",
+    bn >= C): no squares; the power of two from the result's largest |value| in each row
+    (col_ref unread).
 
     [l_ref [1] int32 when `stacked`]; col_ref [H] f32 (`column_norm`); v_ref [M, H, K]; w_ref
     [H, K, C] ([G*H, K, C] when stacked); o_ref [M, H, C] f16; d_ref [M, H] f32 (2^-k)."""
@@ -191,14 +155,7 @@ def _kernel(*refs, m: int, k: int, bm: int, bn: int, bk: int, heads: int, stacke
                                       preferred_element_type=jnp.float32),
                 ss + jnp.sum(a32 * a32, axis=1))
 
-    def squares(t, ss):  # squares_apart: ss [bm] f32 from loads of their own
-        ks = t * bk + jnp.arange(bk, dtype=jnp.int32)
-        x = plt.load(v_ref.at[rows[:, None], h, ks[None, :]],
-                     mask=row_ok[:, None] & (ks < k)[None, :], other=0.0)  # [bm, bk]
-        a32 = _rounded(x, w_ref.dtype)
-        return ss + jnp.sum(a32 * a32, axis=1)
-
-    def product(t, acc):  # squares_apart: the dot's operands used by the dot alone
+    def product(t, acc):  # amax: the dot's operands used by the dot alone
         ks = t * bk + jnp.arange(bk, dtype=jnp.int32)
         a = plt.load(v_ref.at[rows[:, None], h, ks[None, :]],
                      mask=row_ok[:, None] & (ks < k)[None, :], other=0.0).astype(w_ref.dtype)
@@ -212,12 +169,8 @@ def _kernel(*refs, m: int, k: int, bm: int, bn: int, bk: int, heads: int, stacke
         acc = lax.fori_loop(0, chunks, product, jnp.zeros((bm, bn), jnp.float32))
         bound = jnp.max(jnp.abs(acc), axis=1)  # [bm]: the exact amax, the bound's place
     else:
-        if apart:
-            ss = lax.fori_loop(0, chunks, squares, jnp.zeros((bm,), jnp.float32))
-            acc = lax.fori_loop(0, chunks, product, jnp.zeros((bm, bn), jnp.float32))
-        else:
-            acc, ss = lax.fori_loop(0, chunks, chunk, (jnp.zeros((bm, bn), jnp.float32),
-                                                       jnp.zeros((bm,), jnp.float32)))
+        acc, ss = lax.fori_loop(0, chunks, chunk, (jnp.zeros((bm, bn), jnp.float32),
+                                                   jnp.zeros((bm,), jnp.float32)))
         bound = jnp.sqrt(ss) * col_ref[h] * BOUND_MARGIN  # [bm]
     bits = lax.bitcast_convert_type(jnp.where(bound > 0, bound, 1.0), jnp.int32)
     e = jnp.where(bits >> 23 == 0, -126, (bits >> 23) - 126)  # frexp's exponent (a subnormal:
@@ -232,76 +185,43 @@ def _kernel(*refs, m: int, k: int, bm: int, bn: int, bk: int, heads: int, stacke
 
 
 def _call(q: jax.Array, w: jax.Array, col: jax.Array, layer: jax.Array | None,
-          interpret: bool, t: ScaledQAbsTuning) -> tuple[jax.Array, jax.Array]:
-    """q [M, H, K] f32, w [H, K, C] (or [G*H, K, C] with a layer index [] int32), col [H]."""
+          interpret: bool, bm: int, bn: int, amax: bool) -> tuple[jax.Array, jax.Array]:
+    """q [M, H, K], w [H, K, C] (or [G*H, K, C] with a layer index [] int32), col [H]."""
     m, heads, k = q.shape
     c = w.shape[-1]
     stacked = layer is not None
-    grid = (pl.cdiv(c, t.block_n), pl.cdiv(m, t.block_m), heads)
+    grid = (pl.cdiv(c, bn), pl.cdiv(m, bm), heads)
     return pl.pallas_call(
-        functools.partial(_kernel, m=m, k=k, bm=t.block_m, bn=t.block_n, bk=t.block_k,
-                          heads=heads, stacked=stacked, apart=t.squares_apart,
-                          amax=t.scale == "amax"),
+        functools.partial(_kernel, m=m, k=k, bm=bm, bn=bn, bk=BLOCK_K, heads=heads,
+                          stacked=stacked, amax=amax),
         out_shape=(jax.ShapeDtypeStruct((m, heads, c), jnp.float16),
                    jax.ShapeDtypeStruct((m, heads), jnp.float32)),
         grid=grid,
-        compiler_params=plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
+        compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
         interpret=interpret,
         name="scaled_q_abs",
     )(*([jnp.reshape(layer, (1,))] if stacked else []), col, q, w)
 
 
-# (block_m, block_n) where the tuning leaves them None, by whether the rows are f32.
-F32_TILES, OTHER_TILES = (128, 256), (64, 512)
-
-
-def default_scale(q_dtype, c: int, block_n: int | None = None) -> str:
-    """The scale rule where `ScaledQAbsTuning.scale` is None: "amax" where a program holds a
-    head's C columns whole (block_n, None: the default tiles' for rows of `q_dtype`), else
-    "bound"."""
-    if block_n is None:
-        block_n = (F32_TILES if jnp.dtype(q_dtype) == jnp.float32 else OTHER_TILES)[1]
-    return "amax" if block_n >= c else "bound"
-
-
-def resolved_tuning(tuning: ScaledQAbsTuning, q_dtype, c: int | None = None
-                    ) -> ScaledQAbsTuning:
-    """`tuning` with its None fields decided for rows of `q_dtype` and C = `c` columns:
-    `squares_apart` (apart unless f32), the tiles (`F32_TILES` or `OTHER_TILES`) and, where
-    c is given, `scale` (`default_scale`); fields it sets are kept."""
-    f32 = jnp.dtype(q_dtype) == jnp.float32
-    bm, bn = F32_TILES if f32 else OTHER_TILES
-    bn = bn if tuning.block_n is None else tuning.block_n
-    scale = tuning.scale
-    if scale is None and c is not None:
-        scale = default_scale(q_dtype, c, bn)
-    return dataclasses.replace(
-        tuning, squares_apart=not f32 if tuning.squares_apart is None else tuning.squares_apart,
-        block_m=bm if tuning.block_m is None else tuning.block_m, block_n=bn, scale=scale)
-
-
 def scaled_q_abs_pallas(q: jax.Array, u_k: jax.Array, layer: jax.Array | None = None, *,
-                        interpret: bool = False, tuning: ScaledQAbsTuning | None = None,
-                        **overrides) -> tuple[jax.Array, jax.Array]:
+                        interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """`scaled_q_abs_xla` as one kernel: `q [..., Hl, Dn]` (rounded to u_k's dtype in the
     kernel), `u_k [Hl, Dn, C]` or a stack `[G, Hl, Dn, C]` read in place at `layer` -> (f16
-    `[..., Hl, C]`, 2^-k `[..., Hl]` f32). tuning: the tiles (`ScaledQAbsTuning()` when
-    None); overrides: single fields of it.
+    `[..., Hl, C]`, 2^-k `[..., Hl]` f32), the tiles and the scale by q's dtype and C
+    (`tiles`, `default_scale`).
 
-    With scale "bound" and `squares_apart` False the kernel reads f32 rows: q of another
-    dtype is converted first (exact; `ScaledQAbsTuning` says why)."""
-    t = with_overrides(tuning or ScaledQAbsTuning(), overrides)
-    t = resolved_tuning(t, q.dtype, u_k.shape[-1])
-    if not t.squares_apart and t.scale == "bound":
+    With scale "bound" the kernel reads f32 rows: q of another dtype is converted first
+    (exact): bf16 rows feeding both the dot and the squares in one loop computed wrong results
+    on the H200 (Triton 3.6)."""
+    bm, bn = tiles(q.dtype)
+    scale = default_scale(q.dtype, u_k.shape[-1])
+    if scale == "bound":
         q = q.astype(jnp.float32)
     one = u_k.shape[-3:]  # [Hl, Dn, C]
     if q.shape[-2:] != one[:2]:
         raise ValueError(f"scaled_q_abs: q's last axes {list(q.shape[-2:])} must be u_k's "
                          f"[Hl, Dn] = {list(one[:2])}")
     lead, (heads, k, c) = q.shape[:-2], one
-    if t.scale == "amax" and t.block_n < c:
-        raise ValueError(f"scaled_q_abs: scale='amax' needs block_n >= C={c} (a program "
-                         f"holding a head's C whole); block_n={t.block_n}")
     rows = q.reshape(-1, heads, k)  # [M, Hl, Dn]
     m = rows.shape[0]
     if layer is not None:
@@ -310,7 +230,7 @@ def scaled_q_abs_pallas(q: jax.Array, u_k: jax.Array, layer: jax.Array | None = 
                              f"{list(u_k.shape)}")
         layer = layer_index(layer, u_k.shape[0], "scaled_q_abs: ")
     # The bound's column norms (a pass over the layer's U_k); "amax" never reads them.
-    col = (column_norm(_weight(u_k, layer)) if t.scale == "bound"
+    col = (column_norm(_weight(u_k, layer)) if scale == "bound"
            else jnp.ones((heads,), jnp.float32))  # [Hl]
     w = u_k if layer is None else u_k.reshape(-1, k, c)  # [(G*)Hl, Dn, C]: a bitcast
     if m == 0:
@@ -321,7 +241,7 @@ def scaled_q_abs_pallas(q: jax.Array, u_k: jax.Array, layer: jax.Array | None = 
     # own, whatever rows share the launch).
     parts = [rows] if not triton_offsets_wrap((m, heads, c), jnp.float16) else [
         rows[:m // 2], rows[m // 2:]]
-    outs = [_call(p, w, col, layer, interpret, t) for p in parts]
+    outs = [_call(p, w, col, layer, interpret, bm, bn, scale == "amax") for p in parts]
     q16 = outs[0][0] if len(outs) == 1 else jnp.concatenate([o[0] for o in outs])
     down = outs[0][1] if len(outs) == 1 else jnp.concatenate([o[1] for o in outs])
     return q16.reshape(*lead, heads, c), down.reshape(*lead, heads)

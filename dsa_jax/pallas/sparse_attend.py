@@ -8,8 +8,7 @@ compute the same function (`AttendTuning.backend` picks, by a fixed rule): the T
 below feeds its dots bf16 operands for fp8 / bf16 caches (fp32 accumulation) and fp32 operands
 for an fp32 cache (tests/test_kernels.py derives the resulting tolerance); the Mosaic GPU
 kernel (`sparse_attend_mgpu`, fp8 caches on Hopper) feeds them f16 operands
-(tests/test_attend_kernel.py derives its tolerance; benchmarks/h200_attend.py checks it on the
-GPU against the twin).
+(tests/test_attend_kernel.py derives its tolerance; the GPU tests check it against the twin).
 """
 
 from __future__ import annotations
@@ -23,15 +22,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from dsa_jax.pallas import attend_prep
+from dsa_jax.pallas import attend_prep, tuned
 from dsa_jax.pallas import sparse_attend_mgpu as mgpu_op
 from dsa_jax.pallas.common import (
     check_triton_addressable,
-    gpu_is_not_hopper,
     next_pow2,
     sm_count,
 )
 from dsa_jax.pallas.merge_splits import merge_splits_pallas, padded_rows_jnp
+from dsa_jax.pallas.mgpu_plan import BLOCK_W, HEADS_PER_CTA, SCALE_HEADS
 
 # Rows per lax.map step of the XLA twin: bounds the gathered [rows, W, C] fp32 block.
 XLA_ROW_CHUNK = 64
@@ -40,7 +39,8 @@ BACKENDS = ("auto", "triton", "mosaic")
 
 @dataclasses.dataclass(frozen=True)
 class AttendTuning:
-    """Which gather-attend kernel runs, and its tuning.
+    """Which gather-attend kernel runs, and its tuning; `AttendTuning()` is what the library
+    runs.
 
     backend: "triton" (the Pallas Triton kernel below: every cache dtype, interpret mode),
       "mosaic" (`sparse_attend_mgpu`: Pallas Mosaic GPU, fp8 e4m3 caches with C a multiple of
@@ -51,52 +51,25 @@ class AttendTuning:
       gather and conversion, shared by its rows), not interpret mode, no explicit Triton tile
       or dtype argument, a Hopper GPU: `common.gpu_is_not_hopper`), triton otherwise (e.g. 8
       heads per device at TP 8: unmeasured, and 56 of every 64 tile rows would be padding).
-      The rule is fixed; nothing depends on the environment but the GPU's generation.
-    col_blocks: Triton only: the output columns split over this many programs, each of which
-      recomputes the logits over all of C but accumulates only its C / col_blocks columns
-      (smaller accumulator, more programs per multiprocessor).
-    mosaic: the Mosaic GPU kernel's tiles (`sparse_attend_mgpu.MgpuTuning`). The default is
-      FlashMLA's split with the slots staged in shared memory (`design="flashmla"`): on the
-      H200 beside the exchange design, the kernel 66.1 -> 46.4 us on 64 rows, 434.2 -> 303.4
-      on 128 x 2, 1758 -> 1152 on a 2048-row prompt chunk
-      (benchmarks/results/h200-attend-20261202-s11-call2.json); with a prompt's result
-      written by the kernel (`direct_out`: bitwise the merge's, the 2048-row chunk's kernels
-      -7%) and one q scale per 16 heads (`scale_heads=16`: the prep one program per (row,
-      group); within the bound, the same bits on every H200 check case; the prep -15% to
-      -34%): benchmarks/results/h200-direct-out-20261202-s14-call1.json,
-      h200-attend-20261202-s14-call1.json; and a prompt's q taken already scaled
-      (`bound_scales`: prefill-9000's kernels 10.88 -> 10.63 ms,
-      h200-profile-20261202-s15-call2.json); and a decode's partials of 2+ splits in f16
-      (`half_partials`: 64 rows' kernels 57.4 -> 52.5 us, decode-b1's one row 11.5 -> 10.6,
-      within the bound's partial term on every H200 check case,
-      h200-attend-20261205-s26-call2.json).
-    mosaic_prompt: its tiles for prompt rows (`prompt_shaped`; None, the default: `mosaic` for
-      every row, so a prompt's rows and a decode's run the same arithmetic). The two designs
-      sum the logits in other orders: a tuning that mixes them gives other last bits for a
-      prompt's rows than for the same rows decoded.
+      The rule is fixed (`tuned.DEFAULTS`); nothing depends on the environment but the GPU's
+      generation.
+    mosaic: the Mosaic GPU kernel's tuning (`sparse_attend_mgpu.MgpuTuning`).
     """
 
     backend: str = "auto"
-    col_blocks: int = 1
-    mosaic: mgpu_op.MgpuTuning = mgpu_op.MgpuTuning(design="flashmla", direct_out=True,
-                                                    scale_heads=16, bound_scales=True,
-                                                    half_partials=True)
-    mosaic_prompt: mgpu_op.MgpuTuning | None = None
+    mosaic: mgpu_op.MgpuTuning = mgpu_op.MgpuTuning()
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r}: must be one of {BACKENDS}")
-        if self.col_blocks < 1 or self.col_blocks & (self.col_blocks - 1):
-            raise ValueError(f"col_blocks={self.col_blocks} must be a power of two >= 1")
 
 
 def takes_scaled_q(cache_dtype, heads: int, c: int, interpret: bool,
                    tuning: AttendTuning = AttendTuning()) -> bool:
     """Whether `sparse_attend_pallas` reads `q_scaled=` (a prompt's rows) for these inputs:
-    `tuning` picks the Mosaic kernel for them (`pick_backend`: never in interpret mode) and
-    that kernel's tiles have `MgpuTuning.bound_scales`. The layer makes that q only then."""
-    if interpret or not (tuning.mosaic.bound_scales or (tuning.mosaic_prompt is not None
-                                                        and tuning.mosaic_prompt.bound_scales)):
+    `tuning` picks the Mosaic kernel for them (`pick_backend`: never in interpret mode), which
+    takes a prompt's q already scaled. The layer makes that q only then."""
+    if interpret:
         return False
     return pick_backend(tuning, cache_dtype, heads, c, interpret, False) == "mosaic"
 
@@ -207,20 +180,17 @@ _M_INIT = -1e30
 
 
 def _attend_kernel(scale_ref, live_ref, q_ref, slots_ref, lat_ref, o_ref, m_ref, l_ref, *,
-                   width: int, tiles: int, block_w: int, compute_dtype, precision,
-                   col_blocks: int):
-    """One (head block x column block, split, row) program.
+                   width: int, tiles: int, block_w: int, compute_dtype, precision):
+    """One (head block, split, row) program.
 
     scale_ref: [2] f32 (logit scale, output scale); live_ref: [N] int32 (whole array), slots
     past which a row has no non-empty slot; q_ref: [HB, Cp] compute dtype; slots_ref:
     [N, Wp] int32 (whole array); lat_ref: [NS, C] cache dtype (whole flat cache). Outputs this
-    split's normalized partial o_ref [HB, Cp / col_blocks] f32 (0 if it saw no valid slot), its
-    running max m_ref [HB] f32 and softmax denominator l_ref [HB] f32 (the same values in
-    every column block: each computes the same logits in the same order).
+    split's normalized partial o_ref [HB, Cp] f32 (0 if it saw no valid slot), its running
+    max m_ref [HB] f32 and softmax denominator l_ref [HB] f32.
     """
     split, row = pl.program_id(1), pl.program_id(2)
     hb, cp = q_ref.shape
-    cw = cp // col_blocks  # accumulated columns
     logit_scale, out_scale = scale_ref[0], scale_ref[1]
 
     def gather(slots, valid, cols):  # -> [BW, len(cols)] compute dtype; 0 at empty slots
@@ -229,28 +199,16 @@ def _attend_kernel(scale_ref, live_ref, q_ref, slots_ref, lat_ref, o_ref, m_ref,
         return plt.load(lat_ref.at[jnp.maximum(slots, 0)[:, None], cols[None, :]], mask=mask,
                         other=jnp.zeros((), lat_ref.dtype)).astype(compute_dtype)
 
-    if col_blocks > 1:
-        mine = (pl.program_id(0) % col_blocks) * cw + jnp.arange(cw, dtype=jnp.int32)  # [CW]
-        q_parts = [q_ref[:, pl.ds(k * cw, cw)] for k in range(col_blocks)]  # [HB, CW] each
-    else:
-        q = q_ref[...]  # [HB, Cp]
-        cols = jnp.arange(cp, dtype=jnp.int32)  # [Cp]
+    q = q_ref[...]  # [HB, Cp]
+    cols = jnp.arange(cp, dtype=jnp.int32)  # [Cp]
 
     def tile(t, carry):
-        m, l, acc = carry  # [HB], [HB], [HB, CW]
+        m, l, acc = carry  # [HB], [HB], [HB, Cp]
         start = (split * tiles + t) * block_w
         slots = slots_ref[row, pl.ds(start, block_w)]  # [BW]
         valid = slots >= 0  # [BW]
-        if col_blocks > 1:
-            logits = None  # [HB, BW]: the column parts summed in a fixed order
-            for k in range(col_blocks):
-                ck = gather(slots, valid, k * cw + jnp.arange(cw, dtype=jnp.int32))
-                part = _dot(q_parts[k], ck, ((1,), (1,)), precision)
-                logits = part if logits is None else logits + part
-            c = gather(slots, valid, mine)  # [BW, CW]: this program's columns (cache hits)
-        else:
-            c = gather(slots, valid, cols)  # [BW, Cp]
-            logits = _dot(q, c, ((1,), (1,)), precision)
+        c = gather(slots, valid, cols)  # [BW, Cp]
+        logits = _dot(q, c, ((1,), (1,)), precision)
         logits = jnp.where(valid[None, :], logits * logit_scale, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))  # [HB]
         alpha = jnp.exp(m - m_new)  # [HB]
@@ -260,7 +218,7 @@ def _attend_kernel(scale_ref, live_ref, q_ref, slots_ref, lat_ref, o_ref, m_ref,
         return m_new, l, acc
 
     init = (jnp.full((hb,), _M_INIT, jnp.float32), jnp.zeros((hb,), jnp.float32),
-            jnp.zeros((hb, cw), jnp.float32))
+            jnp.zeros((hb, cp), jnp.float32))
     live_tiles = (live_ref[row] + block_w - 1) // block_w - split * tiles
     m, l, acc = lax.fori_loop(0, jnp.clip(live_tiles, 0, tiles), tile, init)
     # Normalized here so that one split needs no merge pass at all.
@@ -277,8 +235,8 @@ def _dot(a, b, contract, precision):
 
 def _dot_precision(compute_dtype, interpret: bool):
     """fp32 operands: 3-pass tf32 on the GPU (fp32-level error on tensor cores; Triton's IEEE
-    fp32 dot is far slower: benchmarks/notes.md); IEEE fp32 in interpret mode, where the CPU
-    has no tf32. bf16 operands: a plain bf16 MMA either way."""
+    fp32 dot measured far slower); IEEE fp32 in interpret mode, where the CPU has no tf32.
+    bf16 operands: a plain bf16 MMA either way."""
     if compute_dtype == jnp.float32 and not interpret:
         return lax.DotAlgorithmPreset.TF32_TF32_F32_X3
     return lax.Precision.HIGHEST
@@ -318,9 +276,10 @@ def default_compute_dtype(cache_dtype) -> jnp.dtype:
 
 def default_tiles(padded_heads: int, compute_dtype=jnp.bfloat16) -> dict:
     """Heads per program, slots per tile, warps, and how many such programs one multiprocessor
-    holds at a time, from the H200 sweeps (benchmarks/results/). The accumulator [HB, C] fp32
-    and the latent tile [BW, C] live in registers: BW = 64 with HB = 64 and C = 512 spills.
-    fp32 operands (3-pass tf32) need the most shared memory: HB = 64 asked for 458 KB."""
+    holds at a time, the fastest of the H200 sweeps. The accumulator [HB, C] fp32 and the
+    latent tile [BW, C] live in registers: BW = 64 with HB = 64 and C = 512 spills. fp32
+    operands (3-pass tf32) need the most shared memory: HB = 64 asks for more than a
+    multiprocessor has."""
     if jnp.dtype(compute_dtype) == jnp.float32:
         return dict(block_h=16, block_w=32, num_warps=4, per_sm=1)
     if padded_heads >= 64:
@@ -333,8 +292,8 @@ def default_tiles(padded_heads: int, compute_dtype=jnp.bfloat16) -> dict:
 def _num_splits(programs_per_split: int, per_sm: int, tiles: int, max_splits: int = 16,
                 sms: int | None = None) -> int:
     """Splits per row and head block: as many as fill the multiprocessors (`sms`, default
-    `sm_count()`) in one wave (a second, partial wave cost 35% at 32 rows x 64 heads), at most
-    max_splits (partials cost traffic and a merge) and tiles."""
+    `sm_count()`) in one wave (a second, partial wave measured slower), at most max_splits
+    (partials cost traffic and a merge) and tiles."""
     fit = ((sms or sm_count()) * per_sm) // max(1, programs_per_split)
     return max(1, min(max_splits, tiles, fit))
 
@@ -342,45 +301,23 @@ def _num_splits(programs_per_split: int, per_sm: int, tiles: int, max_splits: in
 def mosaic_fills(heads: int) -> bool:
     """Whether at least half of the Mosaic kernel's 64-row head tiles are real heads once
     `heads` is padded to a multiple of 64 (the rest are zero rows whose outputs are dropped)."""
-    padded = -(-heads // mgpu_op.HEADS_PER_CTA) * mgpu_op.HEADS_PER_CTA
+    padded = -(-heads // HEADS_PER_CTA) * HEADS_PER_CTA
     return 2 * heads >= padded
-
-
-# More rows than this per sequence, all of them live, are a prompt chunk (a decode or verify
-# pads to max_verify rows, most of them not live).
-PROMPT_ROWS = 8
-
-
-def prompt_shaped(rows_per_seq: int, live_rows: int, rows: int) -> bool:
-    """Whether a call's rows are a prompt chunk: more than `PROMPT_ROWS` per sequence and all
-    live (`live_rows == rows`)."""
-    return rows_per_seq > PROMPT_ROWS and live_rows == rows
-
-
-def mosaic_tuning(tuning: AttendTuning, rows_per_seq: int, live_rows: int, rows: int
-                  ) -> mgpu_op.MgpuTuning:
-    """The Mosaic kernel's tiles for these rows: `mosaic_prompt` for a prompt chunk (where set),
-    else `mosaic`. Either gives the same bits (the check cases of h200_attend.py)."""
-    if tuning.mosaic_prompt is not None and prompt_shaped(rows_per_seq, live_rows, rows):
-        return tuning.mosaic_prompt
-    return tuning.mosaic
 
 
 def pick_backend(tuning: AttendTuning, cache_dtype, heads: int, c: int, interpret: bool,
                  triton_args: bool) -> str:
     """"triton" or "mosaic" for these inputs (AttendTuning's rule); raises where "mosaic" was
     asked for and cannot run."""
-    why = mgpu_op.supports(cache_dtype, c, tuning.mosaic)
-    if why is None and tuning.mosaic_prompt is not None:
-        why = mgpu_op.supports(cache_dtype, c, tuning.mosaic_prompt)
+    why = mgpu_op.supports(cache_dtype, c)
     if tuning.backend == "mosaic":
         if interpret:
             raise ValueError("backend='mosaic': Mosaic GPU kernels have no interpret mode")
         if why is not None:
             raise ValueError(f"backend='mosaic' does not run {why}; use backend='triton'")
         return "mosaic"
-    if (tuning.backend == "triton" or interpret or triton_args or why is not None
-            or not mosaic_fills(heads) or gpu_is_not_hopper()):
+    if (tuning.backend == "triton" or triton_args or why is not None or not mosaic_fills(heads)
+            or tuned.backends(interpret).attend != "mosaic"):
         return "triton"
     return "mosaic"
 
@@ -398,7 +335,7 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
     tests/test_kernels.py and tests/test_attend_kernel.py). q [B, R, H, C] f32 -> [B, R, H, C]
     f32.
 
-    tuning: which kernel (`AttendTuning.backend`) and its tiles. num_splits: programs per row
+    tuning: which kernel (`AttendTuning.backend`) and its tuning. num_splits: programs per row
     and head block (None: enough to fill the GPU); live_rows: how many of the B*R rows the
     split heuristic should plan for (None: all); a decode padded to max_verify rows has about
     B non-empty rows, and planning for the padded ones would leave most of the GPU idle.
@@ -409,8 +346,9 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
     `sparse_attend_xla`'s; the Mosaic path reads the rows in place and writes the padded block
     with its split merge, in one pass. q_scaled: (q16 [B, R, H, C] f16, down [B, R, H] f32),
     q scaled per (row, head) by a power of two with every |q 2^k| below 2^14 and rounded to
-    f16 (`projection.scaled_q_abs`, the U_k GEMM's kernel): with `MgpuTuning.bound_scales` the
-    Mosaic path takes it in place of q (no prep: q is not read); other paths ignore it.
+    f16 (`projection.scaled_q_abs`, the U_k GEMM's kernel, from a bound known before the GEMM):
+    the Mosaic path takes it in place of q for rows without padding (a prompt's): no f32 q
+    written and read back, no prep (q is not read); other paths ignore it.
     """
     b, r_all, h, c = q.shape
     r = _attended_rows((b, r_all), rows, fill)
@@ -423,8 +361,7 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
     kv = jnp.asarray(kv_scale, jnp.float32) if is_fp8 else jnp.float32(1.0)
     if backend == "mosaic":
         out = _mosaic_attend(q.reshape(b * r_all, h, c), latent.reshape(nb * bs, c), kv, sel,
-                             block_tables, bs, softmax_scale,
-                             mosaic_tuning(tuning, r, live_rows or n, n), num_splits,
+                             block_tables, bs, softmax_scale, tuning.mosaic, num_splits,
                              live_rows or n, out_dtype, pad,
                              None if q_scaled is None else
                              (q_scaled[0].reshape(b * r_all, h, c),
@@ -434,8 +371,7 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
 
     # Kept for this kernel (the write stores through XLA instead): its gather reads the cache
     # in place; reading it as words would need an unpack on the hot path (unmeasured). The
-    # Mosaic kernel above addresses rows in 64 bits (memref offsets) and takes any cache size
-    # (benchmarks/results/h200-offsets-20261201.json).
+    # Mosaic kernel above addresses rows in 64 bits (memref offsets) and takes any cache size.
     check_triton_addressable(latent.shape, latent.dtype, "latent cache")
     slots = jax.vmap(token_slots, in_axes=(0, 0, None))(sel, block_tables, bs)  # [B, R, W]
     slots = slots.reshape(n, w)
@@ -448,12 +384,9 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
     hb = min(next_pow2(block_h), hp2)
     hp = -(-max(h, 16) // hb) * hb  # padded heads
     cp = max(16, next_pow2(c))  # padded latent width (masked loads, no cache copy)
-    cb = tuning.col_blocks
-    if cp // cb < 16:
-        raise ValueError(f"col_blocks={cb}: C padded to {cp} leaves fewer than 16 columns")
     tiles_all = -(-w // block_w)
-    splits = num_splits or _num_splits((live_rows or n) * (hp // hb) * cb,
-                                       tiles_cfg["per_sm"], tiles_all)
+    splits = num_splits or _num_splits((live_rows or n) * (hp // hb), tiles_cfg["per_sm"],
+                                       tiles_all)
     tiles = -(-tiles_all // splits)  # tiles per split
     wp = splits * tiles * block_w
 
@@ -468,23 +401,22 @@ def sparse_attend_pallas(q: jax.Array, latent: jax.Array, kv_scale: jax.Array,
 
     kernel = functools.partial(_attend_kernel, width=c, tiles=tiles, block_w=block_w,
                                compute_dtype=compute_dtype,
-                               precision=_dot_precision(compute_dtype, interpret),
-                               col_blocks=cb)
+                               precision=_dot_precision(compute_dtype, interpret))
     part = jax.ShapeDtypeStruct((n, splits, hp), jnp.float32)
     o, m, l = pl.pallas_call(
         kernel,
-        grid=(hp // hb * cb, splits, n),  # (head block x column block, split, row)
+        grid=(hp // hb, splits, n),  # (head block, split, row)
         in_specs=[
             pl.BlockSpec(),  # scales [2]
             pl.BlockSpec(),  # live [N]
-            pl.BlockSpec((None, hb, cp), lambda i, s, j: (j, i // cb, 0)),  # q [N, Hp, Cp]
+            pl.BlockSpec((None, hb, cp), lambda i, s, j: (j, i, 0)),  # q [N, Hp, Cp]
             pl.BlockSpec(),  # slots [N, Wp]
             pl.BlockSpec(),  # flat cache [NS, C]
         ],
         out_specs=[
-            pl.BlockSpec((None, None, hb, cp // cb), lambda i, s, j: (j, s, i // cb, i % cb)),
-            pl.BlockSpec((None, None, hb), lambda i, s, j: (j, s, i // cb)),
-            pl.BlockSpec((None, None, hb), lambda i, s, j: (j, s, i // cb)),
+            pl.BlockSpec((None, None, hb, cp), lambda i, s, j: (j, s, i, 0)),
+            pl.BlockSpec((None, None, hb), lambda i, s, j: (j, s, i)),
+            pl.BlockSpec((None, None, hb), lambda i, s, j: (j, s, i)),
         ],
         out_shape=[jax.ShapeDtypeStruct((n, splits, hp, cp), jnp.float32), part, part],
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -507,30 +439,24 @@ def padded_slots(sel, block_tables, block_size: int, wp: int):
 
 
 def mosaic_inputs_jnp(q, sel, block_tables, block_size: int, *, hp: int, wp: int,
-                      scale_heads: int = 0):
+                      scale_heads: int = SCALE_HEADS):
     """The Mosaic kernel's inputs in jnp (the twin of `attend_prep.prep_pallas`): q [N, H, C]
-    f32, sel [B, R, W] tokens, block_tables [B, MB] -> (q16 [N, Hp, C] f16 scaled by 2^k,
-    up = 2^k [N], down = 2^-k [N], slots [N, Wp] (-1 past W), live [N]). scale_heads: one
-    scale per group of that many heads (`MgpuTuning.scale_heads`, padded heads zeros): up and
-    down then [N, Hp], each head its group's."""
+    f32, sel [B, R, W] tokens, block_tables [B, MB] -> (q16 [N, Hp, C] f16, each group of
+    `scale_heads` heads scaled by its 2^k (padded heads zeros), up = 2^k [N, Hp], down = 2^-k
+    [N, Hp] (each head its group's), slots [N, Wp] (-1 past W), live [N])."""
     n, h, _ = q.shape
     slots = padded_slots(sel, block_tables, block_size, wp)  # [N, Wp]
-    if scale_heads:
-        q_p = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))  # [N, Hp, C]
-        up, down = mgpu_op.head_scales(q_p, scale_heads)  # [N, Hp] each
-        return ((q_p * up[:, :, None]).astype(jnp.float16), up, down, slots,
-                live_extent(slots))
-    up, down = mgpu_op.row_scales(q)  # [N] each
-    q16 = (q * up[:, None, None]).astype(jnp.float16)  # [N, H, C]
-    if hp != h:
-        q16 = jnp.pad(q16, ((0, 0), (0, hp - h), (0, 0)))
-    return q16, up, down, slots, live_extent(slots)
+    q_p = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))  # [N, Hp, C]
+    up, down = mgpu_op.head_scales(q_p, scale_heads)  # [N, Hp] each
+    return ((q_p * up[:, :, None]).astype(jnp.float16), up, down, slots, live_extent(slots))
 
 
 def scaled_inputs(q16, down, sel, block_tables, block_size: int, *, hp: int, wp: int):
     """The Mosaic kernel's inputs from a q already scaled per head (`projection.scaled_q_abs`:
-    q16 [N, H, C] f16, down [N, H] f32 = 2^-k; `MgpuTuning.bound_scales`): (q16 [N, Hp, C],
-    up [N, Hp], down [N, Hp], slots [N, Wp], live [N]), padded heads zero (scale 1)."""
+    q16 [N, H, C] f16, down [N, H] f32 = 2^-k): (q16 [N, Hp, C], up [N, Hp], down [N, Hp],
+    slots [N, Wp], live [N]), padded heads zero (scale 1). q_abs's products are rounded to f16
+    as the head-group scales round them, except for values below f16's normal range (2^-27 of
+    their bound)."""
     n, h, _ = q16.shape
     slots = padded_slots(sel, block_tables, block_size, wp)  # [N, Wp]
     up = 1.0 / down  # exact: powers of two
@@ -540,59 +466,37 @@ def scaled_inputs(q16, down, sel, block_tables, block_size: int, *, hp: int, wp:
     return q16, up, down, slots, live_extent(slots)
 
 
-def _prepared_inputs(q, sel, block_tables, bs, t: mgpu_op.MgpuTuning, *, r, hp, wp):
-    """The kernel's inputs from each row's own q (the prep of `t`): q [B * R_all, H, C] f32,
-    sel [B, R_all, W]; only each sequence's first r rows."""
-    b, r_all, _ = sel.shape
-    n, h, c = b * r, q.shape[1], q.shape[2]
-    if t.prep == "triton":
-        qk, up, down, slots, live = attend_prep.prep_pallas(
-            q, sel, block_tables, bs, hp=hp, wp=wp, heads_per_chunk=t.prep_heads,
-            num_warps=t.prep_warps, programs=t.prep_per_sm * sm_count() or None,
-            write_q=not t.q_in_kernel, rows=r, scale_heads=t.scale_heads,
-            slots_apart=t.prep_slots_apart)
-    if t.prep != "triton" or t.q_in_kernel:  # these take the attended rows as arrays
-        q = q.reshape(b, r_all, h, c)[:, :r].reshape(n, h, c)
-    if t.prep != "triton":
-        qk, up, down, slots, live = mosaic_inputs_jnp(q, sel[:, :r], block_tables, bs, hp=hp,
-                                                      wp=wp, scale_heads=t.scale_heads)
-    if t.q_in_kernel:  # the kernel scales and converts the f32 rows itself
-        qk = q if hp == h else jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
-    return qk, up, down, slots, live
-
-
 def _mosaic_attend(q, latent_flat, kv, sel, block_tables, bs, softmax_scale,
                    t: mgpu_op.MgpuTuning, num_splits, live_rows, dtype, pad, q_scaled=None):
     """q [B * R, H, C] f32, latent_flat [NS, C] fp8, sel [B, R, W] tokens -> [B * R, H, C]
     `dtype`; with `pad = (r, fill [B, R])` only each sequence's first r rows are attended
     (read in place by the prep), the others are fill (`merge_splits_pallas`'s padding).
-    q_scaled (q16 [B * R, H, C], down [B * R, H]): `sparse_attend_pallas`'s (used with
-    t.bound_scales and no pad)."""
+    q_scaled (q16 [B * R, H, C], down [B * R, H]): `sparse_attend_pallas`'s, taken in place of
+    q where there is no pad (a prompt's rows)."""
     b, r_all, w = sel.shape
     r = r_all if pad is None else pad[0]
     h = q.shape[1]
-    hp = -(-h // mgpu_op.HEADS_PER_CTA) * mgpu_op.HEADS_PER_CTA
-    tiles_all = -(-w // t.block_w)
-    splits = num_splits or mgpu_op.num_splits(live_rows * (hp // mgpu_op.HEADS_PER_CTA),
-                                              tiles_all, sm_count(), t.max_splits)
+    hp = -(-h // HEADS_PER_CTA) * HEADS_PER_CTA
+    tiles_all = -(-w // BLOCK_W)
+    splits = num_splits or mgpu_op.num_splits(live_rows * (hp // HEADS_PER_CTA), tiles_all,
+                                              sm_count(), t.max_splits)
     tiles = -(-tiles_all // splits)
-    wp = splits * tiles * t.block_w
-    if t.bound_scales and q_scaled is not None and pad is None:  # a prompt's rows
+    wp = splits * tiles * BLOCK_W
+    if q_scaled is not None and pad is None:  # a prompt's rows
         qk, up, down, slots, live = scaled_inputs(*q_scaled, sel, block_tables, bs, hp=hp,
                                                   wp=wp)
     else:
-        qk, up, down, slots, live = _prepared_inputs(q, sel, block_tables, bs, t, r=r, hp=hp,
-                                                     wp=wp)
-    direct = t.direct_out and splits == 1 and pad is None  # the partial is the result
+        qk, up, down, slots, live = attend_prep.prep_pallas(q, sel, block_tables, bs, hp=hp,
+                                                            wp=wp, rows=r)
+    direct = splits == 1 and pad is None  # the partial is the result: the kernel rounds it
     o, m, l = mgpu_op.sparse_attend_mgpu_partials(
         kv, (up, down), live, qk, slots, latent_flat, softmax_scale=softmax_scale,
-        splits=splits, tiles=tiles, tuning=t, out_dtype=dtype if direct else jnp.float32)
-    scale = None if mgpu_op.partials_scaled(t, splits) else kv  # f16 partials: merge scales
+        splits=splits, tiles=tiles, out_dtype=dtype if direct else jnp.float32)
+    scale = kv if splits > 1 else None  # f16 partials in the cache's units: the merge scales
     if direct:
         return o[:, 0, :h]
-    # The merge as a kernel: one summation order in every program. The jnp merge was fused
-    # into whatever followed it, which differed between a decode (its rows cut and padded) and
-    # a max_verify-row verify, and on the H200 they then differed in y's last bits
-    # (benchmarks/notes.md, session 2026-12-01 fifth). It also rounds to `dtype` and writes
-    # a decode's padded block, so neither needs a pass of its own.
+    # The merge as a kernel: one summation order in every program. A jnp merge is fused into
+    # whatever follows it, which differs between a decode (its rows cut and padded) and a
+    # max_verify-row verify, and on the H200 they then differed in y's last bits. It also
+    # rounds to `dtype` and writes a decode's padded block, so neither needs a pass of its own.
     return merge_splits_pallas(o, m, l, dtype=dtype, pad=pad, scale=scale)[:, :h]

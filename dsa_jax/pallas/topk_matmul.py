@@ -10,7 +10,7 @@ GEMM instead of before it.
 slots: `pool_topk.expand_xla`) and `matmul_xla`. The kernel returns what `pool_topk_pallas`
 (or `pool_topk_expand_pallas`) and `matmul_pallas` return, bit for bit: each part is its kernel's
 own program with its own tiles. Where the two cannot share a launch (the top-k would run the
-raw Triton kernel, a row longer than the top-k's register chunk, other warp counts, no rows)
+raw Triton kernel, a row longer than the top-k kernel holds, other warp counts, no rows)
 they run one after the other: the same results.
 """
 
@@ -52,8 +52,7 @@ def shares_launch(scores_shape: tuple[int, ...], v_shape: tuple[int, ...],
     m = math.prod(v_shape[:-1])
     mt = matmul_tuning or mm.default_tuning(*w_shape[-2:], 1, m)
     return (rows > 0 and m > 0 and not tk.runs_triton(topk_tuning, rows, interpret)
-            and scores_shape[-1] <= min(topk_tuning.chunk, tk.KERNEL_MAX_P)
-            and mt.num_warps == topk_tuning.num_warps)
+            and scores_shape[-1] <= tk.KERNEL_MAX_P and mt.num_warps == tk.NUM_WARPS)
 
 
 def topk_matmul_pallas(scores: jax.Array, k: int, v: jax.Array, w: jax.Array,
@@ -74,7 +73,11 @@ def topk_matmul_pallas(scores: jax.Array, k: int, v: jax.Array, w: jax.Array,
     topk_tuning = topk_tuning or tk.PoolTopkTuning()
     if not shares_launch(scores.shape, v.shape, w.shape, interpret, topk_tuning,
                          matmul_tuning):
-        if expand is None:
+        if scores.shape[-1] > tk.KERNEL_MAX_P:  # past the kernels' rows: lax.top_k
+            pools = tk.pool_topk_xla(scores, k)
+            if expand is not None:
+                pools = tk.expand_xla(pools, pos, valid, expand)
+        elif expand is None:
             pools = tk.pool_topk_pallas(scores, k, interpret=interpret, tuning=topk_tuning)
         elif tk.runs_triton(topk_tuning, math.prod(scores.shape[:-1]), interpret):
             pools = tk.expand_xla(tk.pool_topk_pallas(scores, k, interpret=interpret,

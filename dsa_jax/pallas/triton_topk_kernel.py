@@ -7,21 +7,14 @@ The winners are the k largest composite keys `(u << 32) | (0xFFFFFFFF - index)`:
 descending, then index ascending (the tie rule of `lax.top_k`); the composite is unique per
 index, so its descending sort is the answer.
 
-METHOD 0 (radix): the k-th largest u by `32 / DIGIT_BITS` histogram passes (`tl.histogram`
-over the digit of the keys that share the prefix settled so far); the winners (u > kth, then
-the lowest-index ties u == kth) compacted into a per-row scratch at their prefix-sum position;
-after a barrier the k of them are loaded and sorted (`tl.sort` of the composite). With
-SHORT_ROWS, rows with fewer than k keys above -inf skip the passes (the kth is -inf) and rows
-of only -inf (padding) store 0..k-1 directly.
-METHOD 3 (sample): a threshold t with at least k keys >= t from the maxima of blocks of 4
-(the radix select over a quarter of the row), the candidates >= t compacted and sorted whole
-when they fit SLOTS (2 * next_pow2(k)), else the radix select over the row.
-PREFIX (QUARTER, HALF; radix with SHORT_ROWS): a row whose keys above -inf all lie in the
-first quarter (half) of the lanes, as a prompt row's candidate pools do, is selected over
-those lanes alone (`select_live`), with the same winners.
-METHOD 1 (topk): `tl.topk` of the whole row's composites (a bitonic sort of the row's first
-log2(KP) stages, then halving merges), no scratch. METHOD 2 (sort): `tl.sort` of the whole row's
-composites, the first K stored (Triton's interpreter runs this one; its `tl.topk` fails there).
+The k-th largest u by `32 / DIGIT_BITS` histogram passes (`tl.histogram` over the digit of the
+keys that share the prefix settled so far); the winners (u > kth, then the lowest-index ties
+u == kth) compacted into a per-row scratch at their prefix-sum position; after a barrier the k
+of them are loaded and sorted (`tl.sort` of the composite). Rows with fewer than k keys above
+-inf skip the passes (the kth is -inf) and rows of only -inf (padding) store 0..k-1 directly.
+A row whose keys above -inf all lie in the first quarter (half) of the lanes, as a prompt
+row's candidate pools do, is selected over those lanes alone (`select_live`: QUARTER, HALF),
+with the same winners.
 """
 
 from __future__ import annotations
@@ -57,9 +50,9 @@ def radix_kth(u, valid, K: tl.constexpr, DIGIT_BITS: tl.constexpr):
 
 @triton.jit
 def store_winners(u, valid, offs, kth, need, out_ptr, cu_ptr, ci_ptr, row, K: tl.constexpr,
-                  KP: tl.constexpr, SLOTS: tl.constexpr):
+                  KP: tl.constexpr):
     """The keys > kth and the first `need` keys == kth (index order), compacted into the
-    row's scratch (SLOTS per row), sorted on the composite key, their indices stored at
+    row's scratch (KP slots per row), sorted on the composite key, their indices stored at
     out_ptr's row."""
     lane = tl.arange(0, KP)  # [KP]
     gt = valid & (u > kth)
@@ -67,7 +60,7 @@ def store_winners(u, valid, offs, kth, need, out_ptr, cu_ptr, ci_ptr, row, K: tl
     win = gt | ((eq == 1) & (tl.cumsum(eq, axis=0) - eq < need))
     wi = win.to(tl.int32)
     pos = tl.cumsum(wi, axis=0) - wi  # [PP] slot of each winner, in index order
-    base = row * SLOTS
+    base = row * KP
     tl.store(cu_ptr + base + pos, u.to(tl.int32, bitcast=True), mask=win)
     tl.store(ci_ptr + base + pos, offs, mask=win)
     tl.debug_barrier()  # the slots were written by other threads of this program
@@ -80,48 +73,11 @@ def store_winners(u, valid, offs, kth, need, out_ptr, cu_ptr, ci_ptr, row, K: tl
 
 
 @triton.jit
-def sample_select(u, valid, offs, out_ptr, cu_ptr, ci_ptr, row, K: tl.constexpr,
-                  KP: tl.constexpr, PP: tl.constexpr, SLOTS: tl.constexpr,
-                  DIGIT_BITS: tl.constexpr):
-    """METHOD 3: t = the K-th largest of the PP / 4 maxima of blocks of 4 keys (PP / 4 >= K),
-    so at least K keys are >= t and the top K are among them. Up to SLOTS such candidates are
-    compacted and sorted whole (the radix select over the row where there are more)."""
-    um = tl.where(valid, u, 0)  # [PP] lanes past P: the lowest key
-    bm = tl.max(tl.reshape(um, [PP // 4, 4]), axis=1)  # [PP/4] block maxima
-    t, _ = radix_kth(bm, bm == bm, K, DIGIT_BITS)
-    cand = valid & (u >= t)  # [PP]
-    ci = cand.to(tl.int32)
-    n_cand = tl.sum(ci, axis=0)
-    if n_cand <= SLOTS:
-        pos = tl.cumsum(ci, axis=0) - ci  # [PP] slot of each candidate, in index order
-        base = row * SLOTS
-        tl.store(cu_ptr + base + pos, u.to(tl.int32, bitcast=True), mask=cand)
-        tl.store(ci_ptr + base + pos, offs, mask=cand)
-        tl.debug_barrier()  # the slots were written by other threads of this program
-        slot = tl.arange(0, SLOTS)  # [SLOTS]
-        live = slot < n_cand
-        wu = tl.load(cu_ptr + base + slot, mask=live, other=0).to(tl.uint32, bitcast=True)
-        inv = (~tl.load(ci_ptr + base + slot, mask=live, other=0)).to(tl.uint32, bitcast=True)
-        comp = tl.where(live, (wu.to(tl.uint64) << 32) | inv.to(tl.uint64), 0)  # [SLOTS]
-        top = tl.sort(comp, descending=True)  # [SLOTS]
-        idx = ~(top.to(tl.uint32).to(tl.int32, bitcast=True))  # [SLOTS] low word -> index
-        tl.store(out_ptr + row * K + slot, idx, mask=slot < K)
-    else:
-        kth, need = radix_kth(u, valid, K, DIGIT_BITS)
-        store_winners(u, valid, offs, kth, need, out_ptr, cu_ptr, ci_ptr, row, K, KP, SLOTS)
-
-
-@triton.jit
 def select_rest(u, valid, offs, out_ptr, cu_ptr, ci_ptr, row, K: tl.constexpr,
-                KP: tl.constexpr, PP: tl.constexpr, SLOTS: tl.constexpr, METHOD: tl.constexpr,
-                DIGIT_BITS: tl.constexpr):
-    """METHOD 0 or 3 on a row whose kth is above -inf."""
-    if METHOD == 3:
-        sample_select(u, valid, offs, out_ptr, cu_ptr, ci_ptr, row, K, KP, PP, SLOTS,
-                      DIGIT_BITS)
-    else:
-        kth, need = radix_kth(u, valid, K, DIGIT_BITS)
-        store_winners(u, valid, offs, kth, need, out_ptr, cu_ptr, ci_ptr, row, K, KP, SLOTS)
+                KP: tl.constexpr, DIGIT_BITS: tl.constexpr):
+    """The radix select and the winners' sort on a row whose kth is above -inf."""
+    kth, need = radix_kth(u, valid, K, DIGIT_BITS)
+    store_winners(u, valid, offs, kth, need, out_ptr, cu_ptr, ci_ptr, row, K, KP)
 
 
 @triton.jit
@@ -134,23 +90,20 @@ def sortable_u(x):
 
 @triton.jit
 def select_prefix(s_ptr, out_ptr, cu_ptr, ci_ptr, row, P: tl.constexpr, L: tl.constexpr,
-                  K: tl.constexpr, KP: tl.constexpr, SLOTS: tl.constexpr, METHOD: tl.constexpr,
-                  DIGIT_BITS: tl.constexpr):
+                  K: tl.constexpr, KP: tl.constexpr, DIGIT_BITS: tl.constexpr):
     """`select_rest` over the row's first L lanes only, for a row whose keys above -inf all
     lie there (and are at least K): the keys past L are -inf, below the kth, so the winners
     and their order are the whole row's."""
     offs = tl.arange(0, L)  # [L]
     valid = offs < P
     u = sortable_u(tl.load(s_ptr + row * P + offs, mask=valid, other=0.0))  # [L]
-    select_rest(u, valid, offs, out_ptr, cu_ptr, ci_ptr, row, K, KP, L, SLOTS, METHOD,
-                DIGIT_BITS)
+    select_rest(u, valid, offs, out_ptr, cu_ptr, ci_ptr, row, K, KP, DIGIT_BITS)
 
 
 @triton.jit
 def select_live(u, valid, offs, s_ptr, out_ptr, cu_ptr, ci_ptr, row, P: tl.constexpr,
-                K: tl.constexpr, KP: tl.constexpr, PP: tl.constexpr, SLOTS: tl.constexpr,
-                METHOD: tl.constexpr, DIGIT_BITS: tl.constexpr, QUARTER: tl.constexpr,
-                HALF: tl.constexpr):
+                K: tl.constexpr, KP: tl.constexpr, DIGIT_BITS: tl.constexpr,
+                QUARTER: tl.constexpr, HALF: tl.constexpr):
     """A row whose kth is above -inf: where its keys above -inf all lie in the first QUARTER
     (or HALF) lanes (a prompt row's candidates are a prefix of the pools), the select runs
     over those lanes only (`select_prefix`); else over all PP. A zero QUARTER or HALF: no such
@@ -159,73 +112,48 @@ def select_live(u, valid, offs, s_ptr, out_ptr, cu_ptr, ci_ptr, row, P: tl.const
         last = tl.max(tl.where(valid & (u > NEG_INF_U), offs, -1), axis=0)  # [] last live
         if QUARTER > 0:
             if last < QUARTER:
-                select_prefix(s_ptr, out_ptr, cu_ptr, ci_ptr, row, P, QUARTER, K, KP, SLOTS,
-                              METHOD, DIGIT_BITS)
+                select_prefix(s_ptr, out_ptr, cu_ptr, ci_ptr, row, P, QUARTER, K, KP,
+                              DIGIT_BITS)
             elif HALF > 0:
                 if last < HALF:
-                    select_prefix(s_ptr, out_ptr, cu_ptr, ci_ptr, row, P, HALF, K, KP, SLOTS,
-                                  METHOD, DIGIT_BITS)
+                    select_prefix(s_ptr, out_ptr, cu_ptr, ci_ptr, row, P, HALF, K, KP,
+                                  DIGIT_BITS)
                 else:
-                    select_rest(u, valid, offs, out_ptr, cu_ptr, ci_ptr, row, K, KP, PP,
-                                SLOTS, METHOD, DIGIT_BITS)
+                    select_rest(u, valid, offs, out_ptr, cu_ptr, ci_ptr, row, K, KP,
+                                DIGIT_BITS)
             else:
-                select_rest(u, valid, offs, out_ptr, cu_ptr, ci_ptr, row, K, KP, PP, SLOTS,
-                            METHOD, DIGIT_BITS)
+                select_rest(u, valid, offs, out_ptr, cu_ptr, ci_ptr, row, K, KP, DIGIT_BITS)
         else:
             if last < HALF:
-                select_prefix(s_ptr, out_ptr, cu_ptr, ci_ptr, row, P, HALF, K, KP, SLOTS,
-                              METHOD, DIGIT_BITS)
+                select_prefix(s_ptr, out_ptr, cu_ptr, ci_ptr, row, P, HALF, K, KP, DIGIT_BITS)
             else:
-                select_rest(u, valid, offs, out_ptr, cu_ptr, ci_ptr, row, K, KP, PP, SLOTS,
-                            METHOD, DIGIT_BITS)
+                select_rest(u, valid, offs, out_ptr, cu_ptr, ci_ptr, row, K, KP, DIGIT_BITS)
     else:
-        select_rest(u, valid, offs, out_ptr, cu_ptr, ci_ptr, row, K, KP, PP, SLOTS, METHOD,
-                    DIGIT_BITS)
+        select_rest(u, valid, offs, out_ptr, cu_ptr, ci_ptr, row, K, KP, DIGIT_BITS)
 
 
 @triton.jit
 def pool_topk_kernel(s_ptr, out_ptr, cu_ptr, ci_ptr, P: tl.constexpr, PP: tl.constexpr,
-                     K: tl.constexpr, KP: tl.constexpr, SLOTS: tl.constexpr,
-                     METHOD: tl.constexpr, DIGIT_BITS: tl.constexpr, SHORT_ROWS: tl.constexpr,
+                     K: tl.constexpr, KP: tl.constexpr, DIGIT_BITS: tl.constexpr,
                      QUARTER: tl.constexpr = 0, HALF: tl.constexpr = 0):
-    """s_ptr [N, P] f32 in; out_ptr [N, K] int32 out; cu_ptr, ci_ptr [N, SLOTS] int32 scratch
-    (METHOD 0 and 3: compacted keys and indices). PP = next_pow2(P), KP = next_pow2(K) <= PP;
-    METHOD 3 needs 4 * KP <= PP and SLOTS > KP. SHORT_ROWS (METHOD 0, 3): a row of only -inf
-    stores 0..K-1 at once; a row with fewer than K keys above -inf takes -inf as its kth
-    without the radix passes; QUARTER / HALF (METHOD 0 with SHORT_ROWS; 0: off): a row whose
-    keys above -inf all lie in the first QUARTER (HALF) lanes is selected over those lanes
-    alone (`select_live`)."""
+    """s_ptr [N, P] f32 in; out_ptr [N, K] int32 out; cu_ptr, ci_ptr [N, KP] int32 scratch
+    (the winners' keys and indices). PP = next_pow2(P), KP = next_pow2(K) <= PP. A row of only
+    -inf stores 0..K-1 at once; a row with fewer than K keys above -inf takes -inf as its kth
+    without the radix passes; QUARTER / HALF (0: off): a row whose keys above -inf all lie in
+    the first QUARTER (HALF) lanes is selected over those lanes alone (`select_live`)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, PP)  # [PP] pool index
     valid = offs < P  # [PP]: lanes past P are never counted nor chosen
     x = tl.load(s_ptr + row * P + offs, mask=valid, other=0.0)  # [PP] f32
     u = sortable_u(x)  # [PP]
-    if (METHOD == 1) or (METHOD == 2):
+    n_gt = tl.sum((valid & (u > NEG_INF_U)).to(tl.int32), axis=0)  # [] above -inf
+    n_ge = tl.sum((valid & (u >= NEG_INF_U)).to(tl.int32), axis=0)  # [] at or above
+    if (n_gt == 0) & (n_ge == P):  # every score -inf: the index order
         lane = tl.arange(0, KP)  # [KP]
-        inv = (~offs).to(tl.uint32, bitcast=True)  # [PP] 0xFFFFFFFF - index
-        comp = (u.to(tl.uint64) << 32) | inv.to(tl.uint64)  # [PP]
-        comp = tl.where(valid, comp, 0)  # real composites are > 0 (inv > 0)
-        if METHOD == 1:
-            top = tl.topk(comp, KP)  # [KP] descending
-            idx = ~(top.to(tl.uint32).to(tl.int32, bitcast=True))  # [KP] low word -> index
-            tl.store(out_ptr + row * K + lane, idx, mask=lane < K)
-        else:
-            top = tl.sort(comp, descending=True)  # [PP]
-            idx = ~(top.to(tl.uint32).to(tl.int32, bitcast=True))  # [PP]
-            tl.store(out_ptr + row * K + offs, idx, mask=offs < K)
-    elif SHORT_ROWS:
-        n_gt = tl.sum((valid & (u > NEG_INF_U)).to(tl.int32), axis=0)  # [] above -inf
-        n_ge = tl.sum((valid & (u >= NEG_INF_U)).to(tl.int32), axis=0)  # [] at or above
-        if (n_gt == 0) & (n_ge == P):  # every score -inf: the index order
-            lane = tl.arange(0, KP)  # [KP]
-            tl.store(out_ptr + row * K + lane, lane, mask=lane < K)
-        elif (n_gt < K) & (n_ge >= K):  # the kth is -inf
-            kth = (n_gt * 0 + NEG_INF_U).to(tl.uint32)
-            store_winners(u, valid, offs, kth, K - n_gt, out_ptr, cu_ptr, ci_ptr, row, K, KP,
-                          SLOTS)
-        else:
-            select_live(u, valid, offs, s_ptr, out_ptr, cu_ptr, ci_ptr, row, P, K, KP, PP,
-                        SLOTS, METHOD, DIGIT_BITS, QUARTER, HALF)
+        tl.store(out_ptr + row * K + lane, lane, mask=lane < K)
+    elif (n_gt < K) & (n_ge >= K):  # the kth is -inf
+        kth = (n_gt * 0 + NEG_INF_U).to(tl.uint32)
+        store_winners(u, valid, offs, kth, K - n_gt, out_ptr, cu_ptr, ci_ptr, row, K, KP)
     else:
-        select_rest(u, valid, offs, out_ptr, cu_ptr, ci_ptr, row, K, KP, PP, SLOTS, METHOD,
-                    DIGIT_BITS)
+        select_live(u, valid, offs, s_ptr, out_ptr, cu_ptr, ci_ptr, row, P, K, KP, DIGIT_BITS,
+                    QUARTER, HALF)

@@ -18,7 +18,7 @@ batch than one device would: `sel` stays equal to one device's as long as the ke
 do not depend on the batch size (the Pallas kernels work per row; XLA:CPU's vectorized exp
 differs from its scalar remainder loop, and its pool-score dots differ with the batch's shape,
 so there pool keys and scores may differ in their last bits; the GEMMs feeding the indexer
-are XLA's on every backend: benchmarks/notes.md has what the H200 shows).
+are XLA's on every backend: `bitwise.BITWISE_OPTIONS` fixes their order on the GPU).
 
 Placement (`layout.py`): `mesh`, `shard_weights`, `init_state` (made in place),
 `shard_state` / `gather_state` (a whole state <-> split), `put`, `row_sharding`, the specs

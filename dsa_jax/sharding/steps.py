@@ -68,10 +68,9 @@ def reduce_heads(cfg: DsaConfig, y: jax.Array) -> jax.Array:
 
 
 # Fewest sequences per tp rank for which the default rule splits the selection. On the H200
-# the pool scores grow with the batch (they halved under the split, less a fixed cost for the
-# other ranks' rows, which the ranged score kernel now skips: not yet re-measured), the top-k
-# barely does below 32 sequences (one program per row), and the all-gather costs ~11 us: a
-# clear gain at 32 per rank, about even near 8 (benchmarks/notes.md, issue 16).
+# the pool scores grow with the batch (the split halves them), the top-k barely does below 32
+# sequences (one program per row), and the all-gather has a fixed cost: a clear gain at 32 per
+# rank, about even near 8 (docs/performance.md).
 SPLIT_MIN_SEQS_PER_RANK = 16
 
 
