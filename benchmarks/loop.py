@@ -20,7 +20,6 @@ context (the timing depends on lengths, not on values). Per implementation:
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import jax
@@ -28,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsa_jax import serve
+from dsa_jax.drafting import ScriptedDrafter
 from dsa_jax.engine import Engine
 from dsa_jax.model import ModelConfig, init_model, init_model_state, stack_weights
 from dsa_jax.weights import fold_weights
@@ -117,34 +117,6 @@ def loop(suite, point) -> dict:
         return t
 
     return {"timings": per_impl(suite, point, one), "cost": None}
-
-
-@dataclasses.dataclass(frozen=True)
-class ScriptedDrafter:
-    """Proposes the known right token with probability `acceptance` (a fixed pseudo-random
-    pattern over positions), a wrong one otherwise; its state is the right tokens `[B, T]`."""
-    vocab: int
-    acceptance: float
-
-    def init_state(self, num_seqs, num_blocks):
-        return None
-
-    def admit(self, ds, mask, block_tables):
-        return ds
-
-    def prefill(self, dweights, ds, tokens, n_new):
-        return ds
-
-    def propose(self, dweights, ds, history, lengths, k, max_draft):
-        at = jnp.clip(lengths[:, None] + 1 + jnp.arange(k), 0, ds.shape[1] - 1)  # [B, k]
-        right = jnp.take_along_axis(ds, at, axis=1)
-        lucky = (at * 40503 % 65536).astype(jnp.float32) / 65536 < self.acceptance
-        drafts = jnp.where(lucky, right, (right + 1) % self.vocab)
-        count = jnp.minimum(max_draft, k).astype(jnp.int32)
-        return jnp.where(jnp.arange(k) < count[:, None], drafts, 0), count, ds
-
-    def commit(self, ds, lengths, accepted, new_lengths):
-        return ds
 
 
 def spec(suite, point) -> dict:

@@ -85,6 +85,36 @@ class NgramDrafter:
 
 
 @dataclasses.dataclass(frozen=True)
+class ScriptedDrafter:
+    """Proposes the known right token with probability `acceptance` (a fixed pseudo-random
+    pattern over positions), a wrong one otherwise: speculation at a stated acceptance rate,
+    to measure it or to test it with any model. Its state is the right tokens `[B, T]` (the
+    plain decode's, from a run before), given as the drafter state."""
+    vocab: int
+    acceptance: float
+
+    def init_state(self, num_seqs, num_blocks):
+        return None
+
+    def admit(self, ds, mask, block_tables):
+        return ds
+
+    def prefill(self, dweights, ds, tokens, n_new):
+        return ds
+
+    def propose(self, dweights, ds, history, lengths, k, max_draft):
+        at = jnp.clip(lengths[:, None] + 1 + jnp.arange(k), 0, ds.shape[1] - 1)  # [B, k]
+        right = jnp.take_along_axis(ds, at, axis=1)  # [B, k]
+        lucky = (at * 40503 % 65536).astype(jnp.float32) / 65536 < self.acceptance  # [B, k]
+        drafts = jnp.where(lucky, right, (right + 1) % self.vocab)  # [B, k]
+        count = jnp.minimum(max_draft, k).astype(jnp.int32)  # [B]
+        return jnp.where(jnp.arange(k) < count[:, None], drafts, 0), count, ds
+
+    def commit(self, ds, lengths, accepted, new_lengths):
+        return ds
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelDrafter:
     """A small model of the same vocabulary drafts greedily, its K autoregressive steps one
     `lax.scan`. Its cache mirrors the target's sequences (same block tables, its own pool);

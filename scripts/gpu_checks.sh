@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU machine (offline; jax with CUDA, triton, torch, transformers preinstalled): the GPU
-# correctness tests (`pytest -m gpu`), then the benchmark suite (`python -m benchmarks`), with
-# the jax-triton wheel from benchmarks/wheels/ installed without network into /tmp/site.
+# correctness tests (`pytest -m gpu --long`: every GPU test, the long ones too), then the
+# benchmark suite (`python -m benchmarks`), with the jax-triton wheel from benchmarks/wheels/
+# installed without network into /tmp/site.
 #
 #   scripts/gpu_checks.sh [--tests-only | --bench-only] [--out DIR] [TEST_FILE ...] [-- BENCH_ARGS]
 #
@@ -34,7 +35,7 @@ echo "gpu: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 rc=0
 if ((tests)); then
   log=${out:+$out/gpu-tests.log}
-  XLA_PYTHON_CLIENT_PREALLOCATE=false "$py" -m pytest -q -m gpu -p no:cacheprovider \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false "$py" -m pytest -q -m gpu --long -p no:cacheprovider \
     "${files[@]}" 2>&1 | tee "${log:-/dev/null}"
   ((PIPESTATUS[0] == 0)) || rc=1
 fi

@@ -6,14 +6,12 @@ and where a forward writes its new latent rows in a large stacked pool. Each che
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dsa_jax import bitwise_jit, serve
-from dsa_jax.drafting import ModelDrafter
+from dsa_jax.drafting import ModelDrafter, ScriptedDrafter
 from dsa_jax.model import (
     ModelConfig,
     forward,
@@ -139,35 +137,6 @@ def loop_checks(cfg, vocab: int, modes=("greedy", "sample"), in_place: bool = Tr
         got = serve.generate(drafted, stacked, stacked, batch, limits, tokens_per_dispatch=8)
         out[f"speculative_equals_plain[draft_model,{name}]"] = got == want
     return out
-
-
-@dataclasses.dataclass(frozen=True)
-class ScriptedDrafter:
-    """Proposes the known right token with probability `acceptance` (a fixed pseudo-random
-    pattern over positions), a wrong one otherwise; its state is the right tokens `[B, T]`
-    (benchmarks/loop.py's spec point drafts with the same)."""
-    vocab: int
-    acceptance: float
-
-    def init_state(self, num_seqs, num_blocks):
-        return None
-
-    def admit(self, ds, mask, block_tables):
-        return ds
-
-    def prefill(self, dweights, ds, tokens, n_new):
-        return ds
-
-    def propose(self, dweights, ds, history, lengths, k, max_draft):
-        at = jnp.clip(lengths[:, None] + 1 + jnp.arange(k), 0, ds.shape[1] - 1)  # [B, k]
-        right = jnp.take_along_axis(ds, at, axis=1)
-        lucky = (at * 40503 % 65536).astype(jnp.float32) / 65536 < self.acceptance
-        drafts = jnp.where(lucky, right, (right + 1) % self.vocab)
-        count = jnp.minimum(max_draft, k).astype(jnp.int32)
-        return jnp.where(jnp.arange(k) < count[:, None], drafts, 0), count, ds
-
-    def commit(self, ds, lengths, accepted, new_lengths):
-        return ds
 
 
 def scripted_speculation(cfg, vocab: int, n: int, acceptance: float = 0.7, k: int = 3,

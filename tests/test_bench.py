@@ -37,12 +37,14 @@ def run_bench(out, name: str, *args: str) -> dict:
 
 
 @pytest.fixture(scope="session")
-def smoke_result(tmp_path_factory):
+def smoke_result(tmp_path_factory, pytestconfig):
     """One smoke run per test session, shared by the pytest-xdist workers (the first to come
     runs it, under a lock, in the session's shared temp folder)."""
     # tp8 runs the same code as tp1 with another config, and the HF baseline needs torch:
-    # both are left out here to keep the test short (tests/test_bench_hf.py runs the HF one).
-    args = ("smoke.json", "--no-hf", "--no-levers", "--skip", "tp8")
+    # both are left out here to keep the test short (tests/test_bench_hf.py runs the HF one);
+    # the stage breakdown runs with --long.
+    skip = "tp8" if pytestconfig.getoption("--long") else "tp8,breakdown"
+    args = ("smoke.json", "--no-hf", "--no-levers", "--skip", skip)
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return run_bench(tmp_path_factory.mktemp("bench"), *args)
     shared = tmp_path_factory.getbasetemp().parent  # this session's, common to its workers
@@ -192,6 +194,7 @@ def test_public_decode_is_timed_beside_the_step(smoke_result):
     assert pts["decode-b1-k1-tp1"]["kernel_us"] is None
 
 
+@pytest.mark.long
 def test_breakdown_covers_decode_verify_prefill_and_tp8(smoke_result):
     """The stage breakdown runs the decode (1 and big_batch sequences), the K=3 verify, a
     prompt, and the batch-1 decode at TP 8 (one rank), each with every stage and the step."""
@@ -391,6 +394,7 @@ def test_render_writes_the_readme_block_from_the_run(smoke_result, tmp_path):
     assert "tok/s" in row
 
 
+@pytest.mark.long
 def test_measured_levers(tmp_path):
     """The levers group (xla only on a CPU): the absorbed kv_b form and the separate input GEMMs
     compute the same function as the step's forms (tiny config: fp32 weights, so only fp32

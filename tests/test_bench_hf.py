@@ -11,6 +11,7 @@ from benchmarks.workloads import random_hf_tensors
 from dsa_jax.shapes import tiny
 
 
+@pytest.mark.long
 def test_hf_baseline_for_every_step_point(tmp_path):
     """The Hugging Face block is timed for the decode, verify, batch and prefill points (tiny
     config on the CPU), and each point carries its HF time and ratio."""

@@ -89,8 +89,9 @@ def _scores(rng, lead, p, ties=True):
 
 @pytest.mark.parametrize("lead, p, k, m_lead, n, kdim", [
     ((1, 1), 300, 40, (1, 1), 160, 96),  # one decode row; P padded to a power of two
-    ((3, 2), 257, 64, (3, 4), 48, 128),  # a verify's rows; a short GEMM
-    ((2, 1), 64, 64, (2, 1), 2336 // 16, 256),  # k = P
+    pytest.param((3, 2), 257, 64, (3, 4), 48, 128,  # a verify's rows; a short GEMM
+                 marks=pytest.mark.long),
+    pytest.param((2, 1), 64, 64, (2, 1), 2336 // 16, 256, marks=pytest.mark.long),  # k = P
 ])
 def test_topk_matmul_is_the_two_kernels_bit_for_bit(kernel_impl, lead, p, k, m_lead, n, kdim):
     interpret = kernel_impl == "pallas-interpret"
@@ -164,11 +165,11 @@ def _block(impl):
     return cfg, W.fold_weights(cfg, T.random_hf_numpy(cfg, np.random.default_rng(0)))
 
 
-def test_a_decode_and_a_verify_with_the_shared_launch_keep_their_bits(kernel_impl):
+def test_a_decode_and_a_verify_with_the_shared_launch_keep_their_bits(layer_kernel_impl):
     """`cfg.colaunch` moves the q_b GEMM into the top-k's launch and changes no bit: y, the
     state and the selection of a decode and of a verify, with and without it; the serial
     decodes still equal the verify."""
-    cfg, w = _block(kernel_impl)
+    cfg, w = _block(layer_kernel_impl)
     assert cfg.colaunch and cfg.replace(colaunch=False).colaunch is False
     state = T.random_state(cfg, w, 2, 70, seed=1)
     x = T.random_rows(2, 2, 3, cfg.hidden_size, dtype=jnp.bfloat16)  # [B, 3, D]

@@ -174,7 +174,14 @@ def _run_ours(cfg, weights, x, prompt_len):
     return ys, sels
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda c: c.name)
+# The default suite runs the released checkpoint's pools (4, with the tail), HF's default (16,
+# with the tail) and the shared layer; --long every case.
+LONG_CASES = ("kp4_notail", "kp16_notail", "kp1_tail", "kp1_notail")
+
+
+@pytest.fixture(scope="module", ids=lambda c: c.name,
+                params=[pytest.param(c, marks=pytest.mark.long) if c.name in LONG_CASES else c
+                        for c in CASES])
 def built(request, tmp_path_factory) -> Built:
     case: Case = request.param
     config = make_config(index_topk=case.index_topk, index_kpool=case.index_kpool,

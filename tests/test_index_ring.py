@@ -81,7 +81,7 @@ def _run(impl: str, dtype, seed: int, nan_seq: int | None = None, layers: int = 
     return out
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.long), "bfloat16"])
 def test_the_kernel_with_a_ring_of_every_position_gives_the_same_bits(kernel_impl, dtype):
     """The ring kernel with a ring of RING rows and with a ring of every position (the layout
     before the ring: every raw row kept, no late-rows launch): the same programs at the same
@@ -137,7 +137,7 @@ def _key_bounds(dtype, m: float) -> tuple[float, float]:
     return tight, tight + T.storage_step(dtype) * m
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.long), "bfloat16"])
 def test_ring_kernel_matches_twin(kernel_impl, dtype):
     """Kernel vs jnp twin on every step: the rows as `assert_stored_close`, the keys within
     `_key_bounds` (the loose one for under 1% of them); a second layer's rows of shared
@@ -160,8 +160,8 @@ def test_ring_kernel_matches_twin(kernel_impl, dtype):
         T.assert_trees_bitwise_equal(a[:, :RING], c[:, :RING])
 
 
-def test_nan_rows_stay_in_their_sequence(impl):
-    clean, dirty = _run(impl, "float32", 3), _run(impl, "float32", 3, nan_seq=0)
+def test_nan_rows_stay_in_their_sequence(layer_impl):
+    clean, dirty = _run(layer_impl, "float32", 3), _run(layer_impl, "float32", 3, nan_seq=0)
     for (c_ring, c_keys, *_), (d_ring, d_keys, *_) in zip(clean, dirty, strict=True):
         T.assert_trees_bitwise_equal([a[1:] for a in d_ring], [a[1:] for a in c_ring])
         T.assert_trees_bitwise_equal(d_keys[1:], c_keys[1:])

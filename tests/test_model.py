@@ -34,7 +34,7 @@ def _tables(b, nb, mb, seed):
     return rng.permutation(nb)[:b * mb].reshape(b, mb).astype(np.int32)
 
 
-@pytest.mark.parametrize("pattern", [REGULAR, IRREGULAR])
+@pytest.mark.parametrize("pattern", [pytest.param(REGULAR, marks=pytest.mark.long), IRREGULAR])
 def test_scanned_equals_unrolled_bitwise(pattern):
     mcfg = M.ModelConfig(CFG.replace(indexer_types=pattern), vocab_size=37)
     weights = M.init_model(mcfg, jax.random.key(1))
@@ -76,13 +76,13 @@ def _primitives(jaxpr) -> list[str]:
     return out
 
 
-def test_the_scanned_model_on_the_row_invariant_gemms(kernel_impl):
+def test_the_scanned_model_on_the_row_invariant_gemms(layer_kernel_impl):
     """Under the row-invariant GEMMs (`gemm="pallas"`, bf16 weights) the scan's GEMMs read each
     layer's weights in place in the stacks (`projection.LayerOf`: no copy of a layer's weights
     per token) and the LM head runs the kernel too: scanned == unrolled bit for bit, and a
     row's logits, caches and selection have the same bits in a forward of 1 or 4 rows per
     sequence (`step_rows`: the serving loop runs only the rows it fills)."""
-    cfg = CFG.replace(gemm="pallas", param_dtype="bfloat16", implementation=kernel_impl)
+    cfg = CFG.replace(gemm="pallas", param_dtype="bfloat16", implementation=layer_kernel_impl)
     mcfg = M.ModelConfig(cfg.replace(indexer_types=IRREGULAR), vocab_size=37)
     weights = M.init_model(mcfg, jax.random.key(1))
     stacked = M.stack_weights(mcfg, weights)
@@ -136,12 +136,12 @@ def test_the_scanned_model_on_the_row_invariant_gemms(kernel_impl):
         M.step_rows(cfg, 5)
 
 
-def test_attend_rows_keeps_every_bit_and_poisons_a_broken_promise(kernel_impl):
+def test_attend_rows_keeps_every_bit_and_poisons_a_broken_promise(layer_kernel_impl):
     """`forward(attend_rows=1)` (the plain decode loop's): decode-shaped rows, the first one
     real, give the same logits, selection and caches as attending every row, in the scanned
     and the unrolled form; a real row past the promise gets NaN logits, never a silent
     value."""
-    mcfg = M.ModelConfig(CFG.replace(indexer_types=IRREGULAR, implementation=kernel_impl),
+    mcfg = M.ModelConfig(CFG.replace(indexer_types=IRREGULAR, implementation=layer_kernel_impl),
                          vocab_size=37)
     weights = M.init_model(mcfg, jax.random.key(2))
     stacked = M.stack_weights(mcfg, weights)

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 LIMIT_S = 90  # both processes together; ~35 s on two loaded cores
@@ -20,6 +22,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.long
 def test_two_processes_match_one_device():
     address = f"127.0.0.1:{free_port()}"
     env = dict(os.environ, JAX_PLATFORMS="cpu",

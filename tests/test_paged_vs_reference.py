@@ -24,7 +24,7 @@ def _run_paged(cfg, weights, x, prompt_len, kv_scale=1.0):
 
 
 @pytest.mark.parametrize("tail", [True, False])
-@pytest.mark.parametrize("kpool", [1, 4])
+@pytest.mark.parametrize("kpool", [pytest.param(1, marks=pytest.mark.long), 4])
 def test_fp32_cache_matches_reference(tail, kpool):
     cfg = ODD.replace(index_kpool=kpool, always_select_tail=tail)
     hf = dsa_jax.init_random_hf_tensors(cfg, jax.random.key(1))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from dsa_jax import reference
 from dsa_jax.engine import Engine, ModelConfig, init_model
@@ -105,6 +106,7 @@ def check_device(eng: Engine) -> None:
         assert mapped_twice(tables, read & live[:, None], eng.allocator.num_blocks) is None
 
 
+@pytest.mark.long
 def test_engine_soak(pytestconfig):
     long_run = pytestconfig.getoption("--long")
     steps = 20000 if long_run else 2000

@@ -201,6 +201,7 @@ def test_weights_in_place_programs(stacked, plain):
     assert serve.generate(spec, stacked, None, PROMPTS, LIMITS, tokens_per_dispatch=8) == got
 
 
+@pytest.mark.long
 def test_speculation_equals_plain_under_the_kernels_with_the_row_cut():
     """Under the kernels the loop selects and attends only the rows a step can fill (a plain
     step 1, a speculative round 1 + k: `forward(..., attend_rows=)`); the drafts' rows must
@@ -218,6 +219,7 @@ def test_speculation_equals_plain_under_the_kernels_with_the_row_cut():
     assert spec == plain and [len(t) for t in plain] == [6, 5]
 
 
+@pytest.mark.long
 def test_the_loop_on_its_real_rows_under_the_row_invariant_gemms():
     """Under the row-invariant GEMMs (bf16 weights, the kernels) each forward of the loop runs
     only the rows it fills (`serve.loop_rows`: a plain step 1 per sequence, a round of k drafts

@@ -37,7 +37,8 @@ def _decode_k_equals_serial_decodes(cfg, weights, base, rows):
     assert_trees_bitwise_equal(state_k, state)
 
 
-@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("cache_dtype", [pytest.param(d, marks=pytest.mark.long)
+                                         for d in CACHE_DTYPES[:2]] + CACHE_DTYPES[2:])
 def test_decode_k_is_bit_identical_to_serial_decodes(cache_dtype):
     cfg = ODD.replace(cache_dtype=cache_dtype, index_cache_dtype="bfloat16")
     weights = _weights(cfg)
@@ -64,6 +65,7 @@ def test_decode_k_is_bit_identical_at_glm53_flash_per_rank_shapes(impl, tp):
             cfg, weights, base, random_rows(10 + k, 2, k, cfg.hidden_size, dtype=jnp.bfloat16))
 
 
+@pytest.mark.long
 def test_a_decode_runs_its_own_row_under_row_invariant_gemms_and_equals_decode_k():
     """`gemm="pallas"`: the GEMMs give a row the same bits at any row count, so a decode runs
     1 row per sequence (not max_verify) and K serial decodes still equal one K-row verify, bit
@@ -290,14 +292,14 @@ def test_serving_errors_name_value_and_limit_and_leave_state_usable():
 
 
 @pytest.mark.parametrize("context", [21, 61])
-def test_attend_on_the_first_rows_keeps_every_bit_and_poisons_a_broken_promise(kernel_impl,
+def test_attend_on_the_first_rows_keeps_every_bit_and_poisons_a_broken_promise(layer_kernel_impl,
                                                                                 context):
     """`layer.step(..., attend_rows=1)` (what a decode runs: its padded rows skip the selection
     and the gather-attend) returns the bits of the step running every row, for the Pallas
     kernels, before and after the selection bites (past 4 * index_topk = 48 tokens); a
     sequence with more real rows than promised gets NaN in those rows' outputs and selects
     nothing there."""
-    cfg = ODD.replace(implementation=kernel_impl)
+    cfg = ODD.replace(implementation=layer_kernel_impl)
     weights = _weights(cfg, 3)
     base = random_state(cfg, weights, 3, context, 21)
     x = random_rows(5, 3, cfg.max_verify, cfg.hidden_size)  # [B, R, D]

@@ -32,11 +32,15 @@ def run_with_devices(script: str, devices: int, args=(), timeout: int = 400):
                           text=True, timeout=timeout, cwd=ROOT)
 
 
-def test_every_mesh_matches_one_device():
-    out = run_with_devices(os.path.join(HERE, "mesh_check.py"), 8)
+@pytest.mark.parametrize("meshes", [
+    ((2, 4),),  # dp and tp together, the split selection on
+    pytest.param(((1, 2), (1, 4), (1, 8), (4, 2), (8, 1)), marks=pytest.mark.long),
+])
+def test_every_mesh_matches_one_device(meshes):
+    out = run_with_devices(os.path.join(HERE, "mesh_check.py"), 8,
+                           [f"{dp}x{tp}" for dp, tp in meshes])
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    for case in ("dp 1 x tp 2", "dp 1 x tp 4", "dp 1 x tp 8", "dp 2 x tp 4", "dp 4 x tp 2",
-                 "dp 8 x tp 1", "extras"):
+    for case in [f"dp {dp} x tp {tp}" for dp, tp in meshes] + ["extras"]:
         assert f"{case}: ok" in out.stdout, case
     assert "mesh == one device: ok" in out.stdout
 
@@ -95,6 +99,7 @@ def test_split_rule():
         sharding.split_rule(cfg, 3, True)
 
 
+@pytest.mark.long
 def test_split_select_kernels_and_a_far_rewind_on_a_mesh():
     """tests/mesh_rewind_select_check.py on 4 host devices: the split selection with the
     kernels (the score kernel's first sequence traced from the rank) == one device, bitwise;
