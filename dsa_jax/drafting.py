@@ -62,10 +62,9 @@ def ngram_propose(history: jax.Array, lengths: jax.Array, k: int, max_draft: jax
     return jnp.where(jnp.arange(k) < count[:, None], drafts, 0), count
 
 
-@dataclasses.dataclass(frozen=True)
-class NgramDrafter:
-    """Drafts from the sequence's own history (prompt lookup): no model, no state."""
-    n: int = 2
+class _NoContext:
+    """The drafter hooks of a drafter that keeps no per-sequence context of its own: its state
+    is whatever the caller gave (or None), unchanged by admission, prefill and commit."""
 
     def init_state(self, num_seqs: int, num_blocks: int):
         return None
@@ -76,31 +75,28 @@ class NgramDrafter:
     def prefill(self, dweights, ds, tokens, n_new):
         return ds
 
-    def propose(self, dweights, ds, history, lengths, k, max_draft):
-        drafts, count = ngram_propose(history, lengths, k, max_draft, self.n)
-        return drafts, count, ds
-
     def commit(self, ds, lengths, accepted, new_lengths):
         return ds
 
 
 @dataclasses.dataclass(frozen=True)
-class ScriptedDrafter:
+class NgramDrafter(_NoContext):
+    """Drafts from the sequence's own history (prompt lookup): no model, no state."""
+    n: int = 2
+
+    def propose(self, dweights, ds, history, lengths, k, max_draft):
+        drafts, count = ngram_propose(history, lengths, k, max_draft, self.n)
+        return drafts, count, ds
+
+
+@dataclasses.dataclass(frozen=True)
+class ScriptedDrafter(_NoContext):
     """Proposes the known right token with probability `acceptance` (a fixed pseudo-random
     pattern over positions), a wrong one otherwise: speculation at a stated acceptance rate,
     to measure it or to test it with any model. Its state is the right tokens `[B, T]` (the
     plain decode's, from a run before), given as the drafter state."""
     vocab: int
     acceptance: float
-
-    def init_state(self, num_seqs, num_blocks):
-        return None
-
-    def admit(self, ds, mask, block_tables):
-        return ds
-
-    def prefill(self, dweights, ds, tokens, n_new):
-        return ds
 
     def propose(self, dweights, ds, history, lengths, k, max_draft):
         at = jnp.clip(lengths[:, None] + 1 + jnp.arange(k), 0, ds.shape[1] - 1)  # [B, k]
@@ -109,9 +105,6 @@ class ScriptedDrafter:
         drafts = jnp.where(lucky, right, (right + 1) % self.vocab)  # [B, k]
         count = jnp.minimum(max_draft, k).astype(jnp.int32)  # [B]
         return jnp.where(jnp.arange(k) < count[:, None], drafts, 0), count, ds
-
-    def commit(self, ds, lengths, accepted, new_lengths):
-        return ds
 
 
 @dataclasses.dataclass(frozen=True)
