@@ -19,10 +19,10 @@ caller's concrete state can tell (shapes and dtypes of x, the weights and the st
 the config; capacity; every block the step reads, i.e. all blocks below `length + n_new`,
 mapped and mapped once; indexer lockstep; `shared_sel` ids at or before their row's
 position) and raises with the value and the limit (docs/errors.md); nothing has been written
-then, and the caller's state is untouched. Under an outer `jax.jit` the lengths are traced
-and these host checks cannot run (and `check=False` skips them, for a loop that validates on
-the host itself); the step then still never writes out of bounds: writes past the caches are
-dropped in every implementation.
+then, and the caller's state is untouched. `check=False` skips them (for a loop that validates
+on the host itself); the step then still never writes out of bounds: writes past the caches
+are dropped in every implementation. Called inside the caller's trace (`jax.jit(decode)`),
+these calls run `dsa_jax.serving_step` inline: the same bits, its checks on the device.
 """
 
 
@@ -47,6 +47,7 @@ from dsa_jax.step_checks import (
     check_out,
     check_rewind,
     check_step,
+    check_types,
     is_concrete,
     rows_per_seq,
     vouch,
@@ -245,9 +246,12 @@ def _device_counts(n_new):
         return n_new  # traced, under the caller's jit
     key = n_new.astype(np.int32).tobytes()
     if key not in _COUNTS:
+        counts = jnp.asarray(n_new, jnp.int32)
+        if isinstance(counts, jax.core.Tracer):
+            return counts  # made inside a trace: never cached (it dies with the trace)
         if len(_COUNTS) >= 256:
             _COUNTS.clear()
-        _COUNTS[key] = jnp.asarray(n_new, jnp.int32)
+        _COUNTS[key] = counts
     return _COUNTS[key]
 
 
@@ -274,9 +278,29 @@ def _remember_step(cfg: DsaConfig, before, state: DsaState, n_new, rows: int) ->
     remember(state, lengths, marks, before.block_tables, slack)
 
 
+def _traced_step(cfg, weights, state, x, kind, counts, shared_sel, out):
+    """A public call inside the caller's trace (`jax.jit(dsa_jax.decode)`, a scan): the host
+    sees no values, so it runs `dsa_jax.serving_step` (the same bits, its checks on the
+    device) inline in the caller's program."""
+    from dsa_jax.serving_step import serving_step  # that module builds on this one
+
+    if out is not None:
+        raise StepError("out= buffers need the eager call; inside jax.jit XLA places the "
+                        "outputs itself: drop out=")
+    step_kind = "verify" if kind == "verify" else kind
+    rows = 1 if kind == "decode" else x.shape[1]
+    counts_kw = {"num_tokens": counts} if kind == "prefill" else {"active": counts}
+    return serving_step(cfg, step_kind, rows=rows)(weights, state, x, shared_sel=shared_sel,
+                                                   **counts_kw)
+
+
 def _public_step(cfg, weights, state, x, kind, counts, shared_sel, check, out=None):
     """Host side (`prepare_step`: checks on the host's copy of the lengths, no device read
-    once it has one; `out` checked), then one dispatch: pad, step, unpad."""
+    once it has one; `out` checked), then one dispatch: pad, step, unpad. Inside a trace:
+    `_traced_step`."""
+    check_types(cfg, weights, state)
+    if any(isinstance(a, jax.core.Tracer) for a in (x, *state, *weights) if a is not None):
+        return _traced_step(cfg, weights, state, x, kind, counts, shared_sel, out)
     layout, n_new = prepare_step(cfg, weights, state, x, kind=kind, counts=counts,
                                  shared_sel=shared_sel, check=check)
     if out is not None:
@@ -384,6 +408,7 @@ def write_kv_row(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Ar
 
     x: [B, D] (one row per sequence) or [B, S, D]; active: [B] bool. Returns the new state.
     """
+    check_types(cfg, weights, state)
     if x.ndim == 2:
         x = x[:, None]
     layout, n_new = prepare_step(cfg, weights, state, x, kind="kv", counts=active)

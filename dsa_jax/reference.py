@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dsa_jax.config import DsaConfig
+from dsa_jax.state import DsaState, index_storage, latent_storage
 
 HIGHEST = lax.Precision.HIGHEST
 Roundtrip = Callable[[jax.Array], jax.Array]
@@ -96,8 +97,16 @@ def selection_mask(sel: jax.Array, s: int) -> jax.Array:
 def forward(cfg: DsaConfig, hf: Mapping[str, jax.Array], x: jax.Array, *,
             shared_sel: jax.Array | None = None,
             latent_roundtrip: Roundtrip | None = None,
-            index_roundtrip: Roundtrip | None = None) -> ReferenceOutput:
+            index_roundtrip: Roundtrip | None = None,
+            as_stored: DsaState | float | jax.Array | None = None) -> ReferenceOutput:
     """The DSA block over one sequence `x [S, D]`, all heads, in fp32.
+
+    `as_stored`: a `DsaState` of `cfg` (or its `kv_scale`): the reference then computes from
+    the values such a state stores (the latent in `cfg.cache_dtype` with that scale, the
+    indexer's k, gate and pool keys in `cfg.index_cache_dtype`), as the paged paths do; they
+    agree with it to fp32 rounding (~1e-6 relative). Without it the reference is the
+    unrounded block, and a paged path's difference from it is the cache's storage error
+    (with an fp8 latent, a few percent; more where a rounded score flips a selection).
 
     `shared_sel [S, W]` stands in for the indexer of a "shared" layer. `latent_roundtrip` and
     `index_roundtrip` model a cache's storage (e.g. fp8 quantize-dequantize of the latents, bf16
@@ -105,6 +114,12 @@ def forward(cfg: DsaConfig, hf: Mapping[str, jax.Array], x: jax.Array, *,
     compared on the same stored values. Under jit write a bf16 round trip with
     `lax.reduce_precision` (as `index_storage` does): XLA may drop a cast pair.
     """
+    if as_stored is not None:
+        if latent_roundtrip is not None or index_roundtrip is not None:
+            raise ValueError("as_stored sets both round trips: pass it alone, or "
+                             "latent_roundtrip/index_roundtrip without it")
+        scale = as_stored.kv_scale if isinstance(as_stored, DsaState) else as_stored
+        latent_roundtrip, index_roundtrip = latent_storage(cfg, scale), index_storage(cfg)
     chex.assert_shape(x, (None, cfg.hidden_size))
     if shared_sel is not None:
         chex.assert_shape(shared_sel, (x.shape[0], cfg.sel_width))

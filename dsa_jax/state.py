@@ -191,6 +191,15 @@ def dequantize_latent(cfg: DsaConfig, stored: jax.Array, kv_scale: jax.Array) ->
     return stored.astype(jnp.float32)
 
 
+def latent_storage(cfg: DsaConfig, kv_scale):
+    """The latent cache's storage as a round trip f32 -> f32 (fp8: quantized with `kv_scale`
+    and dequantized, as a state of `cfg` stores and reads it; bf16, f16: rounded with
+    `round_to`; f32: as it is): for `reference.forward(..., latent_roundtrip=)`."""
+    if cfg.cache_dtype == "float8_e4m3fn":
+        return lambda c: dequantize_latent(cfg, quantize_latent(cfg, c, kv_scale), kv_scale)
+    return lambda c: round_to(jnp.asarray(c, jnp.float32), cfg.cache_dtype)
+
+
 def index_storage(cfg: DsaConfig):
     """The index cache's storage as a round trip f32 -> f32 (the indexer's k, gate and pool
     keys as a state holds them): for `reference.forward(..., index_roundtrip=)`. Rounds with

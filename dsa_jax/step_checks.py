@@ -31,6 +31,15 @@ class StepError(ValueError):
     """A step's inputs do not fit the state; raised before anything is written."""
 
 
+def check_types(cfg, weights, state) -> None:
+    """The three pytrees' types, so that swapped arguments fail naming them (`TypeError`)."""
+    for name, value, want in (("cfg", cfg, DsaConfig), ("weights", weights, DsaWeights),
+                              ("state", state, DsaState)):
+        if not isinstance(value, want):
+            raise TypeError(f"{name} must be a {want.__name__}, got {type(value).__name__} "
+                            f"(the order is cfg, weights, state, x)")
+
+
 def is_concrete(a) -> bool:
     return not isinstance(a, jax.core.Tracer)
 

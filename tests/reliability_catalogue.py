@@ -378,8 +378,8 @@ CASES = [
     ("step.out-pair", "decode's out= that is not a pair (y, sel)", layer.StepError,
      r"out must be a pair \(y, sel\) of arrays, got tuple of 1",
      lambda c: dsa_jax.decode(ODD, c.w, c.state, x_rows(2), out=_out()[:1])),
-    ("step.out-array", "an out= buffer that is not a concrete jax.Array (a numpy array, or "
-     "traced under jit)", layer.StepError,
+    ("step.out-array", "an out= buffer that is not a jax.Array (a numpy array)",
+     layer.StepError,
      r"out y must be a concrete jax.Array \(it is donated: a call at the top level, not under "
      r"jit\), got ndarray",
      lambda c: dsa_jax.decode(ODD, c.w, c.state, x_rows(2),
@@ -396,6 +396,22 @@ CASES = [
      r"the weights, the state, x or shared_sel",
      lambda c: (lambda x: dsa_jax.decode(ODD, c.w, c.state, x, out=(x, _out()[1])))(
          jnp.zeros((2, ODD.hidden_size)))),
+    ("step.out-traced", "out= buffers under the caller's jax.jit", layer.StepError,
+     r"out= buffers need the eager call; inside jax.jit XLA places the outputs itself: drop "
+     r"out=",
+     lambda c: jax.jit(lambda s: dsa_jax.decode(ODD, c.w, s, x_rows(2), out=_out()))(c.state)),
+    ("step.arg-order", "the arguments in another order (weights before cfg)", TypeError,
+     r"cfg must be a DsaConfig, got DsaWeights \(the order is cfg, weights, state, x\)",
+     lambda c: dsa_jax.decode(c.w, ODD, c.state, x_rows(2))),
+    ("step.serving-kind", "serving_step of an unknown kind", layer.StepError,
+     r"serving_step kind 'chunk' is not one of \('decode', 'verify', 'prefill'\)",
+     lambda c: dsa_jax.serving_step(ODD, "chunk")),
+    ("step.serving-rows", "a decode serving step of more than one row", layer.StepError,
+     r"a decode takes one row per sequence, got rows=2; use kind='verify' for 2 rows",
+     lambda c: dsa_jax.serving_step(ODD, "decode", rows=2)),
+    ("step.serving-x", "x that is not the serving step's shape", layer.StepError,
+     r"this decode step takes x of shape \(2, 80\), got \(2, 1, 80\)",
+     lambda c: dsa_jax.serving_step(ODD, "decode")(c.w, c.state, x_rows(2, 1))),
     ("impl.pallas-off-gpu", "implementation 'pallas' off a GPU (CPU only)", ImplementationError,
      r"implementation='pallas' compiles the kernels for a GPU", lambda c: resolve("pallas")),
     ("sharding.degree", "a mesh degree that is not a positive integer", ShardingError,

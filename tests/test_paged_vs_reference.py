@@ -232,3 +232,23 @@ def test_index_storage_rounds_as_a_bf16_store_does_inside_jit():
     np.testing.assert_array_equal(np.asarray(index_storage(ODD)(v)), v)  # fp32 index cache
     with pytest.raises(ValueError, match="float8_e4m3fn is not bfloat16"):
         round_to(jnp.asarray(v), jnp.float8_e4m3fn)
+
+
+def test_reference_as_stored_is_the_one_call_comparison():
+    """`reference.forward(..., as_stored=state)`: the reference on the values a state of the
+    config stores (fp8 latent with the state's scale, bf16 index keys), the comparison the
+    README shows: selections equal, outputs within fp32 rounding. Unrounded, the reference
+    differs by the fp8 storage error (larger than fp32 rounding by orders of magnitude)."""
+    cfg = ODD.replace(cache_dtype="float8_e4m3fn", index_cache_dtype="bfloat16")
+    hf = dsa_jax.init_random_hf_tensors(cfg, jax.random.key(11))
+    weights = dsa_jax.fold_weights(cfg, hf)
+    x = T.random_rows(12, 2, 40, cfg.hidden_size)
+    y, sel, state = _run_paged(cfg, weights, x, prompt_len=25, kv_scale=0.05)
+    for b in range(2):
+        for stored in (state, state.kv_scale, 0.05):
+            ref = reference.forward(cfg, hf, x[b], as_stored=stored)
+            chex.assert_trees_all_equal(sel[b], ref.sel)
+            T.assert_rel_close(y[b], ref.y, FP32_RTOL, f"sequence {b}")
+        assert T.rel_err(y[b], reference.forward(cfg, hf, x[b]).y) > 100 * FP32_RTOL
+    with pytest.raises(ValueError, match="as_stored sets both round trips"):
+        reference.forward(cfg, hf, x[0], as_stored=state, index_roundtrip=lambda v: v)

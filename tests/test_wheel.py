@@ -1,5 +1,6 @@
-"""The packaging guarantee: the wheel, installed non-editable into a fresh venv, runs
-`dsa-jax run` from a folder outside the repository and finds its shipped config.
+"""A new user's path: the wheel, installed non-editable into a fresh venv, runs `dsa-jax run`
+from a folder outside the repository (finding its shipped config), the README's usage
+snippet (its reference comparison within the stated bound) and examples/serving_loop.py.
 
 The venv borrows the running environment's installed dependencies (jax, numpy, ...) through a
 path file instead of downloading them, so the test needs no network. That path file adds the
@@ -9,6 +10,7 @@ invisible: the venv imports the wheel's copy of dsa_jax, which the test checks.
 
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -69,3 +71,16 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
                 str(work / "out")], cwd=work, env=env)
     assert "dsa-jax run: tiny " in out and "3 tokens in" in out, out
     assert (work / "out" / "selection_map.png").stat().st_size > 0
+
+    # The README's usage snippet as a user pastes it: it prints the agreement with the
+    # reference on the stored values (README: ~1e-6, fp32 rounding).
+    readme = (ROOT / "README.md").read_text()
+    (work / "snippet.py").write_text(re.search(r"## Usage\n\n```python\n(.*?)```", readme,
+                                               re.S).group(1))
+    agreement = float(_run([str(python), "snippet.py"], cwd=work, env=env).split()[-1])
+    assert 0 < agreement < 1e-5, agreement
+    # The example: a user's lax.scan loop with sampling == the eager decode calls.
+    shutil.copy(ROOT / "examples" / "serving_loop.py", work)
+    out = _run([str(python), "serving_loop.py", "--steps", "4", "--prompt", "12"], cwd=work,
+               env=env)
+    assert "bit for bit: y yes, sel yes, tokens yes, lengths yes, latent yes" in out, out
