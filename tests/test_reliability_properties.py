@@ -159,13 +159,21 @@ def _check_selection_row(cfg, row: np.ndarray, t: int) -> None:
 
 
 def _tie(scores: np.ndarray, got: np.ndarray, want: np.ndarray, kp: int) -> bool:
-    """The two selections differ only in pools whose reference scores tie within TIE_RTOL."""
+    """The two selections differ only in pools whose reference scores tie within TIE_RTOL:
+    other pools, or the same pools in another order (best first: near-tied pools may swap)."""
     a = {int(v) // kp for v in got[got >= 0]}
     b = {int(v) // kp for v in want[want >= 0]}
     diff = sorted(a ^ b)
-    if not diff or not np.isfinite(scores[diff]).all():
-        return False
     scale = max(float(np.max(np.abs(scores[np.isfinite(scores)]))), 1e-30)
+    if not diff:
+        if ((got < 0) != (want < 0)).any():
+            return False
+        swapped = [(int(g) // kp, int(w) // kp) for g, w in zip(got, want, strict=True)
+                   if g != w]
+        return len(swapped) > 0 and all(
+            abs(float(scores[p]) - float(scores[q])) <= TIE_RTOL * scale for p, q in swapped)
+    if not np.isfinite(scores[diff]).all():
+        return False
     kth = min(float(scores[p]) for p in b) if b else 0.0
     return all(abs(float(scores[p]) - kth) <= TIE_RTOL * scale for p in diff)
 
