@@ -26,12 +26,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from dsa_jax.errors import CheckpointError
+
 # Extra (host metadata) arrays must be numbers or bools: orbax stores nothing else.
 STORABLE_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be written or restored as asked (the message says why)."""
 
 
 def _ocp():

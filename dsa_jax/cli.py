@@ -170,11 +170,21 @@ DELEGATED = {
 }
 
 
+class ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Help that shows each option's default, where it has one (not None, not a flag's False)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="dsa-jax", description=__doc__)
     sub = parser.add_subparsers(dest="command")
     run = sub.add_parser("run", help="prefill and decode with random weights, showing the "
-                                     "pools each step selects (the default)")
+                                     "pools each step selects (the default)",
+                         formatter_class=ShowDefaults)
     run.add_argument("--config", default=DEFAULT_CONFIG,
                      help=f"a shipped config by name ({', '.join(shipped_configs())}; default "
                           f"%(default)s) or a JSON file of DsaConfig fields")
@@ -183,14 +193,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--layers", type=int, help="DSA layers, alternating full/shared "
                                                 "(default: the config's indexer_types)")
     run.add_argument("--vocab", type=int, default=256, help="vocabulary of the toy model")
-    run.add_argument("--num-seqs", type=int, default=4)
-    run.add_argument("--prompt-len", type=int, default=120)
+    run.add_argument("--num-seqs", type=int, default=4, help="sequences served together")
+    run.add_argument("--prompt-len", type=int, default=120, help="prompt tokens per sequence")
     run.add_argument("--steps", type=int, default=48, help="new tokens per sequence")
     run.add_argument("--speculate", "-k", type=int, default=3,
                      help="n-gram drafts verified per step (0: plain decoding)")
-    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--seed", type=int, default=0, help="seed of the weights and prompts")
     run.add_argument("--implementation", default="auto",
-                     choices=["auto", "xla", "pallas", "pallas-interpret"])
+                     choices=["auto", "xla", "pallas", "pallas-interpret"],
+                     help="the kernels (pallas) or their jnp twins (xla); auto: pallas on a GPU")
     run.add_argument("--out", default="out", help="folder for the selection map PNG")
     run.add_argument("--show", type=int, default=8, help="selection rows to print")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -198,17 +209,19 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (_, text) in DELEGATED.items():
         sub.add_parser(name, help=f"{text} (`dsa-jax {name} --help`)", add_help=False)
     conv = sub.add_parser("convert", help="an HF checkpoint's DSA layers -> an orbax checkpoint "
-                                          "of folded weights")
+                                          "of folded weights",
+                          formatter_class=ShowDefaults)
     conv.add_argument("src", help="safetensors file or (sharded) HF checkpoint folder")
     conv.add_argument("dst", help="orbax checkpoint folder to write")
     conv.add_argument("--hf-config", help="config.json (default: the one beside src)")
     conv.add_argument("--layers", help="comma-separated model layer ids (default: all)")
-    conv.add_argument("--max-context", type=int, default=16384)
-    conv.add_argument("--block-size", type=int, default=64)
-    conv.add_argument("--param-dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    conv.add_argument("--tp-degree", type=int, default=1)
-    conv.add_argument("--tp-rank", type=int, default=0)
-    conv.add_argument("--overwrite", action="store_true")
+    conv.add_argument("--max-context", type=int, default=16384, help="longest sequence served")
+    conv.add_argument("--block-size", type=int, default=64, help="tokens per cache block")
+    conv.add_argument("--param-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                      help="dtype of the folded weights")
+    conv.add_argument("--tp-degree", type=int, default=1, help="tensor-parallel ranks")
+    conv.add_argument("--tp-rank", type=int, default=0, help="the rank whose heads to keep")
+    conv.add_argument("--overwrite", action="store_true", help="replace dst if it exists")
     conv.set_defaults(func=cmd_convert)
     return parser
 

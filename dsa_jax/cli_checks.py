@@ -10,14 +10,11 @@ import re
 import tempfile
 
 from dsa_jax.config import ConfigError, DsaConfig
+from dsa_jax.errors import CliError
 
 # convert's serving arguments and the config fields they set.
 SERVING_ARGS = {"max_context": "--max-context", "block_size": "--block-size",
                 "param_dtype": "--param-dtype", "tp_degree": "--tp-degree"}
-
-
-class CliError(Exception):
-    """A bad command-line argument; the message names the argument and the reason."""
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -15,6 +15,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from dsa_jax.errors import ConfigError
+
 CACHE_DTYPES = ("float8_e4m3fn", "bfloat16", "float32")
 INDEX_CACHE_DTYPES = ("bfloat16", "float32")
 PARAM_DTYPES = ("bfloat16", "float32")
@@ -23,10 +25,6 @@ GEMMS = ("auto", "xla", "pallas")
 INDEXER_TYPES = ("full", "shared")
 # HF `layer_types` entries of a DSA layer (the name changed between transformers releases).
 DSA_LAYER_TYPES = ("indexed_attention", "deepseek_sparse_attention", "full_attention")
-
-
-class ConfigError(ValueError):
-    """A configuration field is outside what the block supports."""
 
 
 def _require(ok: bool, message: str) -> None:
@@ -237,12 +235,17 @@ class DsaConfig:
         if indexer_types is not None:
             # Keep only the attention layers' entries when layer_types says which they are.
             layer_types = hf.get("layer_types")
+            _require(isinstance(indexer_types, list), f"indexer_types must be a list, got "
+                                                      f"{indexer_types!r}")
             if layer_types is not None and len(layer_types) == len(indexer_types):
                 indexer_types = [kind for kind, lt in zip(indexer_types, layer_types, strict=True)
                                  if lt in DSA_LAYER_TYPES]
-            _require(isinstance(indexer_types, list), f"indexer_types must be a list, got "
-                                                      f"{indexer_types!r}")
-            kwargs["indexer_types"] = tuple(indexer_types) or ("full",)
+                _require(bool(indexer_types), f"layer_types {sorted(set(layer_types))} has no DSA "
+                                              f"layer (one of {sorted(DSA_LAYER_TYPES)}): this "
+                                              f"config has no block for dsa_jax")
+            _require(bool(indexer_types), "indexer_types is empty: a DSA model has at least one "
+                                          "layer")
+            kwargs["indexer_types"] = tuple(indexer_types)
         _check_keys("serving fields", serving)
         kwargs.update(serving)
         return cls(**kwargs)

@@ -26,6 +26,7 @@ import numpy as np
 
 from dsa_jax import serve
 from dsa_jax.drafting import ModelDrafter, NgramDrafter
+from dsa_jax.errors import EngineError, OutOfBlocks
 from dsa_jax.model import (
     ModelConfig,
     ModelWeights,
@@ -40,14 +41,6 @@ from dsa_jax.sampling import Sampling, SamplingError, check_stop_tokens
 
 __all__ = ["BlockAllocator", "Engine", "EngineError", "EngineStats", "ModelConfig",
            "ModelWeights", "OutOfBlocks", "Request", "init_model", "ngram_draft"]
-
-
-class EngineError(ValueError):
-    """A request the engine cannot serve (too long, bad speculation width, ...)."""
-
-
-class OutOfBlocks(RuntimeError):
-    """The block pool cannot cover a request right now."""
 
 
 class BlockAllocator:

@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 
+from dsa_jax.errors import ImplementationError
 from dsa_jax.pallas import (
     decode_front,
     index_write,
@@ -33,10 +34,6 @@ from dsa_jax.pallas import (
     sparse_attend,
     topk_matmul,
 )
-
-
-class ImplementationError(RuntimeError):
-    """The requested implementation cannot run here."""
 
 
 @dataclasses.dataclass(frozen=True)

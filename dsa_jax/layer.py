@@ -44,6 +44,7 @@ from dsa_jax.state import DsaState, ring_mark_after, ring_mark_after_rewind
 from dsa_jax.step import candidate_pools, select_pools, step, write_kv_rows
 from dsa_jax.step_checks import (
     StepError,
+    check_live,
     check_out,
     check_rewind,
     check_step,
@@ -299,8 +300,11 @@ def _public_step(cfg, weights, state, x, kind, counts, shared_sel, check, out=No
     once it has one; `out` checked), then one dispatch: pad, step, unpad. Inside a trace:
     `_traced_step`."""
     check_types(cfg, weights, state)
+    if not hasattr(x, "ndim"):  # a list or tuple of numbers
+        x = np.asarray(x)
     if any(isinstance(a, jax.core.Tracer) for a in (x, *state, *weights) if a is not None):
         return _traced_step(cfg, weights, state, x, kind, counts, shared_sel, out)
+    check_live(state)
     layout, n_new = prepare_step(cfg, weights, state, x, kind=kind, counts=counts,
                                  shared_sel=shared_sel, check=check)
     if out is not None:
@@ -409,6 +413,9 @@ def write_kv_row(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Ar
     x: [B, D] (one row per sequence) or [B, S, D]; active: [B] bool. Returns the new state.
     """
     check_types(cfg, weights, state)
+    check_live(state)
+    if not hasattr(x, "ndim"):  # a list or tuple of numbers
+        x = np.asarray(x)
     if x.ndim == 2:
         x = x[:, None]
     layout, n_new = prepare_step(cfg, weights, state, x, kind="kv", counts=active)

@@ -51,6 +51,7 @@ from jax import lax
 
 from dsa_jax.attend import write_latents
 from dsa_jax.config import DsaConfig
+from dsa_jax.errors import ModelError
 from dsa_jax.implementation import rms_norm_op, row_gemms
 from dsa_jax.indexer import pool_scores, write_index_rows
 from dsa_jax.projection import kernel_rows, matmul, norm, output_projection, project, x_columns
@@ -69,10 +70,6 @@ from dsa_jax.step import (
     step,
 )
 from dsa_jax.weights import DsaWeights, init_random_weights
-
-
-class ModelError(ValueError):
-    """Model weights or states that do not fit the model config."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -66,7 +66,7 @@ class DsaAttention(nnx.Module):
                  block_tables=None):
         if weights is None:
             if rngs is None:
-                raise ValueError("DsaAttention needs rngs (random weights) or weights "
+                raise TypeError("DsaAttention needs rngs (random weights) or weights "
                                  "(use DsaAttention.from_weights)")
             weights = init_random_weights(cfg, rngs.params(), has_indexer)
         elif not isinstance(weights, DsaWeights):

@@ -13,11 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsa_jax.errors import SamplingError
+
 SAMPLING_MODES = ("greedy", "sample")
-
-
-class SamplingError(ValueError):
-    """A sampling setting or stop token the loop cannot use."""
 
 
 @dataclasses.dataclass(frozen=True)

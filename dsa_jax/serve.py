@@ -31,6 +31,7 @@ from jax import lax
 
 from dsa_jax.bitwise import bitwise_jit
 from dsa_jax.drafting import NgramDrafter
+from dsa_jax.errors import ServeError
 from dsa_jax.model import (
     ModelConfig,
     ModelState,
@@ -304,9 +305,6 @@ def _admit(prog: Program, sv: Serving, mask: jax.Array, block_tables: jax.Array,
 
 
 # ------------------------------------------------------------------------------ a fixed batch
-
-class ServeError(ValueError):
-    """A batch the loop cannot serve (refused before anything runs)."""
 
 
 def _is_token_id(t) -> bool:

@@ -24,12 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsa_jax.config import DsaConfig
+from dsa_jax.errors import StateError
 from dsa_jax.numerics import mark_after, next_pow2, quantize, round_to
-
-
-class StateError(ValueError):
-    """A state cannot be built as asked (sizes, scale, block tables); raised before any array
-    is made."""
 
 
 class DsaState(NamedTuple):

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsa_jax.config import DsaConfig
+from dsa_jax.errors import StepError
 from dsa_jax.mirror import host_numbers, remember
 from dsa_jax.state import (
     DsaState,
@@ -27,10 +28,6 @@ from dsa_jax.state import (
 from dsa_jax.weights import DsaWeights, expected_weight_fields
 
 
-class StepError(ValueError):
-    """A step's inputs do not fit the state; raised before anything is written."""
-
-
 def check_types(cfg, weights, state) -> None:
     """The three pytrees' types, so that swapped arguments fail naming them (`TypeError`)."""
     for name, value, want in (("cfg", cfg, DsaConfig), ("weights", weights, DsaWeights),
@@ -38,6 +35,17 @@ def check_types(cfg, weights, state) -> None:
         if not isinstance(value, want):
             raise TypeError(f"{name} must be a {want.__name__}, got {type(value).__name__} "
                             f"(the order is cfg, weights, state, x)")
+
+
+def check_live(state: DsaState) -> None:
+    """The state's arrays are live: a state given to a step is donated to it (its buffers
+    become the new state's), so reusing it fails here rather than inside XLA."""
+    for name, a in zip(DsaState._fields, state, strict=True):
+        if isinstance(a, jax.Array) and a.is_deleted():
+            raise StepError(f"state field {name} was donated to an earlier step (or deleted): "
+                            f"decode, decode_k, prefill and write_kv_row donate the state they "
+                            f"are given; use the state that call returned (or copy one to keep "
+                            f"it: jax.tree.map(jnp.copy, state))")
 
 
 def is_concrete(a) -> bool:

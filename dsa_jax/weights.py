@@ -30,11 +30,7 @@ import ml_dtypes
 import numpy as np
 
 from dsa_jax.config import DsaConfig
-
-
-class WeightError(ValueError):
-    """A checkpoint tensor is missing or has the wrong shape or dtype."""
-
+from dsa_jax.errors import WeightError
 
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")  # stored weights that need their scale
 SCALE_SUFFIX = "_scale_inv"  # HF: `q_a_proj.weight` -> `q_a_proj.weight_scale_inv`
@@ -261,18 +257,27 @@ def checkpoint_files(path: str) -> dict[str, str]:
     if os.path.isdir(path):
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.exists(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f).get("weight_map")
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+                raise WeightError(f"{index}: not a JSON object ({e})") from None
+            if not isinstance(weight_map, dict):
+                raise WeightError(f"{index}: no \"weight_map\" object (tensor name -> file), "
+                                  f"got {type(weight_map).__name__}")
             return {name: os.path.join(path, file) for name, file in weight_map.items()}
         single = os.path.join(path, "model.safetensors")
         if not os.path.exists(single):
             raise WeightError(f"{path}: neither model.safetensors.index.json nor "
                               f"model.safetensors is there")
         path = single
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(path, framework="numpy") as f:
-        return {name: path for name in f.keys()}
+    try:
+        with safe_open(path, framework="numpy") as f:
+            return {name: path for name in f.keys()}
+    except (SafetensorError, OSError) as e:
+        raise WeightError(f"{path}: not a readable safetensors file ({e})") from None
 
 
 def _layer_prefix(names, layer: int) -> str | None:
@@ -286,6 +291,18 @@ def _layer_prefix(names, layer: int) -> str | None:
 
 
 def _read_tensor(file: str, name: str) -> np.ndarray:
+    """One tensor of a safetensors file in its stored dtype; a shard that is missing or not a
+    safetensors file is a `WeightError` naming it."""
+    from safetensors import SafetensorError
+
+    try:
+        return _read_stored(file, name)
+    except (SafetensorError, OSError, KeyError, ValueError) as e:
+        raise WeightError(f"{file}: cannot read tensor {name!r} ({type(e).__name__}: "
+                          f"{e})") from None
+
+
+def _read_stored(file: str, name: str) -> np.ndarray:
     """One tensor of a safetensors file in its stored dtype (fp8 too: numpy has no fp8, so
     those are read from the file's bytes through ml_dtypes)."""
     from safetensors import safe_open

@@ -3,4 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
+  echo "scripts/demo.sh [OPTIONS]: the demo is \`dsa-jax run\` on the tiny config; its options:"
+  exec .venv/bin/dsa-jax run --help
+fi
 exec .venv/bin/dsa-jax "$@"

@@ -116,6 +116,15 @@ def _version(c, version):
     checkpoint.restore_weights(path, ODD)
 
 
+def _hf_folder(c, name: str, files: dict[str, bytes]):
+    """A checkpoint folder `name` holding `files` (file name -> bytes)."""
+    path = os.path.join(c.tmp, name)
+    os.makedirs(path, exist_ok=True)
+    for file, data in files.items():
+        open(os.path.join(path, file), "wb").write(data)
+    return path
+
+
 def _hf_file(c, drop=None, layer=0):
     from safetensors.numpy import save_file
 
@@ -206,6 +215,10 @@ CASES = [
     ("config.hf-indexer-types", "an HF indexer_types that is not a list", ConfigError,
      r"indexer_types must be a list, got 'full'",
      lambda c: DsaConfig.from_hf_config({**HF, "indexer_types": "full"})),
+    ("config.hf-no-dsa-layer", "an HF config whose layer_types hold no DSA layer",
+     ConfigError, r"layer_types \['linear_attention'\] has no DSA layer",
+     lambda c: DsaConfig.from_hf_config({**HF, "indexer_types": ["full", "full"],
+                                         "layer_types": ["linear_attention"] * 2})),
     ("config.serving-unknown", "an unknown serving field", ConfigError,
      r"serving fields: unknown config keys \['max_ctx'\]",
      lambda c: DsaConfig.from_hf_config(HF, max_ctx=4)),
@@ -232,6 +245,21 @@ CASES = [
      r"tp_rank 1 is outside \[0, tp_degree=1\)", lambda c: fold_weights(ODD, c.hf, 1)),
     ("weights.no-layer", "no attention tensors for the layer in the file", WeightError,
      r"no attention tensors for layer 3", lambda c: read_hf_tensors(_hf_file(c), ODD, 3)),
+    ("weights.index-no-map", "a model.safetensors.index.json without weight_map", WeightError,
+     r"model.safetensors.index.json: no \"weight_map\" object \(tensor name -> file\), got "
+     r"NoneType",
+     lambda c: read_hf_tensors(_hf_folder(c, "nomap", {"model.safetensors.index.json":
+                                                       b'{"metadata": {}}'}), ODD, 0)),
+    ("weights.shard-missing", "an index naming a shard that is not there", WeightError,
+     r"missing.safetensors: cannot read tensor 'model.layers.0.self_attn.",
+     lambda c: read_hf_tensors(_hf_folder(c, "noshard", {
+         "model.safetensors.index.json": json.dumps({"weight_map": {
+             f"model.layers.0.self_attn.{k}": "missing.safetensors" for k in c.hf}}).encode()}),
+         ODD, 0)),
+    ("weights.shard-corrupt", "a safetensors file that is not one (corrupt or truncated)",
+     WeightError, r"model.safetensors: not a readable safetensors file \(",
+     lambda c: read_hf_tensors(_hf_folder(c, "corrupt", {"model.safetensors": b"garbage!"}),
+                               ODD, 0)),
     ("weights.file-missing", "a file lacking one of the layer's tensors", WeightError,
      r"tensor 'model.layers.0.self_attn.o_proj.weight' is missing",
      lambda c: read_hf_tensors(_hf_file(c, drop="o_proj.weight"), ODD, 0)),
@@ -400,6 +428,13 @@ CASES = [
      r"out= buffers need the eager call; inside jax.jit XLA places the outputs itself: drop "
      r"out=",
      lambda c: jax.jit(lambda s: dsa_jax.decode(ODD, c.w, s, x_rows(2), out=_out()))(c.state)),
+    ("step.donated", "a state already donated to an earlier step", layer.StepError,
+     r"state field latent was donated to an earlier step \(or deleted\): decode, decode_k, "
+     r"prefill and write_kv_row donate the state they are given; use the state that call "
+     r"returned",
+     lambda c: (lambda s: (dsa_jax.decode(ODD, c.w, s, x_rows(2)),
+                           dsa_jax.decode(ODD, c.w, s, x_rows(2))))(
+         jax.tree.map(jnp.copy, c.state))),
     ("step.arg-order", "the arguments in another order (weights before cfg)", TypeError,
      r"cfg must be a DsaConfig, got DsaWeights \(the order is cfg, weights, state, x\)",
      lambda c: dsa_jax.decode(c.w, ODD, c.state, x_rows(2))),
@@ -429,7 +464,7 @@ CASES = [
      "divide", ShardingError,
      r"split_selection=True: a dp shard's 3 sequences do not split over tp=2 ranks",
      lambda c: sharding.split_rule(ODD.replace(num_heads=6, tp_degree=2), 3, True)),
-    ("nnx.no-weights", "DsaAttention without rngs or weights", ValueError,
+    ("nnx.no-weights", "DsaAttention without rngs or weights", TypeError,
      r"DsaAttention needs rngs \(random weights\) or weights",
      lambda c: __import__("dsa_jax.nnx").nnx.DsaAttention(ODD, num_seqs=1)),
     ("nnx.weights-type", "DsaAttention weights that are not DsaWeights", TypeError,

@@ -17,11 +17,23 @@ def test_every_subcommand_has_help(capsys):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "usage: dsa-jax" in out.stdout
+    assert "sequences served together (default: 4)" in out.stdout  # defaults shown
     for sub in ("run", "convert", "parity", "bench"):
         with pytest.raises(SystemExit) as exit_:
             cli.main([sub, "--help"])
         assert exit_.value.code == 0
-        assert "usage: dsa-jax" in capsys.readouterr().out
+        text = capsys.readouterr().out
+        assert "usage: dsa-jax" in text
+        if sub == "convert":
+            assert "longest sequence served (default: 16384)" in text
+
+
+def test_demo_help_shows_the_demos_options():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(["bash", os.path.join(root, "scripts", "demo.sh"), "--help"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "scripts/demo.sh [OPTIONS]" in out.stdout and "--prompt-len" in out.stdout
 
 
 def test_run_default_job_prints_stats_and_writes_the_selection_map(tmp_path, capsys):

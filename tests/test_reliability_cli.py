@@ -47,6 +47,9 @@ def make_files(root) -> str:
               os.path.join(root, "hf", "model.safetensors"))
     os.makedirs(os.path.join(root, "badhf"))
     _write(root, "badhf/config.json", json.dumps({**HF_FIELDS, "rms_norm_eps": "1e-5"}))
+    os.makedirs(os.path.join(root, "corrupthf"))
+    _write(root, "corrupthf/config.json", json.dumps(HF_FIELDS))
+    _write(root, "corrupthf/model.safetensors", "garbage, not a safetensors file")
     return root
 
 
@@ -125,6 +128,9 @@ CLI_CASES = [
     ("cli.convert.tp-rank", "--tp-rank outside [0, --tp-degree)",
      ["convert", "{hf}", "{dst}", "--tp-degree", "3", "--tp-rank", "3"],
      r"--tp-rank 3 is outside \[0, 3\) \(--tp-degree\)"),
+    ("cli.convert.shard-corrupt", "an HF checkpoint whose safetensors file is corrupt",
+     ["convert", "{corrupthf}", "{dst}"], r"corrupthf/model.safetensors: not a readable "
+                                          r"safetensors file"),
     ("cli.convert.dst-exists", "an existing dst without --overwrite",
      ["convert", "{hf}", "{good}"], r"dst .*good already exists; pass --overwrite to replace "
                                     r"it"),

@@ -143,3 +143,12 @@ if __name__ == "__main__":  # rewrite the catalogue's tables from the actual mes
         lines.append(_row(case[0], case[1], "exit 2",
                           cli_cases.run_case(case, files, tempfile.mkdtemp(prefix="out"))))
     open(DOC, "w").write("\n".join(lines) + "\n")
+
+
+def test_every_refusal_is_a_dsa_error_exported_at_the_top_level():
+    """`except dsa_jax.DsaError` catches every entry of the catalogue (a swapped-argument
+    `TypeError` aside), and each type is `dsa_jax.<Name>`, the one its module raises."""
+    import dsa_jax
+    kinds = {case[2] for case in CASES} - {TypeError}
+    assert kinds and all(issubclass(k, dsa_jax.DsaError) for k in kinds), kinds
+    assert all(getattr(dsa_jax, k.__name__) is k for k in kinds)

@@ -122,3 +122,11 @@ def test_errors_name_the_value():
     with pytest.raises(StepError, match="out= buffers"):
         jax.jit(lambda s: dsa_jax.decode(cfg, weights, s, x, out=(x, x)))(base)
     assert step.compiler_options == dict(dsa_jax.BITWISE_OPTIONS)
+
+
+def test_x_as_a_python_list_is_the_array():
+    cfg, weights, base = _setup("xla")
+    x = random_rows(4, base.num_seqs, cfg.hidden_size)  # [B, D]
+    want = dsa_jax.decode(cfg, weights, copy_tree(base), x)
+    got = dsa_jax.decode(cfg, weights, copy_tree(base), np.asarray(x).tolist())
+    assert_trees_bitwise_equal(got, want)

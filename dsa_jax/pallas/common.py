@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import triton as plt
 
 # The model's shared definitions, which the kernels import from here too.
+from dsa_jax.errors import KernelLimitError
 from dsa_jax.numerics import FP8_MAX, next_pow2, quantize, round_to  # noqa: F401
 
 # Multiprocessors of an H100 / H200 SXM, the GPUs the kernels are tuned on: the count assumed
@@ -47,10 +48,6 @@ def check_triton_blocks(tuning, names: tuple[str, ...]) -> None:
 # on the GPU, but a write packing words there stored other bits than the per-element kernel,
 # so the latent write stores through XLA in that zone (latent_write.py) and the Triton attend
 # refuses.
-class KernelLimitError(ValueError):
-    """An array a kernel cannot address correctly; raised while tracing, before anything
-    runs."""
-
 
 TRITON_OFFSET_ELEMENTS = 2 ** 31
 TRITON_64BIT_BYTES = 2 ** 32

@@ -17,6 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dsa_jax.errors import MissingDependencyError
 from dsa_jax.pallas.common import next_pow2
 
 # The row is held in registers; the selection runs lax.top_k past this (as for the Pallas
@@ -27,10 +28,6 @@ JAX_TRITON_REQUIREMENT = "jax-triton==0.3.1"
 # passes of 256) for a prompt's rows.
 DIGIT_BITS = 4
 NUM_WARPS = 8
-
-
-class MissingDependencyError(ImportError):
-    """The raw Triton top-k was asked for and jax-triton or triton is not installed."""
 
 
 def load_jax_triton():

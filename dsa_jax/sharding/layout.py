@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from dsa_jax import state as state_mod
 from dsa_jax.config import DsaConfig
+from dsa_jax.errors import ShardingError
 from dsa_jax.state import DsaState
 from dsa_jax.weights import DsaWeights, fold_weights
 
@@ -34,10 +35,6 @@ STATE_SPECS = DsaState(latent=P(DP), kv_scale=P(), block_tables=P(DP), index_k=P
                        index_g=P(DP), pool_keys=P(DP), lengths=P(DP), index_lengths=P(DP))
 WEIGHT_SPEC = P(TP)  # every leaf of the stacked weights
 ROW_SPEC = P(DP)  # x, n_new, y, sel: split on the sequence axis
-
-
-class ShardingError(ValueError):
-    """A mesh, a config and the arrays placed on it do not fit together."""
 
 
 def mesh(dp: int = 1, tp: int = 1, devices=None) -> Mesh:
