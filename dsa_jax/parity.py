@@ -185,24 +185,37 @@ def _guarded(kind: str, impl: str, fn) -> list[Check]:
         return [Check(kind, f"raised {type(err).__name__}", impl, float("inf"), 0.0)]
 
 
-def run_checks(include_hf: bool = True) -> list[Check]:
+def run_checks(include_hf: bool = True, report=None) -> list[Check]:
+    """Every group of checks; `report(line)`, when given, hears each group as it starts and
+    each row as its group finishes (a group compiles first: seconds to a minute on a CPU)."""
     impls = ["xla", *kernel_implementations()]
-    checks = []
-    for impl in impls[1:]:
-        checks += _guarded("kernel", impl, kernel_checks)
+    groups = [("kernel", impl, kernel_checks) for impl in impls[1:]]
     for impl in impls:
-        checks += _guarded("layer", impl, layer_checks)
+        groups.append(("layer", impl, layer_checks))
         if include_hf and hf_available():
-            checks += _guarded("hf", impl, hf_checks)
+            groups.append(("hf", impl, hf_checks))
+    checks = []
+    for n, (kind, impl, fn) in enumerate(groups, 1):
+        if report:
+            report(f"[{n}/{len(groups)}] {kind} checks, {impl}: compiling and running ...")
+        rows = _guarded(kind, impl, fn)
+        if report:
+            for c in rows:
+                report(format_row(c))
+        checks += rows
     return checks
 
 
+HEADER = f"{'kind':<7}{'implementation':<18}{'error':>10}{'tolerance':>11}  result  check"
+
+
+def format_row(c: Check) -> str:
+    return (f"{c.kind:<7}{c.implementation:<18}{c.error:>10.2e}{c.tolerance:>11.1e}  "
+            f"{'PASS' if c.passed else 'FAIL':<6}  {c.name}")
+
+
 def format_table(checks: list[Check]) -> str:
-    lines = [f"{'kind':<7}{'implementation':<18}{'error':>10}{'tolerance':>11}  result  check"]
-    for c in checks:
-        lines.append(f"{c.kind:<7}{c.implementation:<18}{c.error:>10.2e}{c.tolerance:>11.1e}  "
-                     f"{'PASS' if c.passed else 'FAIL':<6}  {c.name}")
-    return "\n".join(lines)
+    return "\n".join([HEADER, *map(format_row, checks)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,8 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     hf = "off" if args.no_hf else ("on" if hf_available() else
                                    "unavailable (torch/transformers not installed)")
     print(f"backend {jax.default_backend()}, jax {jax.__version__}; HF checks: {hf}")
-    checks = run_checks(include_hf=not args.no_hf)
-    print(format_table(checks))
+    print(HEADER)
+    checks = run_checks(include_hf=not args.no_hf, report=lambda line: print(line, flush=True))
     failed = sum(not c.passed for c in checks)
     print(f"{len(checks) - failed} passed, {failed} failed")
     return 1 if failed else 0

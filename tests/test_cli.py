@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -42,6 +43,7 @@ def test_run_default_job_prints_stats_and_writes_the_selection_map(tmp_path, cap
     out = capsys.readouterr().out
     assert code == 0
     assert "tok/s" in out and "drafts accepted" in out and "layers=2 (full,shared)" in out
+    assert re.search(r"20 tokens in [\d.]+ s: compiling [\d.]+ s, generating [\d.]+ s", out)
     png = tmp_path / "selection_map.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
@@ -93,4 +95,17 @@ def test_convert_then_run_with_the_checkpoint(tmp_path, capsys):
 def test_parity_command_passes_without_hf(capsys):
     assert cli.main(["parity", "--no-hf"]) == 0
     out = capsys.readouterr().out
-    assert "0 failed" in out and "FAIL" not in out
+    assert "0 failed" in out and "FAIL" not in out and "compiling and running ..." in out
+
+
+def test_parity_reports_each_group_as_it_starts_and_each_row_as_it_ends(monkeypatch):
+    from dsa_jax import parity
+
+    said = []
+    row = parity.Check("layer", "a check", "xla", 1e-7, 1e-5)
+    monkeypatch.setattr(parity, "kernel_implementations", lambda: [])
+    monkeypatch.setattr(parity, "layer_checks", lambda impl: said.append("ran") or [row])
+    checks = parity.run_checks(include_hf=False, report=said.append)
+    assert checks == [row]
+    assert said == ["[1/1] layer checks, xla: compiling and running ...", "ran",
+                    parity.format_row(row)]
