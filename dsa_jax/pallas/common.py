@@ -74,9 +74,8 @@ def check_triton_addressable(shape, dtype, what: str) -> None:
         raise KernelLimitError(
             f"{what} {tuple(shape)} {jnp.dtype(dtype).name} is {nbytes} bytes: the Pallas "
             f"Triton kernels address arrays of at most {TRITON_64BIT_BYTES} bytes with 32-bit "
-            f"offsets, which wrap past {TRITON_OFFSET_ELEMENTS} elements; use fewer than "
-            f"{TRITON_OFFSET_ELEMENTS} elements, more than {TRITON_64BIT_BYTES} bytes, or the "
-            f"xla implementation")
+            f"offsets, which wrap past {TRITON_OFFSET_ELEMENTS} elements; this array needs "
+            f"fewer elements (fewer rows in the call), or implementation='xla'")
 
 
 def sm_count(device: jax.Device | None = None) -> int:
