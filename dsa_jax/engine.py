@@ -37,6 +37,7 @@ from dsa_jax.model import (
     stack_weights,
     unfold_state,
 )
+from dsa_jax.prompt_chunk import largest_chunk
 from dsa_jax.sampling import Sampling, SamplingError, check_stop_tokens
 
 __all__ = ["BlockAllocator", "Engine", "EngineError", "EngineStats", "ModelConfig",
@@ -196,7 +197,10 @@ class Engine:
             weights = stack_weights(mcfg, weights)
         self.mcfg, self.weights, self.speculate = mcfg, weights, speculate
         self.draft_weights = draft_weights
-        self.prefill_chunk, self.tokens_per_dispatch = prefill_chunk, tokens_per_dispatch
+        # Prompt rows per prefill dispatch: the asked chunk, cut where the max_seqs x chunk
+        # rows would pass the kernels' 32-bit addressing (`dsa_jax.prompt_chunk`).
+        self.prefill_chunk = largest_chunk(cfg, max_seqs, num_blocks, prefill_chunk)
+        self.tokens_per_dispatch = tokens_per_dispatch
         self.seed = seed
         self.program = serve.Program(mcfg, sampling, stop_tokens, speculate, drafter,
                                      record_selections, weights_in_place)

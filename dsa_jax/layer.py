@@ -38,8 +38,9 @@ from jax import lax
 
 from dsa_jax.bitwise import bitwise_jit
 from dsa_jax.config import DsaConfig
-from dsa_jax.implementation import row_gemms
+from dsa_jax.implementation import resolve, row_gemms
 from dsa_jax.mirror import host_numbers, known, remember
+from dsa_jax.prompt_chunk import largest_chunk
 from dsa_jax.state import DsaState, ring_mark_after, ring_mark_after_rewind
 from dsa_jax.step import candidate_pools, select_pools, step, write_kv_rows
 from dsa_jax.step_checks import (
@@ -307,6 +308,10 @@ def _public_step(cfg, weights, state, x, kind, counts, shared_sel, check, out=No
     check_live(state)
     layout, n_new = prepare_step(cfg, weights, state, x, kind=kind, counts=counts,
                                  shared_sel=shared_sel, check=check)
+    if kind == "prefill" and resolve(cfg.implementation) != "xla":
+        chunk = largest_chunk(cfg, state.num_seqs, state.latent.shape[0], x.shape[1])
+        if chunk < x.shape[1]:
+            return _prefill_in_chunks(cfg, weights, state, x, n_new, shared_sel, check, chunk)
     if out is not None:
         out = check_out(cfg, x, out, (weights, state, x, shared_sel))
     before = known(state)
@@ -316,6 +321,20 @@ def _public_step(cfg, weights, state, x, kind, counts, shared_sel, check, out=No
     if before is not None and weights.has_indexer:
         vouch(sel, before.lengths)  # a shared layer may take it without a device read
     return y, state, sel
+
+
+def _prefill_in_chunks(cfg, weights, state, x, n_new, shared_sel, check, chunk):
+    """A prefill too wide for the kernels' addressing (`dsa_jax.prompt_chunk`) as prefills of
+    `chunk` rows, `y` and `sel` joined: a chunked prefill (the selections of one prefill, the
+    outputs within fp32 rounding)."""
+    ys, sels = [], []
+    for lo in range(0, x.shape[1], chunk):
+        part = np.clip(np.asarray(n_new) - lo, 0, chunk).astype(np.int32)  # [B] rows here
+        sel_part = None if shared_sel is None else shared_sel[:, lo:lo + chunk]
+        y, state, sel = _public_step(cfg, weights, state, x[:, lo:lo + chunk], "prefill", part,
+                                     sel_part, check)
+        ys.append(y), sels.append(sel)
+    return jnp.concatenate(ys, axis=1), state, jnp.concatenate(sels, axis=1)
 
 
 def prefill(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, *,
