@@ -40,7 +40,8 @@ def test_every_mesh_matches_one_device(meshes):
     out = run_with_devices(os.path.join(HERE, "mesh_check.py"), 8,
                            [f"{dp}x{tp}" for dp, tp in meshes])
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    for case in [f"dp {dp} x tp {tp}" for dp, tp in meshes] + ["extras"]:
+    extras = ["extras"] if (2, 4) in meshes else []  # mesh_check runs them on the (2, 4) mesh
+    for case in [f"dp {dp} x tp {tp}" for dp, tp in meshes] + extras:
         assert f"{case}: ok" in out.stdout, case
     assert "mesh == one device: ok" in out.stdout
 
