@@ -4,6 +4,7 @@ config (dsa_jax/configs/tiny.json)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -72,8 +73,9 @@ def save_selection_png(image: np.ndarray, first_pos: int, path: str, title: str)
     plt.close(fig)
 
 
-def compile_seconds() -> list[float]:
-    """A one-element list that sums, from now on, the seconds jax spends tracing, lowering
+@contextlib.contextmanager
+def compile_seconds():
+    """Within the block, a one-element list summing the seconds jax spends tracing, lowering
     and compiling (its `jax.monitoring` duration events), so tokens/s can leave them out."""
     total = [0.0]
 
@@ -82,7 +84,10 @@ def compile_seconds() -> list[float]:
             total[0] += seconds
 
     jax.monitoring.register_event_duration_secs_listener(listen)
-    return total
+    try:
+        yield total
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -122,10 +127,9 @@ def cmd_run(args: argparse.Namespace) -> int:
           f"sequences={args.num_seqs} prompt={args.prompt_len} new={args.steps} "
           f"drafts<={args.speculate}")
     print("compiling the prefill and the serving loop, then generating ...", flush=True)
-    compiling = compile_seconds()
     t0 = time.perf_counter()
-    with tqdm(total=args.num_seqs * args.steps, unit="tok", desc="generating",
-              disable=args.quiet) as bar:
+    with compile_seconds() as compiling, tqdm(total=args.num_seqs * args.steps, unit="tok",
+                                              desc="generating", disable=args.quiet) as bar:
         engine.run_until_done(bar)
     seconds = time.perf_counter() - t0
     st = engine.stats

@@ -289,11 +289,10 @@ def _traced_step(cfg, weights, state, x, kind, counts, shared_sel, out):
     if out is not None:
         raise StepError("out= buffers need the eager call; inside jax.jit XLA places the "
                         "outputs itself: drop out=")
-    step_kind = "verify" if kind == "verify" else kind
     rows = 1 if kind == "decode" else x.shape[1]
     counts_kw = {"num_tokens": counts} if kind == "prefill" else {"active": counts}
-    return serving_step(cfg, step_kind, rows=rows)(weights, state, x, shared_sel=shared_sel,
-                                                   **counts_kw)
+    return serving_step(cfg, kind, rows=rows)(weights, state, x, shared_sel=shared_sel,
+                                              **counts_kw)
 
 
 def _public_step(cfg, weights, state, x, kind, counts, shared_sel, check, out=None):

@@ -45,7 +45,7 @@ def fits(cfg: DsaConfig, num_seqs: int, num_blocks: int, rows: int) -> bool:
 
 def largest_chunk(cfg: DsaConfig, num_seqs: int, num_blocks: int, want: int) -> int:
     """`want` if a step of `num_seqs` x `want` prompt rows fits the kernels, else the largest
-    chunk below it that does (a bisection: about log2(want) traces of a second or less);
+    chunk below it that does (a bisection: about log2(want) shape-only traces);
     `KernelLimitError` if not even one row per sequence fits."""
     if fits(cfg, num_seqs, num_blocks, want):
         return want

@@ -156,9 +156,8 @@ def check_step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Arra
     returns None when the step fits. Reads the state's lengths and tables (one device read
     unless the host already holds them)."""
     check_types(cfg, weights, state)
-    step_kind = {"decode": "decode", "verify": "verify", "prefill": "prefill"}.get(kind)
-    if step_kind is None:
+    if kind not in KINDS:
         raise StepError(f"check_step kind {kind!r} is not one of {KINDS}")
     counts = num_tokens if kind == "prefill" else active
-    prepare_step(cfg, weights, state, jnp.asarray(x), kind=step_kind, counts=counts,
+    prepare_step(cfg, weights, state, jnp.asarray(x), kind=kind, counts=counts,
                  shared_sel=shared_sel, check=True)

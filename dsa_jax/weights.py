@@ -297,6 +297,8 @@ def _read_tensor(file: str, name: str) -> np.ndarray:
 
     try:
         return _read_stored(file, name)
+    except WeightError:
+        raise  # already names the file and the tensor
     except (SafetensorError, OSError, KeyError, ValueError) as e:
         raise WeightError(f"{file}: cannot read tensor {name!r} ({type(e).__name__}: "
                           f"{e})") from None

@@ -27,7 +27,8 @@ import pytest
 
 jax.config.update("jax_enable_x64", False)
 
-# XLA:CPU at optimization level 0 compiles the suite's programs in about 60% of the time.
+# XLA:CPU at optimization level 0 compiles the suite's programs faster (compiling is most of
+# the suite's time).
 # Every comparison's two sides (and every subprocess a test starts) compile under the same
 # flags; `--long` runs at XLA's default level, the one a user's CPU program compiles at.
 FAST_CPU_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"

@@ -130,3 +130,30 @@ def test_x_as_a_python_list_is_the_array():
     want = dsa_jax.decode(cfg, weights, copy_tree(base), x)
     got = dsa_jax.decode(cfg, weights, copy_tree(base), np.asarray(x).tolist())
     assert_trees_bitwise_equal(got, want)
+
+
+def test_a_shared_layers_serving_step_is_its_eager_decode():
+    """A layer without an indexer: `shared_sel` passes through the serving step (and through
+    `jax.jit(decode)`) as through the eager call, bit for bit."""
+    cfg = ODD.replace(cache_dtype="float8_e4m3fn", index_cache_dtype="bfloat16")
+    weights = dsa_jax.init_random_weights(cfg, jax.random.key(6), has_indexer=False)
+    lengths = [17, 9]
+    state = dsa_jax.init_state(cfg, 2, kv_scale=1 / 32, has_indexer=False)
+    x = random_rows(2, 2, max(lengths), cfg.hidden_size)
+    prompt_sel = np.full((2, max(lengths), cfg.sel_width), -1, np.int32)
+    base = dsa_jax.prefill(cfg, weights, state, x, num_tokens=np.array(lengths),
+                           shared_sel=jnp.asarray(prompt_sel))[1]
+    rng = np.random.default_rng(0)
+    sel = np.full((2, cfg.sel_width), -1, np.int32)
+    for s, n in enumerate(lengths):  # earlier tokens, distinct, in random order
+        picks = rng.permutation(n + 1)[:cfg.sel_width]
+        sel[s, :len(picks)] = picks
+    sel = jnp.asarray(sel)
+    xd = random_rows(3, 2, cfg.hidden_size)
+    want = dsa_jax.decode(cfg, weights, copy_tree(base), xd, shared_sel=sel)
+    step = dsa_jax.serving_step(cfg, "decode")
+    got = jax.jit(lambda w, s, x, q: step(w, s, x, shared_sel=q))(weights, copy_tree(base),
+                                                                   xd, sel)
+    assert_trees_bitwise_equal(got, want)
+    jitted = jax.jit(lambda s, x, q: dsa_jax.decode(cfg, weights, s, x, shared_sel=q))
+    assert_trees_bitwise_equal(jitted(copy_tree(base), xd, sel), want)
