@@ -19,6 +19,7 @@ import glob
 import hashlib
 import os
 import shutil
+import sys
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -136,9 +137,71 @@ def verify(path: str, restored: Mapping[str, Any], checksums: Mapping[str, str] 
                                   f"disk after it was saved")
 
 
+def _frames(tb):
+    while tb is not None:
+        yield tb.tb_frame.f_code
+        tb = tb.tb_next
+
+
+def _from_orbax_read(e: BaseException | None) -> bool:
+    """Whether `e` (or what caused it) passed through orbax's code."""
+    while e is not None:
+        if any(f"{os.sep}orbax{os.sep}" in code.co_filename for code in _frames(e.__traceback__)):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _is_stray_read(unraisable) -> bool:
+    """What a failed orbax restore leaves behind in Python's unraisable-exception hook: a read
+    that finished in a tensorstore thread after orbax closed the restore's event loop
+    (asyncio's `RuntimeError('Event loop is closed')`, owned by no object), or one of orbax's
+    read coroutines collected with its exception."""
+    e, obj = unraisable.exc_value, unraisable.object
+    codes = list(_frames(unraisable.exc_traceback))
+    if (obj is None and type(e) is RuntimeError and str(e) == "Event loop is closed"
+            and codes and codes[-1].co_name == "_check_closed"):
+        return True
+    code = getattr(obj, "cr_code", None)
+    return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+
+
+class _StrayReadFilter:
+    """asyncio's "exception was never retrieved" for one of a failed orbax restore's reads."""
+
+    def filter(self, record) -> bool:
+        e = record.exc_info[1] if record.exc_info else None
+        return not ("never retrieved" in str(record.msg) and _from_orbax_read(e))
+
+
+def _quiet_stray_reads() -> None:
+    """A failed orbax restore raises its first error (a `CheckpointError` here) while its
+    other reads are still in flight in tensorstore's threads; as each finishes, Python prints
+    it on stderr (a closed event loop, an orbax coroutine's exception, an asyncio future's
+    "exception was never retrieved"), long tracebacks after the one-line error that already
+    said what is wrong. This wraps `sys.unraisablehook` and adds a filter to the `asyncio`
+    logger, once per process, dropping exactly those; every other unraisable exception or
+    asyncio record goes where it went before."""
+    import logging
+
+    previous = sys.unraisablehook
+    if getattr(previous, "_dsa_jax_quiet", False):
+        return
+
+    def hook(unraisable):
+        if not _is_stray_read(unraisable):
+            previous(unraisable)
+
+    hook._dsa_jax_quiet = True
+    sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(_StrayReadFilter())
+
+
 def restore(path: str, items: Mapping[str, Any]) -> dict:
-    """orbax composite restore of `items`; any failure to read is a CheckpointError."""
+    """orbax composite restore of `items`; any failure to read is a CheckpointError (and the
+    failed reads' stragglers stay off stderr: `_quiet_stray_reads`)."""
     ocp = _ocp()
+    _quiet_stray_reads()  # before the restore: stragglers may arrive before its error does
     try:
         with checkpointer() as ckptr:
             return ckptr.restore(path, args=ocp.args.Composite(**items))

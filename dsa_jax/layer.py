@@ -57,7 +57,7 @@ from dsa_jax.step_checks import (
 from dsa_jax.weights import DsaWeights
 
 __all__ = ["MOVING_FIELDS", "RowLayout", "StepError", "candidate_pools", "decode", "decode_k",
-           "decode_rows", "dispatch_step", "layout_step", "prefill", "prepare_step",
+           "decode_rows", "dispatch_step", "layout_step", "padded_step", "prefill", "prepare_step",
            "public_program", "rewind", "select_pools", "step", "write_kv_row"]
 
 
@@ -157,7 +157,7 @@ def prepare_step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Ar
     return layout, n_new
 
 
-def _layout_step(cfg: DsaConfig, layout: RowLayout, weights: DsaWeights, state: DsaState,
+def padded_step(cfg: DsaConfig, layout: RowLayout, weights: DsaWeights, state: DsaState,
                  x: jax.Array, n_new: jax.Array, shared_sel: jax.Array | None):
     """Pad, step, unpad: one program per layout (what `decode`, `decode_k` and `prefill`
     dispatch after `prepare_step`). The step sits between optimization barriers,
@@ -171,7 +171,7 @@ def _layout_step(cfg: DsaConfig, layout: RowLayout, weights: DsaWeights, state: 
     return y, state, sel
 
 
-layout_step = bitwise_jit(_layout_step, static_argnames=("cfg", "layout"),
+layout_step = bitwise_jit(padded_step, static_argnames=("cfg", "layout"),
                           donate_argnames=("state",))
 
 # The state fields a step changes. The public calls donate and return only these: the scale
@@ -181,7 +181,7 @@ MOVING_FIELDS = ("latent", "index_k", "index_g", "pool_keys", "lengths", "index_
 
 
 def public_program(cfg: DsaConfig, layout: RowLayout, with_out: bool = False):
-    """The jitted program of the public calls for one (config, layout): `_layout_step` with
+    """The jitted program of the public calls for one (config, layout): `padded_step` with
     both bound rather than static arguments (no hashing of them per call), the changing state
     fields donated and returned. Arguments `(weights, kv_scale, block_tables, moving, x,
     n_new, shared_sel)`, `moving` the state's `MOVING_FIELDS` fields in that order, and with
@@ -195,7 +195,7 @@ def _public_program(cfg: DsaConfig, layout: RowLayout, with_out: bool):
     def run(weights, kv_scale, block_tables, moving, x, n_new, shared_sel, *out):
         state = DsaState(kv_scale=kv_scale, block_tables=block_tables,
                          **dict(zip(MOVING_FIELDS, moving, strict=True)))
-        y, state, sel = _layout_step(cfg, layout, weights, state, x, n_new, shared_sel)
+        y, state, sel = padded_step(cfg, layout, weights, state, x, n_new, shared_sel)
         return y, tuple(getattr(state, f) for f in MOVING_FIELDS), sel
 
     if with_out:  # kept, so that XLA writes y and sel into them (same shapes and dtypes)

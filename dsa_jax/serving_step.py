@@ -37,9 +37,8 @@ from jax import lax
 
 from dsa_jax.bitwise import BITWISE_OPTIONS, bitwise_jit
 from dsa_jax.config import DsaConfig
-from dsa_jax.layer import RowLayout, decode_rows, prepare_step
+from dsa_jax.layer import RowLayout, decode_rows, padded_step, prepare_step
 from dsa_jax.state import DsaState
-from dsa_jax.step import step as block_step
 from dsa_jax.step_checks import StepError, check_layer, check_types, check_x, rows_per_seq
 from dsa_jax.weights import DsaWeights
 
@@ -113,11 +112,8 @@ class ServingStep:
         n_new = n_new.astype(jnp.int32)  # [B]
         ok = room(cfg, state, n_new, weights.has_indexer)  # [B]
         n_new = jnp.where(ok, n_new, 0)  # [B]
-        weights = lax.optimization_barrier(weights)
-        x, shared_sel = lax.optimization_barrier(layout.pad(x, shared_sel))
-        y, state, sel = block_step(cfg, weights, state, x, n_new, shared_sel,
-                                   attend_rows=layout.k)
-        y, sel = layout.unpad(*lax.optimization_barrier((y, sel)))
+        weights = lax.optimization_barrier(weights)  # closed-over weights stay operands
+        y, state, sel = padded_step(cfg, layout, weights, state, x, n_new, shared_sel)
         keep = ok.reshape((b,) + (1,) * (y.ndim - 1))
         y = jnp.where(keep, y, jnp.nan)
         sel = jnp.where(ok.reshape((b,) + (1,) * (sel.ndim - 1)), sel, -1)

@@ -23,6 +23,8 @@ fi
 want="$hash $extras"
 spec="."
 [ -n "$extras" ] && spec=".[${extras}]"
-echo "setup: pip install -e '$spec' into .venv"
+echo "setup: pip install -e '$spec' into .venv: jax, flax, orbax, matplotlib${extras:+ and the extras} (a minute or two where they download) ..."
+start=$SECONDS
 .venv/bin/python -m pip install -q --disable-pip-version-check -e "$spec"
+echo "setup: installed in $((SECONDS - start)) s"
 echo "$want" > "$stamp"

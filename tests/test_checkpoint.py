@@ -180,3 +180,63 @@ def test_convert_hf_checkpoint(tmp_path):
         checkpoint.convert_hf_checkpoint(src, dst, CFG, layers=[0])
     assert checkpoint.convert_hf_checkpoint(src, dst, CFG, layers=[0], overwrite=True) == [0]
     assert len(checkpoint.restore_weights(dst, CFG)) == 1
+
+
+_RESTORE_ALL = """
+import gc, sys, time
+from dsa_jax import checkpoint
+from dsa_jax.shapes import ODD
+for path in sys.argv[1:]:
+    try:
+        checkpoint.restore_weights(path, ODD)
+        raise SystemExit(f"{path} restored")
+    except checkpoint.CheckpointError as e:
+        print(str(e).splitlines()[0][:60])
+gc.collect()
+time.sleep(0.5)  # the failed reads still in flight finish
+
+class Broken:
+    def __del__(self):
+        raise ValueError("a user's own unraisable error")
+
+Broken()
+gc.collect()
+"""
+
+
+def test_a_damaged_checkpoint_fails_in_one_error_and_nothing_else_on_stderr(tmp_path):
+    """Damaged array files (deleted, overwritten, truncated): each restore raises one
+    `CheckpointError`; the reads orbax still had in flight print no tracebacks afterwards
+    (a closed event loop, unretrieved futures), while another unraisable error still does."""
+    import shutil
+    import subprocess
+    import sys
+
+    w = dsa_jax.init_random_weights(ODD, jax.random.key(0))
+    good = tmp_path / "good"
+    checkpoint.save_weights(good, ODD, [w])
+    arrays = good / "arrays"
+    targets = [arrays / "manifest.ocdbt", *sorted((arrays / "d").iterdir())]
+    assert len(targets) >= 2
+    paths = []
+    for i, target in enumerate(targets):
+        for how in ("delete", "garbage", "truncate"):
+            path = tmp_path / f"{how}{i}"
+            shutil.copytree(good, path)
+            file = path / target.relative_to(good)
+            if how == "delete":
+                file.unlink()
+            elif how == "garbage":
+                file.write_bytes(b"garbage")
+            else:
+                file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+            paths.append(str(path))
+    out = subprocess.run([sys.executable, "-c", _RESTORE_ALL, *paths], capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [f"{p}: the stored arrays cannot be read"[:60]
+                                       for p in paths], out.stdout
+    # stderr holds the user's error alone
+    assert out.stderr.startswith("Exception ignored in: <function Broken.__del__"), out.stderr
+    assert out.stderr.count("Traceback") == 1, out.stderr
+    assert out.stderr.rstrip().endswith("ValueError: a user's own unraisable error"), out.stderr

@@ -85,3 +85,21 @@ def test_a_prefill_too_wide_for_the_kernels_runs_in_chunks_with_the_bits_of_one(
         prompt_chunk.fits.cache_clear()
     assert_trees_bitwise_equal((got[2], got[1].lengths), (want[2], want[1].lengths))
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_the_engine_serves_64_glm_prompts_of_2048_tokens_at_a_chunk_of_1024():
+    """The workload that once died in the prompt's output projection (`KernelLimitError`),
+    compiled: 64 prompts of 2048 tokens at GLM-5.3-Flash shapes, `prefill_chunk=1024` asked,
+    prefilled at the largest chunk that fits and decoded."""
+    cfg = glm53_flash(implementation="pallas", max_context=4096)
+    mcfg = ModelConfig(cfg, vocab_size=256)
+    weights = init_model(mcfg, jax.random.key(0))
+    prompt_chunk.fits.cache_clear()
+    eng = Engine(mcfg, weights, max_seqs=64, num_blocks=64 * 4096 // cfg.block_size,
+                 prefill_chunk=1024)
+    assert eng.prefill_chunk == 1023
+    reqs = [eng.submit([(7 * i + 3 * n) % 256 for i in range(2048)], 3) for n in range(64)]
+    eng.run_until_done()
+    assert [len(r.output) for r in reqs] == [3] * 64
+    assert all(0 <= t < 256 for r in reqs for t in r.output)
