@@ -15,10 +15,11 @@ ids), so a long prefix can be computed once and reused. `convert_hf_checkpoint`:
 safetensors -> a weights checkpoint, folded once.
 
 Config checks on restore: a state checkpoint must be restored into a config equal to the saved
-one in every field except `implementation` (a run-time dispatch choice: the stored arrays do
-not depend on it). A weights checkpoint ignores the serving geometry as well (`max_context`,
-`block_size`, `max_verify`, `cache_dtype`, `index_cache_dtype`): folded weights do not depend
-on it, so one converted checkpoint serves any geometry. Any other difference is a
+one in every field except `implementation` and `batch_invariant` (run-time choices of how
+to compute: the stored arrays do not depend on them; an `Engine` runs batch-invariant). A
+weights checkpoint ignores the serving geometry as well (`max_context`, `block_size`,
+`max_verify`, `cache_dtype`, `index_cache_dtype`): folded weights do not depend on it, so one
+converted checkpoint serves any geometry. Any other difference is a
 `CheckpointError` listing every differing field with both values.
 
 Paths are made absolute (orbax requires it). Writing over an existing path takes
@@ -75,7 +76,7 @@ POOL_KEY_VERSION = 5
 ARRAYS_ITEM = "arrays"
 META_ITEM = "dsa_jax"
 # Fields a restore does not compare, per kind (see the module docstring).
-RUNTIME_FIELDS = ("implementation",)
+RUNTIME_FIELDS = ("implementation", "batch_invariant")
 SERVING_FIELDS = ("max_context", "block_size", "max_verify", "cache_dtype", "index_cache_dtype")
 IGNORED_FIELDS = {"weights": RUNTIME_FIELDS + SERVING_FIELDS, "state": RUNTIME_FIELDS}
 
@@ -450,7 +451,7 @@ def restore_state(path: str | os.PathLike, cfg: DsaConfig, *, device=None
                   ) -> tuple[list[DsaState], dict[str, Any] | None]:
     """Read a `save_state` checkpoint: `(states, extra)`, the states on `device` (default:
     the first device); `extra` is None if none was saved. `cfg` must match the saved config in
-    every field but `implementation`."""
+    every field but `implementation` and `batch_invariant`."""
     path = _abspath(path)
     meta = _info_of_kind(path, "state", cfg)
     sharding = _sharding(device)

@@ -98,6 +98,14 @@ class DsaConfig:
     # (`pallas/topk_matmul.py`, `step.shares_q_launch`): the same results as one after the
     # other (False), in less device time.
     colaunch: bool = True
+    # Batch invariance: a sequence's outputs and selections are the same bits whichever other
+    # sequences share its step. The XLA definitions are invariant always (fixed reduction
+    # trees, per-row dots); with the kernels, True plans every row's attend split as in a
+    # step of `step.INVARIANT_PLAN_ROWS` rows instead of from the step's row count (which
+    # fills the GPU for few rows, so a lone decode runs faster with False).
+    # `Engine` and `serve` default to True; `decode` / `decode_k` / `prefill` follow the
+    # config (docs/decisions.md, "Batch invariance").
+    batch_invariant: bool = False
 
     def __post_init__(self):
         if isinstance(self.indexer_types, list):
@@ -147,6 +155,8 @@ class DsaConfig:
         _require(self.implementation in IMPLEMENTATIONS,
                  f"implementation must be one of {IMPLEMENTATIONS}, got {self.implementation!r}")
         _require(self.gemm in GEMMS, f"gemm must be one of {GEMMS}, got {self.gemm!r}")
+        _require(isinstance(self.batch_invariant, bool),
+                 f"batch_invariant must be a bool (true or false), got {self.batch_invariant!r}")
         _require(isinstance(self.colaunch, bool),
                  f"colaunch must be a bool (true or false), got {self.colaunch!r}")
         _require(self.gemm != "pallas" or self.param_dtype == "bfloat16",

@@ -158,6 +158,8 @@ class Engine:
     stop_tokens: ids that end a sequence (emitted, then the sequence stops). drafter: the
     n-gram drafter by default, or `ModelDrafter(draft_mcfg)` with `draft_weights`.
     weights_in_place: `serve.Program.weights_in_place` (default True: faster on a GPU).
+    batch_invariant: `serve.Program.batch_invariant` (default True: a request's tokens are the
+    same whatever other requests share its steps).
     """
 
     def __init__(self, mcfg: ModelConfig, weights: ModelWeights | StackedWeights, *,
@@ -165,7 +167,10 @@ class Engine:
                  record_selections: bool = False, tokens_per_dispatch: int = 8,
                  sampling: Sampling | None = None, stop_tokens=(), seed: int = 0,
                  drafter=None, draft_weights: ModelWeights | StackedWeights | None = None,
-                 weights_in_place: bool = True):
+                 weights_in_place: bool = True, batch_invariant: bool = True):
+        if not isinstance(batch_invariant, bool):
+            raise EngineError(f"batch_invariant must be a bool, got {batch_invariant!r}")
+        mcfg = serve.with_batch_invariance(mcfg, batch_invariant)
         cfg = mcfg.dsa
         for name, value in (("max_seqs", max_seqs), ("num_blocks", num_blocks),
                             ("prefill_chunk", prefill_chunk),
@@ -203,7 +208,7 @@ class Engine:
         self.tokens_per_dispatch = tokens_per_dispatch
         self.seed = seed
         self.program = serve.Program(mcfg, sampling, stop_tokens, speculate, drafter,
-                                     record_selections, weights_in_place)
+                                     record_selections, weights_in_place, batch_invariant)
         self.allocator = BlockAllocator(num_blocks)
         self.serving = serve.Serving(init_model_state(mcfg, max_seqs, num_blocks),
                                      serve.init_slots(mcfg, max_seqs),

@@ -54,7 +54,15 @@ from dsa_jax.config import DsaConfig
 from dsa_jax.errors import ModelError
 from dsa_jax.implementation import rms_norm_op, row_gemms
 from dsa_jax.indexer import pool_scores, write_index_rows
-from dsa_jax.projection import kernel_rows, matmul, norm, output_projection, project, x_columns
+from dsa_jax.projection import (
+    kernel_rows,
+    matmul,
+    norm,
+    output_projection,
+    per_sequence,
+    project,
+    x_columns,
+)
 from dsa_jax.select import expand_selection, top_pools
 from dsa_jax.stacked import LayerOf
 from dsa_jax.state import DsaState, init_state, ring_guard
@@ -429,8 +437,8 @@ def lm_head(mcfg: ModelConfig, final_norm: jax.Array, head: jax.Array, h: jax.Ar
         # Decode-shaped rows under the row-invariant GEMMs: a row's logits have the same bits
         # in a plain step (1 row), a speculative round (1 + k) and a draft model's step.
         return matmul(h, head, cfg)
-    return jnp.einsum("brd,vd->brv", h.astype(head.dtype), head,
-                      preferred_element_type=jnp.float32)
+    return per_sequence(cfg, lambda hb: jnp.einsum("...d,vd->...v", hb.astype(head.dtype), head,
+                                                   preferred_element_type=jnp.float32), h, 1)
 
 
 def step_rows(cfg: DsaConfig, rows: int) -> int:

@@ -53,3 +53,17 @@ def mark_after(lengths, marks, n_new, ring_rows: int):
     the min. `state.ring_mark_after` is this at the config's Rr."""
     xp = np if isinstance(lengths, np.ndarray) else jnp
     return xp.maximum(xp.minimum(marks, lengths + ring_rows), lengths + n_new)
+
+
+def tree_sum(v: jax.Array) -> jax.Array:
+    """`v [..., n]` summed over its last axis in a fixed pairwise tree -> `[...]`: halves added
+    elementwise (zeros padding `n` to a power of two) until one column is left. Each output's
+    association depends on `n` alone, never on how many rows there are or how XLA vectorizes
+    a reduction over them (XLA:CPU's reduce gives a row other bits in another batch); the
+    batch-invariant definitions sum with it."""
+    n = v.shape[-1]
+    v = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, next_pow2(n) - n)])  # [..., 2^k]
+    while v.shape[-1] > 1:
+        half = v.shape[-1] // 2
+        v = v[..., :half] + v[..., half:]
+    return v[..., 0]

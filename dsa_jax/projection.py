@@ -36,8 +36,9 @@ per_head_xla = per_head_op.reference
 rms_norm = rms_norm_op.reference  # public: the block's RMSNorm
 
 __all__ = ["Projections", "absorb_q", "kernel_rows", "matmul", "norm", "output_projection",
-           "per_head", "project", "project_kv", "prompt_rows", "prompt_u_v_kernel", "q_abs_bound",
-           "q_resid_dtype", "rms_norm", "scaled_q_abs", "x_columns"]
+           "per_head", "per_sequence", "project", "project_kv", "prompt_rows",
+           "prompt_u_v_kernel", "q_abs_bound", "q_resid_dtype", "rms_norm", "scaled_q_abs",
+           "x_columns"]
 
 
 class Projections(NamedTuple):
@@ -67,6 +68,18 @@ def _cols(xw: jax.Array, where: tuple[int, int]) -> jax.Array:
     return xw[..., where[0]:where[0] + where[1]]
 
 
+def per_sequence(cfg: DsaConfig | None, gemm, v: jax.Array, lead: int, *args, **kwargs
+                 ) -> jax.Array:
+    """`gemm(v, *args, **kwargs)` for rows `v [B, ..., K]` (`lead` trailing axes per row: 1
+    for `matmul`, 2 for `per_head`), one sequence `v[b]` at a time (`lax.map`) under
+    `cfg.batch_invariant`: XLA's GEMM then has one shape, a sequence's rows, whatever the
+    batch (XLA picks a GEMM's blocking, and with it a row's rounding, from the whole row
+    count). Otherwise, or for a single row, the one GEMM over every row."""
+    if cfg is None or not cfg.batch_invariant or v.ndim <= lead:
+        return gemm(v, *args, **kwargs)
+    return lax.map(lambda vb: gemm(vb, *args, **kwargs), v)
+
+
 def matmul(v: jax.Array, w: jax.Array, cfg: DsaConfig | None = None, out_dtype=jnp.float32
            ) -> jax.Array:
     """`v [..., in] @ w.T` for an `[out, in]` weight -> `[..., out]` (f32 unless out_dtype):
@@ -83,7 +96,8 @@ def matmul(v: jax.Array, w: jax.Array, cfg: DsaConfig | None = None, out_dtype=j
         if isinstance(w, LayerOf):
             return matmul_op(cfg, v, w.stack, w.index)
         return matmul_op(cfg, v, w)
-    return matmul_xla(v, w.layer if isinstance(w, LayerOf) else w, out_dtype=out_dtype)
+    return per_sequence(cfg, matmul_xla, v, 1, w.layer if isinstance(w, LayerOf) else w,
+                        out_dtype=out_dtype)
 
 
 def per_head(v: jax.Array, w: jax.Array, w_contract: int, cfg: DsaConfig | None = None
@@ -99,7 +113,8 @@ def per_head(v: jax.Array, w: jax.Array, w_contract: int, cfg: DsaConfig | None 
         if isinstance(w, LayerOf):
             return per_head_op(cfg, v, w.stack, w_contract, w.index)
         return per_head_op(cfg, v, w, w_contract)
-    return per_head_xla(v, w.layer if isinstance(w, LayerOf) else w, w_contract)
+    return per_sequence(cfg, per_head_xla, v, 2, w.layer if isinstance(w, LayerOf) else w,
+                        w_contract)
 
 
 def norm(cfg: DsaConfig, v: jax.Array, w, eps: float, **kwargs) -> jax.Array:
@@ -213,7 +228,7 @@ def project_kv(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> Projections
     """Only what a context row stores: the raw latent and the indexer's raw k and gate."""
     R, C, Di = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.index_head_dim
     rows = C + (2 * Di if weights.has_indexer else 0)
-    xw = matmul(x, weights.x_proj[R:R + rows])  # [..., C (+ 2 Di)]
+    xw = per_sequence(cfg, matmul_xla, x, 1, weights.x_proj[R:R + rows])  # [..., C (+ 2 Di)]
     if not weights.has_indexer:
         return Projections(None, xw[..., :C], None, None, None, None)
     return Projections(None, xw[..., :C], None, xw[..., C:C + Di], xw[..., C + Di:C + 2 * Di],

@@ -87,7 +87,11 @@ class Program:
     token at one sequence, 1.2x at 64, with every guarantee between this Program's own programs
     checked there (scanned == unrolled at GLM-5.3 shapes, device loop == Python loop,
     speculative == plain). False: XLA's own GEMM choice, the stacked weights copied per layer;
-    other bits (docs/serving.md)."""
+    other bits (docs/serving.md).
+
+    batch_invariant: the model's blocks run with `DsaConfig.batch_invariant` (default True,
+    whatever `mcfg.dsa` says): a sequence's tokens do not depend on the other sequences of
+    its batch. False: each step's attend planned for its own row count (docs/decisions.md)."""
     mcfg: ModelConfig
     sampling: Sampling = Sampling()
     stop_tokens: tuple[int, ...] = ()
@@ -95,6 +99,18 @@ class Program:
     drafter: Any = NgramDrafter()
     record: bool = False  # return the first layer's selections
     weights_in_place: bool = True
+    batch_invariant: bool = True
+
+    def __post_init__(self):
+        object.__setattr__(self, "mcfg", with_batch_invariance(self.mcfg,
+                                                               self.batch_invariant))
+
+
+def with_batch_invariance(mcfg: ModelConfig, on: bool) -> ModelConfig:
+    """`mcfg` with its block's `batch_invariant` set to `on` (the same object if it is)."""
+    if mcfg.dsa.batch_invariant == on:
+        return mcfg
+    return dataclasses.replace(mcfg, dsa=mcfg.dsa.replace(batch_invariant=on))
 
 
 def _jits(fn, **kwargs) -> dict[bool, Any]:

@@ -296,11 +296,21 @@ def pad_rows(sel: jax.Array, r: int) -> jax.Array:
     return jnp.pad(sel, ((0, 0), (0, r - sel.shape[1]), (0, 0)), constant_values=-1)
 
 
+# With `cfg.batch_invariant` every attend is planned as for a step of this many rows, whatever
+# its own count: the split count (and with it each row's reduction order) is then the same in
+# every batch. 64 rows: the serving batch the kernels are tuned for, which this plan fills
+# (a lone row runs fewer splits than its own plan would give it: slower, the same bits).
+INVARIANT_PLAN_ROWS = 64
+
+
 def live_rows(cfg: DsaConfig, x: jax.Array) -> int:
     """Rows the gather-attend should plan its work split for: a decode or verify pads every
     sequence to max_verify rows and is planned as one live row per sequence (a K=1 decode is
     the common case; a K-row verify then runs more splits than it needs, at a small cost);
-    a prompt chunk's rows are all live. Static, so decode and verify share one program."""
+    a prompt chunk's rows are all live; `INVARIANT_PLAN_ROWS` under `cfg.batch_invariant`.
+    Static, so decode and verify share one program."""
+    if cfg.batch_invariant:
+        return INVARIANT_PLAN_ROWS
     b, r = x.shape[0], x.shape[1]
     return b if r <= cfg.max_verify else b * r
 

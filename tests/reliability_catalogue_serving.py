@@ -26,6 +26,8 @@ SERVING_CASES = [
     ("engine.sizes", "max_seqs / num_blocks / prefill_chunk not positive integers",
      EngineError, r"prefill_chunk must be a positive integer, got 0",
      lambda c: engine(c, prefill_chunk=0)),
+    ("engine.batch-invariant", "batch_invariant not a bool", EngineError,
+     r"batch_invariant must be a bool, got 'yes'", lambda c: engine(c, batch_invariant="yes")),
     ("engine.speculate", "more drafts than max_verify - 1", EngineError,
      r"speculate=4 drafts need 5 verify rows; max_verify is 4", lambda c: engine(c, speculate=4)),
     ("engine.prompt-type", "a prompt that is not a list of ids", EngineError,

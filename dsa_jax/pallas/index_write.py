@@ -26,6 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from dsa_jax.numerics import tree_sum
 from dsa_jax.pallas.colaunch import Part
 from dsa_jax.pallas.common import (
     load_parts,
@@ -50,15 +51,19 @@ def warps_for(rows_per_seq: int) -> int:
 
 
 def layer_norm(v: jax.Array, g: jax.Array, b: jax.Array) -> jax.Array:
-    mean = jnp.mean(v, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(v - mean), axis=-1, keepdims=True)
+    """The indexer key's LayerNorm over the last axis, fp32, its sums in a fixed tree (a row's
+    bits whatever the batch: `tree_sum`)."""
+    n = v.shape[-1]
+    mean = tree_sum(v)[..., None] / n
+    var = tree_sum(jnp.square(v - mean))[..., None] / n
     return (v - mean) * lax.rsqrt(var + LN_EPS) * g + b
 
 
 def pool_key(k_members: jax.Array, g_members: jax.Array, ape: jax.Array) -> jax.Array:
     """`[..., KP, Di]` members -> `K [..., Di]`: softmax over the members per channel, fp32."""
     logits = g_members.astype(jnp.float32) + ape
-    return jnp.sum(jax.nn.softmax(logits, axis=-2) * k_members.astype(jnp.float32), axis=-2)
+    terms = jax.nn.softmax(logits, axis=-2) * k_members.astype(jnp.float32)  # [..., KP, Di]
+    return tree_sum(jnp.swapaxes(terms, -1, -2))  # [..., Di]
 
 
 def stored_keys(keys: jax.Array, dtype) -> jax.Array:

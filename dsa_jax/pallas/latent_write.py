@@ -22,6 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from dsa_jax.numerics import tree_sum
 from dsa_jax.pallas.colaunch import Part
 from dsa_jax.pallas.common import (
     check_triton_addressable,
@@ -40,6 +41,12 @@ def warps_for(rows_per_seq: int) -> int:
     verify's: the decode front's launch runs the same program at the same warps,
     `decode_front`), 2 beyond (a prompt's)."""
     return 4 if rows_per_seq <= SHARED_ROWS else 2
+
+
+def _rms_norm_rows(v: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """fp32 RMSNorm over the last axis of rows `v [..., C]`, the sum in a fixed tree (a row's
+    bits whatever the batch: `tree_sum`)."""
+    return w * v * lax.rsqrt(tree_sum(v * v)[..., None] / v.shape[-1] + eps)
 
 
 def _rms_norm(v: jax.Array, w: jax.Array, eps: float, width: int) -> jax.Array:
@@ -97,7 +104,7 @@ def latent_write_xla(kv_raw: jax.Array, norm_w: jax.Array, latent: jax.Array,
     norm_w = norm_w if at is None else norm_w[at]
     start = raw_columns(kv_raw, c, col)
     kv_raw = kv_raw[..., start:start + c]
-    stored = quantize(_rms_norm(kv_raw.astype(jnp.float32), norm_w, eps, c), kv_scale,
+    stored = quantize(_rms_norm_rows(kv_raw.astype(jnp.float32), norm_w, eps), kv_scale,
                       latent.dtype)
     slots = flat_slots(pos, valid, block_tables, bs)
     slots = jnp.where(slots >= 0, slots, nb * bs)  # out of range: dropped, never clamped

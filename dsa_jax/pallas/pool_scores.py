@@ -30,6 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from dsa_jax.numerics import tree_sum
 from dsa_jax.pallas import pool_scores_mgpu as mgpu_scores
 from dsa_jax.pallas import tuned
 from dsa_jax.pallas.common import next_pow2, sm_count, with_overrides
@@ -45,7 +46,8 @@ def _score_row(qi, w, keys, n_cand):
     # the scores feed an exact top-k).
     dots = jnp.einsum("hd,pd->hp", qi, keys.astype(jnp.float32),
                       precision=lax.Precision.HIGHEST)
-    scores = jnp.einsum("h,hp->p", w, jax.nn.relu(dots), precision=lax.Precision.HIGHEST)
+    # the head sum in a fixed tree: a row's bits whatever the batch (`tree_sum`)
+    scores = tree_sum((w[:, None] * jax.nn.relu(dots)).T)  # [P]
     scores = jnp.where(scores == 0, 0.0, scores)
     return jnp.where(jnp.arange(keys.shape[0]) < n_cand, scores, -jnp.inf)
 

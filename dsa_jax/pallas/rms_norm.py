@@ -18,6 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from dsa_jax.numerics import tree_sum
 from dsa_jax.pallas.colaunch import Part
 from dsa_jax.pallas.common import layer_index, load_parts, next_pow2
 
@@ -62,7 +63,7 @@ def rms_norm_xla(v: jax.Array, w: jax.Array, eps: float, *, cols: tuple[int, int
         w = w[at]  # [n]
     v = lax.optimization_barrier(v[..., start:start + width].astype(jnp.float32))
     out = lax.optimization_barrier(
-        w * v * lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps))
+        w * v * lax.rsqrt(tree_sum(v * v)[..., None] / width + eps))
     return out.astype(dtype)
 
 

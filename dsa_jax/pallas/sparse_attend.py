@@ -22,6 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from dsa_jax.numerics import tree_sum
 from dsa_jax.pallas import attend_prep, tuned
 from dsa_jax.pallas import sparse_attend_mgpu as mgpu_op
 from dsa_jax.pallas.common import (
@@ -96,7 +97,7 @@ def _attend_row(q, latent_flat, kv_scale, slots, softmax_scale):
     m = jnp.max(logits, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(logits - m)  # exactly 0 where invalid
-    denom = jnp.sum(p, axis=-1, keepdims=True)
+    denom = tree_sum(p)[:, None]  # [H, 1]: a fixed order, whatever the batch
     out = jnp.einsum("hw,wc->hc", p, c, precision=lax.Precision.HIGHEST)
     return out / jnp.where(denom > 0, denom, 1.0)
 
