@@ -5,7 +5,8 @@
 - pool keys cached in the state against recomputed from the cached k and gate rows;
 - the two fused input GEMMs against seven separate ones;
 - the state donated to the jitted step against copied;
-- decode rows padded to max_verify against one row.
+- decode rows padded to max_verify against one row;
+- `batch_invariant` on against off (docs/decisions.md's rule for its defaults).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def run(suite) -> None:
     for name, fn in (("kv_b_absorbed_vs_runtime_measured", kv_b_forms),
                      ("pool_keys_cached_vs_recomputed", pool_keys),
                      ("fused_projections_vs_separate", fused_projections),
-                     ("donated_state_vs_copied", donated_state)):
+                     ("donated_state_vs_copied", donated_state),
+                     ("batch_invariant_vs_default", batch_invariance)):
         if suite.late():
             lev[name] = {"skipped": "over the time budget"}
             continue
@@ -308,4 +310,46 @@ def donated_state(suite) -> dict:
     out["note"] = ("donated: jax.jit(dsa_jax.layer.step, donate_argnames=('state',)); copied: "
                    "the same without donation; _us: median wall time of back-to-back steps, "
                    "_kernel_us: device kernel time (trace; the state copies are kernels too)")
+    return out
+
+
+def batch_invariance(suite) -> dict:
+    """`DsaConfig.batch_invariant` on against off, each implementation: the decode step at 1
+    and big_batch sequences and a prompt of prefill_tokens rows (one sequence), wall and
+    kernel time. The rule (docs/decisions.md): invariance is every entry point's default only
+    where it costs <= 5% of kernel time at 1 and big_batch sequences."""
+    p = suite.plan
+    out = {"prediction": "free at big_batch (its plan is the invariant one); at one sequence "
+                         "the attend runs big_batch's split count, 17 tiles in series instead "
+                         "of one: well over 5% of a decode", "results": {}}
+    for impl in suite.impls:
+        cfg = suite.cfg.replace(implementation=impl)
+        dec = layer.decode_rows(cfg, "decode")  # the rows a decode runs (as `run_step`)
+        for b, k, rows, start, what in ((1, 1, dec, p.ctx - p.inner, "decode-b1"),
+                                        (p.big_batch, 1, dec, p.ctx - p.inner,
+                                         f"decode-b{p.big_batch}"),
+                                        (1, p.prefill_tokens, p.prefill_tokens, 0,
+                                         f"prefill-{p.prefill_tokens}")):
+            res = {}
+            for form, on in (("default", False), ("invariant", True)):
+                runner = StepRunner(cfg.replace(batch_invariant=on), suite.weights_for(1), b, k,
+                                    rows, start, 1700 + b)
+                try:
+                    jax.block_until_ready(runner())
+                except Exception as e:  # e.g. pallas off a GPU: recorded, the lever goes on
+                    log(f"[bench] batch-invariance lever {impl}: {type(e).__name__}")
+                    check_device(e)
+                    res = {"error": err_text(e)}
+                    break
+                inner = 1 if k > 1 else p.inner
+                res[f"{form}_us"] = measure(runner, warmup=1, groups=p.groups, inner=inner,
+                                            reset=runner.reset)["median_us"]
+                res[f"{form}_kernel_us"] = profile_step(runner, max(1, inner - 2), top=0).get(
+                    "kernel_us_per_step")
+            if "error" not in res:
+                add_ratios(res, "default", "invariant")
+            out["results"][f"{impl}-{what}"] = res
+    out["note"] = ("the jitted step (`layer.step`, the state donated) with the config's "
+                   "batch_invariant off (default) and on; _us: median wall time, _kernel_us: "
+                   "device kernel time (trace)")
     return out

@@ -1,0 +1,60 @@
+"""Builds DeepGEMM's extension `deep_gemm._C` in place on a GPU machine (nvcc, torch with
+CUDA), as its `develop.sh` does without git or the network: the C++ API compiled against
+CUDA's runtime and NVRTC, CUTLASS's `cute/` and `cutlass/` headers copied into
+`deep_gemm/include` for the kernels it compiles at their first call (its JIT).
+
+    python benchmarks/peers/build_deepgemm.py PEERS_SRC [--jobs N]
+
+PEERS_SRC: the unpacked `peers-src` of `sources.sh` (its `deepgemm/`). Prints the build's
+seconds; then `PYTHONPATH=PEERS_SRC/deepgemm` imports `deep_gemm` (set `DG_JIT_CACHE_DIR`
+to keep its compiled kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shutil
+import sys
+import time
+
+from build_flashmla import nvidia_includes
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("peers_src")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 4)
+    args = ap.parse_args(argv)
+    root = os.path.abspath(os.path.join(args.peers_src, "deepgemm"))
+    os.environ["MAX_JOBS"] = str(args.jobs)
+    import torch
+    from setuptools import setup
+    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+
+    for name in ("cute", "cutlass"):  # the JIT's headers, as develop.sh links them
+        dst = os.path.join(root, "deep_gemm", "include", name)
+        if not os.path.exists(dst):
+            shutil.copytree(os.path.join(root, "third-party", "cutlass", "include", name), dst)
+    abi = int(torch.compiled_with_cxx11_abi())
+    ext = CUDAExtension(
+        name="deep_gemm._C", sources=["csrc/python_api.cpp"],
+        include_dirs=[f"{CUDA_HOME}/include", f"{CUDA_HOME}/include/cccl",
+                      os.path.join(root, "deep_gemm/include"),
+                      os.path.join(root, "third-party/cutlass/include"),
+                      os.path.join(root, "third-party/fmt/include"), *nvidia_includes()],
+        libraries=["cudart", "nvrtc"], library_dirs=[f"{CUDA_HOME}/lib64"],
+        extra_compile_args=["-std=c++17", "-O3", "-fPIC", "-Wno-psabi",
+                            "-Wno-deprecated-declarations", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"])
+    start = time.perf_counter()
+    os.chdir(root)
+    setup(name="deep_gemm", ext_modules=[ext], cmdclass={"build_ext": BuildExtension},
+          script_args=["build_ext", "--inplace"])
+    print(f"deepgemm: built in {time.perf_counter() - start:.0f} s: "
+          f"{glob.glob(os.path.join(root, 'deep_gemm', '_C*.so'))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
