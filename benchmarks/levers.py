@@ -276,6 +276,22 @@ def fused_projections(suite) -> dict:
     return out
 
 
+def _time_form(runner, plan, inner: int, warmup: int, what: str) -> dict:
+    """One form of a lever: `{"_us": median wall, "_kernel_us": kernel time}` of a runner's
+    steps, or `{"error": ...}` where its first call fails (e.g. pallas off a GPU: recorded,
+    the lever goes on)."""
+    try:
+        jax.block_until_ready(runner())
+    except Exception as e:
+        log(f"[bench] {what}: {type(e).__name__}")
+        check_device(e)
+        return {"error": err_text(e)}
+    return {"_us": measure(runner, warmup=warmup, groups=plan.groups, inner=inner,
+                           reset=runner.reset)["median_us"],
+            "_kernel_us": profile_step(runner, max(1, inner - 2), top=0).get(
+                "kernel_us_per_step")}
+
+
 def donated_state(suite) -> dict:
     """The jitted step with its state donated (updated in place, as a serving loop jits it)
     against the same step without donation (XLA then writes a fresh copy of every cache), at
@@ -293,17 +309,11 @@ def donated_state(suite) -> dict:
                 kw = {} if step is None else {"step": step}
                 runner = StepRunner(cfg, suite.weights_for(1), b, 1, cfg.max_verify,
                                     p.ctx - p.inner, 1500 + b, **kw)
-                try:
-                    jax.block_until_ready(runner())
-                except Exception as e:  # e.g. pallas off a GPU: recorded, the lever goes on
-                    log(f"[bench] donated-state lever {impl}: {type(e).__name__}")
-                    check_device(e)
-                    res = {"error": err_text(e)}
+                timed = _time_form(runner, p, p.inner, 2, f"donated-state lever {impl}")
+                if "error" in timed:
+                    res = timed
                     break
-                res[f"{form}_us"] = measure(runner, warmup=2, groups=p.groups, inner=p.inner,
-                                            reset=runner.reset)["median_us"]
-                res[f"{form}_kernel_us"] = profile_step(runner, max(1, p.inner - 2), top=0).get(
-                    "kernel_us_per_step")
+                res.update({f"{form}{key}": v for key, v in timed.items()})
             if "error" not in res:
                 add_ratios(res, "donated", "copied")
             out["results"][f"{impl}-b{b}"] = res
@@ -334,18 +344,12 @@ def batch_invariance(suite) -> dict:
             for form, on in (("default", False), ("invariant", True)):
                 runner = StepRunner(cfg.replace(batch_invariant=on), suite.weights_for(1), b, k,
                                     rows, start, 1700 + b)
-                try:
-                    jax.block_until_ready(runner())
-                except Exception as e:  # e.g. pallas off a GPU: recorded, the lever goes on
-                    log(f"[bench] batch-invariance lever {impl}: {type(e).__name__}")
-                    check_device(e)
-                    res = {"error": err_text(e)}
+                timed = _time_form(runner, p, 1 if k > 1 else p.inner, 1,
+                                   f"batch-invariance lever {impl}")
+                if "error" in timed:
+                    res = timed
                     break
-                inner = 1 if k > 1 else p.inner
-                res[f"{form}_us"] = measure(runner, warmup=1, groups=p.groups, inner=inner,
-                                            reset=runner.reset)["median_us"]
-                res[f"{form}_kernel_us"] = profile_step(runner, max(1, inner - 2), top=0).get(
-                    "kernel_us_per_step")
+                res.update({f"{form}{key}": v for key, v in timed.items()})
             if "error" not in res:
                 add_ratios(res, "default", "invariant")
             out["results"][f"{impl}-{what}"] = res

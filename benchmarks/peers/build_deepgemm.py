@@ -13,13 +13,11 @@ to keep its compiled kernels).
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import shutil
 import sys
-import time
 
-from build_flashmla import nvidia_includes
+from build_flashmla import build_in_place, nvidia_includes
 
 
 def main(argv=None) -> int:
@@ -30,8 +28,7 @@ def main(argv=None) -> int:
     root = os.path.abspath(os.path.join(args.peers_src, "deepgemm"))
     os.environ["MAX_JOBS"] = str(args.jobs)
     import torch
-    from setuptools import setup
-    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+    from torch.utils.cpp_extension import CUDA_HOME, CUDAExtension
 
     for name in ("cute", "cutlass"):  # the JIT's headers, as develop.sh links them
         dst = os.path.join(root, "deep_gemm", "include", name)
@@ -47,12 +44,7 @@ def main(argv=None) -> int:
         libraries=["cudart", "nvrtc"], library_dirs=[f"{CUDA_HOME}/lib64"],
         extra_compile_args=["-std=c++17", "-O3", "-fPIC", "-Wno-psabi",
                             "-Wno-deprecated-declarations", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"])
-    start = time.perf_counter()
-    os.chdir(root)
-    setup(name="deep_gemm", ext_modules=[ext], cmdclass={"build_ext": BuildExtension},
-          script_args=["build_ext", "--inplace"])
-    print(f"deepgemm: built in {time.perf_counter() - start:.0f} s: "
-          f"{glob.glob(os.path.join(root, 'deep_gemm', '_C*.so'))}")
+    build_in_place(root, "deepgemm", ext)
     return 0
 
 

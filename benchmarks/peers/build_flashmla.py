@@ -54,6 +54,21 @@ def nvidia_includes() -> list[str]:
     return sorted(glob.glob(os.path.join(site, "nvidia", "*", "include")))
 
 
+def build_in_place(root: str, name: str, ext) -> None:
+    """setuptools' `build_ext --inplace` of the torch extension `ext` in `root`, printing
+    `<name>: built in <s> s: [the .so files]`."""
+    from setuptools import setup
+    from torch.utils.cpp_extension import BuildExtension
+
+    start = time.perf_counter()
+    os.chdir(root)
+    setup(name=name, ext_modules=[ext], cmdclass={"build_ext": BuildExtension},
+          script_args=["build_ext", "--inplace"])
+    package = ext.name.split(".")[0]
+    print(f"{name}: built in {time.perf_counter() - start:.0f} s: "
+          f"{glob.glob(os.path.join(root, package, '*.so'))}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("peers_src")
@@ -63,8 +78,7 @@ def main(argv=None) -> int:
     cutlass = os.path.abspath(os.path.join(args.peers_src, "cutlass-flashmla"))
     shutil.copy(os.path.join(HERE, "flashmla_sm100_stubs.cu"), os.path.join(root, "csrc"))
     os.environ["MAX_JOBS"] = str(args.jobs)
-    from setuptools import setup
-    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+    from torch.utils.cpp_extension import CUDAExtension
 
     ext = CUDAExtension(
         name="flash_mla.cuda", sources=SOURCES,
@@ -72,12 +86,7 @@ def main(argv=None) -> int:
         include_dirs=[os.path.join(root, "csrc"), os.path.join(root, "csrc/kerutils/include"),
                       os.path.join(root, "csrc/sm90"), os.path.join(cutlass, "include"),
                       os.path.join(cutlass, "tools/util/include"), *nvidia_includes()])
-    start = time.perf_counter()
-    os.chdir(root)
-    setup(name="flash_mla", ext_modules=[ext], cmdclass={"build_ext": BuildExtension},
-          script_args=["build_ext", "--inplace"])
-    print(f"flashmla: built in {time.perf_counter() - start:.0f} s "
-          f"({args.jobs} jobs): {glob.glob(os.path.join(root, 'flash_mla', 'cuda*.so'))}")
+    build_in_place(root, "flashmla", ext)
     return 0
 
 
