@@ -8,6 +8,10 @@ compiled. The flags are FlashMLA's `setup.py`'s, without its line info and PTX s
 
 PEERS_SRC: the unpacked `peers-src` of `sources.sh` (its `flashmla/` and `cutlass-flashmla/`).
 Prints the build's seconds; then `PYTHONPATH=PEERS_SRC/flashmla` imports `flash_mla`.
+
+Checked on a CPU machine (nvcc 13.0, 2 cores): every source compiles with these flags (about
+3 minutes), and api.cpp's FlashMLA symbols are all defined by them and the stubs; the link
+and the import need the GPU image's CUDA torch.
 """
 
 from __future__ import annotations
@@ -78,14 +82,17 @@ def main(argv=None) -> int:
     cutlass = os.path.abspath(os.path.join(args.peers_src, "cutlass-flashmla"))
     shutil.copy(os.path.join(HERE, "flashmla_sm100_stubs.cu"), os.path.join(root, "csrc"))
     os.environ["MAX_JOBS"] = str(args.jobs)
-    from torch.utils.cpp_extension import CUDAExtension
+    from torch.utils.cpp_extension import CUDA_HOME, CUDAExtension
 
     ext = CUDAExtension(
         name="flash_mla.cuda", sources=SOURCES,
         extra_compile_args={"cxx": CXX, "nvcc": NVCC + ["--threads", "2"]},
         include_dirs=[os.path.join(root, "csrc"), os.path.join(root, "csrc/kerutils/include"),
                       os.path.join(root, "csrc/sm90"), os.path.join(cutlass, "include"),
-                      os.path.join(cutlass, "tools/util/include"), *nvidia_includes()])
+                      os.path.join(cutlass, "tools/util/include"),
+                      # CUDA 13 keeps libcu++ (cuda/std/...) there: nvcc finds it, the host
+                      # compiler of api.cpp (which includes CUTLASS) does not
+                      os.path.join(CUDA_HOME, "include", "cccl"), *nvidia_includes()])
     build_in_place(root, "flashmla", ext)
     return 0
 

@@ -35,7 +35,7 @@ src="$tmp/peers-src"
 mkdir -p "$src/flashmla" "$src/cutlass-flashmla" "$src/deepgemm"
 # FlashMLA: the package, the API, the sm90 and shared kernels (no sm100 sources: they are
 # replaced by stubs at build time, benchmarks/peers/flashmla_sm100_stubs.cpp)
-git --git-dir="$flashmla" archive "$FLASHMLA" flash_mla csrc/api csrc/defines.h csrc/params.h \
+git --git-dir="$flashmla" archive "$FLASHMLA" flash_mla csrc/api csrc/defines.h csrc/params.h csrc/utils.h \
   csrc/kerutils csrc/sm90 csrc/smxx csrc/sm100/decode/head64/kernel.h \
   csrc/sm100/prefill/sparse/fwd/head64/phase1.h csrc/sm100/prefill/sparse/fwd/head128/phase1.h \
   csrc/sm100/prefill/sparse/fwd_for_small_topk/head128/phase1.h \
