@@ -125,3 +125,44 @@ def test_a_requests_tokens_are_the_same_alone_and_amid_traffic(implementation):
     alone = _engine_tokens(mcfg, weights, [mine])[0]
     amid = _engine_tokens(mcfg, weights, others[:3] + [mine] + others[3:])[3]
     assert amid == alone
+
+
+_DP_SCRIPT = """
+import numpy as np, jax, dsa_jax
+from dsa_jax import sharding
+from dsa_jax.shapes import ODD
+cfg = ODD.replace(batch_invariant=True)
+hf = dsa_jax.init_random_hf_tensors(cfg, jax.random.key(0))
+x = jax.random.normal(jax.random.key(1), (8, 40, cfg.hidden_size))
+xd = jax.random.normal(jax.random.key(2), (8, cfg.hidden_size))
+n = np.array([40, 33, 12, 40, 7, 25, 40, 19])
+s1 = dsa_jax.init_state(cfg, 8, kv_scale=0.5)
+w1 = dsa_jax.fold_weights(cfg, hf)
+y1, s1, sel1 = dsa_jax.prefill(cfg, w1, s1, x, num_tokens=n)
+yd1, s1, seld1 = dsa_jax.decode(cfg, w1, s1, xd)
+for dp in (2, 8):
+    m = sharding.mesh(dp, 1)
+    w = sharding.shard_weights(cfg, hf, m)
+    s = sharding.init_state(cfg, m, 8, kv_scale=0.5)
+    y, s, sel = sharding.dp_tp_prefill(cfg, m, w, s, x, num_tokens=n)
+    yd, s, seld = sharding.dp_tp_decode(cfg, m, w, s, xd)
+    got = [np.asarray(a) for a in (y, sel, yd, seld)]
+    want = [np.asarray(a) for a in (y1, sel1, yd1, seld1)]
+    print(dp, all((g == w_).all() for g, w_ in zip(got, want)))
+"""
+
+
+def test_a_data_parallel_mesh_gives_each_sequence_the_bits_of_one_device():
+    """Under `batch_invariant` a sequence's bits do not depend on how many sequences share its
+    device either: prefill and decode over 2 and 8 data-parallel shards of 8 sequences (4 and 1
+    per shard) == one device holding all 8."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    out = subprocess.run([sys.executable, "-c", _DP_SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["2", "True", "8", "True"], out.stdout
