@@ -83,7 +83,9 @@ def test_xla_rows_and_selections_are_the_same_in_any_batch(cfg, prompt):
     _check(cfg.replace(implementation="xla"), prompt, (2, 8))
 
 
-@pytest.mark.parametrize("cfg, prompt", CONFIGS)
+@pytest.mark.parametrize("cfg, prompt", [
+    pytest.param(TINY, 300, id="tiny", marks=pytest.mark.long),  # interpret mode is slow
+    pytest.param(ODD8, 60, id="odd")])
 def test_kernel_rows_and_selections_are_the_same_in_any_batch(cfg, prompt):
     cfg = cfg.replace(implementation="pallas-interpret", param_dtype="bfloat16")
     _check(cfg, min(prompt, 90), (2, 8))
@@ -105,7 +107,7 @@ def test_kernel_rows_and_selections_are_the_same_in_any_batch_at_glm_shapes():
 
 def _engine_tokens(mcfg, weights, prompts, **kw):
     eng = Engine(mcfg, weights, max_seqs=len(prompts), num_blocks=16 * len(prompts), **kw)
-    reqs = [eng.submit(p, 12) for p in prompts]
+    reqs = [eng.submit(p, 8) for p in prompts]
     eng.run_until_done()
     return [r.output for r in reqs]
 
@@ -113,7 +115,7 @@ def _engine_tokens(mcfg, weights, prompts, **kw):
 @pytest.mark.parametrize("implementation", ["xla", "pallas-interpret",
                                             pytest.param("pallas", marks=pytest.mark.gpu)])
 def test_a_requests_tokens_are_the_same_alone_and_amid_traffic(implementation):
-    """Greedy: the same request's tokens alone and in an engine of 6 other requests of other
+    """Greedy: the same request's tokens alone and in an engine of 3 other requests of other
     lengths (admitted together, finishing at other times)."""
     cfg = tiny(implementation=implementation, max_context=256,
                param_dtype="bfloat16" if implementation != "xla" else "float32")
@@ -121,9 +123,9 @@ def test_a_requests_tokens_are_the_same_alone_and_amid_traffic(implementation):
     weights = init_model(mcfg, jax.random.key(3))
     rng = np.random.default_rng(0)
     mine = [int(t) for t in rng.integers(0, 97, 70)]
-    others = [[int(t) for t in rng.integers(0, 97, n)] for n in (5, 90, 33, 64, 12, 71)]
+    others = [[int(t) for t in rng.integers(0, 97, n)] for n in (5, 90, 33)]
     alone = _engine_tokens(mcfg, weights, [mine])[0]
-    amid = _engine_tokens(mcfg, weights, others[:3] + [mine] + others[3:])[3]
+    amid = _engine_tokens(mcfg, weights, others[:2] + [mine] + others[2:])[2]
     assert amid == alone
 
 
