@@ -292,6 +292,20 @@ def _time_form(runner, plan, inner: int, warmup: int, what: str) -> dict:
                 "kernel_us_per_step")}
 
 
+def _two_forms(runners: dict, plan, inner: int, warmup: int, what: str) -> dict:
+    """A two-form lever at one point: `runners` {base form: make runner, other form: make
+    runner}, each form's `_time_form` keys prefixed with its name, and `add_ratios`; or the
+    first form's `{"error": ...}`."""
+    res = {}
+    for form, make in runners.items():
+        timed = _time_form(make(), plan, inner, warmup, what)
+        if "error" in timed:
+            return timed
+        res.update({f"{form}{key}": v for key, v in timed.items()})
+    add_ratios(res, *runners)
+    return res
+
+
 def donated_state(suite) -> dict:
     """The jitted step with its state donated (updated in place, as a serving loop jits it)
     against the same step without donation (XLA then writes a fresh copy of every cache), at
@@ -304,19 +318,11 @@ def donated_state(suite) -> dict:
     for impl in suite.impls:
         cfg = suite.cfg.replace(implementation=impl)
         for b in (1, p.big_batch):
-            res = {}
-            for form, step in (("donated", None), ("copied", copying)):
-                kw = {} if step is None else {"step": step}
-                runner = StepRunner(cfg, suite.weights_for(1), b, 1, cfg.max_verify,
-                                    p.ctx - p.inner, 1500 + b, **kw)
-                timed = _time_form(runner, p, p.inner, 2, f"donated-state lever {impl}")
-                if "error" in timed:
-                    res = timed
-                    break
-                res.update({f"{form}{key}": v for key, v in timed.items()})
-            if "error" not in res:
-                add_ratios(res, "donated", "copied")
-            out["results"][f"{impl}-b{b}"] = res
+            runners = {form: (lambda kw=kw, b=b, cfg=cfg: StepRunner(
+                cfg, suite.weights_for(1), b, 1, cfg.max_verify, p.ctx - p.inner, 1500 + b,
+                **kw)) for form, kw in (("donated", {}), ("copied", {"step": copying}))}
+            out["results"][f"{impl}-b{b}"] = _two_forms(runners, p, p.inner, 2,
+                                                        f"donated-state lever {impl}")
     out["note"] = ("donated: jax.jit(dsa_jax.layer.step, donate_argnames=('state',)); copied: "
                    "the same without donation; _us: median wall time of back-to-back steps, "
                    "_kernel_us: device kernel time (trace; the state copies are kernels too)")
@@ -340,19 +346,11 @@ def batch_invariance(suite) -> dict:
                                          f"decode-b{p.big_batch}"),
                                         (1, p.prefill_tokens, p.prefill_tokens, 0,
                                          f"prefill-{p.prefill_tokens}")):
-            res = {}
-            for form, on in (("default", False), ("invariant", True)):
-                runner = StepRunner(cfg.replace(batch_invariant=on), suite.weights_for(1), b, k,
-                                    rows, start, 1700 + b)
-                timed = _time_form(runner, p, 1 if k > 1 else p.inner, 1,
-                                   f"batch-invariance lever {impl}")
-                if "error" in timed:
-                    res = timed
-                    break
-                res.update({f"{form}{key}": v for key, v in timed.items()})
-            if "error" not in res:
-                add_ratios(res, "default", "invariant")
-            out["results"][f"{impl}-{what}"] = res
+            runners = {form: (lambda on=on, b=b, k=k, rows=rows, start=start, cfg=cfg: StepRunner(
+                cfg.replace(batch_invariant=on), suite.weights_for(1), b, k, rows, start,
+                1700 + b)) for form, on in (("default", False), ("invariant", True))}
+            out["results"][f"{impl}-{what}"] = _two_forms(
+                runners, p, 1 if k > 1 else p.inner, 1, f"batch-invariance lever {impl}")
     out["note"] = ("the jitted step (`layer.step`, the state donated) with the config's "
                    "batch_invariant off (default) and on; _us: median wall time, _kernel_us: "
                    "device kernel time (trace)")

@@ -99,10 +99,11 @@ class DsaConfig:
     # other (False), in less device time.
     colaunch: bool = True
     # Batch invariance: a sequence's outputs and selections are the same bits whichever other
-    # sequences share its step. The XLA definitions are invariant always (fixed reduction
-    # trees, per-row dots); with the kernels, True plans every row's attend split as in a
-    # step of `step.INVARIANT_PLAN_ROWS` rows instead of from the step's row count (which
-    # fills the GPU for few rows, so a lone decode runs faster with False).
+    # sequences share its step. True runs XLA's GEMMs one sequence at a time
+    # (`projection.per_sequence`) and plans every row's attend split as in a step of
+    # `step.INVARIANT_PLAN_ROWS` rows instead of from the step's row count (which fills the
+    # GPU for few rows, so a lone decode runs faster with False). The XLA row sums are fixed
+    # trees whatever the flag (`numerics.tree_sum`).
     # `Engine` and `serve` default to True; `decode` / `decode_k` / `prefill` follow the
     # config (docs/decisions.md, "Batch invariance").
     batch_invariant: bool = False
