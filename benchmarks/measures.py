@@ -181,7 +181,7 @@ def call_floor_us(fn, args: list[tuple], plan) -> float:
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _selection(cfg, qi, w, keys, pos, valid):
+def selection_call(cfg, qi, w, keys, pos, valid):
     # select_slots: the top-k kernel writes the token slots itself (the same slots as
     # expand_selection(top_pools(...)); the step's co-launched top-k writes them too);
     # pool_scores_at: the kernels take each row's candidate count and position from pos and
@@ -198,10 +198,10 @@ def selection(suite, point) -> dict:
     def one(impl):
         cfg = suite.cfg.replace(implementation=impl)
         keys, pos, valid, sets = selection_inputs(cfg, b, r, ctx, 300 + r)
-        call = Cycle(lambda qi, w: _selection(cfg, qi, w, keys, pos, valid), sets)
+        call = Cycle(lambda qi, w: selection_call(cfg, qi, w, keys, pos, valid), sets)
         jax.block_until_ready(call())
         t = measure(call, warmup=p.warmup, groups=p.groups, inner=p.inner)
-        t["call_floor_us"] = call_floor_us(functools.partial(_selection, cfg),
+        t["call_floor_us"] = call_floor_us(functools.partial(selection_call, cfg),
                                            [(qi, w, keys, pos, valid) for qi, w in sets], p)
         t["kernel_us"] = kernel_us(call)  # device time beside the wall (gather_attend says why)
         return t

@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from . import breakdown, hf_baseline, levers, loop, measures
 from .harness import CompileLog, DeviceLost, check_device, err_text, log, measure_ceilings
+from .peers import group as peers
 from .points import Plan, Point, plan_points
 from .schema import SCHEMA_VERSION, fmt_us, ratio, write_json
 from .workloads import random_hf_tensors, random_weights
@@ -167,6 +168,8 @@ class Suite:
             levers.run(self)
         elif group == "breakdown":
             breakdown.run(self)
+        elif group == "peers":
+            peers.run(self)
         else:
             for point in self.points:
                 if point.group == group:

@@ -1,0 +1,1 @@
+"""The peers (FlashMLA, DeepGEMM): their build scripts and the `peers` bench group."""
