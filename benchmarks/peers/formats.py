@@ -16,7 +16,8 @@ import jax.numpy as jnp
 
 V32_NOPE, V32_TILE, V32_ROPE = 512, 128, 64  # FlashMLA's V32 layout: values, scale tile, RoPE
 V32_BYTES = V32_NOPE + 4 * (V32_NOPE // V32_TILE) + 2 * V32_ROPE  # 656
-FLASHMLA_TOPK = 64  # FlashMLA takes top-k index lists in multiples of this
+FLASHMLA_TOPK = 64  # FlashMLA's decode takes top-k index lists in multiples of this
+FLASHMLA_PREFILL_TOPK = 128  # its sparse prefill: multiples of 2 x its 64-slot block
 FP8_MAX = 448.0
 
 

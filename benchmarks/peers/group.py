@@ -12,6 +12,8 @@ reason recorded.
 from __future__ import annotations
 
 import importlib
+import statistics
+import time
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +23,7 @@ from dsa_jax import indexer, select
 from dsa_jax.attend import attend
 from dsa_jax.pallas.sparse_attend import token_slots
 
-from ..harness import kernel_us, log, measure, torch_time
+from ..harness import kernel_us, log, measure, profile
 from ..measures import selection_call
 from ..roofline import attend_cost, itemsize, selection_cost
 from ..workloads import Cycle, attend_inputs, selection_inputs
@@ -46,39 +48,42 @@ def import_peers() -> dict:
     return mods
 
 
-def torch_kernel_us(fn, calls: int = CALLS) -> tuple[float, list[str]]:
-    """Device kernel time per call of `fn` (torch's CUPTI trace of `calls` calls after two
-    untimed ones) and the kernels' names."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+def peer_kernel_us(torch, fn) -> tuple[float | None, list[str]]:
+    """Device kernel time per call of the torch call `fn` and its kernels' names, from the
+    same CUPTI trace our kernel times come from (`harness.profile`: one tracer in the process;
+    torch's own profiler would be a second subscriber, which CUPTI refuses)."""
+    prof = profile(lambda: (fn(), torch.cuda.synchronize()), CALLS, top=4)
+    names = [k["name"][:120] for k in prof.get("top_kernels", [])]
+    return prof.get("kernel_us_per_step"), names
 
-    for _ in range(2):
+
+def torch_wall_us(torch, fn, plan) -> float:
+    """`harness.measure`'s median wall for a torch call: groups of `inner` back-to-back calls,
+    synchronized after each group."""
+    for _ in range(plan.warmup):
         fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
+    per_call = []
+    for _ in range(plan.groups):
+        t0 = time.perf_counter()
+        for _ in range(plan.inner):
             fn()
         torch.cuda.synchronize()
-    per: dict = {}
-    for e in prof.events():
-        if "memset" in e.name.lower() or "memcpy" in e.name.lower():
-            per[e.name] = per.get(e.name, 0.0)  # named, not counted: allocator traffic
-            continue
-        per[e.name] = per.get(e.name, 0.0) + e.time_range.elapsed_us()
-    return sum(per.values()) / calls, sorted(per, key=lambda n: -per[n])
+        per_call.append((time.perf_counter() - t0) / plan.inner * 1e6)
+    return statistics.median(per_call)
 
 
-def timed_pair(suite, ours: Cycle, peer) -> dict:
+def timed_pair(suite, ours: Cycle, torch, peer) -> dict:
     """Kernel time and wall of our call and the peer's, and their ratios."""
     p = suite.plan
     jax.block_until_ready(ours())
     o_k = kernel_us(ours, CALLS)
     o_w = measure(ours, warmup=p.warmup, groups=p.groups, inner=p.inner)["median_us"]
-    p_k, names = torch_kernel_us(peer)
-    p_w = torch_time(peer, p.groups * p.inner)["median_us"]
+    p_k, names = peer_kernel_us(torch, peer)
+    p_w = torch_wall_us(torch, peer, p)
     return {"ours_us": o_k, "peer_us": p_k, "ratio": o_k / p_k if o_k and p_k else None,
             "ours_wall_us": o_w, "peer_wall_us": p_w, "wall_ratio": o_w / p_w,
-            "peer_kernels": [n[:120] for n in names[:4]]}
+            "peer_kernels": names}
 
 
 def torch_of(torch, x: jax.Array):
@@ -122,8 +127,9 @@ def attend_point(suite, s: dict, torch, flash_mla) -> dict:
             for (q, sel), qs in zip(sets, scaled, strict=True)]
     ours = Cycle(ours_fn, args)
     bs, scale = cfg.block_size, cfg.qk_nope_head_dim ** -0.5
+    multiple = formats.FLASHMLA_PREFILL_TOPK if prefill else formats.FLASHMLA_TOPK
     slots = [formats.padded_indices(jax.vmap(lambda t, tb: token_slots(t, tb, bs))(
-        sel, st.block_tables)) for _, sel in sets]  # [B, R, W'] flat slots, -1 padded
+        sel, st.block_tables), multiple) for _, sel in sets]  # [B, R, W'] flat slots, -1 pad
     idx = [torch_of(torch, x) for x in slots]
     if prefill:  # d_qk 512 (phase1_k512): keys [S, 1, C] bf16, q [R, H, C], indices [R, 1, W']
         qs = [torch_of(torch, q.astype(jnp.bfloat16)) for q, _ in sets]
@@ -147,7 +153,7 @@ def attend_point(suite, s: dict, torch, flash_mla) -> dict:
                 indices=idx[i])[0]
         what = "flash_mla_with_kvcache, V32 fp8 cache (656 B/token), sparse"
     turn = iter(range(10 ** 9))
-    res = timed_pair(suite, ours, lambda: call(next(turn) % len(sets)))
+    res = timed_pair(suite, ours, torch, lambda: call(next(turn) % len(sets)))
     mine = np.asarray(ours_fn(*args[0]), np.float32)
     theirs = call(0).float().cpu().numpy().reshape(mine.shape)
     wp = slots[0].shape[-1]
@@ -155,7 +161,7 @@ def attend_point(suite, s: dict, torch, flash_mla) -> dict:
         peer=what, ours="dsa_jax.attend.attend, pallas, "
         f"{cfg.cache_dtype} latent [NB, bs, 512]", shape=s,
         padding=f"ours {w} slots a row; the peer's top-k {wp} (ours padded with -1 to a "
-                f"multiple of {formats.FLASHMLA_TOPK})",
+                f"multiple of {multiple})",
         ours_bytes_flops=attend_cost(b, r, h, w, c, itemsize(cfg.cache_dtype)),
         peer_flops=2 * b * r * h * wp * (d_qk + c),
         peer_flops_counted=f"2*h*s_q*topk*({d_qk}+{c}) per sequence, as FlashMLA counts",
@@ -199,7 +205,7 @@ def selection_point(suite, s: dict, torch, deep_gemm) -> dict:
         return torch.topk(logits, k, dim=-1).indices
 
     turn = iter(range(10 ** 9))
-    res = timed_pair(suite, ours, lambda: call(next(turn) % len(sets)))
+    res = timed_pair(suite, ours, torch, lambda: call(next(turn) % len(sets)))
     scores = indexer.pool_scores_at(cfg, *sets[0], keys, pos, valid)  # [B, 1, P]
     mine = np.asarray(select.top_pools(cfg, scores))[:, 0]  # [B, k]
     theirs = call(0).cpu().numpy()  # [B, k]
@@ -228,18 +234,21 @@ def run(suite) -> None:
         return
     mods = import_peers()
     out["card"] = jax.devices()[0].device_kind
-    for kind, points, fn in (("attend", attend_points(suite), attend_point),
-                             ("selection", selection_points(suite), selection_point)):
-        why = next((m for m in (mods["torch"], mods[PEERS[kind]]) if isinstance(m, str)), None)
-        for name, shape in points:
-            if why is not None:
-                out["skipped"][name] = why
-                log(f"[bench] peers {name} skipped: {why}")
-                continue
-            peer = mods[PEERS[kind]]
-            out["points"][name] = suite.guarded(f"peers {name}", lambda s=shape, f=fn, m=peer: f(
-                suite, s, mods["torch"], m))
-            r = out["points"][name]
-            log(f"[bench] peers {name}: ours {r.get('ours_us')} us, peer {r.get('peer_us')} "
-                f"us, ratio {r.get('ratio')}")
-            suite.save()
+    attends = attend_points(suite)
+    # the prompt's point last: a peer's failed device assertion ends the process
+    todo = [(n, sh, attend_point, "attend") for n, sh in attends if not sh.get("prefill")]
+    todo += [(n, sh, selection_point, "selection") for n, sh in selection_points(suite)]
+    todo += [(n, sh, attend_point, "attend") for n, sh in attends if sh.get("prefill")]
+    for name, shape, fn, kind in todo:
+        peer = mods[PEERS[kind]]
+        why = next((m for m in (mods["torch"], peer) if isinstance(m, str)), None)
+        if why is not None:
+            out["skipped"][name] = why
+            log(f"[bench] peers {name} skipped: {why}")
+            continue
+        out["points"][name] = suite.guarded(f"peers {name}", lambda s=shape, f=fn, m=peer: f(
+            suite, s, mods["torch"], m))
+        r = out["points"][name]
+        log(f"[bench] peers {name}: ours {r.get('ours_us')} us, peer {r.get('peer_us')} us, "
+            f"ratio {r.get('ratio')}")
+        suite.save()
