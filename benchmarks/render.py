@@ -10,6 +10,8 @@ Without RUN.json: the newest complete full (non-smoke) run of the card kind `--c
 run of that card, said to be incomplete. Every table comes from that one run, named with its
 card, jax version and commit; `met` is today's target (benchmarks/points.py) applied to the
 stored result. Points of today's plan the run did not measure are listed with their targets.
+The newest `--only peers` run of the same card adds its table (ours beside FlashMLA and
+DeepGEMM) and a README line.
 """
 
 from __future__ import annotations
@@ -59,9 +61,17 @@ def missing(res: dict, current: dict) -> list[str]:
 def pick_run(results_dir: str, card: str, current: dict) -> tuple[str, dict] | None:
     """The newest complete full run of `card` in `results_dir`, else its newest full run."""
     runs = sorted(((path, res) for path, res in load_runs(results_dir)
-                   if not res.get("smoke") and card_of(res) == card),
+                   if not res.get("smoke") and card_of(res) == card and res["points"]),
                   key=lambda r: r[1].get("date", ""), reverse=True)
     return next((r for r in runs if not missing(r[1], current)), runs[0] if runs else None)
+
+
+def pick_peers(results_dir: str, card: str) -> tuple[str, dict] | None:
+    """The newest run of `card` in `results_dir` holding `peers` points (`--only peers`)."""
+    runs = sorted(((path, res) for path, res in load_runs(results_dir)
+                   if card_of(res) == card and (res.get("peers") or {}).get("points")),
+                  key=lambda r: r[1].get("date", ""), reverse=True)
+    return runs[0] if runs else None
 
 
 def judged(res: dict, current: dict) -> list[tuple]:
@@ -148,7 +158,8 @@ def plot_scaling(res: dict, png: str) -> bool:
     return True
 
 
-def update_readme(readme: str, path: str, res: dict, rows: list[tuple]) -> str:
+def update_readme(readme: str, path: str, res: dict, rows: list[tuple],
+                  peers: tuple[str, dict] | None = None) -> str:
     """Replace the README's block between the bench markers with the run's points."""
     with open(readme) as f:
         text = f.read()
@@ -161,12 +172,15 @@ def update_readme(readme: str, path: str, res: dict, rows: list[tuple]) -> str:
             f"{res.get('jax_version')}, commit {res.get('commit') or 'not recorded'}), "
             "GLM-5.3-Flash shapes, one layer; `met` against today's targets; details in "
             "[BENCHMARKS.md](BENCHMARKS.md).", "", *tables.readme_rows(rows)]
+    if peers:
+        body += ["", tables.peers_line(peers[1])]
     with open(readme, "w") as f:
         f.write(head + README_BEGIN + "\n" + "\n".join(body) + "\n" + README_END + tail)
     return f"updated the table in {readme}"
 
 
-def page(path: str, res: dict, out_md: str, png: str, current: dict) -> list[str]:
+def page(path: str, res: dict, out_md: str, png: str, current: dict,
+         peers: tuple[str, dict] | None = None) -> list[str]:
     rows = judged(res, current)
     n_met = sum(1 for r in rows if r[2])
     lines = ["# Benchmarks", "",
@@ -197,17 +211,22 @@ def page(path: str, res: dict, out_md: str, png: str, current: dict) -> list[str
                   ""]
     if (res.get("breakdown") or {}).get("runs"):
         lines += tables.breakdown_table(res)
+    if peers:
+        lines += tables.peers_table(*peers, out_md)
     if (res.get("levers") or {}).get("kv_b_absorbed_vs_runtime"):
         lines += ["## Levers", "", *tables.levers_section(res)]
     return lines
 
 
-def render(path: str, res: dict, out_md: str, png: str, readme: str | None = None) -> int:
+def render(path: str, res: dict, out_md: str, png: str, readme: str | None = None,
+           peers: tuple[str, dict] | None = None) -> int:
+    """BENCHMARKS.md (and the README's block) from the run at `path`, with the peers
+    comparison of `peers` (a `--only peers` run of the same card) where given."""
     current = current_points()
     if readme:
-        print(f"render: {update_readme(readme, path, res, judged(res, current))}")
+        print(f"render: {update_readme(readme, path, res, judged(res, current), peers)}")
     with open(out_md, "w") as f:
-        f.write("\n".join(page(path, res, out_md, png, current)).rstrip() + "\n")
+        f.write("\n".join(page(path, res, out_md, png, current, peers)).rstrip() + "\n")
     print(f"render: wrote {out_md} from {path}" + (f" and {png}" if os.path.exists(png) else ""))
     return 0
 
@@ -241,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"render: no complete {args.card} run; the newest, {chosen[0]}, lacks "
                   f"{len(absent)} point(s)", file=sys.stderr)
     png = args.png or os.path.join(args.results, "scaling.png")
-    return render(*chosen, args.out, png, args.readme or None)
+    peers = pick_peers(args.results, card_of(chosen[1]))
+    return render(*chosen, args.out, png, args.readme or None, peers)
 
 
 if __name__ == "__main__":

@@ -227,3 +227,44 @@ def two_forms_table(lever: dict, title: str, base: str, other: str) -> list[str]
                      f"{fmt_x(r.get(f'{other}_over_{base}_kernel'))} | "
                      f"{fmt_us(r.get(f'{base}_us'))} | {fmt_us(r.get(f'{other}_us'))} |")
     return lines + [""]
+
+
+def peers_table(path: str, res: dict, out_md: str) -> list[str]:
+    """The `peers` group of a run: ours and the peer per point, kernel time and wall."""
+    peers = res["peers"]
+    lines = ["## Against the peers, on the same card", "",
+             f"Run {link(path, out_md)} ({peers.get('card', '?')}, jax "
+             f"{res.get('jax_version')}, commit {res.get('commit') or '?'}): the peer and our "
+             "kernels in one process on the same inputs (benchmarks/peers/README.md says what "
+             "each side computes). `ratio` = ours / peer in device kernel time; target <= 1."
+             + (f" Note: {res['note']}" if res.get("note") else ""), "",
+             "| point | peer | ours kernels | peer kernels | ratio | ours wall | peer wall "
+             "| agreement |", "|---|---|---|---|---|---|---|---|"]
+    for name, r in peers.get("points", {}).items():
+        if r.get("error"):
+            lines.append(f"| {name} | error: `{r['error'].splitlines()[0][:100]}` |")
+            continue
+        agree = (f"overlap {r['overlap']:.3f}" if r.get("overlap") is not None else
+                 f"rel. diff {r['rel_diff']:.1e}" if r.get("rel_diff") is not None else "-")
+        ratio = fmt_x(r.get("ratio"))
+        lines.append(f"| {name} | {r.get('peer', '?').split(' (')[0].split(',')[0]} | "
+                     f"{fmt_us(r.get('ours_us'))} | {fmt_us(r.get('peer_us'))} | "
+                     f"{ratio if (r.get('ratio') or 9) <= 1 else f'**{ratio}**'} | "
+                     f"{fmt_us(r.get('ours_wall_us'))} | {fmt_us(r.get('peer_wall_us'))} | "
+                     f"{agree} |")
+    for name, why in peers.get("skipped", {}).items():
+        lines.append(f"| {name} | skipped: {why[:100]} |")
+    return lines + [""]
+
+
+def peers_line(res: dict) -> str:
+    """One README line: the range of ours / peer per kind of point."""
+    kinds: dict = {}
+    for name, r in res["peers"].get("points", {}).items():
+        if r.get("ratio"):
+            kind = "-".join(w for w in name.split("-") if w.isalpha())  # attend-decode, ...
+            kinds.setdefault(kind, []).append(r["ratio"])
+    parts = [f"{k} {min(v):.2f}-{max(v):.2f}x" if len(v) > 1 else f"{k} {v[0]:.2f}x"
+             for k, v in kinds.items()]
+    return (f"Against FlashMLA and DeepGEMM on the same card ({res['peers'].get('card', '?')}"
+            f", kernel time, ours / peer): " + ", ".join(parts) + ".")

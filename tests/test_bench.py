@@ -395,6 +395,36 @@ def test_render_writes_the_readme_block_from_the_run(smoke_result, tmp_path):
     assert "tok/s" in row
 
 
+def test_render_adds_the_peers_run_of_the_same_card(tmp_path):
+    """A `--only peers` run (no points of its own) is never the rendered run; the newest one
+    of the run's card adds its table to BENCHMARKS.md and one line to the README block."""
+    current = render.current_points()
+    (h100_run,) = [f for f in os.listdir(RESULTS) if f.startswith("h100-bench")]
+    with open(os.path.join(RESULTS, h100_run)) as f:
+        run = json.load(f)
+    point = {"peer": "flash_mla_with_kvcache, V32", "ours_us": 5.0, "peer_us": 4.0,
+             "ratio": 1.25, "ours_wall_us": 9.0, "peer_wall_us": 8.0, "rel_diff": 0.004}
+    peers = {"machine": run["machine"], "date": "2099-12-02", "points": [],
+             "peers": {"card": "H100", "points": {"attend-decode-1x1-h64": point,
+                                                  "selection-64x16K": {**point, "ratio": 0.5,
+                                                                       "overlap": 0.97}},
+                       "skipped": {}}}
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    (tmp_path / "peers.json").write_text(json.dumps(peers))
+    assert render.pick_run(str(tmp_path), "h100", current)[0].endswith("run.json")
+    assert render.pick_peers(str(tmp_path), "h100")[0].endswith("peers.json")
+    assert render.pick_peers(str(tmp_path), "h200") is None
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{render.README_BEGIN}\n{render.README_END}\n")
+    text, _ = _render(tmp_path, "--results", str(tmp_path), "--card", "h100", readme=readme)
+    rows = text.split("## Against the peers, on the same card")[1].splitlines()
+    row = next(r for r in rows if r.startswith("| attend-decode-1x1-h64 |"))
+    assert "| 5.0 us | 4.0 us | **1.25x** |" in row and "rel. diff 4.0e-03" in row
+    row = next(r for r in rows if r.startswith("| selection-64x16K |"))
+    assert "| 0.50x |" in row and "overlap 0.970" in row
+    assert "attend-decode 1.25x, selection 0.50x" in readme.read_text()
+
+
 @pytest.mark.long
 def test_measured_levers(tmp_path):
     """The levers group (xla only on a CPU): the absorbed kv_b form and the separate input GEMMs

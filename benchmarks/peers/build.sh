@@ -16,6 +16,10 @@ mkdir -p "$dest"
 tar -xzf "$src" -C "$dest"
 if [ -n "$built" ]; then
   tar -xzf "$built" -C "$dest"
+  # DeepGEMM's JIT compiles its kernels at their first call against these headers
+  inc="$dest/peers-src/deepgemm/deep_gemm/include"
+  cp -r "$dest/peers-src/deepgemm/third-party/cutlass/include/cute" \
+    "$dest/peers-src/deepgemm/third-party/cutlass/include/cutlass" "$inc/"
   echo "peers: reused $built"
   exit 0
 fi
