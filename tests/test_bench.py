@@ -72,11 +72,16 @@ def test_smoke_run_has_the_schema(smoke_result):
 
 
 def test_every_committed_result_keeps_the_schema():
-    """benchmarks/results/ holds one bench run per card kind, each with the bench schema."""
+    """benchmarks/results/ holds one bench run per card kind and at most one `--only peers`
+    run per card kind (no points of its own), each with the bench schema."""
     runs = schema.load_runs(RESULTS)
     assert len(runs) == len(glob.glob(os.path.join(RESULTS, "*.json"))) >= 1
-    cards = [render.card_of(res) for _, res in runs]
-    assert sorted(cards) == sorted(set(cards)) and "h200" in cards, cards
+    for kind in (True, False):  # bench runs, peers runs
+        cards = [render.card_of(res) for _, res in runs if bool(res["points"]) == kind]
+        assert sorted(cards) == sorted(set(cards)), cards
+        assert kind is False or "h200" in cards, cards
+    for _, res in runs:
+        assert res["points"] or (res.get("peers") or {}).get("points"), res.get("command")
     for path, res in runs:
         assert schema.result_problems(res) == [], path
         assert not res.get("smoke"), path
