@@ -21,6 +21,7 @@ import os
 import shutil
 import sys
 import uuid
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -178,10 +179,11 @@ def _quiet_stray_reads() -> None:
     """A failed orbax restore raises its first error (a `CheckpointError` here) while its
     other reads are still in flight in tensorstore's threads; as each finishes, Python prints
     it on stderr (a closed event loop, an orbax coroutine's exception, an asyncio future's
-    "exception was never retrieved"), long tracebacks after the one-line error that already
-    said what is wrong. This wraps `sys.unraisablehook` and adds a filter to the `asyncio`
-    logger, once per process, dropping exactly those; every other unraisable exception or
-    asyncio record goes where it went before."""
+    "exception was never retrieved", an orbax coroutine never awaited), long tracebacks after
+    the one-line error that already said what is wrong. This wraps `sys.unraisablehook`,
+    adds a filter to the `asyncio` logger and one warnings filter for that coroutine, once
+    per process, dropping exactly those; every other unraisable exception, asyncio record or
+    warning goes where it went before."""
     import logging
 
     previous = sys.unraisablehook
@@ -195,6 +197,9 @@ def _quiet_stray_reads() -> None:
     hook._dsa_jax_quiet = True
     sys.unraisablehook = hook
     logging.getLogger("asyncio").addFilter(_StrayReadFilter())
+    # orbax's metadata read, dropped unawaited when the restore failed first (seen under load)
+    warnings.filterwarnings("ignore", r"coroutine 'Store\._get_array_metadatas' was never "
+                            r"awaited", RuntimeWarning)
 
 
 def restore(path: str, items: Mapping[str, Any]) -> dict:
