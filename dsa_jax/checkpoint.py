@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsa_jax import checkpoint_io
+from dsa_jax import checkpoint_io, fp8
 from dsa_jax.checkpoint_io import CheckpointError
 from dsa_jax.config import DsaConfig
 from dsa_jax.state import DsaState, init_state, ring_from_rows
@@ -241,6 +241,7 @@ def save_weights(path: str | os.PathLike, cfg: DsaConfig, weights_by_layer: Sequ
     `layers`: the model layer id of each entry (recorded, returned by `read_info`); default
     `0..n-1`. `tp_rank`: the tensor-parallel rank the weights were folded for (recorded).
     """
+    fp8.refuse(cfg, "save_weights")
     path = _abspath(path)
     if isinstance(weights_by_layer, DsaWeights) or not isinstance(weights_by_layer, Sequence):
         raise CheckpointError("weights_by_layer must be a list of DsaWeights, one per layer")
@@ -288,6 +289,7 @@ def restore_weights(path: str | os.PathLike, cfg: DsaConfig, *, device=None
                     ) -> list[DsaWeights]:
     """Read a `save_weights` checkpoint: one `DsaWeights` per saved layer, on `device`
     (default: the first device). `cfg` must match the saved config (module docstring)."""
+    fp8.refuse(cfg, "restore_weights")
     path = _abspath(path)
     meta = _info_of_kind(path, "weights", cfg)
     sharding = _sharding(device)
@@ -334,6 +336,7 @@ def convert_hf_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, cfg: D
     moved to host memory before the next is read. Returns the converted layer ids, in order;
     `restore_weights(dst, cfg)[i]` is layer `layers[i]`.
     """
+    fp8.refuse(cfg, "convert_hf_checkpoint")
     src_path, dst_path = os.fspath(src), _abspath(dst)
     found = _hf_layers(src_path)
     if layers is None:

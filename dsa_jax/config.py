@@ -19,7 +19,7 @@ from dsa_jax.errors import ConfigError
 
 CACHE_DTYPES = ("float8_e4m3fn", "bfloat16", "float32")
 INDEX_CACHE_DTYPES = ("bfloat16", "float32")
-PARAM_DTYPES = ("bfloat16", "float32")
+PARAM_DTYPES = ("bfloat16", "float32", "float8_e4m3fn")
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas-interpret")
 GEMMS = ("auto", "xla", "pallas")
 INDEXER_TYPES = ("full", "shared")
@@ -81,7 +81,11 @@ class DsaConfig:
     max_verify: int = 4  # rows per sequence in one decode / verify step
     cache_dtype: str = "float8_e4m3fn"  # latent cache storage
     index_cache_dtype: str = "bfloat16"  # indexer k and gate storage
-    param_dtype: str = "bfloat16"  # projection weights
+    # Projection weights. "float8_e4m3fn": kept as an fp8 checkpoint stores them, values and
+    # one fp32 scale per `weight_block` (`dsa_jax.fp8`), their GEMMs computing in bf16 on the
+    # values * scale the load-time dequantization would give (the same bits).
+    param_dtype: str = "bfloat16"
+    weight_block: tuple[int, int] = (128, 128)  # fp8 weights' scale block [rows, cols]
     tp_degree: int = 1  # tensor-parallel degree: heads per rank = H / tp_degree
     # "xla", "pallas", "pallas-interpret" (the kernels in Pallas interpret mode, any backend:
     # tests and debugging), or "auto" (pallas on a GPU, xla elsewhere).
@@ -111,6 +115,8 @@ class DsaConfig:
     def __post_init__(self):
         if isinstance(self.indexer_types, list):
             object.__setattr__(self, "indexer_types", tuple(self.indexer_types))
+        if isinstance(self.weight_block, list):  # a JSON config's
+            object.__setattr__(self, "weight_block", tuple(self.weight_block))
         for name in (
             "hidden_size", "num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
             "v_head_dim", "index_n_heads", "index_head_dim", "index_topk", "index_kpool",
@@ -153,6 +159,10 @@ class DsaConfig:
                  f"got {self.index_cache_dtype!r}")
         _require(self.param_dtype in PARAM_DTYPES,
                  f"param_dtype must be one of {PARAM_DTYPES}, got {self.param_dtype!r}")
+        _require(isinstance(self.weight_block, tuple) and len(self.weight_block) == 2
+                 and all(_is_int(v) and v > 0 for v in self.weight_block),
+                 f"weight_block must be two positive integers [rows, cols], got "
+                 f"{self.weight_block!r}")
         _require(self.implementation in IMPLEMENTATIONS,
                  f"implementation must be one of {IMPLEMENTATIONS}, got {self.implementation!r}")
         _require(self.gemm in GEMMS, f"gemm must be one of {GEMMS}, got {self.gemm!r}")
@@ -160,6 +170,10 @@ class DsaConfig:
                  f"batch_invariant must be a bool (true or false), got {self.batch_invariant!r}")
         _require(isinstance(self.colaunch, bool),
                  f"colaunch must be a bool (true or false), got {self.colaunch!r}")
+        _require(self.param_dtype != "float8_e4m3fn" or self.implementation in ("xla", "auto"),
+                 f"param_dtype='float8_e4m3fn' runs on implementation='xla' (the GEMMs over "
+                 f"the dequantized blocks); the kernels read bf16 or fp32 weights: "
+                 f"implementation={self.implementation!r} is refused, not run on other GEMMs")
         _require(self.gemm != "pallas" or self.param_dtype == "bfloat16",
                  f"gemm='pallas' runs bf16 weights (the kernel's MMA operands); param_dtype "
                  f"is {self.param_dtype!r}: use gemm='xla' for it")

@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from dsa_jax import fp8
 from dsa_jax.attend import write_latents
 from dsa_jax.config import DsaConfig
 from dsa_jax.errors import ModelError
@@ -84,6 +85,9 @@ from dsa_jax.weights import DsaWeights, init_random_weights
 class ModelConfig:
     dsa: DsaConfig  # the block; len(dsa.indexer_types) is the number of layers
     vocab_size: int = 256
+
+    def __post_init__(self):
+        fp8.refuse(self.dsa, "the model (its scan, serve, Engine)")
 
     @property
     def num_layers(self) -> int:

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsa_jax import layer
+from dsa_jax import fp8, layer
 from dsa_jax.bitwise import bitwise_jit
 from dsa_jax.config import DsaConfig
 from dsa_jax.state import DsaState, init_state
@@ -64,6 +64,7 @@ class DsaAttention(nnx.Module):
                  has_indexer: bool = True, weights: DsaWeights | None = None,
                  num_blocks: int | None = None, kv_scale: float = 1.0,
                  block_tables=None):
+        fp8.refuse(cfg, "DsaAttention")
         if weights is None:
             if rngs is None:
                 raise TypeError("DsaAttention needs rngs (random weights) or weights "

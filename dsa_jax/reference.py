@@ -19,6 +19,7 @@ from jax import lax
 
 from dsa_jax.config import DsaConfig
 from dsa_jax.state import DsaState, index_storage, latent_storage
+from dsa_jax.weights import dequantize_fp8
 
 HIGHEST = lax.Precision.HIGHEST
 Roundtrip = Callable[[jax.Array], jax.Array]
@@ -123,7 +124,9 @@ def forward(cfg: DsaConfig, hf: Mapping[str, jax.Array], x: jax.Array, *,
     chex.assert_shape(x, (None, cfg.hidden_size))
     if shared_sel is not None:
         chex.assert_shape(shared_sel, (x.shape[0], cfg.sel_width))
-    w = {name: jnp.asarray(v, jnp.float32) for name, v in hf.items()}
+    # fp8 tensors (a fine-grained fp8 checkpoint) count at their values: times their scales
+    w = {name: jnp.asarray(v, jnp.float32)
+         for name, v in dequantize_fp8(hf, block=cfg.weight_block).items()}
     x = jnp.asarray(x, jnp.float32)
     s = x.shape[0]
     H, C, Dn, Dv = cfg.num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim

@@ -17,6 +17,7 @@ from jax import lax
 
 from dsa_jax.attend import attend, write_latents
 from dsa_jax.config import DsaConfig
+from dsa_jax.fp8 import compute_weights
 from dsa_jax.implementation import (
     KERNEL_MAX_P,
     RowGeometry,
@@ -128,6 +129,7 @@ def step(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Array, n_n
     selection holds only tokens <= its position, all written, and no later row's write can
     change them, so this equals processing the rows one after another.
     """
+    weights = compute_weights(cfg, weights)  # fp8 fields dequantized (`dsa_jax.fp8`)
     shared_launch = select is select_pools and shares_q_launch(cfg, weights, x)
     k = cut_rows(cfg, attend_rows, x.shape[1])
     if shared_launch and state.index_k.shape[1]:
@@ -319,5 +321,6 @@ def write_kv_rows(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.A
                   n_new: jax.Array) -> DsaState:
     """A drafter's context rows `x [B, S, D]`: latent and indexer entries only (no query,
     selection or attend); pure and traceable like `step`."""
+    weights = compute_weights(cfg, weights)
     state, _, _ = _write_rows(cfg, weights, state, project_kv(cfg, weights, x), n_new)
     return _advance(cfg, state, n_new)

@@ -29,11 +29,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from dsa_jax import fp8
 from dsa_jax.config import DsaConfig
 from dsa_jax.errors import WeightError
 
-FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")  # stored weights that need their scale
-SCALE_SUFFIX = "_scale_inv"  # HF: `q_a_proj.weight` -> `q_a_proj.weight_scale_inv`
+FP8_DTYPES, SCALE_SUFFIX = fp8.FP8_DTYPES, fp8.SCALE_SUFFIX
 DEFAULT_FP8_BLOCK = (128, 128)  # HF quantization_config.weight_block_size of the fp8 releases
 # safetensors dtypes that its numpy reader cannot build (numpy has no fp8): read raw.
 _RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
@@ -79,24 +79,9 @@ def dequantize_fp8(hf: Mapping[str, np.ndarray | jax.Array], *,
 def _apply_scale(name: str, w: np.ndarray, scale: np.ndarray, block: tuple[int, int],
                  where: str) -> np.ndarray:
     """`w [out, in]` fp8 times its per-block (or per-tensor) scale, in fp32."""
-    if not jnp.issubdtype(scale.dtype, jnp.floating):
-        raise WeightError(f"{where}: scale of {name!r} has dtype {scale.dtype.name}, expected "
-                          f"a floating dtype")
-    s = scale.astype(np.float32)
-    w32 = w.astype(np.float32)
-    if s.size == 1:
-        return w32 * s.reshape(())
-    if w.ndim != 2 or s.ndim != 2:
-        raise WeightError(f"{where}: scale of {name!r} has shape {list(s.shape)} for a weight "
-                          f"of shape {list(w.shape)}; expected one scale or a 2-D block grid")
-    b0, b1 = block
-    grid = (-(-w.shape[0] // b0), -(-w.shape[1] // b1))
-    if s.shape != grid:
-        raise WeightError(f"{where}: scale of {name!r} has shape {list(s.shape)}, but a "
-                          f"{list(w.shape)} weight in [{b0}, {b1}] blocks needs {list(grid)} "
-                          f"(pass the checkpoint's weight_block_size as fp8_block)")
-    full = np.repeat(np.repeat(s, b0, axis=0), b1, axis=1)[:w.shape[0], :w.shape[1]]
-    return w32 * full
+    s = fp8.scale_grid(name, w, scale, block, where)
+    full = np.repeat(np.repeat(s, block[0], axis=0), block[1], axis=1)[:w.shape[0], :w.shape[1]]
+    return w.astype(np.float32) * full
 
 
 def hf_shapes(cfg: DsaConfig, has_indexer: bool = True) -> dict[str, tuple[int, ...]]:
@@ -159,6 +144,11 @@ def head_weight_scale(cfg: DsaConfig) -> float:
     return float(cfg.index_n_heads) ** -0.5 * float(cfg.index_head_dim) ** -0.5
 
 
+def compute_dtype(cfg: DsaConfig) -> np.dtype:
+    """The dtype the projections' GEMMs multiply in: `param_dtype`, bf16 for fp8 weights."""
+    return jnp.dtype(fp8.COMPUTE_DTYPE if cfg.param_dtype == fp8.FP8 else cfg.param_dtype)
+
+
 @functools.cache
 def expected_weight_fields(cfg: DsaConfig, has_indexer: bool
                            ) -> dict[str, tuple[tuple[int, ...], np.dtype] | None]:
@@ -166,7 +156,7 @@ def expected_weight_fields(cfg: DsaConfig, has_indexer: bool
     None for the indexer fields of a "shared" layer. Cached: read it, do not change it."""
     D, R, C, Hl = cfg.hidden_size, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.local_heads
     Dn, Dv, Hi, Di = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.index_n_heads, cfg.index_head_dim
-    pdt, f32 = jnp.dtype(cfg.param_dtype), np.dtype(np.float32)
+    pdt, f32 = compute_dtype(cfg), np.dtype(np.float32)
     nx = R + C + (2 * Di + Hi if has_indexer else 0)
     fields = {
         "x_proj": ((nx, D), pdt), "q_a_norm": ((R,), f32), "kv_a_norm": ((C,), f32),
@@ -181,7 +171,7 @@ def expected_weight_fields(cfg: DsaConfig, has_indexer: bool
 
 
 def fold_weights(cfg: DsaConfig, hf: Mapping[str, np.ndarray | jax.Array], tp_rank: int = 0,
-                 *, fp8_block: tuple[int, int] = DEFAULT_FP8_BLOCK) -> DsaWeights:
+                 *, fp8_block: tuple[int, int] | None = None) -> DsaWeights:
     """HF tensors of one layer -> `DsaWeights` for rank `tp_rank`.
 
     The folds, all exact rewrites of SPEC.md:
@@ -196,10 +186,16 @@ def fold_weights(cfg: DsaConfig, hf: Mapping[str, np.ndarray | jax.Array], tp_ra
     - Heads `[tp_rank*Hl, (tp_rank+1)*Hl)` of `q_b`, `kv_b` and `o_proj` are kept; the
       input GEMM and the indexer are the same on every rank.
     - Norm weights, the LayerNorm bias and `ape` are stored fp32.
-    An fp8 tensor is first multiplied by its `*_scale_inv` (`dequantize_fp8`, `fp8_block`).
+    An fp8 tensor is first multiplied by its `*_scale_inv` (`dequantize_fp8`, `fp8_block`:
+    the checkpoint's block, default `cfg.weight_block`), except under
+    `cfg.param_dtype="float8_e4m3fn"`: there every fp8 GEMM weight stays fp8 with its scales
+    (`fp8.Fp8Block`; the same folds on whole blocks, `_fold_fp8`).
     """
     if not isinstance(tp_rank, (int, np.integer)) or not 0 <= tp_rank < cfg.tp_degree:
         raise WeightError(f"tp_rank {tp_rank!r} is outside [0, tp_degree={cfg.tp_degree})")
+    fp8_block = tuple(cfg.weight_block if fp8_block is None else fp8_block)
+    if cfg.param_dtype == fp8.FP8:
+        return _fold_fp8(cfg, hf, tp_rank, fp8_block)
     hf = dequantize_fp8(hf, block=fp8_block)
     has_indexer = any(name.startswith("indexer.") for name in hf)
     check_hf_tensors(cfg, hf, has_indexer)
@@ -228,6 +224,63 @@ def fold_weights(cfg: DsaConfig, hf: Mapping[str, np.ndarray | jax.Array], tp_ra
         u_k=kv_b[:, :Dn].astype(pdt),
         u_v=kv_b[:, Dn:].astype(pdt),
         o_proj=o.astype(pdt),
+        k_norm_w=f32("indexer.k_norm.weight") if has_indexer else None,
+        k_norm_b=f32("indexer.k_norm.bias") if has_indexer else None,
+        ape=f32("indexer.index_kpool_compress_ape") if has_indexer else None,
+    )
+
+
+def _fold_fp8(cfg: DsaConfig, hf, tp_rank: int, block: tuple[int, int]) -> DsaWeights:
+    """`fold_weights` keeping fp8 GEMM weights in their blocks: the same folds, on whole
+    blocks (head slices, the U_k / U_v split, the stacked input rows); unquantized tensors
+    are bf16 (norms, bias and `ape` fp32), and `weights_proj` (scaled by a fold) dense."""
+    where = "layer"
+    has_indexer = any(name.startswith("indexer.") for name in hf)
+    view = {n: jax.ShapeDtypeStruct(v.shape, jnp.float32 if _dtype_name(v) in FP8_DTYPES
+                                    else v.dtype)
+            for n, v in hf.items() if not n.endswith(SCALE_SUFFIX)}
+    for n in hf:
+        if n.endswith(SCALE_SUFFIX) and (n[:-len(SCALE_SUFFIX)] not in hf or _dtype_name(
+                hf[n[:-len(SCALE_SUFFIX)]]) not in FP8_DTYPES):
+            raise WeightError(f"{where}: scale {n!r} is there, but its tensor is not an fp8 "
+                              f"tensor {FP8_DTYPES}")
+    check_hf_tensors(cfg, view, has_indexer)
+    H, Hl, C = cfg.num_heads, cfg.local_heads, cfg.kv_lora_rank
+    Dn, Dv = cfg.qk_nope_head_dim, cfg.v_head_dim
+
+    def kept(name):
+        return fp8.kept(hf, name, block, where)
+
+    def f32(name):
+        return jnp.asarray(hf[name], jnp.float32)
+
+    q_b = fp8.cut(kept("q_b_proj.weight"), -2, tp_rank * Hl * Dn, (tp_rank + 1) * Hl * Dn,
+                  "q_b_proj.weight", where)
+    kv_b = fp8.split_heads(kept("kv_b_proj.weight"), H, "kv_b_proj.weight", where)
+    # kv_b: [H, Dn + Dv, C]
+    heads = slice(tp_rank * Hl, (tp_rank + 1) * Hl)  # the rank's heads: a leading axis
+    kv_b = fp8.Fp8Block(kv_b.values[heads], kv_b.scale[heads], kv_b.block) \
+        if isinstance(kv_b, fp8.Fp8Block) else kv_b[heads]
+    o = fp8.cut(kept("o_proj.weight"), -1, tp_rank * Hl * Dv, (tp_rank + 1) * Hl * Dv,
+                "o_proj.weight", where)
+    rows = [kept("q_a_proj.weight"),
+            fp8.cut(kept("kv_a_proj_with_mqa.weight"), -2, 0, C, "kv_a_proj_with_mqa.weight",
+                    where)]
+    if has_indexer:  # weights_proj: the fold scales its fp32 values (dequantized if fp8)
+        wp = dequantize_fp8({k: v for k, v in hf.items()
+                             if k.startswith("indexer.weights_proj.weight")}, block=block,
+                            where=where)["indexer.weights_proj.weight"]
+        rows += [kept("indexer.wk.weight"), kept("indexer.index_kpool_compress_gate"),
+                 np.asarray(wp, np.float32) * np.float32(head_weight_scale(cfg))]
+    return DsaWeights(
+        x_proj=fp8.stack_rows(rows),
+        q_a_norm=f32("q_a_layernorm.weight"),
+        kv_a_norm=f32("kv_a_layernorm.weight"),
+        q_proj=fp8.compute(q_b),
+        qi_proj=fp8.compute(kept("indexer.wq_b.weight")) if has_indexer else None,
+        u_k=fp8.compute(fp8.cut(kv_b, -2, 0, Dn, "kv_b_proj.weight", where)),
+        u_v=fp8.compute(fp8.cut(kv_b, -2, Dn, Dn + Dv, "kv_b_proj.weight", where)),
+        o_proj=fp8.compute(o),
         k_norm_w=f32("indexer.k_norm.weight") if has_indexer else None,
         k_norm_b=f32("indexer.k_norm.bias") if has_indexer else None,
         ape=f32("indexer.index_kpool_compress_ape") if has_indexer else None,
@@ -327,9 +380,12 @@ def _read_stored(file: str, name: str) -> np.ndarray:
 
 
 def read_hf_tensors(path: str | os.PathLike, cfg: DsaConfig, layer: int, *,
-                    fp8_block: tuple[int, int] = DEFAULT_FP8_BLOCK) -> dict[str, np.ndarray]:
+                    fp8_block: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
     """Read layer `layer`'s attention tensors (HF names, checkpoint dtypes), checked. fp8
-    tensors come back as float32 with their `*_scale_inv` applied (`dequantize_fp8`)."""
+    tensors come back as float32 with their `*_scale_inv` applied (`dequantize_fp8`;
+    `fp8_block`: the checkpoint's block, default `cfg.weight_block`), except under
+    `cfg.param_dtype="float8_e4m3fn"`: there they come back as stored, beside their scales,
+    for `fold_weights` to keep (and check)."""
     path = os.fspath(path)
     files = checkpoint_files(path)
     prefix = _layer_prefix(files, layer)
@@ -350,24 +406,52 @@ def read_hf_tensors(path: str | os.PathLike, cfg: DsaConfig, layer: int, *,
             tensors[name + SCALE_SUFFIX] = _read_tensor(files[full + SCALE_SUFFIX],
                                                         full + SCALE_SUFFIX)
     where = f"{path} layer {layer}"
-    tensors = dequantize_fp8(tensors, block=fp8_block, where=where)
+    if cfg.param_dtype == fp8.FP8:
+        return tensors
+    tensors = dequantize_fp8(tensors, block=tuple(cfg.weight_block if fp8_block is None
+                                                  else fp8_block), where=where)
     check_hf_tensors(cfg, tensors, has_indexer, where=where)
     return tensors
 
 
 def load_hf_layer(path: str | os.PathLike, cfg: DsaConfig, layer: int, tp_rank: int = 0, *,
-                  fp8_block: tuple[int, int] = DEFAULT_FP8_BLOCK) -> DsaWeights:
+                  fp8_block: tuple[int, int] | None = None) -> DsaWeights:
     """Layer `layer`'s DSA block from a safetensors file or a (sharded) checkpoint folder."""
-    return fold_weights(cfg, read_hf_tensors(path, cfg, layer, fp8_block=fp8_block), tp_rank)
+    return fold_weights(cfg, read_hf_tensors(path, cfg, layer, fp8_block=fp8_block), tp_rank,
+                        fp8_block=fp8_block)
+
+
+# The GEMM weights an fp8 release stores as fp8 with block scales (not `weights_proj`).
+FP8_RELEASE_TENSORS = ("q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight",
+                       "kv_b_proj.weight", "o_proj.weight", "indexer.wq_b.weight",
+                       "indexer.wk.weight", "indexer.index_kpool_compress_gate")
+
+
+def quantize_hf_tensors(hf: Mapping[str, np.ndarray], block: tuple[int, int]
+                        ) -> dict[str, np.ndarray]:
+    """HF tensors -> the fine-grained fp8 checkpoint of them: each `FP8_RELEASE_TENSORS`
+    weight as float8_e4m3fn values beside its fp32 `*_scale_inv` per `block` (amax / 448 a
+    block, `fp8.quantize_blocks`), the rest as they are."""
+    out = {}
+    for name, value in hf.items():
+        if name in FP8_RELEASE_TENSORS:
+            q = fp8.quantize_blocks(np.asarray(value, np.float32), block)
+            out[name], out[name + SCALE_SUFFIX] = np.asarray(q.values), np.asarray(q.scale)
+        else:
+            out[name] = value
+    return out
 
 
 def init_random_hf_tensors(cfg: DsaConfig, key: jax.Array, has_indexer: bool = True
                            ) -> dict[str, np.ndarray]:
-    """Random fp32 HF tensors of one layer: never zeros, norms away from 1, a real gate."""
+    """Random fp32 HF tensors of one layer: never zeros, norms away from 1, a real gate.
+    Under `param_dtype="float8_e4m3fn"`, their fp8 checkpoint (`quantize_hf_tensors`,
+    `cfg.weight_block`): what `init_random_weights` folds, which the reference dequantizes."""
     shapes = hf_shapes(cfg, has_indexer)
     keys = jax.random.split(key, len(shapes))
-    return {name: np.asarray(random_hf_value(name, jax.random.normal(k, shape)), np.float32)
-            for k, (name, shape) in zip(keys, shapes.items(), strict=True)}
+    hf = {name: np.asarray(random_hf_value(name, jax.random.normal(k, shape)), np.float32)
+          for k, (name, shape) in zip(keys, shapes.items(), strict=True)}
+    return quantize_hf_tensors(hf, cfg.weight_block) if cfg.param_dtype == fp8.FP8 else hf
 
 
 def random_hf_value(name: str, z):

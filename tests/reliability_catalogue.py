@@ -18,6 +18,7 @@ from dsa_jax import checkpoint, layer, sharding
 from dsa_jax.checkpoint import CheckpointError
 from dsa_jax.config import ConfigError, DsaConfig
 from dsa_jax.implementation import ImplementationError, resolve
+from dsa_jax.model import ModelConfig
 from dsa_jax.pallas.common import KernelLimitError
 from dsa_jax.pallas.pool_topk import AUTO_TRITON_MIN_ROWS, PoolTopkTuning, pool_topk_pallas
 from dsa_jax.pallas.pool_topk_triton import MissingDependencyError
@@ -157,6 +158,12 @@ CASES = [
     ("config.tail-not-bool", "always_select_tail not a JSON bool", ConfigError,
      r"always_select_tail must be a bool \(true or false\), got 'false'",
      lambda c: _cfg(always_select_tail="false")),
+    ("config.fp8-kernels", "fp8 weights with the kernels asked for", ConfigError,
+     r"param_dtype='float8_e4m3fn' runs on implementation='xla'",
+     lambda c: _cfg(param_dtype="float8_e4m3fn", implementation="pallas")),
+    ("config.fp8-model", "fp8 weights in the model, serve, Engine, NNX, checkpoints, sharding",
+     ConfigError, r"the model \(its scan, serve, Engine\) takes bf16 or fp32 weights",
+     lambda c: ModelConfig(_cfg(param_dtype="float8_e4m3fn"))),
     ("config.batch-invariant", "batch_invariant not a bool", ConfigError,
      r"batch_invariant must be a bool \(true or false\), got 1",
      lambda c: _cfg(batch_invariant=1)),
@@ -244,6 +251,20 @@ CASES = [
     ("weights.scale-alone", "a scale beside a tensor that is not fp8", WeightError,
      r"scale 'o_proj.weight_scale_inv' is there, but 'o_proj.weight' is float32",
      lambda c: dequantize_fp8({**c.hf, "o_proj.weight_scale_inv": np.ones((1,), np.float32)})),
+    ("weights.fp8-nonfinite", "a NaN or inf block scale", WeightError,
+     r"scale of 'q_a_proj.weight' holds 1 non-finite value\(s\) \(NaN or inf\)",
+     lambda c: fold_weights(ODD, {**_fp8(c), "q_a_proj.weight_scale_inv": np.full(
+         (1, 1), np.nan, np.float32)})),
+    ("weights.fp8-kept-e5m2", "an e5m2 weight under param_dtype float8_e4m3fn", WeightError,
+     r"tensor 'q_a_proj.weight' is float8_e5m2; weights kept as fp8 are float8_e4m3fn",
+     lambda c: fold_weights(ODD.replace(param_dtype="float8_e4m3fn"), {
+         **_fp8(c), "q_a_proj.weight": np.asarray(c.hf["q_a_proj.weight"]).astype(
+             jnp.float8_e5m2)})),
+    ("weights.fp8-cut", "fp8 weights cut off a block boundary (heads per rank, blocks)",
+     WeightError, r"'kv_b_proj.weight' has 32 rows per head, not a whole number of fp8 "
+     r"blocks of 128", lambda c: fold_weights(ODD.replace(param_dtype="float8_e4m3fn"), {
+         **c.hf, "kv_b_proj.weight": np.asarray(c.hf["kv_b_proj.weight"]).astype(
+             jnp.float8_e4m3fn), "kv_b_proj.weight_scale_inv": np.ones((1, 1), np.float32)})),
     ("weights.tp-rank", "tp_rank outside [0, tp_degree)", WeightError,
      r"tp_rank 1 is outside \[0, tp_degree=1\)", lambda c: fold_weights(ODD, c.hf, 1)),
     ("weights.no-layer", "no attention tensors for the layer in the file", WeightError,

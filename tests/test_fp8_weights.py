@@ -1,0 +1,196 @@
+"""fp8 weights kept as fp8 (`param_dtype="float8_e4m3fn"`, `dsa_jax.fp8`): the folds keep the
+checkpoint's blocks, the step's GEMMs see exactly the bf16 weights the load-time
+dequantization gives (so every output is `==` to the bf16 path's), the bytes are the
+checkpoint's, and a bad fp8 checkpoint or an unsupported path is refused by name."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import dsa_jax
+from dsa_jax import fp8
+from dsa_jax import testing as T
+from dsa_jax.errors import ConfigError, WeightError
+from dsa_jax.shapes import ODD, tiny
+from dsa_jax.weights import FP8_RELEASE_TENSORS, quantize_hf_tensors
+
+# The tiny block in 32 x 32 blocks; with 32 x 40 blocks the column grid has a ragged edge;
+# the odd block in 4 x 8 blocks (its 12 + 20 rows a head split on a block boundary).
+TINY8 = tiny(param_dtype="float8_e4m3fn", weight_block=(32, 32), implementation="xla")
+CASES = [pytest.param(TINY8, id="tiny"),
+         pytest.param(TINY8.replace(weight_block=(32, 40)), id="tiny-ragged"),
+         pytest.param(ODD.replace(param_dtype="float8_e4m3fn", weight_block=(4, 8)), id="odd")]
+
+
+def _pair(cfg, key=0, tp_rank=0):
+    """The fp8 checkpoint of a random layer folded twice: kept fp8, and dequantized at load
+    (the bf16 path of today)."""
+    hf = dsa_jax.init_random_hf_tensors(cfg, jax.random.key(key))
+    return hf, (dsa_jax.fold_weights(cfg, hf, tp_rank),
+                dsa_jax.fold_weights(cfg.replace(param_dtype="bfloat16"), hf, tp_rank))
+
+
+@pytest.mark.parametrize("cfg", CASES)
+def test_the_folds_keep_fp8_blocks_and_give_the_load_time_weights(cfg):
+    hf, (w8, w16) = _pair(cfg)
+    assert all(hf[n].dtype == jnp.float8_e4m3fn for n in FP8_RELEASE_TENSORS)
+    for name in ("q_proj", "qi_proj", "u_k", "u_v", "o_proj"):
+        assert isinstance(getattr(w8, name), fp8.Fp8Block), name
+    assert isinstance(w8.x_proj, fp8.StackedRows)  # weights_proj rides along unquantized
+    for name, a, b in zip(w8._fields, w8, w16, strict=True):
+        if b is None:
+            continue
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        np.testing.assert_array_equal(np.asarray(fp8.dense(a), np.float32),
+                                      np.asarray(b, np.float32), err_msg=name)
+    # the checkpoint's bytes: fp8 values and their scales, not 2 bytes a weight
+    gemms = ("x_proj", "q_proj", "qi_proj", "u_k", "u_v", "o_proj")
+    kept = sum(getattr(w8, n).nbytes for n in gemms)
+    loaded = sum(getattr(w16, n).nbytes for n in gemms)
+    assert kept < 0.6 * loaded, (kept, loaded)
+
+
+def test_tensor_parallel_ranks_cut_whole_blocks():
+    cfg = TINY8.replace(tp_degree=2)
+    hf = dsa_jax.init_random_hf_tensors(cfg, jax.random.key(1))
+    full = dsa_jax.fold_weights(cfg.replace(tp_degree=1), hf)
+    ranks = [dsa_jax.fold_weights(cfg, hf, r) for r in range(2)]
+    for name, axis in (("q_proj", 0), ("u_k", 0), ("u_v", 0), ("o_proj", 1)):
+        np.testing.assert_array_equal(
+            np.concatenate([np.asarray(fp8.dense(getattr(w, name)), np.float32)
+                            for w in ranks], axis),
+            np.asarray(fp8.dense(getattr(full, name)), np.float32), err_msg=name)
+    with pytest.raises(WeightError, match="q_b_proj.weight.*block boundary"):
+        dsa_jax.fold_weights(cfg.replace(weight_block=(48, 32)), quantize_hf_tensors(
+            dsa_jax.init_random_hf_tensors(cfg.replace(param_dtype="float32"),
+                                           jax.random.key(1)), (48, 32)), 1)
+
+
+def _serve(cfg, w, x):
+    """Prefill, two decodes (one sequence inactive), a 3-row verify, a rewind, a context row
+    and a decode: every `y` and `sel`."""
+    state = dsa_jax.init_state(cfg, num_seqs=2, kv_scale=0.5)
+    out = []
+    y, state, sel = dsa_jax.prefill(cfg, w, state, x[:, :70], num_tokens=[70, 41])
+    out += [y, sel]
+    for t in range(2):
+        y, state, sel = dsa_jax.decode(cfg, w, state, x[:, 70 + t], active=[True, t == 0])
+        out += [y, sel]
+    y, state, sel = dsa_jax.decode_k(cfg, w, state, x[:, 72:75])
+    out += [y, sel]
+    state = dsa_jax.rewind(cfg, state, state.lengths - 2)
+    state = dsa_jax.write_kv_row(cfg, w, state, x[:, 75])
+    y, state, sel = dsa_jax.decode(cfg, w, state, x[:, 76])
+    return out + [y, sel, state.latent, state.index_k]
+
+
+@pytest.mark.parametrize("cfg", CASES)
+def test_every_step_gives_the_bits_of_the_dequantized_weights(cfg):
+    _, (w8, w16) = _pair(cfg, key=3)
+    x = T.random_rows(4, 2, 80, cfg.hidden_size)
+    got = _serve(cfg, w8, x)
+    want = _serve(cfg.replace(param_dtype="bfloat16"), w16, x)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"output {i}")
+
+
+def test_the_serving_step_under_your_own_jit_takes_fp8_weights():
+    cfg = TINY8
+    _, (w8, _) = _pair(cfg, key=5)
+    x = T.random_rows(6, 2, cfg.hidden_size)
+    step = dsa_jax.serving_step(cfg, "decode")
+    state = dsa_jax.init_state(cfg, num_seqs=2)
+    y, _, sel = step.jit(lambda w, s, x: step(w, s, x))(w8, state, x)
+    y0, _, sel0 = dsa_jax.decode(cfg, w8, dsa_jax.init_state(cfg, num_seqs=2), x)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y0))
+    np.testing.assert_array_equal(np.asarray(sel), np.asarray(sel0))
+
+
+def test_fp8_weights_match_the_reference_on_the_dequantized_tensors():
+    """The reference dequantizes the fp8 checkpoint; the block computes on those weights
+    rounded to bf16: within the activations' bf16 roundings (5 u, as bf16 weights are held),
+    on the weights rounded as the block rounds them."""
+    cfg = ODD.replace(param_dtype="float8_e4m3fn", weight_block=(4, 8))
+    hf, (w8, _) = _pair(cfg, key=12)
+    deq = dsa_jax.weights.dequantize_fp8(hf, block=cfg.weight_block)
+    hf16 = {k: np.asarray(jnp.asarray(v).astype(jnp.bfloat16).astype(jnp.float32))
+            for k, v in deq.items()}
+    x = T.random_rows(13, 2, 60, cfg.hidden_size)
+    y, state, _ = dsa_jax.prefill(cfg, w8, dsa_jax.init_state(cfg, 2), x)
+    for b in range(2):
+        ref = dsa_jax.reference.forward(cfg, hf16, x[b])
+        T.assert_rel_close(y[b], ref.y, 5 * T.unit_roundoff(jnp.bfloat16), f"sequence {b}")
+    # the reference reads the fp8 checkpoint itself at its dequantized values
+    np.testing.assert_array_equal(np.asarray(dsa_jax.reference.forward(cfg, hf, x[0]).y),
+                                  np.asarray(dsa_jax.reference.forward(cfg, deq, x[0]).y))
+
+
+def test_an_fp8_checkpoint_file_loads_as_fp8(tmp_path):
+    cfg = TINY8
+    hf = dsa_jax.init_random_hf_tensors(cfg, jax.random.key(7))
+    path = str(tmp_path / "model.safetensors")
+    save_file({f"model.layers.0.self_attn.{k}": np.asarray(v) for k, v in hf.items()}, path)
+    got = dsa_jax.load_hf_layer(path, cfg, 0)
+    T.assert_trees_bitwise_equal(jax.tree.leaves(got),
+                                 jax.tree.leaves(dsa_jax.fold_weights(cfg, hf)))
+    assert isinstance(got.o_proj, fp8.Fp8Block)
+
+
+@pytest.mark.parametrize("how, match", [
+    ("missing scale", r"'q_b_proj.weight' is float8_e4m3fn without its scale"),
+    ("wrong grid", r"scale of 'o_proj.weight' has shape \[3, 8\].*needs \[8, 8\]"),
+    ("scale beside a dense tensor", r"scale 'indexer.weights_proj.weight_scale_inv' is there"),
+    ("nan scale", r"scale of 'kv_b_proj.weight' holds 1 non-finite"),
+    ("inf scale", r"scale of 'q_a_proj.weight' holds 1 non-finite"),
+    ("e5m2 weight", r"'indexer.wk.weight' is float8_e5m2; weights kept as fp8 are"),
+])
+def test_a_bad_fp8_checkpoint_is_refused_by_name(how, match):
+    cfg = TINY8
+    hf = dsa_jax.init_random_hf_tensors(cfg, jax.random.key(8))
+    bad = dict(hf)
+    if how == "missing scale":
+        del bad["q_b_proj.weight_scale_inv"]
+    elif how == "wrong grid":
+        bad["o_proj.weight_scale_inv"] = np.ones((3, 8), np.float32)
+    elif how == "scale beside a dense tensor":
+        bad["indexer.weights_proj.weight_scale_inv"] = np.ones((1, 8), np.float32)
+    elif how in ("nan scale", "inf scale"):
+        name = "kv_b_proj.weight" if how == "nan scale" else "q_a_proj.weight"
+        s = np.array(bad[name + "_scale_inv"])
+        s[1, 0] = np.nan if how == "nan scale" else np.inf
+        bad[name + "_scale_inv"] = s
+    else:
+        bad["indexer.wk.weight"] = np.asarray(bad["indexer.wk.weight"]).astype(
+            jnp.float8_e5m2)
+    with pytest.raises(WeightError, match=match):
+        dsa_jax.fold_weights(cfg, bad)
+
+
+def test_the_paths_that_take_no_fp8_weights_yet_say_so():
+    with pytest.raises(ConfigError, match="param_dtype='float8_e4m3fn' runs on "
+                                          "implementation='xla'"):
+        TINY8.replace(implementation="pallas")
+    with pytest.raises(ConfigError, match="weight_block must be two positive integers"):
+        TINY8.replace(weight_block=(32, 0))
+    from dsa_jax import checkpoint
+    from dsa_jax.model import ModelConfig
+
+    with pytest.raises(ConfigError, match="the model .* takes bf16 or fp32 weights"):
+        ModelConfig(TINY8)
+    with pytest.raises(ConfigError, match="save_weights takes bf16 or fp32 weights"):
+        checkpoint.save_weights("/nonexistent", TINY8, [])
+    from dsa_jax.nnx import DsaAttention
+
+    with pytest.raises(ConfigError, match="DsaAttention takes bf16 or fp32 weights"):
+        DsaAttention(TINY8, num_seqs=1)
+
+
+def test_kernels_refuse_fp8_weights_rather_than_run_other_gemms(monkeypatch):
+    """`implementation="auto"` resolves to the kernels on a GPU: the step refuses there."""
+    cfg = TINY8.replace(implementation="auto")
+    _, (w8, _) = _pair(cfg, key=9)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with pytest.raises(ConfigError, match="resolves to 'pallas' here"):
+        fp8.compute_weights(cfg, w8)
