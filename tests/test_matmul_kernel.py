@@ -195,3 +195,37 @@ def test_a_bf16_result_is_the_f32_result_rounded(kernel_impl, splits):
                                   np.asarray(mm.per_head_xla(v, w, 2).astype(jnp.bfloat16)))
     assert mm.per_head_pallas(v[:0], w, 2, out_dtype=jnp.bfloat16,
                               interpret=True).dtype == jnp.bfloat16
+
+
+# fp8 weights (`fp8.Fp8Block`): (n, k, block, heads, w_contract, overrides). 64-column tiles
+# over 32-row blocks (two scales a tile), a ragged block grid, K splits, one row per program.
+FP8_CASES = [(96, 256, (32, 32), None, None, {}),
+             (100, 200, (32, 40), None, None, {"splits": 2, "block_k": 32}),
+             (64, 96, (16, 32), 3, 1, {}), (48, 64, (16, 32), 3, 2, {"block_n": 16})]
+
+
+@pytest.mark.parametrize("n,k,block,heads,w_contract,over", FP8_CASES)
+@pytest.mark.parametrize("m", [1, 5, 40])
+def test_fp8_weights_give_the_bits_of_their_bf16_weights(kernel_impl, m, n, k, block, heads,
+                                                         w_contract, over):
+    """The kernel dequantizes each fp8 tile as the load-time dequantization does: its result
+    is the bf16 weight's kernel result, `==` (rows of 1 to 40, in-kernel and pre-converted
+    rows), and the twin's the bf16 twin's."""
+    from dsa_jax import fp8
+
+    v, w = _operands(m, n, k, seed=7 * m + n, dtype=jnp.float32, heads=heads,
+                     w_contract=w_contract)
+    w8 = fp8.quantize_blocks(np.asarray(w) * 10.0, block)
+    w16 = w8.dequantize()
+    interpret = kernel_impl == "pallas-interpret"
+    if heads is None:
+        got = mm.matmul_pallas(v, w8, interpret=interpret, **over)
+        want = mm.matmul_pallas(v, w16, interpret=interpret, **over)
+        twins = mm.matmul_xla(v, w8), mm.matmul_xla(v, w16)
+    else:
+        got = mm.per_head_pallas(v, w8, w_contract, interpret=interpret, **over)
+        want = mm.per_head_pallas(v, w16, w_contract, interpret=interpret, **over)
+        twins = mm.per_head_xla(v, w8, w_contract), mm.per_head_xla(v, w16, w_contract)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(*map(np.asarray, twins))
+    assert np.isfinite(np.asarray(got)).all() and np.abs(np.asarray(got)).max() > 0

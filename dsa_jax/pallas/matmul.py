@@ -24,6 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from dsa_jax.fp8 import Fp8Block, dense
 from dsa_jax.pallas.colaunch import Part
 from dsa_jax.pallas.common import (
     check_triton_addressable,
@@ -110,7 +111,7 @@ def matmul_xla(v: jax.Array, w: jax.Array, layer: jax.Array | None = None, *,
     stack `[G, N, K]` and this is the index `[]` int32 of the weight to use (clamped to G).
     out_dtype: the GEMM's result dtype (its fp32 sums rounded once; for a caller that rounds
     the result to that dtype anyway)."""
-    w = w if layer is None else lax.dynamic_index_in_dim(w, layer, keepdims=False)
+    w = dense(w) if layer is None else lax.dynamic_index_in_dim(w, layer, keepdims=False)
     return jnp.einsum("...i,oi->...o", v.astype(w.dtype), w, precision=lax.Precision.HIGHEST,
                       preferred_element_type=out_dtype)
 
@@ -122,7 +123,7 @@ def per_head_xla(v: jax.Array, w: jax.Array, w_contract: int,
     stack `[G, H, ., .]` and this is the index `[]` int32 of the weight to use. out_dtype:
     the f32 result rounded to it (for a caller that rounds it anyway: a prompt's U_v product,
     which o_proj reads in the weights' dtype)."""
-    w = w if layer is None else lax.dynamic_index_in_dim(w, layer, keepdims=False)
+    w = dense(w) if layer is None else lax.dynamic_index_in_dim(w, layer, keepdims=False)
     lead = v.shape[:-2]
     rows = v.reshape(-1, *v.shape[-2:]).astype(w.dtype)  # [M, H, K]
     out = lax.dot_general(rows, w, (((2,), (w_contract,)), ((1,), (0,))),
@@ -132,7 +133,8 @@ def per_head_xla(v: jax.Array, w: jax.Array, w_contract: int,
 
 
 def _tile(ids, *refs, m: int, n: int, k: int, bm: int, bn: int, bk: int, tiles: int,
-          splits: int, heads: int, w_kn: bool, stacked: bool):
+          splits: int, heads: int, w_kn: bool, stacked: bool,
+          fp8_block: tuple[int, int] | None = None):
     """Program ids (i, j, hs): rows i*bm.., columns j*bn.. of head hs // splits, K part
     hs % splits (the kernel's program ids, or a co-launch's: `colaunch.Part`).
 
@@ -140,8 +142,15 @@ def _tile(ids, *refs, m: int, n: int, k: int, bm: int, bn: int, bk: int, tiles: 
     [H, K, N] when w_kn; [G*H, ...] when stacked: layer l's heads at l*H..); o_ref
     [S, M, H, N] f32, the part's sum over its `tiles` K chunks, in order (columns past K read
     as zeros), or with one part its sum rounded to o_ref's dtype. A stacked weight gives the
-    same tiles the same numbers: the same bits."""
-    l_ref, (v_ref, w_ref, o_ref) = (refs[0], refs[1:]) if stacked else (None, refs)
+    same tiles the same numbers: the same bits.
+
+    fp8_block: w_ref holds fp8 values and s_ref (after it) their fp32 scales, one per block
+    of w's last two axes: each loaded tile is dequantized to bf16 (`values * scale` in fp32,
+    rounded once: `fp8.dequantize_blocks`), so the dot sees the bf16 weight's very tile and
+    the result has its bits."""
+    l_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
+    v_ref, w_ref, s_ref, o_ref = refs if fp8_block else (refs[0], refs[1], None, refs[2])
+    w_dtype = jnp.bfloat16 if fp8_block else w_ref.dtype
     i, j, hs = ids
     h, s = hs // splits, lax.rem(hs, splits)
     hw = h + l_ref[0] * heads if stacked else h  # the weight's head in w_ref
@@ -154,15 +163,18 @@ def _tile(ids, *refs, m: int, n: int, k: int, bm: int, bn: int, bk: int, tiles: 
         k_ok = ks < k
         a = plt.load(v_ref.at[rows[:, None], h, ks[None, :]],
                      mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        a = a.astype(w_ref.dtype)  # [bm, bk]: the operand rounded as the definition rounds it
+        a = a.astype(w_dtype)  # [bm, bk]: the operand rounded as the definition rounds it
         if w_kn:
-            b = plt.load(w_ref.at[hw, ks[:, None], cols[None, :]],
-                         mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [bk, bn]
+            at, ok = (hw, ks[:, None], cols[None, :]), k_ok[:, None] & col_ok[None, :]
             dims = (((1,), (0,)), ((), ()))
         else:
-            b = plt.load(w_ref.at[hw, cols[:, None], ks[None, :]],
-                         mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [bn, bk]
+            at, ok = (hw, cols[:, None], ks[None, :]), col_ok[:, None] & k_ok[None, :]
             dims = (((1,), (1,)), ((), ()))
+        b = plt.load(w_ref.at[at], mask=ok, other=0.0)  # [bk, bn] or [bn, bk]
+        if fp8_block:  # the tile's scales, by block of w's two last axes
+            scale = plt.load(s_ref.at[hw, at[1] // fp8_block[0], at[2] // fp8_block[1]],
+                             mask=ok, other=0.0)
+            b = (b.astype(jnp.float32) * scale).astype(w_dtype)
         return acc + lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
     acc = lax.fori_loop(0, tiles, chunk, jnp.zeros((bm, bn), jnp.float32))  # [bm, bn]
@@ -187,20 +199,24 @@ def _gemm_part(v: jax.Array, w: jax.Array, w_kn: bool, tuning: MatmulTuning,
     m, heads, k = v.shape
     n = w.shape[-1] if w_kn else w.shape[-2]
     stacked = layer is not None
+    blocks = w.block if isinstance(w, Fp8Block) else None
+    if blocks and stacked:
+        raise ValueError("matmul: fp8 weights are not read from a layer stack")
+    weights = (w.values, w.scale) if blocks else (w,)  # the kernel's weight operands
     if stacked:
         layer = _check_layer(w, layer, heads)  # clamped, as the twin's dynamic index
-        w = w.reshape(-1, *w.shape[2:])  # [G*H, ., .]: a bitcast
+        weights = (w.reshape(-1, *w.shape[2:]),)  # [G*H, ., .]: a bitcast
     tiles = _check(tuning, k)
     if m > CONVERT_IN_KERNEL_ROWS:
         v = v.astype(w.dtype)
-    for name, arr in (("v", v), ("w", w)):
+    for name, arr in (("v", v), ("w", weights[0])):
         check_triton_addressable(arr.shape, arr.dtype, f"matmul's {name}")
     t = tuning
     body = functools.partial(_tile, m=m, n=n, k=k, bm=t.block_m, bn=t.block_n, bk=t.block_k,
                              tiles=tiles, splits=t.splits, heads=heads, w_kn=w_kn,
-                             stacked=stacked)
+                             stacked=stacked, fp8_block=blocks)
     part = Part(body, (pl.cdiv(m, t.block_m), pl.cdiv(n, t.block_n), heads * t.splits),
-                tuple([jnp.reshape(layer, (1,))] if stacked else []) + (v, w),
+                tuple([jnp.reshape(layer, (1,))] if stacked else []) + (v, *weights),
                 (jax.ShapeDtypeStruct((t.splits, m, heads, n),
                                       out_dtype if t.splits == 1 else jnp.float32),))
 
@@ -252,7 +268,7 @@ def matmul_part(v: jax.Array, w: jax.Array, layer: jax.Array | None = None, *,
     rows = v.reshape(-1, 1, k)  # [M, 1, K]
     if rows.shape[0] == 0:
         raise ValueError("matmul_part: v has no rows")
-    heads_w = w[None] if layer is None else w[:, None]  # [1, N, K] or [G, 1, N, K]
+    heads_w = _one_head(w) if layer is None else w[:, None]  # [1, N, K] or [G, 1, N, K]
     tuning = tuning or default_tuning(n, k, 1, rows.shape[0])
     part, finish = _gemm_part(rows, heads_w, False, tuning, layer)
     if summed:
@@ -301,7 +317,7 @@ def matmul_pallas(v: jax.Array, w: jax.Array, layer: jax.Array | None = None, *,
     lead = v.shape[:-1]
     rows = v.reshape(-1, 1, k)  # [M, 1, K]
     tuning = with_overrides(tuning or default_tuning(n, k, 1, rows.shape[0]), overrides)
-    heads_w = w[None] if layer is None else w[:, None]  # [1, N, K] or [G, 1, N, K]
+    heads_w = _one_head(w) if layer is None else w[:, None]  # [1, N, K] or [G, 1, N, K]
     out = _gemm(rows, heads_w, False, interpret, tuning, layer)
     return out.reshape(*lead, n)
 
@@ -324,6 +340,13 @@ def per_head_pallas(v: jax.Array, w: jax.Array, w_contract: int,
     tuning = with_overrides(tuning or default_tuning(n, k, heads, rows.shape[0]), overrides)
     out = _gemm(rows, w, w_contract == 1, interpret, tuning, layer, out_dtype)  # [M, H, N]
     return out.reshape(*lead, heads, n)
+
+
+def _one_head(w):
+    """`w [N, K]` (an array or an `Fp8Block`) as one head `[1, N, K]`."""
+    if isinstance(w, Fp8Block):
+        return Fp8Block(w.values[None], w.scale[None], w.block)
+    return w[None]
 
 
 def _check_layer(w: jax.Array, layer: jax.Array, heads: int) -> jax.Array:
