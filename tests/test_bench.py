@@ -500,7 +500,7 @@ def test_benchmarks_use_only_public_dsa_jax_names():
 def test_benchmarks_import_no_kernel_module():
     """The suite reaches the kernels through the package's public modules only (dsa_jax,
     layer, attend, indexer, select, serve, engine, model, ...), never `dsa_jax.pallas`."""
-    for path in glob.glob(os.path.join(ROOT, "benchmarks", "*.py")):
+    for path in glob.glob(os.path.join(ROOT, "benchmarks", "**", "*.py"), recursive=True):
         with open(path) as f:
             tree = ast.parse(f.read())
         mods = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]

@@ -103,3 +103,12 @@ def test_importing_dsa_jax_imports_no_torch_and_no_peer():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
     assert out == "[]"
+
+
+def test_token_slots_are_the_kernels_slots():
+    from dsa_jax.pallas.sparse_attend import token_slots
+
+    table = jnp.asarray(np.random.default_rng(0).permutation(12).astype(np.int32))  # [NB]
+    tokens = jnp.asarray(np.random.default_rng(1).integers(-1, 12 * 16, (3, 50)), jnp.int32)
+    np.testing.assert_array_equal(np.asarray(formats.token_slots(tokens, table, 16)),
+                                  np.asarray(token_slots(tokens, table, 16)))

@@ -47,6 +47,13 @@ def flashmla_query(q: jax.Array) -> jax.Array:
     return jnp.pad(q.astype(jnp.bfloat16), pad)
 
 
+def token_slots(tokens: jax.Array, block_table: jax.Array, block_size: int) -> jax.Array:
+    """One sequence's token positions `[..., W]` (-1: none) -> flat cache slots (`table[t //
+    bs] * bs + t % bs`, the paged layout `DsaState` documents); -1 stays -1."""
+    logical = jnp.clip(tokens // block_size, 0, block_table.shape[0] - 1)
+    return jnp.where(tokens >= 0, block_table[logical] * block_size + tokens % block_size, -1)
+
+
 def padded_indices(slots: jax.Array, multiple: int = FLASHMLA_TOPK) -> jax.Array:
     """Flat cache slots `[..., W]` (-1: none) padded with -1 to a multiple of `multiple`."""
     w = slots.shape[-1]

@@ -21,7 +21,6 @@ import numpy as np
 
 from dsa_jax import indexer, select
 from dsa_jax.attend import attend
-from dsa_jax.pallas.sparse_attend import token_slots
 
 from ..harness import kernel_us, log, measure, profile
 from ..measures import selection_call
@@ -132,7 +131,7 @@ def attend_point(suite, s: dict, torch, flash_mla) -> dict:
     ours = Cycle(ours_fn, args)
     bs, scale = cfg.block_size, cfg.qk_nope_head_dim ** -0.5
     multiple = formats.FLASHMLA_PREFILL_TOPK if prefill else formats.FLASHMLA_TOPK
-    slots = [formats.padded_indices(jax.vmap(lambda t, tb: token_slots(t, tb, bs))(
+    slots = [formats.padded_indices(jax.vmap(lambda t, tb: formats.token_slots(t, tb, bs))(
         sel, st.block_tables), multiple) for _, sel in sets]  # [B, R, W'] flat slots, -1 pad
     idx = [torch_of(torch, x) for x in slots]
     if prefill:  # d_qk 512 (phase1_k512): keys [S, 1, C] bf16, q [R, H, C], indices [R, 1, W']
