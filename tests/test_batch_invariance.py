@@ -157,6 +157,7 @@ for dp in (2, 8):
 """
 
 
+@pytest.mark.long  # CI time (a subprocess of 8 CPU devices, ~16 s)
 def test_a_data_parallel_mesh_gives_each_sequence_the_bits_of_one_device():
     """Under `batch_invariant` a sequence's bits do not depend on how many sequences share its
     device either: prefill and decode over 2 and 8 data-parallel shards of 8 sequences (4 and 1
