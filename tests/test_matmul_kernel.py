@@ -229,3 +229,27 @@ def test_fp8_weights_give_the_bits_of_their_bf16_weights(kernel_impl, m, n, k, b
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     np.testing.assert_array_equal(*map(np.asarray, twins))
     assert np.isfinite(np.asarray(got)).all() and np.abs(np.asarray(got)).max() > 0
+
+
+@pytest.mark.parametrize("m", [1, 6])
+def test_stacked_fp8_and_bf16_rows_give_the_whole_weights_bits(kernel_impl, m):
+    """`fp8.StackedRows` (fp8 parts and a bf16 part, as the input GEMM's weight): each part at
+    the whole weight's K split (here 2, where the 8-row part alone would take 4), so every
+    column has the bits of the whole bf16 weight's."""
+    from dsa_jax import fp8
+
+    n, k = 4104, 2048
+    v, w = _operands(m, n, k, seed=11 + m, dtype=jnp.float32)
+    w = np.asarray(w) * 10
+    rows = fp8.StackedRows((fp8.quantize_blocks(w[:4000], (128, 128)),  # a ragged last block
+                            fp8.quantize_blocks(w[4000:4096], (32, 128)),
+                            jnp.asarray(w[4096:], jnp.bfloat16)))  # 8 unquantized rows
+    whole = rows.dequantize()
+    assert rows.shape == whole.shape == (n, k)
+    assert mm.splits_for(n, k) == 2 and mm.splits_for(8, k) == 4
+    interpret = kernel_impl == "pallas-interpret"
+    got = mm.matmul_pallas(v, rows, interpret=interpret)
+    np.testing.assert_array_equal(np.asarray(got),
+                                  np.asarray(mm.matmul_pallas(v, whole, interpret=interpret)))
+    np.testing.assert_array_equal(np.asarray(mm.matmul_xla(v, rows)),
+                                  np.asarray(mm.matmul_xla(v, whole)))

@@ -24,7 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from dsa_jax.fp8 import Fp8Block, dense
+from dsa_jax.fp8 import Fp8Block, StackedRows, dense
 from dsa_jax.pallas.colaunch import Part
 from dsa_jax.pallas.common import (
     check_triton_addressable,
@@ -310,15 +310,23 @@ def summed_columns_part(parts: jax.Array, start: int, width: int):
 def matmul_pallas(v: jax.Array, w: jax.Array, layer: jax.Array | None = None, *,
                   interpret: bool = False, tuning: MatmulTuning | None = None, **overrides
                   ) -> jax.Array:
-    """`matmul_xla` as the row-invariant kernel: `v [..., K]`, `w [N, K]` -> `[..., N]` f32.
+    """`matmul_xla` as the row-invariant kernel: `v [..., K]`, `w [N, K]` -> `[..., N]` f32
+    (`w` an array, an `fp8.Fp8Block` or `fp8.StackedRows`: the same bits as its bf16 weight).
     layer: `w` is a stack `[G, N, K]`, read in place at this index. tuning: the tiles
     (`default_tuning(N, K)` when None); overrides: single fields of it."""
     n, k = w.shape[-2:]
     lead = v.shape[:-1]
     rows = v.reshape(-1, 1, k)  # [M, 1, K]
     tuning = with_overrides(tuning or default_tuning(n, k, 1, rows.shape[0]), overrides)
-    heads_w = _one_head(w) if layer is None else w[:, None]  # [1, N, K] or [G, 1, N, K]
-    out = _gemm(rows, heads_w, False, interpret, tuning, layer)
+    if isinstance(w, StackedRows):  # each part at the whole weight's tiles and K split: a
+        # column's bits follow the split and K alone, so the parts' columns are the whole's
+        if layer is not None:
+            raise ValueError("matmul: stacked row parts are not read from a layer stack")
+        out = jnp.concatenate([_gemm(rows, _one_head(p), False, interpret, tuning)
+                               for p in w.parts], axis=-1)
+    else:
+        heads_w = _one_head(w) if layer is None else w[:, None]  # [1, N, K] or [G, 1, N, K]
+        out = _gemm(rows, heads_w, False, interpret, tuning, layer)
     return out.reshape(*lead, n)
 
 
