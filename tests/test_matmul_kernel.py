@@ -253,3 +253,22 @@ def test_stacked_fp8_and_bf16_rows_give_the_whole_weights_bits(kernel_impl, m):
                                   np.asarray(mm.matmul_pallas(v, whole, interpret=interpret)))
     np.testing.assert_array_equal(np.asarray(mm.matmul_xla(v, rows)),
                                   np.asarray(mm.matmul_xla(v, whole)))
+
+
+def test_the_colaunched_q_gemm_reads_fp8_weights_with_their_bf16_bits(kernel_impl):
+    """The decode's top-k and q_b GEMM in one launch (`pallas/topk_matmul.py`, via
+    `matmul_part`): an `fp8.Fp8Block` q_b gives the bf16 weight's pools and rows, `==`."""
+    from dsa_jax import fp8
+    from dsa_jax.pallas import topk_matmul as tm
+
+    interpret = kernel_impl == "pallas-interpret"
+    scores = jax.random.normal(jax.random.key(0), (2, 4, 300))
+    v = jax.random.normal(jax.random.key(1), (2, 4, 96))
+    w8 = fp8.quantize_blocks(np.asarray(jax.random.normal(jax.random.key(2), (256, 96))),
+                             (32, 32))
+    assert tm.shares_launch(scores.shape, v.shape, w8.shape, interpret, tm.tk.PoolTopkTuning(),
+                            None)
+    got = tm.topk_matmul_pallas(scores, 16, v, w8, interpret=interpret)
+    want = tm.topk_matmul_pallas(scores, 16, v, w8.dequantize(), interpret=interpret)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
