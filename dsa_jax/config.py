@@ -170,12 +170,13 @@ class DsaConfig:
                  f"batch_invariant must be a bool (true or false), got {self.batch_invariant!r}")
         _require(isinstance(self.colaunch, bool),
                  f"colaunch must be a bool (true or false), got {self.colaunch!r}")
-        _require(self.param_dtype != "float8_e4m3fn" or self.implementation in ("xla", "auto"),
-                 f"param_dtype='float8_e4m3fn' runs on implementation='xla' (the GEMMs over "
-                 f"the dequantized blocks); the kernels read bf16 or fp32 weights: "
-                 f"implementation={self.implementation!r} is refused, not run on other GEMMs")
-        _require(self.gemm != "pallas" or self.param_dtype == "bfloat16",
-                 f"gemm='pallas' runs bf16 weights (the kernel's MMA operands); param_dtype "
+        _require(self.param_dtype != "float8_e4m3fn" or self.implementation != "pallas",
+                 f"param_dtype='float8_e4m3fn' runs on implementation='xla' and, its kernels "
+                 f"reading the blocks, 'pallas-interpret'; compiled ('pallas') they await "
+                 f"their device tests: implementation={self.implementation!r} is refused, "
+                 f"not run on other GEMMs")
+        _require(self.gemm != "pallas" or self.param_dtype in ("bfloat16", "float8_e4m3fn"),
+                 f"gemm='pallas' runs bf16 or fp8 weights (its MMA operands: bf16); param_dtype "
                  f"is {self.param_dtype!r}: use gemm='xla' for it")
         _require(len(self.indexer_types) >= 1, "indexer_types must name at least one layer")
         for i, kind in enumerate(self.indexer_types):

@@ -138,18 +138,23 @@ def compute_weights(cfg, weights):
     """`weights` (a `DsaWeights`) as the step multiplies them: every fp8 field dequantized to
     bf16 (`dense`), the other fields as they are. The GEMMs then see the bf16 weights the
     load-time dequantization gives, so their results are those bits. Runs inside the traced
-    step (the weights stay fp8 in memory). Fp8 weights run on the XLA implementation only:
-    `ConfigError` where `cfg.implementation` resolves to the kernels."""
+    step (the weights stay fp8 in memory). Under 'pallas-interpret' the weights pass as they
+    are: the row-invariant GEMM kernels dequantize each tile themselves (the same bits), and
+    the XLA GEMMs of a prompt's rows dequantize in their definitions. `ConfigError` where
+    `cfg.implementation` resolves to the compiled kernels ('pallas': not yet device-tested)."""
     if not any(is_fp8(f) for f in weights):
         return weights
     from dsa_jax.errors import ConfigError
     from dsa_jax.implementation import resolve
 
     impl = resolve(cfg.implementation)
+    if impl == "pallas-interpret":  # the kernels read the blocks themselves
+        return weights
     if impl != "xla":
-        raise ConfigError(f"fp8 weights run on implementation='xla'; implementation="
-                          f"{cfg.implementation!r} resolves to {impl!r} here, whose kernels "
-                          f"read bf16 weights: pass implementation='xla' (or bf16 weights)")
+        raise ConfigError(f"fp8 weights run on implementation='xla' or 'pallas-interpret'; "
+                          f"implementation={cfg.implementation!r} resolves to {impl!r} here, "
+                          f"whose compiled fp8 kernels await their device tests: pass "
+                          f"implementation='xla' (or bf16 weights)")
     return type(weights)(*[dense(f) for f in weights])
 
 

@@ -130,10 +130,12 @@ def select_slots(cfg, scores: jax.Array, k: int, pos: jax.Array, valid: jax.Arra
 
 def row_gemms(cfg) -> bool:
     """Whether a decode's and a verify's GEMMs are the row-invariant kernels: `cfg.gemm` is
-    "pallas" (or "auto" with bf16 weights) and the kernels run (`cfg.implementation`). A decode
-    then runs its own row, not max_verify. "auto" picks them for bf16 weights: the decode is
-    faster with them at 1 and 64 sequences on the H200 (docs/performance.md)."""
-    wanted = cfg.gemm == "pallas" or (cfg.gemm == "auto" and cfg.param_dtype == "bfloat16")
+    "pallas" (or "auto" with bf16 or fp8 weights) and the kernels run (`cfg.implementation`).
+    A decode then runs its own row, not max_verify. "auto" picks them for bf16 weights (the
+    decode is faster with them at 1 and 64 sequences on the H200, docs/performance.md) and
+    for fp8 ones (the kernels that read the blocks)."""
+    wanted = cfg.gemm == "pallas" or (cfg.gemm == "auto"
+                                       and cfg.param_dtype in ("bfloat16", "float8_e4m3fn"))
     return wanted and resolve(cfg.implementation) != "xla"
 
 

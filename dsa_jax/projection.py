@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dsa_jax.config import DsaConfig
+from dsa_jax.fp8 import dense
 from dsa_jax.implementation import (
     matmul_op,
     per_head_op,
@@ -130,7 +131,7 @@ def q_abs_bound(q: jax.Array, u_k) -> jax.Array:
     for the f32 roundings: `implementation.q_abs_bound`). Known before the GEMM runs
     (`scaled_q_abs`), where an amax of q_abs would read q_abs back. u_k: an array or a
     `LayerOf`."""
-    return kernel_q_abs_bound(q, u_k.layer if isinstance(u_k, LayerOf) else u_k)
+    return kernel_q_abs_bound(q, dense(u_k.layer if isinstance(u_k, LayerOf) else u_k))
 
 
 def scaled_q_abs(q: jax.Array, u_k, cfg: DsaConfig | None = None
@@ -142,9 +143,10 @@ def scaled_q_abs(q: jax.Array, u_k, cfg: DsaConfig | None = None
     `cfg.implementation` names (`pallas/scaled_q_abs.py`: q read once, only the f16 result
     and the scale written); without, the definition. u_k: an array or a `LayerOf`."""
     if cfg is None:
-        return scaled_q_abs_op.reference(q, u_k.layer if isinstance(u_k, LayerOf) else u_k)
+        return scaled_q_abs_op.reference(q, dense(u_k.layer if isinstance(u_k, LayerOf)
+                                                  else u_k))
     w, at = operand(cfg, u_k)
-    return scaled_q_abs_op(cfg, q, w, at)
+    return scaled_q_abs_op(cfg, q, dense(w), at)
 
 
 def prompt_rows(cfg: DsaConfig, lead: tuple[int, ...]) -> bool:
@@ -228,7 +230,7 @@ def project_kv(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> Projections
     """Only what a context row stores: the raw latent and the indexer's raw k and gate."""
     R, C, Di = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.index_head_dim
     rows = C + (2 * Di if weights.has_indexer else 0)
-    xw = per_sequence(cfg, matmul_xla, x, 1, weights.x_proj[R:R + rows])  # [..., C (+ 2 Di)]
+    xw = per_sequence(cfg, matmul_xla, x, 1, dense(weights.x_proj)[R:R + rows])  # [..., C (+ 2 Di)]
     if not weights.has_indexer:
         return Projections(None, xw[..., :C], None, None, None, None)
     return Projections(None, xw[..., :C], None, xw[..., C:C + Di], xw[..., C + Di:C + 2 * Di],

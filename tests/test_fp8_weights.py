@@ -86,8 +86,17 @@ def _serve(cfg, w, x):
     return out + [y, sel, state.latent, state.index_k]
 
 
-@pytest.mark.parametrize("cfg", CASES)
+# The kernels in interpret mode read the blocks: a layer-level interpret run (--long).
+STEP_CASES = CASES + [pytest.param(TINY8.replace(implementation="pallas-interpret"),
+                                   id="tiny-kernels", marks=pytest.mark.long)]
+
+
+@pytest.mark.parametrize("cfg", STEP_CASES)
 def test_every_step_gives_the_bits_of_the_dequantized_weights(cfg):
+    """xla: the blocks dequantized in the step. pallas-interpret: the row-invariant GEMMs
+    (decode, verify, the co-launched q_b, the row-metadata launch's x projection over
+    `StackedRows`) and the per-head U_k / U_v kernels read the blocks, a prompt's XLA GEMMs
+    dequantize them. Every output is the bf16 weights' path's, `==`."""
     _, (w8, w16) = _pair(cfg, key=3)
     x = T.random_rows(4, 2, 80, cfg.hidden_size)
     got = _serve(cfg, w8, x)
@@ -170,7 +179,7 @@ def test_a_bad_fp8_checkpoint_is_refused_by_name(how, match):
 
 def test_the_paths_that_take_no_fp8_weights_yet_say_so():
     with pytest.raises(ConfigError, match="param_dtype='float8_e4m3fn' runs on "
-                                          "implementation='xla'"):
+                                          "implementation='xla' and, its kernels"):
         TINY8.replace(implementation="pallas")
     with pytest.raises(ConfigError, match="weight_block must be two positive integers"):
         TINY8.replace(weight_block=(32, 0))

@@ -99,6 +99,31 @@ def test_beside_the_x_projection_the_gemm_keeps_its_bits(kernel_impl):
     assert not np.array_equal(np.asarray(xw), np.zeros_like(np.asarray(xw)))
 
 
+@pytest.mark.parametrize("summed", [True, False])
+def test_beside_the_x_projection_fp8_row_parts_keep_the_whole_weights_bits(kernel_impl,
+                                                                           summed):
+    """The input GEMM's weight as `fp8.StackedRows` (fp8 blocks and bf16 rows, one launch
+    part each, at the whole weight's K split): the bits of the whole bf16 weight, its K parts
+    too (`summed=False`, what `decode_front` reads)."""
+    from dsa_jax import fp8
+
+    interpret = kernel_impl == "pallas-interpret"
+    g, b = GEOMETRIES[1], 3
+    args = _inputs(g, b, 6, seed=12)
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((b, g.rows, 2048)), jnp.bfloat16)
+    w = rng.standard_normal((200, 2048)) * 0.5
+    rows = fp8.StackedRows((fp8.quantize_blocks(w[:192], (64, 128)),
+                            jnp.asarray(w[192:], jnp.bfloat16)))
+    assert mm.splits_for(200, 2048) > 1  # K parts to keep in order
+    meta, xw = rm.meta_matmul_pallas(g, *args, x, rows, interpret=interpret, summed=summed)
+    _, want = rm.meta_matmul_pallas(g, *args, x, rows.dequantize(), interpret=interpret,
+                                    summed=summed)
+    np.testing.assert_array_equal(np.asarray(xw), np.asarray(want))
+    for x_, y_ in zip(meta, rm.row_meta_xla(g, *args), strict=True):
+        np.testing.assert_array_equal(np.asarray(x_), np.asarray(y_))
+
+
 def test_lowered_for_the_gpu_it_is_one_launch():
     """The Triton lowering runs on any host: the metadata and the GEMM are one custom call."""
     g, b = GEOMETRIES[0], 3

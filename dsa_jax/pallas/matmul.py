@@ -35,7 +35,8 @@ from dsa_jax.pallas.common import (
     with_overrides,
 )
 
-__all__ = ["MatmulTuning", "default_tuning", "matmul_pallas", "matmul_part", "matmul_xla",
+__all__ = ["MatmulTuning", "default_tuning", "matmul_pallas", "matmul_part", "matmul_parts",
+           "matmul_xla",
            "per_head_pallas", "per_head_xla", "splits_for", "summed_columns_part",
            "summed_columns_xla"]
 
@@ -274,6 +275,26 @@ def matmul_part(v: jax.Array, w: jax.Array, layer: jax.Array | None = None, *,
     if summed:
         return part, lambda outs: finish(outs).reshape(*lead, n)
     return part, lambda outs: outs[0].reshape(tuning.splits, *lead, n)
+
+
+def matmul_parts(v: jax.Array, w, layer: jax.Array | None = None, *,
+                 tuning: MatmulTuning | None = None, summed: bool = True):
+    """`matmul_part` for any weight: a list of `colaunch.Part`s and `finish(outs_list)`. An
+    `fp8.StackedRows` weight gives one part per row part, each at the whole weight's tiles
+    and K split (`default_tuning(N, K)` of the whole: a column's bits follow the split), their
+    outputs joined along N (`[..., N]` summed, `[S, ..., N]` not); any other weight gives
+    `matmul_part`'s one part."""
+    if not isinstance(w, StackedRows):
+        part, finish = matmul_part(v, w, layer, tuning=tuning, summed=summed)
+        return [part], lambda outs_list: finish(outs_list[0])
+    if layer is not None:
+        raise ValueError("matmul: stacked row parts are not read from a layer stack")
+    n, k = w.shape
+    tuning = tuning or default_tuning(n, k, 1, max(1, v.size // k))
+    pairs = [matmul_part(v, p, tuning=tuning, summed=summed) for p in w.parts]
+    return ([p for p, _ in pairs],
+            lambda outs_list: jnp.concatenate([f(o) for (_, f), o in zip(pairs, outs_list,
+                                                                          strict=True)], -1))
 
 
 def _columns_program(ids, p_ref, o_ref, *, parts: int, start: int, width: int):
