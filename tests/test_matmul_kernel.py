@@ -272,3 +272,32 @@ def test_the_colaunched_q_gemm_reads_fp8_weights_with_their_bf16_bits(kernel_imp
     want = tm.topk_matmul_pallas(scores, 16, v, w8.dequantize(), interpret=interpret)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("heads, w_contract", [(None, None), (3, 1), (3, 2)])
+def test_a_stack_of_fp8_layers_is_read_in_place_with_each_layers_bits(kernel_impl, heads,
+                                                                      w_contract):
+    """The model's scan hands the kernels a stack of layers and an index (`stacked.LayerOf`):
+    a stack of `Fp8Block`s (values and scales `[G, ...]`) read at layer 2 gives that layer's
+    bf16 stack result, `==`, and the twins the same."""
+    from dsa_jax import fp8
+
+    interpret = kernel_impl == "pallas-interpret"
+    v, w = _operands(5, 64, 96, seed=21, dtype=jnp.float32, heads=heads, w_contract=w_contract)
+    ws = np.stack([np.asarray(w) * (i + 1) for i in range(3)])  # [G, ...]
+    w8 = fp8.quantize_blocks(ws, (32, 32))
+    w16 = w8.dequantize()
+    at = jnp.int32(2)
+    if heads is None:
+        got = mm.matmul_pallas(v, w8, at, interpret=interpret)
+        want = mm.matmul_pallas(v, w16, at, interpret=interpret)
+        twins = mm.matmul_xla(v, w8, at), mm.matmul_xla(v, w16, at)
+    else:
+        got = mm.per_head_pallas(v, w8, w_contract, at, interpret=interpret)
+        want = mm.per_head_pallas(v, w16, w_contract, at, interpret=interpret)
+        twins = mm.per_head_xla(v, w8, w_contract, at), mm.per_head_xla(v, w16, w_contract, at)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(*map(np.asarray, twins))
+    alone = mm.matmul_xla(v, w16[2]) if heads is None else mm.per_head_xla(v, w16[2],
+                                                                           w_contract)
+    np.testing.assert_array_equal(np.asarray(twins[0]), np.asarray(alone))

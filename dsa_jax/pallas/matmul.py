@@ -112,7 +112,7 @@ def matmul_xla(v: jax.Array, w: jax.Array, layer: jax.Array | None = None, *,
     stack `[G, N, K]` and this is the index `[]` int32 of the weight to use (clamped to G).
     out_dtype: the GEMM's result dtype (its fp32 sums rounded once; for a caller that rounds
     the result to that dtype anyway)."""
-    w = dense(w) if layer is None else lax.dynamic_index_in_dim(w, layer, keepdims=False)
+    w = dense(_layer_of(w, layer))
     return jnp.einsum("...i,oi->...o", v.astype(w.dtype), w, precision=lax.Precision.HIGHEST,
                       preferred_element_type=out_dtype)
 
@@ -124,7 +124,7 @@ def per_head_xla(v: jax.Array, w: jax.Array, w_contract: int,
     stack `[G, H, ., .]` and this is the index `[]` int32 of the weight to use. out_dtype:
     the f32 result rounded to it (for a caller that rounds it anyway: a prompt's U_v product,
     which o_proj reads in the weights' dtype)."""
-    w = dense(w) if layer is None else lax.dynamic_index_in_dim(w, layer, keepdims=False)
+    w = dense(_layer_of(w, layer))
     lead = v.shape[:-2]
     rows = v.reshape(-1, *v.shape[-2:]).astype(w.dtype)  # [M, H, K]
     out = lax.dot_general(rows, w, (((2,), (w_contract,)), ((1,), (0,))),
@@ -201,12 +201,10 @@ def _gemm_part(v: jax.Array, w: jax.Array, w_kn: bool, tuning: MatmulTuning,
     n = w.shape[-1] if w_kn else w.shape[-2]
     stacked = layer is not None
     blocks = w.block if isinstance(w, Fp8Block) else None
-    if blocks and stacked:
-        raise ValueError("matmul: fp8 weights are not read from a layer stack")
     weights = (w.values, w.scale) if blocks else (w,)  # the kernel's weight operands
     if stacked:
         layer = _check_layer(w, layer, heads)  # clamped, as the twin's dynamic index
-        weights = (w.reshape(-1, *w.shape[2:]),)  # [G*H, ., .]: a bitcast
+        weights = tuple(a.reshape(-1, *a.shape[2:]) for a in weights)  # [G*H, ., .]: bitcasts
     tiles = _check(tuning, k)
     if m > CONVERT_IN_KERNEL_ROWS:
         v = v.astype(w.dtype)
@@ -269,7 +267,7 @@ def matmul_part(v: jax.Array, w: jax.Array, layer: jax.Array | None = None, *,
     rows = v.reshape(-1, 1, k)  # [M, 1, K]
     if rows.shape[0] == 0:
         raise ValueError("matmul_part: v has no rows")
-    heads_w = _one_head(w) if layer is None else w[:, None]  # [1, N, K] or [G, 1, N, K]
+    heads_w = _one_head(w, layer is not None)  # [1, N, K] or [G, 1, N, K]
     tuning = tuning or default_tuning(n, k, 1, rows.shape[0])
     part, finish = _gemm_part(rows, heads_w, False, tuning, layer)
     if summed:
@@ -346,7 +344,7 @@ def matmul_pallas(v: jax.Array, w: jax.Array, layer: jax.Array | None = None, *,
         out = jnp.concatenate([_gemm(rows, _one_head(p), False, interpret, tuning)
                                for p in w.parts], axis=-1)
     else:
-        heads_w = _one_head(w) if layer is None else w[:, None]  # [1, N, K] or [G, 1, N, K]
+        heads_w = _one_head(w, layer is not None)  # [1, N, K] or [G, 1, N, K]
         out = _gemm(rows, heads_w, False, interpret, tuning, layer)
     return out.reshape(*lead, n)
 
@@ -371,11 +369,24 @@ def per_head_pallas(v: jax.Array, w: jax.Array, w_contract: int,
     return out.reshape(*lead, heads, n)
 
 
-def _one_head(w):
-    """`w [N, K]` (an array or an `Fp8Block`) as one head `[1, N, K]`."""
+def _one_head(w, stacked: bool = False):
+    """`w [N, K]` (an array or an `Fp8Block`) as one head `[1, N, K]`; a stack `[G, N, K]`
+    as `[G, 1, N, K]`."""
+    at = (slice(None), None) if stacked else (None,)
     if isinstance(w, Fp8Block):
-        return Fp8Block(w.values[None], w.scale[None], w.block)
-    return w[None]
+        return Fp8Block(w.values[at], w.scale[at], w.block)
+    return w[at]
+
+
+def _layer_of(w, layer: jax.Array | None):
+    """Layer `layer` of a stacked weight `[G, ...]` (an array or an `Fp8Block`: its values
+    and scales), as XLA's dynamic index takes it (clamped); `w` itself where layer is None."""
+    if layer is None:
+        return w
+    if isinstance(w, Fp8Block):
+        return Fp8Block(lax.dynamic_index_in_dim(w.values, layer, keepdims=False),
+                        lax.dynamic_index_in_dim(w.scale, layer, keepdims=False), w.block)
+    return lax.dynamic_index_in_dim(w, layer, keepdims=False)
 
 
 def _check_layer(w: jax.Array, layer: jax.Array, heads: int) -> jax.Array:
