@@ -16,6 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from dsa_jax.errors import WeightError
 
@@ -76,11 +77,12 @@ class StackedRows:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (sum(p.shape[-2] for p in self.parts), self.parts[0].shape[-1])
+        first = self.parts[0].shape  # [..., N_0, K]: a stack of layers adds leading axes
+        return (*first[:-2], sum(p.shape[-2] for p in self.parts), first[-1])
 
     @property
     def ndim(self) -> int:
-        return 2
+        return len(self.parts[0].shape)
 
     @property
     def dtype(self):
@@ -105,7 +107,11 @@ def dequantize_blocks(values: jax.Array, scale: jax.Array, block: tuple[int, int
     n, k = values.shape[-2:]
     full = jnp.repeat(jnp.repeat(scale.astype(jnp.float32), block[0], axis=-2), block[1],
                       axis=-1)[..., :n, :k]  # [..., N, K]
-    return (values.astype(jnp.float32) * full).astype(COMPUTE_DTYPE)
+    # The bf16 rounding as an op XLA keeps: a convert pair f32 -> bf16 -> f32 before an f32
+    # dot may be dropped by its simplifier, which would multiply the unrounded products.
+    w = lax.reduce_precision(values.astype(jnp.float32) * full, exponent_bits=8,
+                             mantissa_bits=7)
+    return w.astype(COMPUTE_DTYPE)
 
 
 def dense(w):
@@ -164,8 +170,8 @@ def refuse(cfg, what: str) -> None:
         from dsa_jax.errors import ConfigError
 
         raise ConfigError(f"{what} takes bf16 or fp32 weights; param_dtype={FP8!r} weights "
-                          f"run through decode, decode_k, prefill, write_kv_row and "
-                          f"serving_step (implementation='xla'): load them with "
+                          f"run through the steps, the model, serve and the Engine "
+                          f"(implementation 'xla' or 'pallas-interpret'): load them with "
                           f"param_dtype='bfloat16' here")
 
 

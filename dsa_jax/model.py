@@ -49,7 +49,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from dsa_jax import fp8
 from dsa_jax.attend import write_latents
 from dsa_jax.config import DsaConfig
 from dsa_jax.errors import ModelError
@@ -78,16 +77,13 @@ from dsa_jax.step import (
     slots_and_q_abs,
     step,
 )
-from dsa_jax.weights import DsaWeights, init_random_weights
+from dsa_jax.weights import DsaWeights, compute_dtype, init_random_weights
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     dsa: DsaConfig  # the block; len(dsa.indexer_types) is the number of layers
     vocab_size: int = 256
-
-    def __post_init__(self):
-        fp8.refuse(self.dsa, "the model (its scan, serve, Engine)")
 
     @property
     def num_layers(self) -> int:
@@ -129,7 +125,7 @@ def init_model(mcfg: ModelConfig, key: jax.Array,
         norms=1.0 + 0.1 * jax.random.normal(k_norm, (mcfg.num_layers, d)),
         layers=tuple(layers),
         final_norm=1.0 + 0.1 * jax.random.normal(k_fin, (d,)),
-        lm_head=(jax.random.normal(k_head, (v, d)) * d ** -0.5).astype(cfg.param_dtype),
+        lm_head=(jax.random.normal(k_head, (v, d)) * d ** -0.5).astype(compute_dtype(cfg)),
     )
 
 

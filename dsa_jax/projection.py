@@ -230,7 +230,8 @@ def project_kv(cfg: DsaConfig, weights: DsaWeights, x: jax.Array) -> Projections
     """Only what a context row stores: the raw latent and the indexer's raw k and gate."""
     R, C, Di = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.index_head_dim
     rows = C + (2 * Di if weights.has_indexer else 0)
-    xw = per_sequence(cfg, matmul_xla, x, 1, dense(weights.x_proj)[R:R + rows])  # [..., C (+ 2 Di)]
+    w = weights.x_proj.layer if isinstance(weights.x_proj, LayerOf) else weights.x_proj
+    xw = per_sequence(cfg, matmul_xla, x, 1, dense(w)[R:R + rows])  # [..., C (+ 2 Di)]
     if not weights.has_indexer:
         return Projections(None, xw[..., :C], None, None, None, None)
     return Projections(None, xw[..., :C], None, xw[..., C:C + Di], xw[..., C + Di:C + 2 * Di],

@@ -18,7 +18,6 @@ from dsa_jax import checkpoint, layer, sharding
 from dsa_jax.checkpoint import CheckpointError
 from dsa_jax.config import ConfigError, DsaConfig
 from dsa_jax.implementation import ImplementationError, resolve
-from dsa_jax.model import ModelConfig
 from dsa_jax.pallas.common import KernelLimitError
 from dsa_jax.pallas.pool_topk import AUTO_TRITON_MIN_ROWS, PoolTopkTuning, pool_topk_pallas
 from dsa_jax.pallas.pool_topk_triton import MissingDependencyError
@@ -161,9 +160,10 @@ CASES = [
     ("config.fp8-kernels", "fp8 weights with the kernels asked for", ConfigError,
      r"param_dtype='float8_e4m3fn' runs on implementation='xla'",
      lambda c: _cfg(param_dtype="float8_e4m3fn", implementation="pallas")),
-    ("config.fp8-model", "fp8 weights in the model, serve, Engine, NNX, checkpoints, sharding",
-     ConfigError, r"the model \(its scan, serve, Engine\) takes bf16 or fp32 weights",
-     lambda c: ModelConfig(_cfg(param_dtype="float8_e4m3fn"))),
+    ("config.fp8-paths", "fp8 weights in NNX, checkpoints or sharding", ConfigError,
+     r"save_weights takes bf16 or fp32 weights",
+     lambda c: checkpoint.save_weights(os.path.join(c.tmp, "fp8"), _cfg(
+         param_dtype="float8_e4m3fn"), [])),
     ("config.batch-invariant", "batch_invariant not a bool", ConfigError,
      r"batch_invariant must be a bool \(true or false\), got 1",
      lambda c: _cfg(batch_invariant=1)),

@@ -184,10 +184,7 @@ def test_the_paths_that_take_no_fp8_weights_yet_say_so():
     with pytest.raises(ConfigError, match="weight_block must be two positive integers"):
         TINY8.replace(weight_block=(32, 0))
     from dsa_jax import checkpoint
-    from dsa_jax.model import ModelConfig
 
-    with pytest.raises(ConfigError, match="the model .* takes bf16 or fp32 weights"):
-        ModelConfig(TINY8)
     with pytest.raises(ConfigError, match="save_weights takes bf16 or fp32 weights"):
         checkpoint.save_weights("/nonexistent", TINY8, [])
     from dsa_jax.nnx import DsaAttention
@@ -203,3 +200,66 @@ def test_kernels_refuse_fp8_weights_rather_than_run_other_gemms(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     with pytest.raises(ConfigError, match="resolves to 'pallas' here"):
         fp8.compute_weights(cfg, w8)
+
+
+def _dense_model(mw):
+    """Model weights with every fp8 field of every layer dequantized (the bf16 model)."""
+    return mw._replace(layers=tuple(type(w)(*[fp8.dense(f) for f in w]) for w in mw.layers))
+
+
+@pytest.mark.parametrize("impl", ["xla", pytest.param("pallas-interpret",
+                                                      marks=pytest.mark.long)])
+def test_the_scanned_model_gives_the_bits_of_its_dequantized_weights(impl):
+    """The model's scan over stacked fp8 layers (`Fp8Block` and `StackedRows` stacks, read in
+    place by the kernels at the layer's index) against the same model on the bf16 weights,
+    and against its own unrolled layers: every logit and selection `==`."""
+    from dsa_jax import model as M
+
+    cfg = ODD.replace(param_dtype="float8_e4m3fn", weight_block=(4, 8),
+                      cache_dtype="float8_e4m3fn", index_cache_dtype="bfloat16",
+                      implementation=impl, indexer_types=("full", "shared", "shared", "full"))
+    m8 = M.ModelConfig(cfg, vocab_size=37)
+    m16 = M.ModelConfig(cfg.replace(param_dtype="bfloat16"), vocab_size=37)
+    w8 = M.init_model(m8, jax.random.key(1))
+    assert isinstance(w8.layers[0].o_proj, fp8.Fp8Block)
+    scanned = jax.jit(M.forward, static_argnums=0, donate_argnums=2)  # as tests/test_model.py
+    unrolled = jax.jit(M.forward_unrolled, static_argnums=0, donate_argnums=2)
+    runs = {}
+    for name, mcfg, w in (("fp8", m8, w8), ("bf16", m16, _dense_model(w8))):
+        b, nb, mb = 2, 30, cfg.blocks_per_seq
+        tables = np.random.default_rng(2).permutation(nb)[:b * mb].reshape(b, mb)
+        ms = M.init_model_state(mcfg, b, nb, tables.astype(np.int32))
+        stacked, states = M.stack_weights(mcfg, w), tuple(M.unfold_state(mcfg, ms))
+        rng = np.random.default_rng(3)
+        out = []
+        for rows, n_new in ((8, [8, 5]), (4, [1, 4]), (4, [3, 0])):
+            tokens = jnp.asarray(rng.integers(0, 37, (b, rows)), jnp.int32)
+            n = jnp.asarray(n_new, jnp.int32)
+            logits, ms, sel = scanned(mcfg, stacked, ms, tokens, n)
+            out += [logits, sel]
+            if name == "fp8":
+                want, states, want_sel = unrolled(mcfg, w, states, tokens, n)
+                T.assert_trees_bitwise_equal((logits, sel), (want, want_sel))
+        runs[name] = out
+    T.assert_trees_bitwise_equal(runs["fp8"], runs["bf16"])
+
+
+def test_the_engine_serves_fp8_weights_with_the_tokens_of_their_bf16_weights():
+    """`Engine` (the serving loop, speculation on) over fp8 layers: greedy tokens equal to
+    the same model's on the dequantized bf16 weights."""
+    from dsa_jax import model as M
+    from dsa_jax.engine import Engine
+
+    cfg = TINY8.replace(max_context=256)
+    m8 = M.ModelConfig(cfg, vocab_size=61)
+    m16 = M.ModelConfig(cfg.replace(param_dtype="bfloat16"), vocab_size=61)
+    w8 = M.init_model(m8, jax.random.key(4))
+    prompts = [[int(t) for t in np.random.default_rng(i).integers(0, 61, 30 + 7 * i)]
+               for i in range(3)]
+    out = []
+    for mcfg, w in ((m8, w8), (m16, _dense_model(w8))):
+        eng = Engine(mcfg, w, max_seqs=3, num_blocks=48, speculate=2)
+        reqs = [eng.submit(p, 6) for p in prompts]
+        eng.run_until_done()
+        out.append([r.output for r in reqs])
+    assert out[0] == out[1] and all(len(t) == 6 for t in out[0])

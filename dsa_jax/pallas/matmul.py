@@ -285,11 +285,9 @@ def matmul_parts(v: jax.Array, w, layer: jax.Array | None = None, *,
     if not isinstance(w, StackedRows):
         part, finish = matmul_part(v, w, layer, tuning=tuning, summed=summed)
         return [part], lambda outs_list: finish(outs_list[0])
-    if layer is not None:
-        raise ValueError("matmul: stacked row parts are not read from a layer stack")
-    n, k = w.shape
+    n, k = w.shape[-2:]
     tuning = tuning or default_tuning(n, k, 1, max(1, v.size // k))
-    pairs = [matmul_part(v, p, tuning=tuning, summed=summed) for p in w.parts]
+    pairs = [matmul_part(v, p, layer, tuning=tuning, summed=summed) for p in w.parts]
     return ([p for p, _ in pairs],
             lambda outs_list: jnp.concatenate([f(o) for (_, f), o in zip(pairs, outs_list,
                                                                           strict=True)], -1))
@@ -339,10 +337,8 @@ def matmul_pallas(v: jax.Array, w: jax.Array, layer: jax.Array | None = None, *,
     tuning = with_overrides(tuning or default_tuning(n, k, 1, rows.shape[0]), overrides)
     if isinstance(w, StackedRows):  # each part at the whole weight's tiles and K split: a
         # column's bits follow the split and K alone, so the parts' columns are the whole's
-        if layer is not None:
-            raise ValueError("matmul: stacked row parts are not read from a layer stack")
-        out = jnp.concatenate([_gemm(rows, _one_head(p), False, interpret, tuning)
-                               for p in w.parts], axis=-1)
+        out = jnp.concatenate([_gemm(rows, _one_head(p, layer is not None), False, interpret,
+                                     tuning, layer) for p in w.parts], axis=-1)
     else:
         heads_w = _one_head(w, layer is not None)  # [1, N, K] or [G, 1, N, K]
         out = _gemm(rows, heads_w, False, interpret, tuning, layer)
