@@ -87,8 +87,10 @@ def _serve(cfg, w, x):
 
 
 # The kernels in interpret mode read the blocks: a layer-level interpret run (--long).
-STEP_CASES = CASES + [pytest.param(TINY8.replace(implementation="pallas-interpret"),
-                                   id="tiny-kernels", marks=pytest.mark.long)]
+STEP_CASES = [CASES[0], pytest.param(TINY8.replace(weight_block=(32, 40)), id="tiny-ragged",
+                                      marks=pytest.mark.long),  # CI time: the folds' test
+              CASES[2], pytest.param(TINY8.replace(implementation="pallas-interpret"),
+                                     id="tiny-kernels", marks=pytest.mark.long)]
 
 
 @pytest.mark.parametrize("cfg", STEP_CASES)
@@ -244,6 +246,7 @@ def test_the_scanned_model_gives_the_bits_of_its_dequantized_weights(impl):
     T.assert_trees_bitwise_equal(runs["fp8"], runs["bf16"])
 
 
+@pytest.mark.long  # CI time; the scanned model's test above runs the same forward in CI
 def test_the_engine_serves_fp8_weights_with_the_tokens_of_their_bf16_weights():
     """`Engine` (the serving loop, speculation on) over fp8 layers: greedy tokens equal to
     the same model's on the dequantized bf16 weights."""
