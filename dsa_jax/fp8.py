@@ -200,7 +200,8 @@ def scale_grid(name: str, w: np.ndarray, scale: np.ndarray, block: tuple[int, in
     if s.shape != grid:
         raise WeightError(f"{where}: scale of {name!r} has shape {list(s.shape)}, but a "
                           f"{list(w.shape)} weight in [{b0}, {b1}] blocks needs {list(grid)} "
-                          f"(pass the checkpoint's weight_block_size as fp8_block)")
+                          f"(set DsaConfig.weight_block, or fp8_block, to the checkpoint's "
+                          f"weight_block_size)")
     return s
 
 
