@@ -6,8 +6,9 @@
 - the two fused input GEMMs against seven separate ones;
 - the state donated to the jitted step against copied;
 - decode rows padded to max_verify against one row;
-- `batch_invariant` on against off (docs/decisions.md's rule for its defaults);
-- the row-invariant GEMM over fp8 weights (tiles dequantized in the kernel) against bf16.
+- `batch_invariant` on against off (docs/decisions.md's rule for its defaults).
+
+The fp8 weights' GEMMs against bf16 are the `fp8` group's (benchmarks/fp8_weights.py).
 """
 
 from __future__ import annotations
@@ -40,8 +41,7 @@ def run(suite) -> None:
                      ("pool_keys_cached_vs_recomputed", pool_keys),
                      ("fused_projections_vs_separate", fused_projections),
                      ("donated_state_vs_copied", donated_state),
-                     ("batch_invariant_vs_default", batch_invariance),
-                     ("fp8_weight_gemms_vs_bf16", fp8_weight_gemms)):
+                     ("batch_invariant_vs_default", batch_invariance)):
         if suite.late():
             lev[name] = {"skipped": "over the time budget"}
             continue
@@ -357,47 +357,3 @@ def batch_invariance(suite) -> dict:
                    "batch_invariant off (default) and on; _us: median wall time, _kernel_us: "
                    "device kernel time (trace)")
     return out
-
-
-def fp8_weight_gemms(suite) -> dict:
-    """The row-invariant GEMM kernel over each weight GEMM's shape with fp8 weights
-    (`fp8.Fp8Block`, its tiles dequantized in the kernel) against the same weights in bf16,
-    at 1 and big_batch rows: kernel and wall time, and the floor of the fp8 weights' bytes at
-    the copy bandwidth (issue 59: within 1.3x of it)."""
-    from dsa_jax import fp8
-    from dsa_jax.implementation import matmul_op
-
-    if "pallas" not in suite.impls:
-        return {"skipped": "the kernels (pallas) were not run"}
-    cfg, p = suite.cfg, suite.plan
-    kernels = cfg.replace(param_dtype="bfloat16", implementation="pallas" if  # interpret mode
-                          jax.default_backend() == "gpu" else "pallas-interpret")  # (smoke)
-    shapes = {"o_proj": (cfg.hidden_size, cfg.local_heads * cfg.v_head_dim),
-              "q_b": (cfg.local_heads * cfg.qk_nope_head_dim, cfg.q_lora_rank),
-              "qi": (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank),
-              "x_fp8_rows": (cfg.q_lora_rank + cfg.kv_lora_rank + 2 * cfg.index_head_dim,
-                             cfg.hidden_size)}
-    gemm = jax.jit(functools.partial(matmul_op, kernels))  # the row-invariant GEMM kernel
-    out = {"prediction": "a weight-read-bound GEMM halves with its bytes: fp8 within 1.3x of "
-                         "the fp8 bytes' floor at 1 row; no slower than bf16 at big_batch",
-           "results": {}}
-    rng = np.random.default_rng(59)
-    for name, (n, k) in shapes.items():
-        w8 = fp8.quantize_blocks(rng.standard_normal((n, k), np.float32) * k ** -0.5,
-                                 cfg.weight_block)
-        w16 = w8.dequantize()
-        for m in (1, p.big_batch):
-            v = jnp.asarray(rng.standard_normal((m, k), np.float32))
-            res = compare_forms({"bf16": lambda v=v, w=w16: gemm(v, w),
-                                 "fp8": lambda v=v, w=w8: gemm(v, w)}, p, "bf16", "fp8")
-            res["same_bits"] = bool((np.asarray(gemm(v, w8)) == np.asarray(gemm(v, w16)))
-                                    .all())
-            res["fp8_bytes_floor_us"] = w8.nbytes / (suite.ceil.copy_GBps * 1e3)
-            res["fp8_over_floor_kernel"] = ratio(res["fp8_kernel_us"],
-                                                 res["fp8_bytes_floor_us"])
-            out["results"][f"{name}-{n}x{k}-m{m}"] = res
-    out["note"] = ("the matmul kernel (v [m, K], w [N, K]) jitted; bf16: the dequantized weight; "
-                   "fp8: values + block scales (cfg.weight_block); floor: fp8 values + scales "
-                   "/ the copy bandwidth")
-    return out
-

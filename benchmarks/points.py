@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 GROUPS = ("decode", "hf", "kernels", "selection", "prefill", "scaling", "tp8", "memory",
-          "levers", "breakdown", "loop", "peers")
+          "levers", "breakdown", "loop", "peers", "fp8")
 SPEC_DRAFTS = 3  # draft tokens verified per step (the speculation point)
 SPEC_ACCEPTANCE = 0.7  # the share of drafts the speculation point's scripted drafter gets right
 MiB = 2 ** 20

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import jax
 from tqdm import tqdm
 
-from . import breakdown, hf_baseline, levers, loop, measures
+from . import breakdown, fp8_weights, hf_baseline, levers, loop, measures
 from .harness import CompileLog, DeviceLost, check_device, err_text, log, measure_ceilings
 from .peers import group as peers
 from .points import Plan, Point, plan_points
@@ -170,6 +170,8 @@ class Suite:
             breakdown.run(self)
         elif group == "peers":
             peers.run(self)
+        elif group == "fp8":
+            fp8_weights.run(self)
         else:
             for point in self.points:
                 if point.group == group:

@@ -48,7 +48,6 @@ from dsa_jax.checkpoint_io import CheckpointError
 from dsa_jax.config import DsaConfig
 from dsa_jax.state import DsaState, init_state, ring_from_rows
 from dsa_jax.weights import (
-    DEFAULT_FP8_BLOCK,
     DsaWeights,
     checkpoint_files,
     fold_weights,
@@ -60,9 +59,10 @@ FORMAT = "dsa_jax.checkpoint"
 # 2: weights in the current layout (version 1 fused the indexer's query rows into q_proj);
 # 3: per-array checksums in the metadata, verified on restore;
 # 4: states hold the indexer ring (`dsa_jax.state`: `index_k`, `index_g` [B, Rr, Di]) instead of
-# max_context raw rows; 5: states hold the pool keys in the index cache dtype (they were fp32).
-# Weights are unchanged since version 2.
-FORMAT_VERSION = 5
+# max_context raw rows; 5: states hold the pool keys in the index cache dtype (they were fp32);
+# 6: fp8 weights (`param_dtype="float8_e4m3fn"`) as their blocks, each field's layout in the
+# metadata (`fp8.layout`). bf16 / fp32 weights are unchanged since version 2.
+FORMAT_VERSION = 6
 # Weights of an older format have another layout. A state checkpoint before version 4 holds
 # every raw indexer row: restore converts it to the ring (the rows the ring's mark says it
 # holds, exactly as a ring state at that mark holds them). A state before version 5 holds fp32
@@ -73,6 +73,7 @@ MIN_VERSION = {"weights": 2, "state": 1}
 CHECKSUM_VERSION = 3
 RING_VERSION = 4
 POOL_KEY_VERSION = 5
+FP8_VERSION = 6
 ARRAYS_ITEM = "arrays"
 META_ITEM = "dsa_jax"
 # Fields a restore does not compare, per kind (see the module docstring).
@@ -227,7 +228,10 @@ def _check_leaves(what: str, fields: Sequence[str], got, want) -> None:
 # ----------------------------------------------------------------------------- weights
 
 def expected_weights(cfg: DsaConfig, has_indexer: bool = True) -> DsaWeights:
-    """The shapes and dtypes (`jax.ShapeDtypeStruct`) of one layer's folded weights."""
+    """The shapes and dtypes (`jax.ShapeDtypeStruct`) of one layer's folded weights; under
+    fp8 weights, the shapes and compute dtypes of their fields (`Fp8Block.shape`, `.dtype`)."""
+    if cfg.param_dtype == fp8.FP8:
+        cfg = cfg.replace(param_dtype="bfloat16")
     hf = {name: jax.ShapeDtypeStruct(shape, jnp.float32)
           for name, shape in hf_shapes(cfg, has_indexer).items()}
     return jax.eval_shape(lambda t: fold_weights(cfg, t), hf)
@@ -241,7 +245,6 @@ def save_weights(path: str | os.PathLike, cfg: DsaConfig, weights_by_layer: Sequ
     `layers`: the model layer id of each entry (recorded, returned by `read_info`); default
     `0..n-1`. `tp_rank`: the tensor-parallel rank the weights were folded for (recorded).
     """
-    fp8.refuse(cfg, "save_weights")
     path = _abspath(path)
     if isinstance(weights_by_layer, DsaWeights) or not isinstance(weights_by_layer, Sequence):
         raise CheckpointError("weights_by_layer must be a list of DsaWeights, one per layer")
@@ -251,19 +254,38 @@ def save_weights(path: str | os.PathLike, cfg: DsaConfig, weights_by_layer: Sequ
     if len(layers) != len(weights_by_layer):
         raise CheckpointError(f"layers names {len(layers)} layer ids for "
                               f"{len(weights_by_layer)} weights")
-    arrays, has_indexer = {}, []
+    arrays, has_indexer, layouts = {}, [], []
     for i, w in enumerate(weights_by_layer):
         if not isinstance(w, DsaWeights):
             raise CheckpointError(f"weights_by_layer[{i}] is a {type(w).__name__}, not DsaWeights")
+        _check_fp8(f"weights_by_layer[{i}]", cfg, w)
         _check_leaves(f"weights_by_layer[{i}]", DsaWeights._fields, w,
                       expected_weights(cfg, w.has_indexer))
         has_indexer.append(bool(w.has_indexer))
-        arrays[str(i)] = {name: getattr(w, name) for name in DsaWeights._fields
-                          if getattr(w, name) is not None and _is_stored(getattr(w, name))}
+        kept = {name: getattr(w, name) for name in DsaWeights._fields
+                if getattr(w, name) is not None and _is_stored(getattr(w, name))}
+        arrays[str(i)] = {name: fp8.stored_arrays(f) for name, f in kept.items()}
+        layouts.append({name: fp8.layout(f) for name, f in kept.items()})
     meta = {"format": FORMAT, "version": FORMAT_VERSION, "kind": "weights",
             "config": config_to_json(cfg), "num_layers": len(weights_by_layer),
             "has_indexer": has_indexer, "layers": layers, "tp_rank": int(tp_rank)}
+    if cfg.param_dtype == fp8.FP8:
+        meta["layouts"] = layouts
     _save(path, {"layers": arrays}, meta, overwrite)
+
+
+def _check_fp8(what: str, cfg: DsaConfig, w: DsaWeights) -> None:
+    """Fields kept as fp8 only under fp8 weights, each in the config's blocks."""
+    for name in DsaWeights._fields:
+        f = getattr(w, name)
+        if f is None:
+            continue
+        if fp8.is_fp8(f) and cfg.param_dtype != fp8.FP8:
+            raise CheckpointError(f"{what}: field {name} holds fp8 blocks, but the config's "
+                                  f"param_dtype is {cfg.param_dtype!r}")
+        problem = fp8.layout_problem(fp8.layout(f), cfg.weight_block)
+        if problem:
+            raise CheckpointError(f"{what}: field {name} holds {problem}")
 
 
 def _info_of_kind(path: str, kind: str, cfg: DsaConfig) -> dict[str, Any]:
@@ -289,15 +311,15 @@ def restore_weights(path: str | os.PathLike, cfg: DsaConfig, *, device=None
                     ) -> list[DsaWeights]:
     """Read a `save_weights` checkpoint: one `DsaWeights` per saved layer, on `device`
     (default: the first device). `cfg` must match the saved config (module docstring)."""
-    fp8.refuse(cfg, "restore_weights")
     path = _abspath(path)
     meta = _info_of_kind(path, "weights", cfg)
     sharding = _sharding(device)
     expected = [expected_weights(cfg, hi) for hi in meta["has_indexer"]]
+    layouts = _stored_layouts(path, meta, cfg, expected)
     target = {"layers": {
-        str(i): {name: _abstract(getattr(e, name), sharding) for name in DsaWeights._fields
-                 if getattr(e, name) is not None and _is_stored(getattr(e, name))}
-        for i, e in enumerate(expected)}}
+        str(i): {name: fp8.layout_targets(lay, lambda d, s: _abstract(
+            jax.ShapeDtypeStruct(s, d), sharding)) for name, lay in layouts[i].items()}
+        for i in range(len(expected))}}
     restored = _restore_arrays(path, meta, target)["layers"]
     out = []
     for i, e in enumerate(expected):
@@ -308,11 +330,40 @@ def restore_weights(path: str | os.PathLike, cfg: DsaConfig, *, device=None
             if spec is None:
                 fields[name] = None
             elif name in got:
-                fields[name] = got[name]
+                fields[name] = fp8.from_stored(got[name], layouts[i][name])
             else:  # zero-size: never written
                 fields[name] = jax.device_put(jnp.zeros(spec.shape, spec.dtype), sharding)
         out.append(DsaWeights(**fields))
+    for i, (w, e) in enumerate(zip(out, expected, strict=True)):  # an fp8 field's shape
+        _check_leaves(f"{path}: layer {i}", DsaWeights._fields, w, e)
     return out
+
+
+def _stored_layouts(path: str, meta: dict, cfg: DsaConfig, expected: list) -> list[dict]:
+    """Each layer's stored fields and their layouts (`fp8.layout`): from the metadata under
+    fp8 weights (checked against the config), else the config's arrays."""
+    if cfg.param_dtype != fp8.FP8:
+        return [{name: {"array": [jnp.dtype(spec.dtype).name, list(spec.shape)]}
+                 for name in DsaWeights._fields
+                 if (spec := getattr(e, name)) is not None and _is_stored(spec)}
+                for e in expected]
+    layouts = meta.get("layouts")
+    if meta.get("version", 0) < FP8_VERSION or not isinstance(layouts, list) \
+            or len(layouts) != len(expected):
+        raise CheckpointError(f"{path}: the fp8 weights' layouts are missing from the "
+                              f"metadata (format version {meta.get('version')}; fp8 weights "
+                              f"are stored from version {FP8_VERSION} on)")
+    for i, (lay, e) in enumerate(zip(layouts, expected, strict=True)):
+        want = {name for name in DsaWeights._fields
+                if (spec := getattr(e, name)) is not None and _is_stored(spec)}
+        if set(lay) != want:
+            raise CheckpointError(f"{path}: layer {i} stores fields {sorted(lay)}, the config "
+                                  f"implies {sorted(want)}")
+        for name, field in lay.items():
+            problem = fp8.layout_problem(field, cfg.weight_block)
+            if problem:
+                raise CheckpointError(f"{path}: layer {i} field {name} holds {problem}")
+    return layouts
 
 
 def _hf_layers(src: str) -> list[int]:
@@ -327,7 +378,7 @@ def _hf_layers(src: str) -> list[int]:
 def convert_hf_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, cfg: DsaConfig,
                           layers: list[int] | None = None, *, tp_rank: int = 0,
                           overwrite: bool = False,
-                          fp8_block: tuple[int, int] = DEFAULT_FP8_BLOCK) -> list[int]:
+                          fp8_block: tuple[int, int] | None = None) -> list[int]:
     """Fold the DSA layers of a Hugging Face checkpoint into an orbax weights checkpoint.
 
     `src`: a safetensors file or a (sharded) checkpoint folder. `layers`: the model layer ids
@@ -336,7 +387,6 @@ def convert_hf_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, cfg: D
     moved to host memory before the next is read. Returns the converted layer ids, in order;
     `restore_weights(dst, cfg)[i]` is layer `layers[i]`.
     """
-    fp8.refuse(cfg, "convert_hf_checkpoint")
     src_path, dst_path = os.fspath(src), _abspath(dst)
     found = _hf_layers(src_path)
     if layers is None:

@@ -14,6 +14,8 @@ import numpy as np
 
 from dsa_jax.checkpoint_io import CheckpointError
 from dsa_jax.cli_checks import CliError, OneLineParser, check_convert_args, check_run_args, one_line
+from dsa_jax.config import PARAM_DTYPES
+from dsa_jax.fp8 import FP8
 from dsa_jax.shapes import shipped_configs
 from dsa_jax.weights import WeightError
 
@@ -126,6 +128,10 @@ def cmd_run(args: argparse.Namespace) -> int:
           f"cache={cfg.cache_dtype} backend={jax.default_backend()} "
           f"sequences={args.num_seqs} prompt={args.prompt_len} new={args.steps} "
           f"drafts<={args.speculate}")
+    layer_bytes = sum(a.nbytes for a in jax.tree.leaves(weights.layers))
+    print(f"weights of the {mcfg.num_layers} DSA layers: {layer_bytes / 2 ** 20:.1f} MiB "
+          f"({cfg.param_dtype}{' blocks + fp32 scales' if cfg.param_dtype == FP8 else ''}; "
+          f"{layer_bytes / mcfg.num_layers / 2 ** 20:.1f} MiB a layer)")
     print("compiling the prefill and the serving loop, then generating ...", flush=True)
     t0 = time.perf_counter()
     with compile_seconds() as compiling, tqdm(total=args.num_seqs * args.steps, unit="tok",
@@ -219,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--speculate", "-k", type=int, default=3,
                      help="n-gram drafts verified per step (0: plain decoding)")
     run.add_argument("--seed", type=int, default=0, help="seed of the weights and prompts")
+    run.add_argument("--param-dtype", choices=list(PARAM_DTYPES),
+                     help="the layers' weights (default: the config's); float8_e4m3fn keeps "
+                          "them as fp8 blocks with their scales (the config's weight_block)")
     run.add_argument("--implementation", default="auto",
                      choices=["auto", "xla", "pallas", "pallas-interpret"],
                      help="the kernels (pallas) or their jnp twins (xla); auto: pallas on a GPU")
@@ -237,8 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--layers", help="comma-separated model layer ids (default: all)")
     conv.add_argument("--max-context", type=int, default=16384, help="longest sequence served")
     conv.add_argument("--block-size", type=int, default=64, help="tokens per cache block")
-    conv.add_argument("--param-dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                      help="dtype of the folded weights")
+    conv.add_argument("--param-dtype", default="bfloat16", choices=list(PARAM_DTYPES),
+                      help="dtype of the folded weights; float8_e4m3fn keeps an fp8 "
+                           "checkpoint's blocks (weight_block_size of its config)")
     conv.add_argument("--tp-degree", type=int, default=1, help="tensor-parallel ranks")
     conv.add_argument("--tp-rank", type=int, default=0, help="the rank whose heads to keep")
     conv.add_argument("--overwrite", action="store_true", help="replace dst if it exists")

@@ -69,7 +69,8 @@ def check_run_args(args: argparse.Namespace) -> DsaConfig:
     from dsa_jax.shapes import load_config, shipped_configs
 
     try:
-        cfg = load_config(args.config, implementation=args.implementation)
+        dtype = {"param_dtype": args.param_dtype} if args.param_dtype else {}
+        cfg = load_config(args.config, implementation=args.implementation, **dtype)
     except FileNotFoundError as e:
         raise CliError(f"--config {args.config}: no such file, and not a shipped config (those "
                        f"are {', '.join(shipped_configs())})") from e
@@ -79,9 +80,13 @@ def check_run_args(args: argparse.Namespace) -> DsaConfig:
         cfg = cfg.replace(indexer_types=tuple("full" if i % 2 == 0 else "shared"
                                               for i in range(args.layers)))
     try:
-        resolve(cfg.implementation)
+        impl = resolve(cfg.implementation)
     except ImplementationError as e:
         raise CliError(f"--implementation {args.implementation}: {e}") from e
+    if cfg.param_dtype == "float8_e4m3fn" and impl == "pallas":
+        raise CliError(f"--param-dtype float8_e4m3fn: fp8 weights run on --implementation xla "
+                       f"(or pallas-interpret); --implementation {args.implementation} means "
+                       f"the compiled kernels here, whose fp8 GEMMs await their device tests")
     if args.checkpoint:
         _check_weights_checkpoint(args.checkpoint, cfg)
     if args.speculate > cfg.max_verify - 1:

@@ -172,9 +172,9 @@ class DsaConfig:
                  f"colaunch must be a bool (true or false), got {self.colaunch!r}")
         _require(self.param_dtype != "float8_e4m3fn" or self.implementation != "pallas",
                  f"param_dtype='float8_e4m3fn' runs on implementation='xla' and, its kernels "
-                 f"reading the blocks, 'pallas-interpret'; compiled ('pallas') they await "
-                 f"their device tests: implementation={self.implementation!r} is refused, "
-                 f"not run on other GEMMs")
+                 f"reading the blocks, 'pallas-interpret'; compiled ('pallas') they have not "
+                 f"yet passed their device tests (docs/decisions.md): implementation="
+                 f"{self.implementation!r} is refused, not run on other GEMMs")
         _require(self.gemm != "pallas" or self.param_dtype in ("bfloat16", "float8_e4m3fn"),
                  f"gemm='pallas' runs bf16 or fp8 weights (its MMA operands: bf16); param_dtype "
                  f"is {self.param_dtype!r}: use gemm='xla' for it")
@@ -272,6 +272,9 @@ class DsaConfig:
             _require(bool(indexer_types), "indexer_types is empty: a DSA model has at least one "
                                           "layer")
             kwargs["indexer_types"] = tuple(indexer_types)
+        block = (hf.get("quantization_config") or {}).get("weight_block_size")
+        if block is not None:  # an fp8 release's blocks: what param_dtype='float8_e4m3fn' keeps
+            kwargs["weight_block"] = tuple(block)
         _check_keys("serving fields", serving)
         kwargs.update(serving)
         return cls(**kwargs)

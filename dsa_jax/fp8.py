@@ -147,32 +147,22 @@ def compute_weights(cfg, weights):
     step (the weights stay fp8 in memory). Under 'pallas-interpret' the weights pass as they
     are: the row-invariant GEMM kernels dequantize each tile themselves (the same bits), and
     the XLA GEMMs of a prompt's rows dequantize in their definitions. `ConfigError` where
-    `cfg.implementation` resolves to the compiled kernels ('pallas': not yet device-tested)."""
+    `cfg.implementation` resolves to the compiled kernels: they have not yet passed their
+    device tests (on an H100 their 16-row tiles summed fp8 tiles in another order)."""
     if not any(is_fp8(f) for f in weights):
         return weights
     from dsa_jax.errors import ConfigError
     from dsa_jax.implementation import resolve
 
     impl = resolve(cfg.implementation)
-    if impl == "pallas-interpret":  # the kernels read the blocks themselves
+    if impl == "pallas-interpret":  # the kernels read the blocks
         return weights
     if impl != "xla":
         raise ConfigError(f"fp8 weights run on implementation='xla' or 'pallas-interpret'; "
                           f"implementation={cfg.implementation!r} resolves to {impl!r} here, "
-                          f"whose compiled fp8 kernels await their device tests: pass "
-                          f"implementation='xla' (or bf16 weights)")
+                          f"whose compiled fp8 GEMMs have not yet passed their device tests: "
+                          f"pass implementation='xla' (or bf16 weights)")
     return type(weights)(*[dense(f) for f in weights])
-
-
-def refuse(cfg, what: str) -> None:
-    """`ConfigError` where `cfg` keeps fp8 weights and `what` takes only bf16 or fp32 ones."""
-    if cfg.param_dtype == FP8:
-        from dsa_jax.errors import ConfigError
-
-        raise ConfigError(f"{what} takes bf16 or fp32 weights; param_dtype={FP8!r} weights "
-                          f"run through the steps, the model, serve and the Engine "
-                          f"(implementation 'xla' or 'pallas-interpret'): load them with "
-                          f"param_dtype='bfloat16' here")
 
 
 # The load-time folds on fp8 blocks (`weights.fold_weights` under fp8 weights)
@@ -271,3 +261,67 @@ def stack_rows(parts: list):
             merged.append(p)
     merged = [compute(p) for p in merged]
     return merged[0] if len(merged) == 1 else StackedRows(tuple(merged))
+
+
+# A weight field in a checkpoint (`dsa_jax.checkpoint`, format 6): its arrays as a nested dict
+# and its layout as JSON, from which the restore builds the arrays' targets and the field.
+
+
+def stored_arrays(w):
+    """A weight field's arrays as a checkpoint stores them: an array as it is, an `Fp8Block`
+    as `{"values", "scale"}`, `StackedRows` as `{"0": part, "1": part, ...}`."""
+    if isinstance(w, Fp8Block):
+        return {"values": w.values, "scale": w.scale}
+    if isinstance(w, StackedRows):
+        return {str(i): stored_arrays(p) for i, p in enumerate(w.parts)}
+    return w
+
+
+def layout(w) -> dict:
+    """A weight field's layout (JSON): `{"array": [dtype, shape]}`, `{"fp8": {"block",
+    "values", "scale"}}` or `{"rows": [part layouts]}`."""
+    def spec(a):
+        return [jnp.dtype(a.dtype).name, [int(d) for d in a.shape]]
+    if isinstance(w, Fp8Block):
+        return {"fp8": {"block": list(w.block), "values": spec(w.values),
+                        "scale": spec(w.scale)}}
+    if isinstance(w, StackedRows):
+        return {"rows": [layout(p) for p in w.parts]}
+    return {"array": spec(w)}
+
+
+def layout_targets(lay: dict, make):
+    """The nested dict of `make(dtype, shape)` that `stored_arrays` gives for `lay`."""
+    if "fp8" in lay:
+        return {k: make(*lay["fp8"][k]) for k in ("values", "scale")}
+    if "rows" in lay:
+        return {str(i): layout_targets(p, make) for i, p in enumerate(lay["rows"])}
+    return make(*lay["array"])
+
+
+def from_stored(arrays, lay: dict):
+    """The weight field of `layout` `lay` from its stored arrays (`stored_arrays`'s form)."""
+    if "fp8" in lay:
+        return Fp8Block(arrays["values"], arrays["scale"], tuple(lay["fp8"]["block"]))
+    if "rows" in lay:
+        return StackedRows(tuple(from_stored(arrays[str(i)], p)
+                                 for i, p in enumerate(lay["rows"])))
+    return arrays
+
+
+def layout_problem(lay: dict, block: tuple[int, int]) -> str | None:
+    """What is wrong with a stored fp8 layout for `block` (None: nothing): fp8 values in
+    another dtype or block, or a scale grid that does not fit its values."""
+    if "rows" in lay:
+        return next((p for p in (layout_problem(q, block) for q in lay["rows"]) if p), None)
+    if "fp8" not in lay:
+        return None
+    f = lay["fp8"]
+    (vd, vs), (sd, ss) = f["values"], f["scale"]
+    if vd != FP8 or sd != "float32":
+        return f"fp8 values {vd} with {sd} scales (expected {FP8} with float32)"
+    if tuple(f["block"]) != tuple(block):
+        return f"fp8 blocks of {tuple(f['block'])}, the config's weight_block is {tuple(block)}"
+    if tuple(ss) != grid(tuple(vs), tuple(block)):
+        return f"a scale grid {ss} for values {vs} in blocks of {tuple(block)}"
+    return None

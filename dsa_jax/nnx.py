@@ -64,7 +64,6 @@ class DsaAttention(nnx.Module):
                  has_indexer: bool = True, weights: DsaWeights | None = None,
                  num_blocks: int | None = None, kv_scale: float = 1.0,
                  block_tables=None):
-        fp8.refuse(cfg, "DsaAttention")
         if weights is None:
             if rngs is None:
                 raise TypeError("DsaAttention needs rngs (random weights) or weights "
@@ -75,7 +74,9 @@ class DsaAttention(nnx.Module):
         self.cfg = cfg
         for name in DsaWeights._fields:
             value = getattr(weights, name)
-            setattr(self, name, None if value is None else nnx.Param(jnp.asarray(value)))
+            if value is not None and not fp8.is_fp8(value):  # fp8 blocks: kept as they are
+                value = jnp.asarray(value)
+            setattr(self, name, None if value is None else nnx.Param(value))
         state = init_state(cfg, num_seqs, num_blocks=num_blocks, kv_scale=kv_scale,
                            block_tables=block_tables, has_indexer=weights.has_indexer)
         for name in DsaState._fields:

@@ -1,5 +1,6 @@
 """Run in a subprocess with 8 host devices (tests/test_sharding.py sets XLA_FLAGS): every
-(dp, tp) mesh against one device, bf16 weights and an fp8 latent cache.
+(dp, tp) mesh against one device, bf16 weights and an fp8 latent cache (with the argument
+`fp8`: fp8 weights in 4 x 8 blocks, each rank's heads cut on block boundaries).
 
 The chain of steps: a ragged prefill, a K=3 verify with inactive sequences, a decode, three
 decodes in the caller's jitted `lax.scan` over `sharded_step`, a `rewind` and a decode.
@@ -263,10 +264,14 @@ def extras(cfg, m, w, inp, split):
 
 
 def main() -> int:
+    global CFG1
     assert jax.device_count() == 8, jax.device_count()
+    args = [a for a in sys.argv[1:] if a != "fp8"]
+    if len(args) < len(sys.argv) - 1:
+        CFG1 = CFG1.replace(param_dtype="float8_e4m3fn", weight_block=(4, 8))
     inp = Inputs()
     ref = chain(inp, CFG1, dsa_jax.fold_weights(CFG1, inp.hf), tol=True, extra=True)
-    cases = CASES if len(sys.argv) < 2 else [tuple(map(int, a.split("x"))) for a in sys.argv[1:]]
+    cases = CASES if not args else [tuple(map(int, a.split("x"))) for a in args]
     for dp, tp in cases:
         run_case(inp, ref, dp, tp)
     print("worst error / bound:", {k: float(f"{v:.3g}") for k, v in WORST.items()})

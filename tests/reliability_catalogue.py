@@ -59,6 +59,9 @@ def _tables(edit):
     return t
 
 
+ODD8 = ODD.replace(param_dtype="float8_e4m3fn", weight_block=(4, 8))
+
+
 def _fp8(c, scale=True, grid=(1, 1)):
     hf = dict(c.hf)
     hf["q_a_proj.weight"] = np.asarray(hf["q_a_proj.weight"]).astype(jnp.float8_e4m3fn)
@@ -157,13 +160,9 @@ CASES = [
     ("config.tail-not-bool", "always_select_tail not a JSON bool", ConfigError,
      r"always_select_tail must be a bool \(true or false\), got 'false'",
      lambda c: _cfg(always_select_tail="false")),
-    ("config.fp8-kernels", "fp8 weights with the kernels asked for", ConfigError,
+    ("config.fp8-kernels", "fp8 weights with the compiled kernels asked for", ConfigError,
      r"param_dtype='float8_e4m3fn' runs on implementation='xla'",
      lambda c: _cfg(param_dtype="float8_e4m3fn", implementation="pallas")),
-    ("config.fp8-paths", "fp8 weights in NNX, checkpoints or sharding", ConfigError,
-     r"save_weights takes bf16 or fp32 weights",
-     lambda c: checkpoint.save_weights(os.path.join(c.tmp, "fp8"), _cfg(
-         param_dtype="float8_e4m3fn"), [])),
     ("config.batch-invariant", "batch_invariant not a bool", ConfigError,
      r"batch_invariant must be a bool \(true or false\), got 1",
      lambda c: _cfg(batch_invariant=1)),
@@ -537,7 +536,7 @@ CASES = [
      CheckpointError, r"not a dsa_jax checkpoint \(no readable 'dsa_jax' metadata item\)",
      lambda c: checkpoint.restore_weights(c.tmp_empty, ODD)),
     ("ckpt.newer", "a checkpoint format newer than this dsa_jax", CheckpointError,
-     r"checkpoint format version 99 is newer than this dsa_jax reads \(5\)",
+     r"checkpoint format version 99 is newer than this dsa_jax reads \(6\)",
      lambda c: _version(c, 99)),
     ("ckpt.older", "a weights checkpoint of the layout before format 2", CheckpointError,
      r"weights checkpoint format version 1 is older than this dsa_jax reads \(2\)",
@@ -564,6 +563,10 @@ CASES = [
     ("ckpt.convert-empty", "an empty list of layers to convert", CheckpointError,
      r"layers is empty: nothing to convert", lambda c: checkpoint.convert_hf_checkpoint(
          _hf_file(c), os.path.join(c.tmp, "cv3"), ODD, layers=[])),
+    ("ckpt.fp8-under-bf16", "fp8 weights saved under a bf16 config", CheckpointError,
+     r"field x_proj holds fp8 blocks, but the config's param_dtype is 'float32'",
+     lambda c: checkpoint.save_weights(os.path.join(c.tmp, "fp8"), ODD, [fold_weights(
+         ODD8, dsa_jax.init_random_hf_tensors(ODD8, jax.random.key(0)))])),
 ]
 
 CASES += SERVING_CASES

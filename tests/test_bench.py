@@ -42,8 +42,8 @@ def smoke_result(tmp_path_factory, pytestconfig):
     runs it, under a lock, in the session's shared temp folder)."""
     # tp8 runs the same code as tp1 with another config, and the HF baseline needs torch:
     # both are left out here to keep the test short (tests/test_bench_hf.py runs the HF one);
-    # the stage breakdown runs with --long.
-    skip = "tp8" if pytestconfig.getoption("--long") else "tp8,breakdown"
+    # the stage breakdown and the fp8 group run with --long.
+    skip = "tp8" if pytestconfig.getoption("--long") else "tp8,breakdown,fp8"
     args = ("smoke.json", "--no-hf", "--no-levers", "--skip", skip)
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return run_bench(tmp_path_factory.mktemp("bench"), *args)
@@ -214,6 +214,21 @@ def test_breakdown_covers_decode_verify_prefill_and_tp8(smoke_result):
     pub = runs["xla-b1"]["public_decode"]
     assert pub["decode_us"] > 0 and pub["decode_unchecked_us"] > 0 and pub["host_checks_us"] > 0
     assert "public_decode" not in runs["xla-b1-tp8"]
+
+
+@pytest.mark.long
+def test_the_fp8_group_runs_both_weights_on_the_same_checkpoint(smoke_result):
+    """Every point of the fp8 group on fp8 and on bf16 weights, their outputs `==`, the fp8
+    weights' bytes about half."""
+    r = smoke_result["fp8_weights"]
+    assert r["same_outputs"] == {"equal": True}
+    assert 0.45 < r["weight_bytes_fp8_over_bf16"] < 0.52
+    assert set(r["points"]) == {"decode-b1-k1-tp1", "decode-b2-k1-tp1", "verify-b1-k3-tp1",
+                                "prefill-4", "loop-b1-l2"}
+    for name, res in r["points"].items():
+        for side in ("bf16", "fp8"):
+            assert res[side]["median_us"] > 0, (name, side, res[side])
+        assert res["fp8_over_bf16_median_us"] > 0
 
 
 def test_python_m_benchmarks_and_dsa_jax_bench(monkeypatch, capsys):

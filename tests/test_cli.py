@@ -43,6 +43,7 @@ def test_run_default_job_prints_stats_and_writes_the_selection_map(tmp_path, cap
     out = capsys.readouterr().out
     assert code == 0
     assert "tok/s" in out and "drafts accepted" in out and "layers=2 (full,shared)" in out
+    assert "weights of the 2 DSA layers: 1.4 MiB (float32; 0.7 MiB a layer)" in out
     assert re.search(r"20 tokens in [\d.]+ s: compiling [\d.]+ s, generating [\d.]+ s", out)
     png = tmp_path / "selection_map.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000

@@ -16,6 +16,12 @@ from dsa_jax.errors import ConfigError, WeightError
 from dsa_jax.shapes import ODD, tiny
 from dsa_jax.weights import FP8_RELEASE_TENSORS, quantize_hf_tensors
 
+# Compiled fp8 kernels are refused until these pass on a GPU (docs/decisions.md): lifting the
+# refusal turns each strict xfail into a failure until its marker goes.
+REFUSED = pytest.mark.xfail(raises=ConfigError, strict=True,
+                            reason="compiled fp8 kernels await their device tests")
+PALLAS = pytest.param("pallas", marks=[pytest.mark.gpu, REFUSED])
+
 # The tiny block in 32 x 32 blocks; with 32 x 40 blocks the column grid has a ragged edge;
 # the odd block in 4 x 8 blocks (its 12 + 20 rows a head split on a block boundary).
 TINY8 = tiny(param_dtype="float8_e4m3fn", weight_block=(32, 32), implementation="xla")
@@ -90,7 +96,11 @@ def _serve(cfg, w, x):
 STEP_CASES = [CASES[0], pytest.param(TINY8.replace(weight_block=(32, 40)), id="tiny-ragged",
                                       marks=pytest.mark.long),  # CI time: the folds' test
               CASES[2], pytest.param(TINY8.replace(implementation="pallas-interpret"),
-                                     id="tiny-kernels", marks=pytest.mark.long)]
+                                     id="tiny-kernels", marks=pytest.mark.long),
+              pytest.param(lambda: TINY8.replace(implementation="pallas"), id="tiny-compiled",
+                           marks=[pytest.mark.gpu, REFUSED]),
+              pytest.param(lambda: CASES[2].values[0].replace(implementation="pallas"),
+                           id="odd-compiled", marks=[pytest.mark.gpu, REFUSED])]
 
 
 @pytest.mark.parametrize("cfg", STEP_CASES)
@@ -99,6 +109,7 @@ def test_every_step_gives_the_bits_of_the_dequantized_weights(cfg):
     (decode, verify, the co-launched q_b, the row-metadata launch's x projection over
     `StackedRows`) and the per-head U_k / U_v kernels read the blocks, a prompt's XLA GEMMs
     dequantize them. Every output is the bf16 weights' path's, `==`."""
+    cfg = cfg() if callable(cfg) else cfg  # a compiled case's config: refused for now
     _, (w8, w16) = _pair(cfg, key=3)
     x = T.random_rows(4, 2, 80, cfg.hidden_size)
     got = _serve(cfg, w8, x)
@@ -179,26 +190,24 @@ def test_a_bad_fp8_checkpoint_is_refused_by_name(how, match):
         dsa_jax.fold_weights(cfg, bad)
 
 
-def test_the_paths_that_take_no_fp8_weights_yet_say_so():
+def test_a_bad_weight_block_and_the_compiled_kernels_are_refused():
+    with pytest.raises(ConfigError, match="weight_block must be two positive integers"):
+        TINY8.replace(weight_block=(32, 0))
     with pytest.raises(ConfigError, match="param_dtype='float8_e4m3fn' runs on "
                                           "implementation='xla' and, its kernels"):
         TINY8.replace(implementation="pallas")
-    with pytest.raises(ConfigError, match="weight_block must be two positive integers"):
-        TINY8.replace(weight_block=(32, 0))
-    from dsa_jax import checkpoint
-
-    with pytest.raises(ConfigError, match="save_weights takes bf16 or fp32 weights"):
-        checkpoint.save_weights("/nonexistent", TINY8, [])
-    from dsa_jax.nnx import DsaAttention
-
-    with pytest.raises(ConfigError, match="DsaAttention takes bf16 or fp32 weights"):
-        DsaAttention(TINY8, num_seqs=1)
 
 
-def test_kernels_refuse_fp8_weights_rather_than_run_other_gemms(monkeypatch):
-    """`implementation="auto"` resolves to the kernels on a GPU: the step refuses there."""
+def test_the_step_dequantizes_on_xla_passes_blocks_to_interpret_refuses_compiled(
+        monkeypatch):
+    """`implementation="auto"` is 'xla' on a CPU (the step sees the bf16 weights) and the
+    compiled kernels on a GPU, refused there; in interpret mode the kernels read the blocks."""
     cfg = TINY8.replace(implementation="auto")
-    _, (w8, _) = _pair(cfg, key=9)
+    _, (w8, w16) = _pair(cfg, key=9)
+    dense = fp8.compute_weights(cfg, w8)
+    assert not any(fp8.is_fp8(f) for f in dense)
+    T.assert_trees_bitwise_equal(tuple(dense), tuple(w16))
+    assert fp8.compute_weights(cfg.replace(implementation="pallas-interpret"), w8) is w8
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     with pytest.raises(ConfigError, match="resolves to 'pallas' here"):
         fp8.compute_weights(cfg, w8)
@@ -210,7 +219,7 @@ def _dense_model(mw):
 
 
 @pytest.mark.parametrize("impl", ["xla", pytest.param("pallas-interpret",
-                                                      marks=pytest.mark.long)])
+                                                      marks=pytest.mark.long), PALLAS])
 def test_the_scanned_model_gives_the_bits_of_its_dequantized_weights(impl):
     """The model's scan over stacked fp8 layers (`Fp8Block` and `StackedRows` stacks, read in
     place by the kernels at the layer's index) against the same model on the bf16 weights,
@@ -266,3 +275,34 @@ def test_the_engine_serves_fp8_weights_with_the_tokens_of_their_bf16_weights():
         eng.run_until_done()
         out.append([r.output for r in reqs])
     assert out[0] == out[1] and all(len(t) == 6 for t in out[0])
+
+
+@pytest.mark.gpu
+@REFUSED
+def test_glm53_flash_fp8_weights_give_the_bits_of_their_bf16_weights_compiled():
+    """GLM-5.3-Flash shapes, 128 x 128 blocks, the compiled kernels: a 2100-token prompt in
+    two chunks, decodes with an inactive row, a verify, a rewind and a decode; every `y`,
+    `sel` and cache `==` the same checkpoint dequantized at load."""
+    from dsa_jax.shapes import glm53_flash
+
+    cfg = glm53_flash(max_context=4096, implementation="pallas", param_dtype="float8_e4m3fn")
+    _, (w8, w16) = _pair(cfg, key=7)
+    def size(w):
+        return sum(a.nbytes for a in jax.tree.leaves(w))
+    assert size(w8) < 0.52 * size(w16)  # the checkpoint's bytes, not 2x
+    x = T.random_rows(8, 2, 2110, cfg.hidden_size, dtype=jnp.bfloat16)
+    runs = []
+    for c, w in ((cfg, w8), (cfg.replace(param_dtype="bfloat16"), w16)):
+        state = dsa_jax.init_state(c, num_seqs=2, kv_scale=1 / 64)
+        out = []
+        for a, b in ((0, 1500), (1500, 2100)):
+            y, state, sel = dsa_jax.prefill(c, w, state, x[:, a:b])
+            out += [y, sel]
+        y, state, sel = dsa_jax.decode(c, w, state, x[:, 2100], active=[True, False])
+        out += [y, sel]
+        y, state, sel = dsa_jax.decode_k(c, w, state, x[:, 2101:2104])
+        out += [y, sel]
+        state = dsa_jax.rewind(c, state, state.lengths - 2)
+        y, state, sel = dsa_jax.decode(c, w, state, x[:, 2104])
+        runs.append(out + [y, sel, state.latent, state.index_k, state.pool_keys])
+    T.assert_trees_bitwise_equal(runs[0], runs[1])

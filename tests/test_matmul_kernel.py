@@ -198,10 +198,15 @@ def test_a_bf16_result_is_the_f32_result_rounded(kernel_impl, splits):
 
 
 # fp8 weights (`fp8.Fp8Block`): (n, k, block, heads, w_contract, overrides). 64-column tiles
-# over 32-row blocks (two scales a tile), a ragged block grid, K splits, one row per program.
+# over 32-row blocks (two scales a tile), a ragged block grid, K splits, one row per program;
+# K chunks across K blocks (a scale per element) and within one (a scale per column: the
+# last three, as 128-deep chunks in 128 x 128 blocks).
 FP8_CASES = [(96, 256, (32, 32), None, None, {}),
              (100, 200, (32, 40), None, None, {"splits": 2, "block_k": 32}),
-             (64, 96, (16, 32), 3, 1, {}), (48, 64, (16, 32), 3, 2, {"block_n": 16})]
+             (64, 96, (16, 32), 3, 1, {}), (48, 64, (16, 32), 3, 2, {"block_n": 16}),
+             (100, 256, (32, 64), None, None, {"block_k": 32}),
+             (64, 96, (16, 32), 3, 1, {"block_k": 16}),
+             (48, 64, (16, 32), 3, 2, {"block_k": 32, "block_n": 16})]
 
 
 @pytest.mark.parametrize("n,k,block,heads,w_contract,over", FP8_CASES)

@@ -33,18 +33,18 @@ VERIFY = random_rows(20, B, 3, CFG.hidden_size)
 LAST = random_rows(30, B, CFG.hidden_size)
 
 
-def _functional(weights):
-    state = dsa_jax.init_state(CFG, B, kv_scale=0.1, block_tables=_tables())
+def _functional(weights, cfg=CFG):
+    state = dsa_jax.init_state(cfg, B, kv_scale=0.1, block_tables=_tables())
     outs = []
-    y, state, sel = dsa_jax.prefill(CFG, weights, state, PREFILL, num_tokens=[29, 17])
+    y, state, sel = dsa_jax.prefill(cfg, weights, state, PREFILL, num_tokens=[29, 17])
     outs.append((y, sel))
     for x in DECODES:
-        y, state, sel = dsa_jax.decode(CFG, weights, state, x)
+        y, state, sel = dsa_jax.decode(cfg, weights, state, x)
         outs.append((y, sel))
-    y, state, sel = dsa_jax.decode_k(CFG, weights, state, VERIFY)
+    y, state, sel = dsa_jax.decode_k(cfg, weights, state, VERIFY)
     outs.append((y, sel))
-    state = dsa_jax.rewind(CFG, state, [31, 21])
-    y, state, sel = dsa_jax.decode(CFG, weights, state, LAST, active=[True, False])
+    state = dsa_jax.rewind(cfg, state, [31, 21])
+    y, state, sel = dsa_jax.decode(cfg, weights, state, LAST, active=[True, False])
     outs.append((y, sel))
     return outs, state
 
@@ -78,27 +78,48 @@ def test_eager_steps_bit_identical_to_functional(weights, functional):
     assert np.asarray(model.lengths.get_value()).tolist() == [32, 21]
 
 
+@nnx.jit
+def _prefill(m, x, n):
+    return m.prefill(x, num_tokens=n)
+
+
+@nnx.jit
+def _decode(m, x, a):
+    return m.decode(x, active=a)
+
+
+@nnx.jit
+def _decode_k(m, x):
+    return m.decode_k(x)
+
+
+@nnx.jit
+def _rewind(m, n):
+    m.rewind(n)
+
+
 def test_nnx_jit_steps_bit_identical_to_functional(weights, functional):
     want, want_state = functional
     model = DsaAttention.from_weights(CFG, weights, B, kv_scale=0.1, block_tables=_tables())
+    got, got_state = _module(model, _prefill, _decode, _decode_k, _rewind)
+    assert_trees_bitwise_equal(got, want)
+    assert_trees_bitwise_equal(got_state, want_state)
 
-    @nnx.jit
-    def prefill(m, x, n):
-        return m.prefill(x, num_tokens=n)
 
-    @nnx.jit
-    def decode(m, x, a):
-        return m.decode(x, active=a)
+def test_fp8_weights_in_the_module_give_the_bits_of_their_bf16_weights():
+    """fp8 weights (`param_dtype="float8_e4m3fn"`) as the module's params, kept as blocks,
+    under `nnx.jit`: every output and the state `==` the functional API on the same
+    checkpoint dequantized to bf16 at load."""
+    from dsa_jax import fp8
 
-    @nnx.jit
-    def decode_k(m, x):
-        return m.decode_k(x)
-
-    @nnx.jit
-    def rewind(m, n):
-        m.rewind(n)
-
-    got, got_state = _module(model, prefill, decode, decode_k, rewind)
+    c8 = CFG.replace(param_dtype="float8_e4m3fn", weight_block=(4, 8))
+    c16 = c8.replace(param_dtype="bfloat16")
+    hf = dsa_jax.init_random_hf_tensors(c8, jax.random.key(4))
+    want, want_state = _functional(dsa_jax.fold_weights(c16, hf), c16)
+    model = DsaAttention.from_weights(c8, dsa_jax.fold_weights(c8, hf), B, kv_scale=0.1,
+                                      block_tables=_tables())
+    assert isinstance(model.o_proj.get_value(), fp8.Fp8Block)
+    got, got_state = _module(model, _prefill, _decode, _decode_k, _rewind)
     assert_trees_bitwise_equal(got, want)
     assert_trees_bitwise_equal(got_state, want_state)
 

@@ -32,13 +32,14 @@ def run_with_devices(script: str, devices: int, args=(), timeout: int = 400):
                           text=True, timeout=timeout, cwd=ROOT)
 
 
-@pytest.mark.parametrize("meshes", [
-    ((2, 4),),  # dp and tp together, the split selection on
-    pytest.param(((1, 2), (1, 4), (1, 8), (4, 2), (8, 1)), marks=pytest.mark.long),
+@pytest.mark.parametrize("meshes, weights", [
+    (((2, 4),), "bf16"),  # dp and tp together, the split selection on
+    pytest.param(((1, 2), (1, 4), (1, 8), (4, 2), (8, 1)), "bf16", marks=pytest.mark.long),
+    pytest.param(((2, 4),), "fp8", marks=pytest.mark.long),  # fp8 blocks cut per rank
 ])
-def test_every_mesh_matches_one_device(meshes):
+def test_every_mesh_matches_one_device(meshes, weights):
     out = run_with_devices(os.path.join(HERE, "mesh_check.py"), 8,
-                           [f"{dp}x{tp}" for dp, tp in meshes])
+                           [f"{dp}x{tp}" for dp, tp in meshes] + ["fp8"] * (weights == "fp8"))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     extras = ["extras"] if (2, 4) in meshes else []  # mesh_check runs them on the (2, 4) mesh
     for case in [f"dp {dp} x tp {tp}" for dp, tp in meshes] + extras:
@@ -59,9 +60,10 @@ def test_mesh_errors_name_the_values():
         sharding.init_state(cfg, m, 2)
 
 
-def test_one_device_mesh_is_the_plain_step():
-    """dp = tp = 1: the mapped step is the layer's step, bitwise."""
-    cfg = ODD
+@pytest.mark.parametrize("cfg", [ODD, ODD.replace(param_dtype="float8_e4m3fn",
+                                                  weight_block=(4, 8))], ids=["f32", "fp8"])
+def test_one_device_mesh_is_the_plain_step(cfg):
+    """dp = tp = 1: the mapped step is the layer's step, bitwise (fp8 weights too)."""
     m = sharding.mesh(1, 1)
     hf = dsa_jax.init_random_hf_tensors(cfg, jax.random.key(0))
     w = sharding.shard_weights(cfg, hf, m)

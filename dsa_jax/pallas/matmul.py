@@ -69,6 +69,12 @@ CONVERT_IN_KERNEL_ROWS = 16
 SMEM_BUDGET = 200 * 1024  # of the H200's 227 KiB per block: Triton's pipeline stages
 
 
+def reads_fp8(w) -> bool:
+    """Whether the kernel reads fp8 blocks of `w` (an `Fp8Block`, or `StackedRows` with one)."""
+    parts = w.parts if isinstance(w, StackedRows) else (w,)
+    return any(isinstance(p, Fp8Block) for p in parts)
+
+
 def splits_for(n: int, k: int, heads: int = 1) -> int:
     """The K split of an `[n, k]` weight (`heads` of them): enough 64-column programs to cover
     the H200's 132 multiprocessors, with K parts of at least 512. The one tuning field a row's
@@ -79,26 +85,31 @@ def splits_for(n: int, k: int, heads: int = 1) -> int:
     return splits
 
 
-def default_tuning(n: int, k: int, heads: int = 1, m: int = 64) -> MatmulTuning:
+def default_tuning(n: int, k: int, heads: int = 1, m: int = 64, fp8_weight: bool = False
+                   ) -> MatmulTuning:
     """The tiles for `m` rows times an `[n, k]` weight (`heads` of them for the per-head
     products): `splits_for(n, k, heads)`, whatever m (the rows' bits), and tile shapes chosen
     per m (docs/performance.md): 16-row tiles for a few rows, 128-row ones past 64, 128-deep K
     chunks for the long-K GEMMs, deeper pipelines where a program's K part is long; 128-deep K
     chunks also for the per-head products over K >= 512 at up to 64 rows (a prompt's rows
-    keep 64)."""
+    keep 64). fp8_weight (the kernel dequantizes fp8 tiles): 64-row tiles at least, the rows
+    converted before the call, the configuration whose sums were the bf16 weight's on an H100
+    (with 16-row tiles over fp8 tiles Triton summed in another order)."""
     splits = splits_for(n, k, heads)
     deep = heads == 1 or (k >= 512 and m <= 64)
     block_k = 128 if deep and k % (splits * 128) == 0 else 64
     while block_k > 16 and k % (splits * block_k):  # K chunks that end at K where they can
         block_k //= 2
     block_m = 16 if m <= 16 else 64 if m <= 64 else 128
+    if fp8_weight:
+        block_m = max(block_m, 64)
     block_n = 64 if n >= 64 else max(16, 1 << (max(n, 1) - 1).bit_length())
     if (m > 64 or heads > 1) and n >= 128:
         block_n = 128
     # Operand tiles in shared memory per pipeline stage: the rows in w's dtype past
     # CONVERT_IN_KERNEL_ROWS (converted before the call), in fp32 below it.
-    a_bytes = 2 if m > CONVERT_IN_KERNEL_ROWS else 4
-    stage_bytes = block_k * (block_m * a_bytes + block_n * 2)
+    a_bytes = 2 if m > CONVERT_IN_KERNEL_ROWS or fp8_weight else 4
+    stage_bytes = block_k * (block_m * a_bytes + block_n * (1 if fp8_weight else 2))
     stages = min(5 if k // splits >= 4096 else 3, SMEM_BUDGET // stage_bytes)
     warps = 8 if block_m * block_n >= 128 * 128 else 4  # the accumulator over 256 threads
     return MatmulTuning(block_m=block_m, block_n=block_n, block_k=block_k, splits=splits,
@@ -159,23 +170,39 @@ def _tile(ids, *refs, m: int, n: int, k: int, bm: int, bn: int, bk: int, tiles: 
     cols = j * bn + jnp.arange(bn, dtype=jnp.int32)  # [bn]
     row_ok, col_ok = rows < m, cols < n
 
+    def tile_scales(ks, t):
+        """The scales of w's tile, broadcastable to it: one per column of the tile where its
+        K chunk lies in one block of K (a [bn] load), else one per element."""
+        k_block = fp8_block[0] if w_kn else fp8_block[1]
+        if k_block % bk:  # a chunk across K blocks
+            return plt.load(s_ref.at[hw, at_of(ks)[1] // fp8_block[0],
+                                     at_of(ks)[2] // fp8_block[1]],
+                            mask=ok_of(ks), other=0.0)
+        kb = (s * tiles + t) * bk // k_block  # the chunk's block of K
+        if w_kn:  # w [K, N]: scale [K / b0, N / b1]
+            return plt.load(s_ref.at[hw, kb, cols // fp8_block[1]], mask=col_ok,
+                            other=0.0)[None, :]
+        return plt.load(s_ref.at[hw, cols // fp8_block[0], kb], mask=col_ok,
+                        other=0.0)[:, None]
+
+    def at_of(ks):
+        return (hw, ks[:, None], cols[None, :]) if w_kn else (hw, cols[:, None], ks[None, :])
+
+    def ok_of(ks):
+        k_ok = ks < k
+        return k_ok[:, None] & col_ok[None, :] if w_kn else col_ok[:, None] & k_ok[None, :]
+
     def chunk(t, acc):
         ks = (s * tiles + t) * bk + jnp.arange(bk, dtype=jnp.int32)  # [bk]
         k_ok = ks < k
         a = plt.load(v_ref.at[rows[:, None], h, ks[None, :]],
                      mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         a = a.astype(w_dtype)  # [bm, bk]: the operand rounded as the definition rounds it
-        if w_kn:
-            at, ok = (hw, ks[:, None], cols[None, :]), k_ok[:, None] & col_ok[None, :]
-            dims = (((1,), (0,)), ((), ()))
-        else:
-            at, ok = (hw, cols[:, None], ks[None, :]), col_ok[:, None] & k_ok[None, :]
-            dims = (((1,), (1,)), ((), ()))
+        at, ok = at_of(ks), ok_of(ks)
+        dims = (((1,), (0,)), ((), ())) if w_kn else (((1,), (1,)), ((), ()))
         b = plt.load(w_ref.at[at], mask=ok, other=0.0)  # [bk, bn] or [bn, bk]
         if fp8_block:  # the tile's scales, by block of w's two last axes
-            scale = plt.load(s_ref.at[hw, at[1] // fp8_block[0], at[2] // fp8_block[1]],
-                             mask=ok, other=0.0)
-            b = (b.astype(jnp.float32) * scale).astype(w_dtype)
+            b = (b.astype(jnp.float32) * tile_scales(ks, t)).astype(w_dtype)
         return acc + lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
     acc = lax.fori_loop(0, tiles, chunk, jnp.zeros((bm, bn), jnp.float32))  # [bm, bn]
@@ -206,7 +233,7 @@ def _gemm_part(v: jax.Array, w: jax.Array, w_kn: bool, tuning: MatmulTuning,
         layer = _check_layer(w, layer, heads)  # clamped, as the twin's dynamic index
         weights = tuple(a.reshape(-1, *a.shape[2:]) for a in weights)  # [G*H, ., .]: bitcasts
     tiles = _check(tuning, k)
-    if m > CONVERT_IN_KERNEL_ROWS:
+    if m > CONVERT_IN_KERNEL_ROWS or blocks:  # fp8: as the 64-row tiles that kept the bits
         v = v.astype(w.dtype)
     for name, arr in (("v", v), ("w", weights[0])):
         check_triton_addressable(arr.shape, arr.dtype, f"matmul's {name}")
@@ -268,7 +295,7 @@ def matmul_part(v: jax.Array, w: jax.Array, layer: jax.Array | None = None, *,
     if rows.shape[0] == 0:
         raise ValueError("matmul_part: v has no rows")
     heads_w = _one_head(w, layer is not None)  # [1, N, K] or [G, 1, N, K]
-    tuning = tuning or default_tuning(n, k, 1, rows.shape[0])
+    tuning = tuning or default_tuning(n, k, 1, rows.shape[0], reads_fp8(w))
     part, finish = _gemm_part(rows, heads_w, False, tuning, layer)
     if summed:
         return part, lambda outs: finish(outs).reshape(*lead, n)
@@ -286,7 +313,7 @@ def matmul_parts(v: jax.Array, w, layer: jax.Array | None = None, *,
         part, finish = matmul_part(v, w, layer, tuning=tuning, summed=summed)
         return [part], lambda outs_list: finish(outs_list[0])
     n, k = w.shape[-2:]
-    tuning = tuning or default_tuning(n, k, 1, max(1, v.size // k))
+    tuning = tuning or default_tuning(n, k, 1, max(1, v.size // k), reads_fp8(w))
     pairs = [matmul_part(v, p, layer, tuning=tuning, summed=summed) for p in w.parts]
     return ([p for p, _ in pairs],
             lambda outs_list: jnp.concatenate([f(o) for (_, f), o in zip(pairs, outs_list,
@@ -334,7 +361,8 @@ def matmul_pallas(v: jax.Array, w: jax.Array, layer: jax.Array | None = None, *,
     n, k = w.shape[-2:]
     lead = v.shape[:-1]
     rows = v.reshape(-1, 1, k)  # [M, 1, K]
-    tuning = with_overrides(tuning or default_tuning(n, k, 1, rows.shape[0]), overrides)
+    tuning = with_overrides(tuning or default_tuning(n, k, 1, rows.shape[0], reads_fp8(w)),
+                            overrides)
     if isinstance(w, StackedRows):  # each part at the whole weight's tiles and K split: a
         # column's bits follow the split and K alone, so the parts' columns are the whole's
         out = jnp.concatenate([_gemm(rows, _one_head(p, layer is not None), False, interpret,
@@ -360,7 +388,8 @@ def per_head_pallas(v: jax.Array, w: jax.Array, w_contract: int,
     n = one[3 - w_contract]
     lead = v.shape[:-2]
     rows = v.reshape(-1, heads, k)  # [M, H, K]
-    tuning = with_overrides(tuning or default_tuning(n, k, heads, rows.shape[0]), overrides)
+    tuning = with_overrides(tuning or default_tuning(n, k, heads, rows.shape[0],
+                                                     reads_fp8(w)), overrides)
     out = _gemm(rows, w, w_contract == 1, interpret, tuning, layer, out_dtype)  # [M, H, N]
     return out.reshape(*lead, heads, n)
 

@@ -199,7 +199,7 @@ def meta_matmul_pallas(g: RowGeometry, lengths: jax.Array, marks: jax.Array,
     m_part, m_finish = row_meta_part(g, lengths, marks, n_new, block_tables,
                                      interpret=interpret)
     rows = max(1, v.size // v.shape[-1])
-    mt = mm.default_tuning(*w.shape[-2:], 1, rows)
+    mt = mm.default_tuning(*w.shape[-2:], 1, rows, mm.reads_fp8(w))
     g_parts, g_finish = mm.matmul_parts(v, w, layer, tuning=mt, summed=summed)
     outs = colaunch([m_part, *g_parts], num_warps=mt.num_warps, num_stages=mt.num_stages,
                     interpret=interpret, name="meta_matmul")

@@ -88,7 +88,7 @@ def topk_matmul_pallas(scores: jax.Array, k: int, v: jax.Array, w: jax.Array,
         return pools, mm.matmul_pallas(v, w, layer, interpret=interpret,
                                        tuning=matmul_tuning)
     m = math.prod(v.shape[:-1])
-    mt = matmul_tuning or mm.default_tuning(*w.shape[-2:], 1, m)
+    mt = matmul_tuning or mm.default_tuning(*w.shape[-2:], 1, m, mm.reads_fp8(w))
     t_part, t_finish = tk.topk_part(scores, k, interpret=interpret, tuning=topk_tuning,
                                     expand=expand, pos=pos, valid=valid, pv=pv)
     m_parts, m_finish = mm.matmul_parts(v, w, layer, tuning=mt)

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from dsa_jax import fp8
 from dsa_jax.attend import attend
 from dsa_jax.config import DsaConfig
 from dsa_jax.projection import project
@@ -56,8 +57,10 @@ def output_terms(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Ar
     (`weights`: tp_degree 1; `state`: the state after that step; `sel [B, R, W]`: its
     selection); see the module docstring."""
     f32, hi = jnp.float32, lax.Precision.HIGHEST
+    cfg = cfg.replace(implementation="xla")
+    weights = fp8.compute_weights(cfg, weights)  # fp8 blocks as the bf16 weights they give
     q_abs = project(cfg, weights, x).q_abs  # [B, R, H, C]
-    o_lat = attend(cfg.replace(implementation="xla"), state, q_abs, sel)  # [B, R, H, C]
+    o_lat = attend(cfg, state, q_abs, sel)  # [B, R, H, C]
     a = o_lat.astype(weights.u_v.dtype).astype(f32)
     u_v = weights.u_v.astype(f32)  # [H, Dv, C]
     o = jnp.einsum("brhc,hvc->brhv", a, u_v, precision=hi)

@@ -22,7 +22,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dsa_jax import fp8
 from dsa_jax import state as state_mod
 from dsa_jax.config import DsaConfig
 from dsa_jax.errors import ShardingError
@@ -111,7 +110,6 @@ def row_sharding(m: Mesh) -> NamedSharding:
 def shard_weights(cfg: DsaConfig, hf, m: Mesh) -> DsaWeights:
     """HF tensors of one layer -> every rank's folded weights, stacked `[tp, ...]`, split along
     tp and replicated along dp."""
-    fp8.refuse(cfg, "shard_weights")
     _, tp = check_config(cfg, m)
     ranks = [jax.tree_util.tree_map(np.asarray, fold_weights(cfg, hf, tp_rank=r))
              for r in range(tp)]

@@ -33,7 +33,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 
-from dsa_jax import fp8, layer
+from dsa_jax import layer
 from dsa_jax.bitwise import bitwise_jit
 from dsa_jax.config import DsaConfig
 from dsa_jax.indexer import pool_scores
@@ -178,7 +178,6 @@ def sharded_step(cfg: DsaConfig, m: Mesh, weights: DsaWeights, state: DsaState, 
     `split_rule` (None: its default). Returns `y [B, out_rows, D]` f32 (default R rows), the
     new state and `sel [B, out_rows, W]`.
     """
-    fp8.refuse(cfg, "sharded_step")
     _check_shapes(cfg, m, weights, state, x)
     split_rule(cfg, x.shape[0] // degrees(m)[0], split_selection)  # raises before tracing
     has_n_new = n_new is not None and not isinstance(n_new, int)
