@@ -160,6 +160,21 @@ def test_an_fp8_checkpoint_file_loads_as_fp8(tmp_path):
     assert isinstance(got.o_proj, fp8.Fp8Block)
 
 
+def test_power_of_two_e8m0_scales_fold_as_fp32_scales():
+    """The scale forms the loader takes: e8m0 scales (powers of two, as MX-style releases
+    store them) become the fp32 scale grid; the fp8 weights give the dequantized bits."""
+    import ml_dtypes
+
+    cfg = TINY8
+    hf = dsa_jax.init_random_hf_tensors(cfg, jax.random.key(6))
+    e8m0 = {k: np.exp2(np.round(np.log2(v))).astype(ml_dtypes.float8_e8m0fnu)
+            if k.endswith(fp8.SCALE_SUFFIX) else v for k, v in hf.items()}
+    w8 = dsa_jax.fold_weights(cfg, e8m0)
+    assert w8.o_proj.scale.dtype == jnp.float32
+    T.assert_trees_bitwise_equal(tuple(fp8.dense(f) for f in w8), tuple(
+        dsa_jax.fold_weights(cfg.replace(param_dtype="bfloat16"), e8m0)))
+
+
 @pytest.mark.parametrize("how, match", [
     ("missing scale", r"'q_b_proj.weight' is float8_e4m3fn without its scale"),
     ("wrong grid", r"scale of 'o_proj.weight' has shape \[3, 8\].*needs \[8, 8\]"),
