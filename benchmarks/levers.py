@@ -2,13 +2,13 @@
 
 - kv_b applied at run time (the step's form) against absorbed at load time: byte counts, and
   both forms timed;
-- pool keys cached in the state against recomputed from the cached k and gate rows;
 - the two fused input GEMMs against seven separate ones;
-- the state donated to the jitted step against copied;
 - decode rows padded to max_verify against one row;
 - `batch_invariant` on against off (docs/decisions.md's rule for its defaults).
 
-The fp8 weights' GEMMs against bf16 are the `fp8` group's (benchmarks/fp8_weights.py).
+The fp8 weights' GEMMs against bf16 are the `fp8` group's (benchmarks/fp8_weights.py). The
+pool keys cached vs recomputed and the state donated vs copied levers were measured and
+removed (docs/performance.md's lever table; their code at tag `lab-2026-12`).
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsa_jax import indexer, layer, projection
+from dsa_jax import layer, projection
 
 from .harness import check_device, err_text, kernel_us, log, measure, profile_step
 from .measures import run_step
 from .roofline import absorbed_vs_runtime
 from .schema import ratio
-from .workloads import StepRunner, random_state
+from .workloads import StepRunner
 
 FORM_TIMES = "_us: median wall time, _kernel_us: device kernel time (trace)"
 
@@ -38,9 +38,7 @@ def run(suite) -> None:
     if suite.args.no_levers:
         return
     for name, fn in (("kv_b_absorbed_vs_runtime_measured", kv_b_forms),
-                     ("pool_keys_cached_vs_recomputed", pool_keys),
                      ("fused_projections_vs_separate", fused_projections),
-                     ("donated_state_vs_copied", donated_state),
                      ("batch_invariant_vs_default", batch_invariance)):
         if suite.late():
             lev[name] = {"skipped": "over the time budget"}
@@ -170,57 +168,6 @@ def kv_b_forms(suite) -> dict:
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _recomputed_scores(cfg, qi, w, index_k, index_g, ape, n_cand):
-    b, t, di = index_k.shape
-    members = (b, t // ape.shape[0], ape.shape[0], di)  # [B, P, KP, Di]
-    # each pool's key: a softmax over its KP members per channel, fp32 (what the index write
-    # stores when a pool completes)
-    logits = index_g.reshape(members).astype(jnp.float32) + ape
-    keys = jnp.sum(jax.nn.softmax(logits, axis=-2)
-                   * index_k.reshape(members).astype(jnp.float32), axis=-2)
-    return indexer.pool_scores(cfg, qi, w, keys, n_cand)
-
-
-def pool_keys(suite) -> dict:
-    """Pool keys kept in the state (what the step reads) against recomputing every pool's
-    key from the cached k and gate rows in the step (softmax over its KP members), then the
-    same pool scores, at 1 and big_batch sequences, one row each, context ctx."""
-    p, kp, di = suite.plan, suite.cfg.index_kpool, suite.cfg.index_head_dim
-    cached = jax.jit(indexer.pool_scores, static_argnums=0)
-    out = {"prediction": f"recomputing reads the k and gate rows (2 x {kp} x {di} bf16 = "
-                         f"{2 * kp * di * 2} bytes per pool) instead of one fp32 key "
-                         f"({di * 4} bytes): {kp}x the bytes, so slower once bandwidth-"
-                         "bound (B=64); at B=1 both are launch-bound",
-           "results": {}}
-    ape = suite.weights_for(1).ape
-    for impl in suite.impls:
-        cfg = suite.cfg.replace(implementation=impl)
-        if impl == "pallas" and jax.default_backend() != "gpu":
-            continue
-        for b in (1, p.big_batch):
-            st = random_state(cfg, b, p.ctx, 800 + b)
-            rng = np.random.default_rng(800 + b)
-            hi = cfg.index_n_heads
-            qi = jax.device_put(rng.standard_normal((b, 1, hi, di), np.float32))
-            w = jax.device_put(rng.standard_normal((b, 1, hi), np.float32)
-                               * np.float32((hi * di) ** -0.5))
-            pos = jax.device_put(np.full((b, 1), p.ctx - 1, np.int32))
-            n_cand = layer.candidate_pools(cfg, pos, pos >= 0)
-            # The state keeps only a ring of raw rows (dsa_jax.state): the recomputed form
-            # reads random rows of every position.
-            idt = jnp.dtype(cfg.index_cache_dtype)
-            rows = [jax.device_put(rng.standard_normal((b, cfg.max_context, di),
-                                                       np.float32).astype(idt))
-                    for _ in range(2)]
-            calls = {"cached": functools.partial(cached, cfg, qi, w, st.pool_keys, n_cand),
-                     "recomputed": functools.partial(_recomputed_scores, cfg, qi, w,
-                                                     *rows, ape, n_cand)}
-            out["results"][f"{impl}-b{b}"] = compare_forms(calls, p, "cached", "recomputed")
-    out["note"] = ("cached: the step's pool_scores on the state's keys; recomputed: every "
-                   "pool's key from the cache rows, then the same pool_scores; " + FORM_TIMES)
-    return out
-
-
 def split_projection_weights(cfg, weights) -> tuple:
     """The fused input weights cut back into the seven GEMMs they fuse: x_proj rows q_a, kv_a,
     wk, gate, weights_proj; then q_b (q_proj) and wq_b (qi_proj), two GEMMs in both forms
@@ -306,29 +253,6 @@ def _two_forms(runners: dict, plan, inner: int, warmup: int, what: str) -> dict:
         res.update({f"{form}{key}": v for key, v in timed.items()})
     add_ratios(res, *runners)
     return res
-
-
-def donated_state(suite) -> dict:
-    """The jitted step with its state donated (updated in place, as a serving loop jits it)
-    against the same step without donation (XLA then writes a fresh copy of every cache), at
-    1 and big_batch sequences, K=1, TP 1, each implementation."""
-    p = suite.plan
-    copying = jax.jit(layer.step, static_argnames=("cfg",))
-    out = {"prediction": "without donation every step copies the whole state (18 MiB per "
-                         "sequence at 16K): ~10 us at B=1, ~0.6 ms at B=64 at the copy "
-                         "bandwidth", "results": {}}
-    for impl in suite.impls:
-        cfg = suite.cfg.replace(implementation=impl)
-        for b in (1, p.big_batch):
-            runners = {form: (lambda kw=kw, b=b, cfg=cfg: StepRunner(
-                cfg, suite.weights_for(1), b, 1, cfg.max_verify, p.ctx - p.inner, 1500 + b,
-                **kw)) for form, kw in (("donated", {}), ("copied", {"step": copying}))}
-            out["results"][f"{impl}-b{b}"] = _two_forms(runners, p, p.inner, 2,
-                                                        f"donated-state lever {impl}")
-    out["note"] = ("donated: jax.jit(dsa_jax.layer.step, donate_argnames=('state',)); copied: "
-                   "the same without donation; _us: median wall time of back-to-back steps, "
-                   "_kernel_us: device kernel time (trace; the state copies are kernels too)")
-    return out
 
 
 def batch_invariance(suite) -> dict:

@@ -196,12 +196,8 @@ def levers_section(res: dict) -> list[str]:
     for key, title, base, other in (
             ("kv_b_absorbed_vs_runtime_measured", "Absorbed vs run-time kv_b (measured)",
              "runtime", "absorbed"),
-            ("pool_keys_cached_vs_recomputed", "Pool keys cached vs recomputed (measured)",
-             "cached", "recomputed"),
             ("fused_projections_vs_separate", "Fused input GEMMs vs separate (measured)",
-             "fused", "separate"),
-            ("donated_state_vs_copied", "State donated vs copied (measured)",
-             "donated", "copied")):
+             "fused", "separate")):
         lines += two_forms_table(lev.get(key) or {}, title, base, other)
     pad = lev.get("decode_rows_padded_to_max_verify")
     if pad:
