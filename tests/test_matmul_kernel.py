@@ -210,11 +210,11 @@ FP8_CASES = [(96, 256, (32, 32), None, None, {}),
 
 
 @pytest.mark.parametrize("n,k,block,heads,w_contract,over", FP8_CASES)
-@pytest.mark.parametrize("m", [1, 5, 40])
+@pytest.mark.parametrize("m", [1, 5, 40, 130])  # 16-, 64- and 128-row tiles for bf16
 def test_fp8_weights_give_the_bits_of_their_bf16_weights(kernel_impl, m, n, k, block, heads,
                                                          w_contract, over):
     """The kernel dequantizes each fp8 tile as the load-time dequantization does: its result
-    is the bf16 weight's kernel result, `==` (rows of 1 to 40, in-kernel and pre-converted
+    is the bf16 weight's kernel result, `==` (rows of 1 to 130, in-kernel and pre-converted
     rows), and the twin's the bf16 twin's."""
     from dsa_jax import fp8
 
