@@ -101,8 +101,8 @@ def kernels_by_name(suite, cfg, weights, batch: int) -> dict:
 
 
 def same_outputs(suite, cfgs: dict, weights: dict) -> bool:
-    """One decode step and one 2-row verify from one state: the fp8 side's `y` and selection
-    `==` the bf16 side's."""
+    """A 2-row verify step of 2 sequences from one random state: the fp8 side's `y` and
+    selection `==` the bf16 side's."""
     outs = {}
     for side in SIDES:
         cfg = cfgs[side].replace(implementation=main(suite))
