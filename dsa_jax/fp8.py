@@ -148,7 +148,7 @@ def compute_weights(cfg, weights):
     are: the row-invariant GEMM kernels dequantize each tile themselves (the same bits), and
     the XLA GEMMs of a prompt's rows dequantize in their definitions. `ConfigError` where
     `cfg.implementation` resolves to the compiled kernels: they have not yet passed their
-    device tests (on an H100 their 16-row tiles summed fp8 tiles in another order)."""
+    device tests (docs/decisions.md)."""
     if not any(is_fp8(f) for f in weights):
         return weights
     from dsa_jax.errors import ConfigError

@@ -93,8 +93,9 @@ def default_tuning(n: int, k: int, heads: int = 1, m: int = 64, fp8_weight: bool
     chunks for the long-K GEMMs, deeper pipelines where a program's K part is long; 128-deep K
     chunks also for the per-head products over K >= 512 at up to 64 rows (a prompt's rows
     keep 64). fp8_weight (the kernel dequantizes fp8 tiles): 64-row tiles at least, the rows
-    converted before the call, the configuration whose sums were the bf16 weight's on an H100
-    (with 16-row tiles over fp8 tiles Triton summed in another order)."""
+    converted before the call, so the dot is laid out as over the bf16 weight's tiles and
+    sums in its order (Triton arranges a 16-row dot over converted fp8 tiles otherwise:
+    docs/decisions.md)."""
     splits = splits_for(n, k, heads)
     deep = heads == 1 or (k >= 512 and m <= 64)
     block_k = 128 if deep and k % (splits * 128) == 0 else 64
@@ -233,7 +234,7 @@ def _gemm_part(v: jax.Array, w: jax.Array, w_kn: bool, tuning: MatmulTuning,
         layer = _check_layer(w, layer, heads)  # clamped, as the twin's dynamic index
         weights = tuple(a.reshape(-1, *a.shape[2:]) for a in weights)  # [G*H, ., .]: bitcasts
     tiles = _check(tuning, k)
-    if m > CONVERT_IN_KERNEL_ROWS or blocks:  # fp8: as the 64-row tiles that kept the bits
+    if m > CONVERT_IN_KERNEL_ROWS or blocks:  # fp8: `default_tuning(fp8_weight=True)` says why
         v = v.astype(w.dtype)
     for name, arr in (("v", v), ("w", weights[0])):
         check_triton_addressable(arr.shape, arr.dtype, f"matmul's {name}")
