@@ -15,11 +15,12 @@ ids), so a long prefix can be computed once and reused. `convert_hf_checkpoint`:
 safetensors -> a weights checkpoint, folded once.
 
 Config checks on restore: a state checkpoint must be restored into a config equal to the saved
-one in every field except `implementation` and `batch_invariant` (run-time choices of how
-to compute: the stored arrays do not depend on them; an `Engine` runs batch-invariant). A
-weights checkpoint ignores the serving geometry as well (`max_context`, `block_size`,
-`max_verify`, `cache_dtype`, `index_cache_dtype`): folded weights do not depend on it, so one
-converted checkpoint serves any geometry. Any other difference is a
+one in every field except `implementation`, `batch_invariant` and `colaunch` (run-time
+choices of how to compute: the stored arrays do not depend on them; an `Engine` runs
+batch-invariant), and `weight_block` unless either config has fp8 weights. A weights
+checkpoint ignores the serving geometry as well (`max_context`, `block_size`, `max_verify`,
+`cache_dtype`, `index_cache_dtype`): folded weights do not depend on it, so one converted
+checkpoint serves any geometry. Any other difference is a
 `CheckpointError` listing every differing field with both values.
 
 Paths are made absolute (orbax requires it). Writing over an existing path takes
@@ -77,7 +78,7 @@ FP8_VERSION = 6
 ARRAYS_ITEM = "arrays"
 META_ITEM = "dsa_jax"
 # Fields a restore does not compare, per kind (see the module docstring).
-RUNTIME_FIELDS = ("implementation", "batch_invariant")
+RUNTIME_FIELDS = ("implementation", "batch_invariant", "colaunch")
 SERVING_FIELDS = ("max_context", "block_size", "max_verify", "cache_dtype", "index_cache_dtype")
 IGNORED_FIELDS = {"weights": RUNTIME_FIELDS + SERVING_FIELDS, "state": RUNTIME_FIELDS}
 
@@ -96,9 +97,17 @@ def config_from_json(data: Mapping[str, Any]) -> DsaConfig:
     return DsaConfig(**dict(data))
 
 
+def _ignored_fields(kind: str, saved: Mapping[str, Any], cfg: DsaConfig) -> tuple[str, ...]:
+    """Fields a restore of `kind` does not compare: `IGNORED_FIELDS`, and `weight_block` where
+    neither config has fp8 weights (only fp8 blocks depend on it; checkpoints before format 6
+    do not store it)."""
+    fp8_weights = fp8.FP8 in (saved.get("param_dtype"), cfg.param_dtype)
+    return IGNORED_FIELDS[kind] + (() if fp8_weights else ("weight_block",))
+
+
 def _check_config(path: str, kind: str, saved: Mapping[str, Any], cfg: DsaConfig) -> None:
     given = config_to_json(cfg)
-    ignored = IGNORED_FIELDS[kind]
+    ignored = _ignored_fields(kind, saved, cfg)
     diffs = []
     for name in sorted(set(saved) | set(given)):
         if name in ignored:
@@ -504,7 +513,7 @@ def restore_state(path: str | os.PathLike, cfg: DsaConfig, *, device=None
                   ) -> tuple[list[DsaState], dict[str, Any] | None]:
     """Read a `save_state` checkpoint: `(states, extra)`, the states on `device` (default:
     the first device); `extra` is None if none was saved. `cfg` must match the saved config in
-    every field but `implementation` and `batch_invariant`."""
+    every field but the run-time ones (`RUNTIME_FIELDS`) and, for bf16 weights, `weight_block`."""
     path = _abspath(path)
     meta = _info_of_kind(path, "state", cfg)
     sharding = _sharding(device)

@@ -172,7 +172,14 @@ class _StrayReadFilter:
 
     def filter(self, record) -> bool:
         e = record.exc_info[1] if record.exc_info else None
-        return not ("never retrieved" in str(record.msg) and _from_orbax_read(e))
+        return not ("never retrieved" in str(record.msg)
+                    and (_from_orbax_read(e) or _tensorstore_read_error(e)))
+
+
+def _tensorstore_read_error(e: BaseException | None) -> bool:
+    """A tensorstore read's error set on its future from tensorstore's own threads: no Python
+    frames, and the spec of the store it read in the message."""
+    return e is not None and e.__traceback__ is None and "tensorstore_spec" in str(e)
 
 
 def _quiet_stray_reads() -> None:

@@ -66,6 +66,33 @@ def test_convert_keeps_an_fp8_checkpoint_fp8(tmp_path):
         T.assert_trees_bitwise_equal(tuple(g), tuple(fp8.dense(f) for f in w))
 
 
+def test_checkpoints_of_format_5_restore_and_weight_block_matters_only_for_fp8(
+        tmp_path, monkeypatch):
+    """A checkpoint written before format 6 has no `weight_block` (nor `colaunch`, a run-time
+    choice) in its config: bf16 weights and states restore from it; a bf16 conversion of an
+    fp8 release restores under any `weight_block`; fp8 weights compare it."""
+    c16 = TINY8.replace(param_dtype="bfloat16")
+    _, layers = _layers(TINY8)
+    dense = [type(w)(*[fp8.dense(f) for f in w]) for w in layers]
+    checkpoint.save_weights(tmp_path / "w", c16, dense)
+    checkpoint.save_state(tmp_path / "s", c16, [dsa_jax.init_state(c16, 2, kv_scale=0.5)])
+    metas = {}
+    for kind in ("w", "s"):
+        meta = checkpoint.read_info(tmp_path / kind)
+        meta["version"] = 5
+        for name in ("weight_block", "colaunch"):
+            del meta["config"][name]
+        metas[str(tmp_path / kind)] = meta
+    real = checkpoint.read_info
+    monkeypatch.setattr(checkpoint, "read_info", lambda p: metas.get(str(p)) or real(p))
+    for cfg in (c16, c16.replace(weight_block=(128, 128), colaunch=False)):
+        for g, w in zip(checkpoint.restore_weights(tmp_path / "w", cfg), dense, strict=True):
+            T.assert_trees_bitwise_equal(tuple(g), tuple(w))
+        assert len(checkpoint.restore_state(tmp_path / "s", cfg)[0]) == 1
+    with pytest.raises(CheckpointError, match="weight_block: not in the checkpoint"):
+        checkpoint.restore_weights(tmp_path / "w", TINY8)
+
+
 def test_a_damaged_fp8_layout_or_field_is_refused_by_name(tmp_path, monkeypatch):
     _, layers = _layers(TINY8, keys=(5, 6))
     with pytest.raises(CheckpointError, match="field x_proj holds fp8 blocks, but the "
