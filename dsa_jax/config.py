@@ -170,11 +170,6 @@ class DsaConfig:
                  f"batch_invariant must be a bool (true or false), got {self.batch_invariant!r}")
         _require(isinstance(self.colaunch, bool),
                  f"colaunch must be a bool (true or false), got {self.colaunch!r}")
-        _require(self.param_dtype != "float8_e4m3fn" or self.implementation != "pallas",
-                 f"param_dtype='float8_e4m3fn' runs on implementation='xla' and, its kernels "
-                 f"reading the blocks, 'pallas-interpret'; compiled ('pallas') they have not "
-                 f"yet passed their device tests (docs/decisions.md): implementation="
-                 f"{self.implementation!r} is refused, not run on other GEMMs")
         _require(self.gemm != "pallas" or self.param_dtype in ("bfloat16", "float8_e4m3fn"),
                  f"gemm='pallas' runs bf16 or fp8 weights (its MMA operands: bf16); param_dtype "
                  f"is {self.param_dtype!r}: use gemm='xla' for it")

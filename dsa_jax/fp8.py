@@ -141,27 +141,19 @@ def quantize_blocks(w: np.ndarray, block: tuple[int, int]) -> Fp8Block:
 
 
 def compute_weights(cfg, weights):
-    """`weights` (a `DsaWeights`) as the step multiplies them: every fp8 field dequantized to
-    bf16 (`dense`), the other fields as they are. The GEMMs then see the bf16 weights the
-    load-time dequantization gives, so their results are those bits. Runs inside the traced
-    step (the weights stay fp8 in memory). Under 'pallas-interpret' the weights pass as they
-    are: the row-invariant GEMM kernels dequantize each tile themselves (the same bits), and
-    the XLA GEMMs of a prompt's rows dequantize in their definitions. `ConfigError` where
-    `cfg.implementation` resolves to the compiled kernels: they have not yet passed their
-    device tests (docs/decisions.md)."""
+    """`weights` (a `DsaWeights`) as the step multiplies them. On 'xla' every fp8 field is
+    dequantized to bf16 (`dense`), the other fields as they are: the GEMMs then see the bf16
+    weights the load-time dequantization gives, so their results are those bits. Runs inside
+    the traced step (the weights stay fp8 in memory). Where the kernels run ('pallas',
+    'pallas-interpret') the weights pass as they are: the row-invariant GEMM kernels
+    dequantize each tile themselves (the same bits), and the XLA GEMMs of a prompt's rows
+    dequantize in their definitions."""
     if not any(is_fp8(f) for f in weights):
         return weights
-    from dsa_jax.errors import ConfigError
     from dsa_jax.implementation import resolve
 
-    impl = resolve(cfg.implementation)
-    if impl == "pallas-interpret":  # the kernels read the blocks
+    if resolve(cfg.implementation) != "xla":  # the kernels read the blocks
         return weights
-    if impl != "xla":
-        raise ConfigError(f"fp8 weights run on implementation='xla' or 'pallas-interpret'; "
-                          f"implementation={cfg.implementation!r} resolves to {impl!r} here, "
-                          f"whose compiled fp8 GEMMs have not yet passed their device tests: "
-                          f"pass implementation='xla' (or bf16 weights)")
     return type(weights)(*[dense(f) for f in weights])
 
 

@@ -16,11 +16,7 @@ from dsa_jax.errors import ConfigError, WeightError
 from dsa_jax.shapes import ODD, tiny
 from dsa_jax.weights import FP8_RELEASE_TENSORS, quantize_hf_tensors
 
-# Compiled fp8 kernels are refused until these pass on a GPU (docs/decisions.md): lifting the
-# refusal turns each strict xfail into a failure until its marker goes.
-REFUSED = pytest.mark.xfail(raises=ConfigError, strict=True,
-                            reason="compiled fp8 kernels await their device tests")
-PALLAS = pytest.param("pallas", marks=[pytest.mark.gpu, REFUSED])
+PALLAS = pytest.param("pallas", marks=pytest.mark.gpu)
 
 # The tiny block in 32 x 32 blocks; with 32 x 40 blocks the column grid has a ragged edge;
 # the odd block in 4 x 8 blocks (its 12 + 20 rows a head split on a block boundary).
@@ -98,9 +94,9 @@ STEP_CASES = [CASES[0], pytest.param(TINY8.replace(weight_block=(32, 40)), id="t
               CASES[2], pytest.param(TINY8.replace(implementation="pallas-interpret"),
                                      id="tiny-kernels", marks=pytest.mark.long),
               pytest.param(lambda: TINY8.replace(implementation="pallas"), id="tiny-compiled",
-                           marks=[pytest.mark.gpu, REFUSED]),
+                           marks=pytest.mark.gpu),
               pytest.param(lambda: CASES[2].values[0].replace(implementation="pallas"),
-                           id="odd-compiled", marks=[pytest.mark.gpu, REFUSED])]
+                           id="odd-compiled", marks=pytest.mark.gpu)]
 
 
 @pytest.mark.parametrize("cfg", STEP_CASES)
@@ -109,7 +105,7 @@ def test_every_step_gives_the_bits_of_the_dequantized_weights(cfg):
     (decode, verify, the co-launched q_b, the row-metadata launch's x projection over
     `StackedRows`) and the per-head U_k / U_v kernels read the blocks, a prompt's XLA GEMMs
     dequantize them. Every output is the bf16 weights' path's, `==`."""
-    cfg = cfg() if callable(cfg) else cfg  # a compiled case's config: refused for now
+    cfg = cfg() if callable(cfg) else cfg  # a compiled case's config: made on the GPU
     _, (w8, w16) = _pair(cfg, key=3)
     x = T.random_rows(4, 2, 80, cfg.hidden_size)
     got = _serve(cfg, w8, x)
@@ -205,18 +201,14 @@ def test_a_bad_fp8_checkpoint_is_refused_by_name(how, match):
         dsa_jax.fold_weights(cfg, bad)
 
 
-def test_a_bad_weight_block_and_the_compiled_kernels_are_refused():
+def test_a_bad_weight_block_is_refused():
     with pytest.raises(ConfigError, match="weight_block must be two positive integers"):
         TINY8.replace(weight_block=(32, 0))
-    with pytest.raises(ConfigError, match="param_dtype='float8_e4m3fn' runs on "
-                                          "implementation='xla' and, its kernels"):
-        TINY8.replace(implementation="pallas")
 
 
-def test_the_step_dequantizes_on_xla_passes_blocks_to_interpret_refuses_compiled(
-        monkeypatch):
+def test_the_step_dequantizes_on_xla_and_passes_the_blocks_to_the_kernels(monkeypatch):
     """`implementation="auto"` is 'xla' on a CPU (the step sees the bf16 weights) and the
-    compiled kernels on a GPU, refused there; in interpret mode the kernels read the blocks."""
+    compiled kernels on a GPU, which read the blocks, as they do in interpret mode."""
     cfg = TINY8.replace(implementation="auto")
     _, (w8, w16) = _pair(cfg, key=9)
     dense = fp8.compute_weights(cfg, w8)
@@ -224,8 +216,7 @@ def test_the_step_dequantizes_on_xla_passes_blocks_to_interpret_refuses_compiled
     T.assert_trees_bitwise_equal(tuple(dense), tuple(w16))
     assert fp8.compute_weights(cfg.replace(implementation="pallas-interpret"), w8) is w8
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    with pytest.raises(ConfigError, match="resolves to 'pallas' here"):
-        fp8.compute_weights(cfg, w8)
+    assert fp8.compute_weights(cfg, w8) is w8
 
 
 def _dense_model(mw):
@@ -293,7 +284,6 @@ def test_the_engine_serves_fp8_weights_with_the_tokens_of_their_bf16_weights():
 
 
 @pytest.mark.gpu
-@REFUSED
 def test_glm53_flash_fp8_weights_give_the_bits_of_their_bf16_weights_compiled():
     """GLM-5.3-Flash shapes, 128 x 128 blocks, the compiled kernels: a 2100-token prompt in
     two chunks, decodes with an inactive row, a verify, a rewind and a decode; every `y`,
