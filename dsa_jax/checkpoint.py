@@ -513,7 +513,8 @@ def restore_state(path: str | os.PathLike, cfg: DsaConfig, *, device=None
                   ) -> tuple[list[DsaState], dict[str, Any] | None]:
     """Read a `save_state` checkpoint: `(states, extra)`, the states on `device` (default:
     the first device); `extra` is None if none was saved. `cfg` must match the saved config in
-    every field but the run-time ones (`RUNTIME_FIELDS`) and, for bf16 weights, `weight_block`."""
+    every field but the run-time ones (`RUNTIME_FIELDS`) and `weight_block` unless either
+    config has fp8 weights."""
     path = _abspath(path)
     meta = _info_of_kind(path, "state", cfg)
     sharding = _sharding(device)

@@ -93,9 +93,9 @@ STEP_CASES = [CASES[0], pytest.param(TINY8.replace(weight_block=(32, 40)), id="t
                                       marks=pytest.mark.long),  # CI time: the folds' test
               CASES[2], pytest.param(TINY8.replace(implementation="pallas-interpret"),
                                      id="tiny-kernels", marks=pytest.mark.long),
-              pytest.param(lambda: TINY8.replace(implementation="pallas"), id="tiny-compiled",
+              pytest.param(TINY8.replace(implementation="pallas"), id="tiny-compiled",
                            marks=pytest.mark.gpu),
-              pytest.param(lambda: CASES[2].values[0].replace(implementation="pallas"),
+              pytest.param(CASES[2].values[0].replace(implementation="pallas"),
                            id="odd-compiled", marks=pytest.mark.gpu)]
 
 
@@ -105,7 +105,6 @@ def test_every_step_gives_the_bits_of_the_dequantized_weights(cfg):
     (decode, verify, the co-launched q_b, the row-metadata launch's x projection over
     `StackedRows`) and the per-head U_k / U_v kernels read the blocks, a prompt's XLA GEMMs
     dequantize them. Every output is the bf16 weights' path's, `==`."""
-    cfg = cfg() if callable(cfg) else cfg  # a compiled case's config: made on the GPU
     _, (w8, w16) = _pair(cfg, key=3)
     x = T.random_rows(4, 2, 80, cfg.hidden_size)
     got = _serve(cfg, w8, x)
