@@ -167,7 +167,7 @@ def decode_front(cfg: DsaConfig, weights: DsaWeights, state: DsaState, x: jax.Ar
     (`implementation.run_decode_front`): the same results as one launch each.
     -> (state, proj, meta, pos, valid)."""
     qw, qw_at = operand(cfg, weights.qi_proj)
-    warps = front_warps(x.shape[1], x.shape[0] * x.shape[1], qw.shape, state.latent.shape,
+    warps = front_warps(x.shape[1], x.shape[0] * x.shape[1], qw, state.latent.shape,
                         state.latent.dtype)
     if warps is None:
         meta, xw = meta_and_x_projection(cfg, weights, state, x, n_new, attended)

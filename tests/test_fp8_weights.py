@@ -223,6 +223,36 @@ def _dense_model(mw):
     return mw._replace(layers=tuple(type(w)(*[fp8.dense(f) for f in w]) for w in mw.layers))
 
 
+def test_every_kernel_gemm_over_fp8_blocks_runs_at_the_bf16_weights_tiles():
+    """On Hopper the GEMM kernel's dot over dequantized fp8 tiles sums in the bf16 weight's
+    order only from 64-row tiles on (`matmul.FP8_MIN_BLOCK_M`; interpret mode cannot show the
+    difference), so the kernel refuses fewer rows over an fp8 weight, and every GEMM of the
+    steps and the scanned model picks its tiles for the fp8 weight it reads: the shared
+    decode front (its qi GEMM), the co-launched q_b, the row metadata's x projection, U_k,
+    U_v. Traced (abstract shapes) at 1, 2 and max_verify rows per sequence."""
+    from dsa_jax import model as M
+    from dsa_jax.pallas import matmul as mm
+
+    v, w = jnp.ones((1, 64), jnp.float32), fp8.quantize_blocks(
+        np.random.default_rng(0).standard_normal((40, 64), np.float32), (32, 32))
+    with pytest.raises(ValueError, match="block_m=16 over an fp8 weight"):
+        mm.matmul_pallas(v, w, interpret=True, block_m=16)
+    cfg = TINY8.replace(implementation="pallas-interpret")
+    w8 = _pair(cfg)[1][0]
+    state = dsa_jax.init_state(cfg, num_seqs=2, kv_scale=1 / 64)
+    x = T.random_rows(1, 2, cfg.max_verify, cfg.hidden_size)
+    for rows in sorted({1, 2, cfg.max_verify}):
+        jax.eval_shape(lambda s, xx: dsa_jax.decode_k(cfg, w8, s, xx), state, x[:, :rows])
+    jax.eval_shape(lambda s, xx: dsa_jax.prefill(cfg, w8, s, xx), state, x)
+    mcfg = M.ModelConfig(cfg, vocab_size=37)
+    weights = M.init_model(mcfg, jax.random.key(1))
+    ms = M.init_model_state(mcfg, 2, 2 * cfg.blocks_per_seq,
+                            np.arange(2 * cfg.blocks_per_seq, dtype=np.int32).reshape(2, -1))
+    jax.eval_shape(lambda w, s, t, n: M.forward(mcfg, w, s, t, n),
+                   M.stack_weights(mcfg, weights), ms, jnp.zeros((2, 1), jnp.int32),
+                   jnp.ones((2,), jnp.int32))
+
+
 @pytest.mark.parametrize("impl", ["xla", pytest.param("pallas-interpret",
                                                       marks=pytest.mark.long), PALLAS])
 def test_the_scanned_model_gives_the_bits_of_its_dequantized_weights(impl):

@@ -20,7 +20,7 @@ from dsa_jax.pallas import index_write, latent_write, rms_norm
 from dsa_jax.pallas.colaunch import colaunch
 from dsa_jax.pallas.index_write import index_write_parts
 from dsa_jax.pallas.latent_write import latent_write_part, pick_store
-from dsa_jax.pallas.matmul import default_tuning, matmul_part, summed_columns_part
+from dsa_jax.pallas.matmul import default_tuning, matmul_part, reads_fp8, summed_columns_part
 from dsa_jax.pallas.rms_norm import rms_norm_part
 
 
@@ -35,16 +35,22 @@ class Front(NamedTuple):
     w: jax.Array  # [B, R, Hi] f32 the indexer head weights
 
 
-def front_warps(rows_per_seq: int, tokens: int, qi_weight_shape: tuple[int, ...],
-                latent_shape, latent_dtype) -> int | None:
+def qi_tuning(qi_weight, tokens: int):
+    """The indexer query GEMM's tiles for `tokens` rows: its kernel's defaults for the weight
+    (`qi_weight` an array `[N, K]`, a stack `[G, N, K]` or fp8 blocks: fp8 takes its own
+    tiles, `default_tuning(fp8_weight=True)`)."""
+    return default_tuning(*qi_weight.shape[-2:], 1, tokens, reads_fp8(qi_weight))
+
+
+def front_warps(rows_per_seq: int, tokens: int, qi_weight, latent_shape, latent_dtype
+                ) -> int | None:
     """The warps every part of the shared launches runs at, or None where the front's
     kernels would run at different warps (a part at other warps would not be its kernel's
     program) or XLA stores the latent cache (`pick_store`): then each kernel runs as its own
     launch, with the same results. rows_per_seq: the step's rows per sequence; tokens: its
     rows in all (B * R)."""
-    n, k = qi_weight_shape[-2:]
     warps = {rms_norm.NUM_WARPS, latent_write.warps_for(rows_per_seq),
-             index_write.warps_for(rows_per_seq), default_tuning(n, k, 1, tokens).num_warps}
+             index_write.warps_for(rows_per_seq), qi_tuning(qi_weight, tokens).num_warps}
     if len(warps) > 1 or pick_store(latent_shape, latent_dtype) != "kernel":
         return None
     return warps.pop()
@@ -80,7 +86,7 @@ def decode_front(xp: jax.Array, *, warps: int, interpret: bool, eps: float,
         [ix.rows, lat_part, norm_part, w_part], num_warps=warps, num_stages=1,
         interpret=interpret, name="x_readers")
     q_resid = norm_done(norm_outs)  # [B, R, R_q]
-    qt = default_tuning(*qi_weight.shape[-2:], 1, xp.shape[1] * xp.shape[2])
+    qt = qi_tuning(qi_weight, xp.shape[1] * xp.shape[2])
     # The barrier as in `projection.project`: XLA:GPU's dot merger must not merge the two q
     # GEMMs.
     qi_part, qi_done = matmul_part(lax.optimization_barrier(q_resid), qi_weight, qi_weight_at,

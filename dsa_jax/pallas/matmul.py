@@ -37,8 +37,8 @@ from dsa_jax.pallas.common import (
 
 __all__ = ["MatmulTuning", "default_tuning", "matmul_pallas", "matmul_part", "matmul_parts",
            "matmul_xla",
-           "per_head_pallas", "per_head_xla", "splits_for", "summed_columns_part",
-           "summed_columns_xla"]
+           "per_head_pallas", "per_head_xla", "reads_fp8", "splits_for",
+           "summed_columns_part", "summed_columns_xla"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +67,10 @@ class MatmulTuning:
 # bits.
 CONVERT_IN_KERNEL_ROWS = 16
 SMEM_BUDGET = 200 * 1024  # of the H200's 227 KiB per block: Triton's pipeline stages
+# The fewest rows a tile over an fp8 weight may have: from 64 rows on, the dot over the
+# dequantized tiles sums in the bf16 weight's order (the same bits); Triton lays out a 16- or
+# 32-row dot over converted fp8 tiles otherwise (docs/decisions.md).
+FP8_MIN_BLOCK_M = 64
 
 
 def reads_fp8(w) -> bool:
@@ -103,7 +107,7 @@ def default_tuning(n: int, k: int, heads: int = 1, m: int = 64, fp8_weight: bool
         block_k //= 2
     block_m = 16 if m <= 16 else 64 if m <= 64 else 128
     if fp8_weight:
-        block_m = max(block_m, 64)
+        block_m = max(block_m, FP8_MIN_BLOCK_M)
     block_n = 64 if n >= 64 else max(16, 1 << (max(n, 1) - 1).bit_length())
     if (m > 64 or heads > 1) and n >= 128:
         block_n = 128
@@ -234,6 +238,10 @@ def _gemm_part(v: jax.Array, w: jax.Array, w_kn: bool, tuning: MatmulTuning,
         layer = _check_layer(w, layer, heads)  # clamped, as the twin's dynamic index
         weights = tuple(a.reshape(-1, *a.shape[2:]) for a in weights)  # [G*H, ., .]: bitcasts
     tiles = _check(tuning, k)
+    if blocks and tuning.block_m < FP8_MIN_BLOCK_M:
+        raise ValueError(f"MatmulTuning.block_m={tuning.block_m} over an fp8 weight: tiles of "
+                         f"fewer than {FP8_MIN_BLOCK_M} rows sum in another order than the "
+                         f"bf16 weight's (use default_tuning(..., fp8_weight=True))")
     if m > CONVERT_IN_KERNEL_ROWS or blocks:  # fp8: `default_tuning(fp8_weight=True)` says why
         v = v.astype(w.dtype)
     for name, arr in (("v", v), ("w", weights[0])):

@@ -46,7 +46,8 @@ def shares_launch(scores_shape: tuple[int, ...], v_shape: tuple[int, ...],
                   topk_tuning: tk.PoolTopkTuning | None = None,
                   matmul_tuning: mm.MatmulTuning | None = None) -> bool:
     """Whether the two kernels run in one launch for these shapes (static; w_shape [N, K] or
-    a stack's [G, N, K]; tunings None: the kernels' defaults)."""
+    a stack's [G, N, K]; tunings None: the kernels' defaults, the GEMM's for a 16-bit weight:
+    an fp8 weight's caller passes its tiles, `default_tuning(..., fp8_weight=True)`)."""
     topk_tuning = topk_tuning or tk.PoolTopkTuning()
     rows = math.prod(scores_shape[:-1])
     m = math.prod(v_shape[:-1])
@@ -71,8 +72,9 @@ def topk_matmul_pallas(scores: jax.Array, k: int, v: jax.Array, w: jax.Array,
     metadata launch, `pallas/row_meta.py`; where the two share the launch). Tunings None: the
     kernels' defaults."""
     topk_tuning = topk_tuning or tk.PoolTopkTuning()
-    if not shares_launch(scores.shape, v.shape, w.shape, interpret, topk_tuning,
-                         matmul_tuning):
+    m = math.prod(v.shape[:-1])
+    mt = matmul_tuning or mm.default_tuning(*w.shape[-2:], 1, m, mm.reads_fp8(w))
+    if not shares_launch(scores.shape, v.shape, w.shape, interpret, topk_tuning, mt):
         if scores.shape[-1] > tk.KERNEL_MAX_P:  # past the kernels' rows: lax.top_k
             pools = tk.pool_topk_xla(scores, k)
             if expand is not None:
@@ -87,8 +89,6 @@ def topk_matmul_pallas(scores: jax.Array, k: int, v: jax.Array, w: jax.Array,
                                                interpret=interpret, tuning=topk_tuning)
         return pools, mm.matmul_pallas(v, w, layer, interpret=interpret,
                                        tuning=matmul_tuning)
-    m = math.prod(v.shape[:-1])
-    mt = matmul_tuning or mm.default_tuning(*w.shape[-2:], 1, m, mm.reads_fp8(w))
     t_part, t_finish = tk.topk_part(scores, k, interpret=interpret, tuning=topk_tuning,
                                     expand=expand, pos=pos, valid=valid, pv=pv)
     m_parts, m_finish = mm.matmul_parts(v, w, layer, tuning=mt)
