@@ -77,8 +77,10 @@ def remember(state, lengths, index_lengths, block_tables, slack: int | None = No
     numbers = HostNumbers(_frozen(lengths), _frozen(index_lengths), _frozen(block_tables),
                           slack)
     key = id(arrays[0])
-    # The entry goes when the lengths array does (its id may then be reused).
-    first = weakref.ref(arrays[0], lambda _, key=key: _ENTRIES.pop(key, None))
+    # The entry goes when the lengths array does (its id may then be reused). The callback
+    # holds the dict itself: at interpreter exit the module's globals are cleared before the
+    # last arrays die.
+    first = weakref.ref(arrays[0], lambda _, key=key, entries=_ENTRIES: entries.pop(key, None))
     _ENTRIES[key] = (first, weakref.ref(arrays[1]), weakref.ref(arrays[2]), numbers)
 
 

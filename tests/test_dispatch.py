@@ -3,6 +3,10 @@ only the state fields a step changes donated and returned, bitwise equal to the 
 static config and the whole state donated; the host mirror's lockstep marks and the cached
 table facts of the full check never let a bad step through."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -119,6 +123,32 @@ def test_lockstep_marks_are_the_lengths_array_and_a_rewound_ring_is_checked():
     assert known.index_lengths.tolist() == [10] and known.lengths.tolist() == [9]
     _, state, _ = dsa_jax.decode(CFG, weights, state, random_rows(16, 1, CFG.hidden_size))
     assert np.asarray(state.lengths).tolist() == [10]
+
+
+def test_a_state_that_outlives_the_mirror_at_exit_prints_nothing():
+    """At interpreter exit a module's globals are set to None while objects they named may
+    live on; the mirror's entry for a state's lengths array then goes without an "Exception
+    ignored" traceback on stderr (seen at the end of test runs). Simulated in a child
+    process: the entries' global cleared while the entries live, then the state dropped."""
+    script = """
+import gc, jax, dsa_jax
+from dsa_jax import mirror
+from dsa_jax.shapes import ODD
+cfg = ODD.replace(implementation="xla")
+state = dsa_jax.init_state(cfg, 1)
+mirror.remember(state, state.lengths, state.index_lengths, state.block_tables)
+assert mirror.known(state) is not None
+entries = getattr(mirror, "_ENTRIES")  # alive, as teardown may leave it
+setattr(mirror, "_ENTRIES", None)  # its global cleared, as teardown does
+del state
+gc.collect()
+assert not entries
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    assert "Exception ignored" not in done.stderr, done.stderr[-2000:]
 
 
 def _numbers(lengths, marks, tables, same=False):
