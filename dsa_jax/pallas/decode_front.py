@@ -48,7 +48,7 @@ def front_warps(rows_per_seq: int, tokens: int, qi_weight, latent_shape, latent_
     kernels would run at different warps (a part at other warps would not be its kernel's
     program) or XLA stores the latent cache (`pick_store`): then each kernel runs as its own
     launch, with the same results. rows_per_seq: the step's rows per sequence; tokens: its
-    rows in all (B * R)."""
+    rows in all (B * R); qi_weight: the indexer query GEMM's weight (`qi_tuning`)."""
     warps = {rms_norm.NUM_WARPS, latent_write.warps_for(rows_per_seq),
              index_write.warps_for(rows_per_seq), qi_tuning(qi_weight, tokens).num_warps}
     if len(warps) > 1 or pick_store(latent_shape, latent_dtype) != "kernel":
