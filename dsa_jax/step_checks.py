@@ -110,8 +110,8 @@ def _signature(tree) -> tuple:
 
 
 def _remember_layer(key: tuple, weights) -> None:
-    def drop(_, key=key):
-        _LAYER_OK.pop(key, None)
+    def drop(_, key=key, entries=_LAYER_OK):  # the dict itself: see `mirror.remember`
+        entries.pop(key, None)
     try:
         refs = tuple(weakref.ref(a, drop) for a in weights if a is not None)
     except TypeError:  # a leaf that takes no weak reference (a numpy array): not cached
@@ -217,8 +217,8 @@ def tables_fit(tables: np.ndarray, blocks_read: np.ndarray, nb: int) -> bool:
         key = id(tables)
         if len(_TABLE_FACTS) >= 256:
             _TABLE_FACTS.clear()
-        entry = (weakref.ref(tables, lambda _, key=key: _TABLE_FACTS.pop(key, None)), nb,
-                 prefix, distinct)
+        entry = (weakref.ref(tables, lambda _, key=key, facts=_TABLE_FACTS: facts.pop(key, None)),
+                 nb, prefix, distinct)
         _TABLE_FACTS[key] = entry
     return bool(entry[3] and (blocks_read <= entry[2]).all())
 
@@ -272,7 +272,7 @@ def vouch(sel, lengths_before: np.ndarray) -> None:
     if not isinstance(sel, jax.Array) or isinstance(sel, jax.core.Tracer):
         return
     key = id(sel)
-    ref = weakref.ref(sel, lambda _, key=key: _VOUCHED.pop(key, None))
+    ref = weakref.ref(sel, lambda _, key=key, vouched=_VOUCHED: vouched.pop(key, None))
     if lengths_before.flags.writeable:
         lengths_before = np.array(lengths_before)
     _VOUCHED[key] = (ref, lengths_before)

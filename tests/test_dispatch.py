@@ -125,24 +125,31 @@ def test_lockstep_marks_are_the_lengths_array_and_a_rewound_ring_is_checked():
     assert np.asarray(state.lengths).tolist() == [10]
 
 
-def test_a_state_that_outlives_the_mirror_at_exit_prints_nothing():
+def test_arrays_that_outlive_the_host_caches_at_exit_print_nothing():
     """At interpreter exit a module's globals are set to None while objects they named may
-    live on; the mirror's entry for a state's lengths array then goes without an "Exception
-    ignored" traceback on stderr (seen at the end of test runs). Simulated in a child
-    process: the entries' global cleared while the entries live, then the state dropped."""
+    live on; the host caches keyed by arrays (the mirror's entries, the step checks' passed
+    layers, table facts and vouched selections) then drop an entry as its array dies without
+    an "Exception ignored" traceback on stderr (seen at the end of test runs). Simulated in a
+    child process: after a prefill and a decode, each cache's global cleared while the cache
+    lives, then every array dropped."""
     script = """
 import gc, jax, dsa_jax
-from dsa_jax import mirror
+from dsa_jax import mirror, step_checks
 from dsa_jax.shapes import ODD
+from dsa_jax.testing import random_rows
 cfg = ODD.replace(implementation="xla")
+weights = dsa_jax.init_random_weights(cfg, jax.random.key(1))
 state = dsa_jax.init_state(cfg, 1)
-mirror.remember(state, state.lengths, state.index_lengths, state.block_tables)
-assert mirror.known(state) is not None
-entries = getattr(mirror, "_ENTRIES")  # alive, as teardown may leave it
-setattr(mirror, "_ENTRIES", None)  # its global cleared, as teardown does
-del state
+y, state, sel = dsa_jax.prefill(cfg, weights, state, random_rows(2, 1, 6, cfg.hidden_size))
+y, state, sel = dsa_jax.decode(cfg, weights, state, random_rows(3, 1, cfg.hidden_size))
+caches = {(m, n): getattr(m, n) for m, n in ((mirror, "_ENTRIES"), (step_checks, "_LAYER_OK"),
+          (step_checks, "_TABLE_FACTS"), (step_checks, "_VOUCHED"))}
+assert all(caches.values()), {n: len(c) for (_, n), c in caches.items()}
+for m, n in caches:
+    setattr(m, n, None)  # the global cleared, as teardown does, the cache alive
+del y, state, sel, weights
 gc.collect()
-assert not entries
+assert not any(caches.values()), {n: len(c) for (_, n), c in caches.items()}
 print("ok")
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
