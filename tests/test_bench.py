@@ -73,15 +73,23 @@ def test_smoke_run_has_the_schema(smoke_result):
 
 def test_every_committed_result_keeps_the_schema():
     """benchmarks/results/ holds one bench run per card kind and at most one `--only peers`
-    run per card kind (no points of its own), each with the bench schema."""
+    and one `--only fp8` run per card kind (no points of their own), each with the bench
+    schema."""
     runs = schema.load_runs(RESULTS)
     assert len(runs) == len(glob.glob(os.path.join(RESULTS, "*.json"))) >= 1
-    for kind in (True, False):  # bench runs, peers runs
-        cards = [render.card_of(res) for _, res in runs if bool(res["points"]) == kind]
-        assert sorted(cards) == sorted(set(cards)), cards
-        assert kind is False or "h200" in cards, cards
-    for _, res in runs:
-        assert res["points"] or (res.get("peers") or {}).get("points"), res.get("command")
+
+    def kind(res):
+        if res["points"]:
+            return "bench"
+        if (res.get("peers") or {}).get("points"):
+            return "peers"
+        assert (res.get("fp8_weights") or {}).get("points"), res.get("command")
+        return "fp8"
+
+    for want in ("bench", "peers", "fp8"):
+        cards = [render.card_of(res) for _, res in runs if kind(res) == want]
+        assert sorted(cards) == sorted(set(cards)), (want, cards)
+        assert want != "bench" or "h200" in cards, cards
     for path, res in runs:
         assert schema.result_problems(res) == [], path
         assert not res.get("smoke"), path

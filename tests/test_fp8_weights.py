@@ -225,8 +225,9 @@ def _dense_model(mw):
 
 def test_every_kernel_gemm_over_fp8_blocks_runs_at_the_bf16_weights_tiles():
     """On Hopper the GEMM kernel's dot over dequantized fp8 tiles sums in the bf16 weight's
-    order only from 64-row tiles on (`matmul.FP8_MIN_BLOCK_M`; interpret mode cannot show the
-    difference), so the kernel refuses fewer rows over an fp8 weight, and every GEMM of the
+    order only where the MMA's M side (the rows, or the weight's columns of a `swap_ab` tile)
+    is 64 or more (`matmul.FP8_MIN_BLOCK_M`; interpret mode cannot show the difference), so
+    the kernel refuses a narrower one over an fp8 weight, and every GEMM of the
     steps and the scanned model picks its tiles for the fp8 weight it reads: the shared
     decode front (its qi GEMM), the co-launched q_b, the row metadata's x projection, U_k,
     U_v. Traced (abstract shapes) at 1, 2 and max_verify rows per sequence."""
@@ -235,8 +236,10 @@ def test_every_kernel_gemm_over_fp8_blocks_runs_at_the_bf16_weights_tiles():
 
     v, w = jnp.ones((1, 64), jnp.float32), fp8.quantize_blocks(
         np.random.default_rng(0).standard_normal((40, 64), np.float32), (32, 32))
-    with pytest.raises(ValueError, match="block_m=16 over an fp8 weight"):
-        mm.matmul_pallas(v, w, interpret=True, block_m=16)
+    with pytest.raises(ValueError, match=r"block_m=16 \(swap_ab=False\) over an fp8 weight"):
+        mm.matmul_pallas(v, w, interpret=True, block_m=16, swap_ab=False)
+    with pytest.raises(ValueError, match=r"block_n=32 \(swap_ab=True\) over an fp8 weight"):
+        mm.matmul_pallas(v, w, interpret=True, block_n=32)  # 1 row: a transposed tile
     cfg = TINY8.replace(implementation="pallas-interpret")
     w8 = _pair(cfg)[1][0]
     state = dsa_jax.init_state(cfg, num_seqs=2, kv_scale=1 / 64)

@@ -75,6 +75,25 @@ def test_per_head_matches_the_definition(kernel_impl, w_contract):
     assert (np.abs(ref - exact) <= bound).all()
 
 
+@pytest.mark.parametrize("m,n,k,over", [(3, 130, 300, {}),
+                                         (21, 70, 1536, {"block_n": 128, "splits": 2})])
+def test_the_transposed_tile_matches_the_definition(kernel_impl, m, n, k, over):
+    """`swap_ab` (the tile computed as `w_tile @ v_tile^T`): the same products within the
+    same bound, for a weight [N, K] and for the per-head products of both layouts."""
+    interpret = kernel_impl == "pallas-interpret"
+    v, w = _operands(m, n, k, seed=m)
+    got = np.asarray(mm.matmul_pallas(v, w, interpret=interpret, swap_ab=True, block_m=16,
+                                      **over))
+    exact, bound = _exact_and_bound(v, w, k)
+    assert got.shape == (m, n) and (np.abs(got - exact) <= bound).all()
+    for w_contract in (1, 2):
+        v, w = _operands(m, 40, 24, seed=w_contract, heads=3, w_contract=w_contract)
+        got = np.asarray(mm.per_head_pallas(v, w, w_contract, interpret=interpret,
+                                            swap_ab=True, block_m=16))
+        exact, bound = _exact_and_bound(v, w, 24, w_contract)
+        assert got.shape == (m, 3, 40) and (np.abs(got - exact) <= bound).all()
+
+
 @pytest.mark.parametrize("n,k,heads", [(100, 1536, None), (130, 4096, None), (40, 24, 3)])
 def test_a_row_has_the_same_bits_at_every_row_count(kernel_impl, n, k, heads):
     """The kernel's promise: the default tiles change with the row count (16-, 64- and
@@ -223,6 +242,10 @@ def test_fp8_weights_give_the_bits_of_their_bf16_weights(kernel_impl, m, n, k, b
     w8 = fp8.quantize_blocks(np.asarray(w) * 10.0, block)
     w16 = w8.dequantize()
     interpret = kernel_impl == "pallas-interpret"
+    swap = mm.default_tuning(n, k, heads or 1, m, fp8_weight=True).swap_ab
+    assert swap == (m <= mm.FP8_SWAP_ROWS)  # a few rows: the transposed tile's bits are tested
+    if swap and over.get("block_n", 64) < mm.FP8_MIN_BLOCK_M:  # narrow columns: row tiles
+        over = {**over, "swap_ab": False, "block_m": mm.FP8_MIN_BLOCK_M}
     if heads is None:
         got = mm.matmul_pallas(v, w8, interpret=interpret, **over)
         want = mm.matmul_pallas(v, w16, interpret=interpret, **over)

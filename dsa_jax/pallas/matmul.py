@@ -52,13 +52,17 @@ class MatmulTuning:
     block_m, block_n, block_k: the program's tile of rows, output columns and the K chunk of
     one loop step (powers of two, >= 16). splits: K is cut into this many contiguous parts, one
     program each, summed afterwards in split order (for GEMMs with few column tiles and a long
-    K). num_warps, num_stages: Triton's launch and software-pipelining depth."""
+    K). num_warps, num_stages: Triton's launch and software-pipelining depth. swap_ab: the
+    MMA computes the tile transposed, `out^T [bn, bm] = w_tile @ v_tile^T`: the weight's
+    columns fill the MMA's 64-row side and the rows its narrow one (a few rows waste no
+    64-row tile), and a dequantized fp8 tile is the MMA's register operand."""
     block_m: int = 64
     block_n: int = 64
     block_k: int = 64
     splits: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    swap_ab: bool = False
 
 
 # Up to this many rows the kernel rounds v to w's dtype itself (no conversion launch); past it
@@ -67,10 +71,14 @@ class MatmulTuning:
 # bits.
 CONVERT_IN_KERNEL_ROWS = 16
 SMEM_BUDGET = 200 * 1024  # of the H200's 227 KiB per block: Triton's pipeline stages
-# The fewest rows a tile over an fp8 weight may have: from 64 rows on, the dot over the
-# dequantized tiles sums in the bf16 weight's order (the same bits); Triton lays out a 16- or
-# 32-row dot over converted fp8 tiles otherwise (docs/decisions.md).
+# The narrowest M side of an MMA over dequantized fp8 tiles (block_m, or block_n of a swap_ab
+# tile): from 64 on the dot sums in the bf16 weight's order (the same bits); Triton lays out a
+# 16- or 32-wide dot over converted fp8 tiles otherwise (docs/decisions.md).
 FP8_MIN_BLOCK_M = 64
+# Up to this many rows an fp8 weight's tiles are swap_ab ones (64 weight columns by 16 rows):
+# a 64-row tile would read four times the rows it has, and the dequantized weight tile becomes
+# the MMA's register operand (no round trip through shared memory).
+FP8_SWAP_ROWS = 16
 
 
 def reads_fp8(w) -> bool:
@@ -96,29 +104,31 @@ def default_tuning(n: int, k: int, heads: int = 1, m: int = 64, fp8_weight: bool
     per m (docs/performance.md): 16-row tiles for a few rows, 128-row ones past 64, 128-deep K
     chunks for the long-K GEMMs, deeper pipelines where a program's K part is long; 128-deep K
     chunks also for the per-head products over K >= 512 at up to 64 rows (a prompt's rows
-    keep 64). fp8_weight (the kernel dequantizes fp8 tiles): 64-row tiles at least, the rows
-    converted before the call, so the dot is laid out as over the bf16 weight's tiles and
-    sums in its order (Triton arranges a 16-row dot over converted fp8 tiles otherwise:
-    docs/decisions.md)."""
+    keep 64). fp8_weight (the kernel dequantizes fp8 tiles): up to FP8_SWAP_ROWS rows,
+    `swap_ab` tiles of 64 weight columns (the rows converted in the kernel); past it 64-row
+    tiles at least, the rows converted before the call. Either way the MMA's M side is 64
+    or more, so the dot sums in the bf16 weight's order (Triton arranges a 16-wide dot over
+    converted fp8 tiles otherwise: docs/decisions.md)."""
     splits = splits_for(n, k, heads)
     deep = heads == 1 or (k >= 512 and m <= 64)
     block_k = 128 if deep and k % (splits * 128) == 0 else 64
     while block_k > 16 and k % (splits * block_k):  # K chunks that end at K where they can
         block_k //= 2
     block_m = 16 if m <= 16 else 64 if m <= 64 else 128
-    if fp8_weight:
-        block_m = max(block_m, FP8_MIN_BLOCK_M)
     block_n = 64 if n >= 64 else max(16, 1 << (max(n, 1) - 1).bit_length())
-    if (m > 64 or heads > 1) and n >= 128:
+    swap_ab = fp8_weight and m <= FP8_SWAP_ROWS and block_n >= FP8_MIN_BLOCK_M
+    if fp8_weight and not swap_ab:
+        block_m = max(block_m, FP8_MIN_BLOCK_M)
+    if (m > 64 or heads > 1) and n >= 128 and not swap_ab:
         block_n = 128
     # Operand tiles in shared memory per pipeline stage: the rows in w's dtype past
     # CONVERT_IN_KERNEL_ROWS (converted before the call), in fp32 below it.
-    a_bytes = 2 if m > CONVERT_IN_KERNEL_ROWS or fp8_weight else 4
+    a_bytes = 2 if m > CONVERT_IN_KERNEL_ROWS or (fp8_weight and not swap_ab) else 4
     stage_bytes = block_k * (block_m * a_bytes + block_n * (1 if fp8_weight else 2))
     stages = min(5 if k // splits >= 4096 else 3, SMEM_BUDGET // stage_bytes)
     warps = 8 if block_m * block_n >= 128 * 128 else 4  # the accumulator over 256 threads
     return MatmulTuning(block_m=block_m, block_n=block_n, block_k=block_k, splits=splits,
-                        num_warps=warps, num_stages=stages)
+                        num_warps=warps, num_stages=stages, swap_ab=swap_ab)
 
 
 def matmul_xla(v: jax.Array, w: jax.Array, layer: jax.Array | None = None, *,
@@ -151,7 +161,7 @@ def per_head_xla(v: jax.Array, w: jax.Array, w_contract: int,
 
 def _tile(ids, *refs, m: int, n: int, k: int, bm: int, bn: int, bk: int, tiles: int,
           splits: int, heads: int, w_kn: bool, stacked: bool,
-          fp8_block: tuple[int, int] | None = None):
+          fp8_block: tuple[int, int] | None = None, swap_ab: bool = False):
     """Program ids (i, j, hs): rows i*bm.., columns j*bn.. of head hs // splits, K part
     hs % splits (the kernel's program ids, or a co-launch's: `colaunch.Part`).
 
@@ -204,15 +214,23 @@ def _tile(ids, *refs, m: int, n: int, k: int, bm: int, bn: int, bk: int, tiles: 
                      mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         a = a.astype(w_dtype)  # [bm, bk]: the operand rounded as the definition rounds it
         at, ok = at_of(ks), ok_of(ks)
-        dims = (((1,), (0,)), ((), ())) if w_kn else (((1,), (1,)), ((), ()))
         b = plt.load(w_ref.at[at], mask=ok, other=0.0)  # [bk, bn] or [bn, bk]
         if fp8_block:  # the tile's scales, by block of w's two last axes
             b = (b.astype(jnp.float32) * tile_scales(ks, t)).astype(w_dtype)
+        if swap_ab:  # acc^T [bn, bm] += w_tile @ a^T
+            dims = (((0,), (1,)), ((), ())) if w_kn else (((1,), (1,)), ((), ()))
+            return acc + lax.dot_general(b, a, dims, preferred_element_type=jnp.float32)
+        dims = (((1,), (0,)), ((), ())) if w_kn else (((1,), (1,)), ((), ()))
         return acc + lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
-    acc = lax.fori_loop(0, tiles, chunk, jnp.zeros((bm, bn), jnp.float32))  # [bm, bn]
-    plt.store(o_ref.at[s, rows[:, None], h, cols[None, :]], acc.astype(o_ref.dtype),
-              mask=(rows < m)[:, None] & col_ok[None, :])
+    shape = (bn, bm) if swap_ab else (bm, bn)
+    acc = lax.fori_loop(0, tiles, chunk, jnp.zeros(shape, jnp.float32))  # [bm, bn] or [bn, bm]
+    if swap_ab:
+        plt.store(o_ref.at[s, rows[None, :], h, cols[:, None]], acc.astype(o_ref.dtype),
+                  mask=row_ok[None, :] & col_ok[:, None])
+    else:
+        plt.store(o_ref.at[s, rows[:, None], h, cols[None, :]], acc.astype(o_ref.dtype),
+                  mask=row_ok[:, None] & col_ok[None, :])
 
 
 def _check(tuning: MatmulTuning, k: int) -> int:
@@ -238,18 +256,21 @@ def _gemm_part(v: jax.Array, w: jax.Array, w_kn: bool, tuning: MatmulTuning,
         layer = _check_layer(w, layer, heads)  # clamped, as the twin's dynamic index
         weights = tuple(a.reshape(-1, *a.shape[2:]) for a in weights)  # [G*H, ., .]: bitcasts
     tiles = _check(tuning, k)
-    if blocks and tuning.block_m < FP8_MIN_BLOCK_M:
-        raise ValueError(f"MatmulTuning.block_m={tuning.block_m} over an fp8 weight: tiles of "
-                         f"fewer than {FP8_MIN_BLOCK_M} rows sum in another order than the "
-                         f"bf16 weight's (use default_tuning(..., fp8_weight=True))")
-    if m > CONVERT_IN_KERNEL_ROWS or blocks:  # fp8: `default_tuning(fp8_weight=True)` says why
+    side = ("block_n", tuning.block_n) if tuning.swap_ab else ("block_m", tuning.block_m)
+    if blocks and side[1] < FP8_MIN_BLOCK_M:
+        raise ValueError(f"MatmulTuning.{side[0]}={side[1]} (swap_ab={tuning.swap_ab}) over an "
+                         f"fp8 weight: an MMA side of fewer than {FP8_MIN_BLOCK_M} sums in "
+                         f"another order than the bf16 weight's (use default_tuning(..., "
+                         f"fp8_weight=True))")
+    if m > CONVERT_IN_KERNEL_ROWS or (blocks and not tuning.swap_ab):  # fp8 (unless the
+        # rows are the MMA's shared-memory operand): `default_tuning(fp8_weight=True)` says why
         v = v.astype(w.dtype)
     for name, arr in (("v", v), ("w", weights[0])):
         check_triton_addressable(arr.shape, arr.dtype, f"matmul's {name}")
     t = tuning
     body = functools.partial(_tile, m=m, n=n, k=k, bm=t.block_m, bn=t.block_n, bk=t.block_k,
                              tiles=tiles, splits=t.splits, heads=heads, w_kn=w_kn,
-                             stacked=stacked, fp8_block=blocks)
+                             stacked=stacked, fp8_block=blocks, swap_ab=t.swap_ab)
     part = Part(body, (pl.cdiv(m, t.block_m), pl.cdiv(n, t.block_n), heads * t.splits),
                 tuple([jnp.reshape(layer, (1,))] if stacked else []) + (v, *weights),
                 (jax.ShapeDtypeStruct((t.splits, m, heads, n),
