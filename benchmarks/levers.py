@@ -3,7 +3,6 @@
 - kv_b applied at run time (the step's form) against absorbed at load time: byte counts, and
   both forms timed;
 - the two fused input GEMMs against seven separate ones;
-- decode rows padded to max_verify against one row;
 - `batch_invariant` on against off (docs/decisions.md's rule for its defaults).
 
 The fp8 weights' GEMMs against bf16 are the `fp8` group's (benchmarks/fp8_weights.py). The
@@ -22,7 +21,6 @@ import numpy as np
 from dsa_jax import layer, projection
 
 from .harness import check_device, err_text, kernel_us, log, measure, profile_step
-from .measures import run_step
 from .roofline import absorbed_vs_runtime
 from .schema import ratio
 from .workloads import StepRunner
@@ -45,31 +43,9 @@ def run(suite) -> None:
             continue
         lev[name] = suite.guarded(f"lever {name}", functools.partial(fn, suite))
         suite.save()
-    row_padding(suite, lev)
 
 
-def row_padding(suite, lev: dict) -> None:
-    """Decode K=1 with max_verify=1 (rows not padded) against the padded step."""
-    p, pad = suite.plan, {}
-    base = (suite.records.get("decode-b1-k1-tp1") or {}).get("impls") or {}
-    for impl in suite.tqdm(suite.impls, "max_verify=1"):
-        if suite.late():
-            break
-        t = suite.guarded(f"max_verify=1 {impl}", lambda impl=impl: run_step(
-            suite, impl, 1, 1, 1, p.ctx, {"max_verify": 1}))
-        pad[impl] = {k: v for k, v in t.items()
-                     if k in ("median_us", "p10_us", "p90_us", "error", "compiles")}
-        pad[impl]["padded_step_us"] = (base.get(impl) or {}).get("median_us")
-    lev["decode_rows_padded_to_max_verify"] = {
-        "note": f"decode K=1 at max_verify=1 (one row) vs the padded step (max_verify="
-                f"{suite.cfg.max_verify} rows, {suite.cfg.max_verify - 1} of them padding)",
-        "results": pad}
-    suite.save()
-
-
-# ---------------------------------------------------------------------------------------------
-# Two forms of the same work
-# ---------------------------------------------------------------------------------------------
+# Two forms of the same work ------------------------------------------------------------------
 
 
 def wall_and_kernel_us(calls: dict, plan) -> dict:

@@ -11,7 +11,7 @@ run of that card, said to be incomplete. Every table comes from that one run, na
 card, jax version and commit; `met` is today's target (benchmarks/points.py) applied to the
 stored result. Points of today's plan the run did not measure are listed with their targets.
 The newest `--only peers` run of the same card adds its table (ours beside FlashMLA and
-DeepGEMM) and a README line.
+DeepGEMM) and a README line; the newest `--only fp8` run its table (fp8 weights beside bf16).
 """
 
 from __future__ import annotations
@@ -66,10 +66,11 @@ def pick_run(results_dir: str, card: str, current: dict) -> tuple[str, dict] | N
     return next((r for r in runs if not missing(r[1], current)), runs[0] if runs else None)
 
 
-def pick_peers(results_dir: str, card: str) -> tuple[str, dict] | None:
-    """The newest run of `card` in `results_dir` holding `peers` points (`--only peers`)."""
+def pick_group(results_dir: str, card: str, group: str) -> tuple[str, dict] | None:
+    """The newest run of `card` in `results_dir` holding points of `group` (`peers` for an
+    `--only peers` run, `fp8_weights` for `--only fp8`)."""
     runs = sorted(((path, res) for path, res in load_runs(results_dir)
-                   if card_of(res) == card and (res.get("peers") or {}).get("points")),
+                   if card_of(res) == card and (res.get(group) or {}).get("points")),
                   key=lambda r: r[1].get("date", ""), reverse=True)
     return runs[0] if runs else None
 
@@ -180,7 +181,8 @@ def update_readme(readme: str, path: str, res: dict, rows: list[tuple],
 
 
 def page(path: str, res: dict, out_md: str, png: str, current: dict,
-         peers: tuple[str, dict] | None = None) -> list[str]:
+         peers: tuple[str, dict] | None = None,
+         fp8: tuple[str, dict] | None = None) -> list[str]:
     rows = judged(res, current)
     n_met = sum(1 for r in rows if r[2])
     lines = ["# Benchmarks", "",
@@ -213,20 +215,23 @@ def page(path: str, res: dict, out_md: str, png: str, current: dict,
         lines += tables.breakdown_table(res)
     if peers:
         lines += tables.peers_table(*peers, out_md)
+    if fp8:
+        lines += tables.fp8_table(*fp8, out_md)
     if (res.get("levers") or {}).get("kv_b_absorbed_vs_runtime"):
         lines += ["## Levers", "", *tables.levers_section(res)]
     return lines
 
 
 def render(path: str, res: dict, out_md: str, png: str, readme: str | None = None,
-           peers: tuple[str, dict] | None = None) -> int:
+           peers: tuple[str, dict] | None = None, fp8: tuple[str, dict] | None = None) -> int:
     """BENCHMARKS.md (and the README's block) from the run at `path`, with the peers
-    comparison of `peers` (a `--only peers` run of the same card) where given."""
+    comparison of `peers` (a `--only peers` run of the same card) and the fp8-weights one of
+    `fp8` (an `--only fp8` run) where given."""
     current = current_points()
     if readme:
         print(f"render: {update_readme(readme, path, res, judged(res, current), peers)}")
     with open(out_md, "w") as f:
-        f.write("\n".join(page(path, res, out_md, png, current, peers)).rstrip() + "\n")
+        f.write("\n".join(page(path, res, out_md, png, current, peers, fp8)).rstrip() + "\n")
     print(f"render: wrote {out_md} from {path}" + (f" and {png}" if os.path.exists(png) else ""))
     return 0
 
@@ -260,8 +265,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"render: no complete {args.card} run; the newest, {chosen[0]}, lacks "
                   f"{len(absent)} point(s)", file=sys.stderr)
     png = args.png or os.path.join(args.results, "scaling.png")
-    peers = pick_peers(args.results, card_of(chosen[1]))
-    return render(*chosen, args.out, png, args.readme or None, peers)
+    card = card_of(chosen[1])
+    return render(*chosen, args.out, png, args.readme or None,
+                  pick_group(args.results, card, "peers"),
+                  pick_group(args.results, card, "fp8_weights"))
 
 
 if __name__ == "__main__":

@@ -199,29 +199,25 @@ def levers_section(res: dict) -> list[str]:
             ("fused_projections_vs_separate", "Fused input GEMMs vs separate (measured)",
              "fused", "separate")):
         lines += two_forms_table(lev.get(key) or {}, title, base, other)
-    pad = lev.get("decode_rows_padded_to_max_verify")
-    if pad:
-        lines += ["### Decode rows padded to max_verify", "", pad.get("note", ""), "",
-                  "| impl | max_verify=1 | padded step |", "|---|---|---|"]
-        for impl, r in pad["results"].items():
-            lines.append(f"| {impl} | {fmt_us(r.get('median_us'))} | "
-                         f"{fmt_us(r.get('padded_step_us'))} |")
-        lines.append("")
     return lines
 
 
-def two_forms_table(lever: dict, title: str, base: str, other: str) -> list[str]:
-    """A measured lever with two forms: device kernel times, their ratio, wall times."""
+def two_forms_table(lever: dict, title: str, base: str, other: str,
+                    extra: tuple = ()) -> list[str]:
+    """A measured lever with two forms: device kernel times, their ratio, wall times, and
+    `extra` columns (header, key, format)."""
     if not lever.get("results"):
         return []
     lines = [f"### {title}", "", lever.get("note", ""), "",
              f"| case | {base} kernels | {other} kernels | {other} / {base} (kernels) | "
-             f"{base} wall | {other} wall |", "|---|---|---|---|---|---|"]
+             f"{base} wall | {other} wall |" + "".join(f" {h} |" for h, _, _ in extra),
+             "|---|---|---|---|---|---|" + "---|" * len(extra)]
     for case, r in lever["results"].items():
         lines.append(f"| {case} | {fmt_us(r.get(f'{base}_kernel_us'))} | "
                      f"{fmt_us(r.get(f'{other}_kernel_us'))} | "
                      f"{fmt_x(r.get(f'{other}_over_{base}_kernel'))} | "
-                     f"{fmt_us(r.get(f'{base}_us'))} | {fmt_us(r.get(f'{other}_us'))} |")
+                     f"{fmt_us(r.get(f'{base}_us'))} | {fmt_us(r.get(f'{other}_us'))} |"
+                     + "".join(f" {f(r.get(k))} |" for _, k, f in extra))
     return lines + [""]
 
 
@@ -264,3 +260,26 @@ def peers_line(res: dict) -> str:
              for k, v in kinds.items()]
     return (f"Against FlashMLA and DeepGEMM on the same card ({res['peers'].get('card', '?')}"
             f", kernel time, ours / peer): " + ", ".join(parts) + ".")
+
+
+def fp8_table(path: str, res: dict, out_md: str) -> list[str]:
+    """The `fp8` group of a run: per point the bf16- and fp8-weight step, kernels and wall,
+    and the weight GEMMs against their fp8 bytes' floor."""
+    r = res["fp8_weights"]
+    b, rows = r.get("weight_bytes_per_layer") or {}, {}
+    lines = ["## FP8 weights beside bf16, on the same card", "", f"Run {link(path, out_md)} ("
+             f"{(res.get('machine') or {}).get('device', '?')}, jax {res.get('jax_version')}, "
+             f"commit {res.get('commit') or '?'}): one fp8 checkpoint run as fp8 and dequantized"
+             f" to bf16 at load, each point by the suite's own function. Weights a layer: bf16 "
+             f"{b.get('bf16', 0) / 1e6:.1f} MB, fp8 {b.get('fp8', 0) / 1e6:.1f} MB; outputs "
+             f"equal: {(r.get('same_outputs') or {}).get('equal')}.", ""]
+    for name, p in r.get("points", {}).items():
+        k, w = ("kernel_us", "median_us") if not name.startswith("loop") else (
+            "kernel_us_per_token_per_layer", "us_per_token_per_layer")
+        rows[name] = {f"{s}_{q}": (p.get(s) or {}).get(x) for s in ("bf16", "fp8")
+                      for q, x in (("kernel_us", k), ("us", w))}
+        rows[name]["fp8_over_bf16_kernel"] = p.get(f"fp8_over_bf16_{k}")
+    return lines + two_forms_table({"results": rows}, "", "bf16", "fp8")[4:] + two_forms_table(
+        (r.get("gemms") or {}), "The weight GEMMs", "bf16", "fp8",
+        (("fp8 bytes' floor", "fp8_bytes_floor_us", fmt_us),
+         ("fp8 / floor", "fp8_over_floor_kernel", fmt_x), ("bits == bf16", "same_bits", str)))

@@ -12,21 +12,16 @@ to keep its compiled kernels).
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
 
-from build_flashmla import build_in_place, nvidia_includes
+from build_flashmla import build_in_place, nvidia_includes, parse
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("peers_src")
-    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 4)
-    args = ap.parse_args(argv)
+    args = parse(argv, __doc__)
     root = os.path.abspath(os.path.join(args.peers_src, "deepgemm"))
-    os.environ["MAX_JOBS"] = str(args.jobs)
     import torch
     from torch.utils.cpp_extension import CUDA_HOME, CUDAExtension
 

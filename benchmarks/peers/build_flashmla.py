@@ -73,15 +73,21 @@ def build_in_place(root: str, name: str, ext) -> None:
           f"{glob.glob(os.path.join(root, package, '*.so'))}")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse(argv, doc: str) -> argparse.Namespace:
+    """A build script's arguments (PEERS_SRC, --jobs); sets MAX_JOBS for torch's build."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("peers_src")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 4)
     args = ap.parse_args(argv)
+    os.environ["MAX_JOBS"] = str(args.jobs)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv, __doc__)
     root = os.path.abspath(os.path.join(args.peers_src, "flashmla"))
     cutlass = os.path.abspath(os.path.join(args.peers_src, "cutlass-flashmla"))
     shutil.copy(os.path.join(HERE, "flashmla_sm100_stubs.cu"), os.path.join(root, "csrc"))
-    os.environ["MAX_JOBS"] = str(args.jobs)
     from torch.utils.cpp_extension import CUDA_HOME, CUDAExtension
 
     ext = CUDAExtension(
