@@ -83,8 +83,9 @@ def _device_slug(device: str) -> str:
 
 
 def git_commit(note: str) -> str:
-    """The checkout's `git rev-parse --short HEAD` (with "+changes" when the tree differs from
-    it), else `note` (a copy of the tree without its .git names its commit there)."""
+    """The checkout's `git rev-parse --short HEAD` (with "+changes (note)" when the tree
+    differs from it: a device's copy of the tree may carry an older .git), else `note` (a copy
+    of the tree without its .git names its commit there)."""
     root = os.path.dirname(HERE)
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
@@ -93,7 +94,8 @@ def git_commit(note: str) -> str:
             return note
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
                                cwd=root, capture_output=True, text=True, timeout=20)
-        return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+        changes = "+changes" + (f" ({note})" if note else "")
+        return head.stdout.strip() + (changes if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return note
 

@@ -71,6 +71,25 @@ def test_smoke_run_has_the_schema(smoke_result):
     assert "commit" in smoke_result  # git's short hash here, else the --note
 
 
+@pytest.mark.parametrize("head,dirty,note,want", [
+    ("abc1234", "", "tree def5678", "abc1234"),
+    ("abc1234", " M dsa_jax/x.py", "tree def5678", "abc1234+changes (tree def5678)"),
+    ("abc1234", " M dsa_jax/x.py", "", "abc1234+changes"),
+    (None, "", "tree def5678", "tree def5678")])
+def test_a_run_names_its_commit_and_the_note_where_the_tree_differs(monkeypatch, head, dirty,
+                                                                    note, want):
+    """A device's copy of the tree may carry an older .git: where the tree differs from its
+    HEAD the --note (the tree's commit) is recorded beside it; without git, the note."""
+    import benchmarks.__main__ as bm
+
+    def fake_run(cmd, **_):
+        out = (head or "") if "rev-parse" in cmd else dirty
+        return subprocess.CompletedProcess(cmd, 0 if head else 128, stdout=out, stderr="")
+
+    monkeypatch.setattr(bm.subprocess, "run", fake_run)
+    assert bm.git_commit(note) == want
+
+
 def test_every_committed_result_keeps_the_schema():
     """benchmarks/results/ holds one bench run per card kind and at most one `--only peers`
     and one `--only fp8` run per card kind (no points of their own), each with the bench
