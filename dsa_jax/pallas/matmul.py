@@ -55,7 +55,7 @@ class MatmulTuning:
     K). num_warps, num_stages: Triton's launch and software-pipelining depth. swap_ab: the
     MMA computes the tile transposed, `out^T [bn, bm] = w_tile @ v_tile^T`: the weight's
     columns fill the MMA's 64-row side and the rows its narrow one (a few rows waste no
-    64-row tile), and a dequantized fp8 tile is the MMA's register operand."""
+    64-row tile)."""
     block_m: int = 64
     block_n: int = 64
     block_k: int = 64
@@ -76,8 +76,7 @@ SMEM_BUDGET = 200 * 1024  # of the H200's 227 KiB per block: Triton's pipeline s
 # 16- or 32-wide dot over converted fp8 tiles otherwise (docs/decisions.md).
 FP8_MIN_BLOCK_M = 64
 # Up to this many rows an fp8 weight's tiles are swap_ab ones (64 weight columns by 16 rows):
-# a 64-row tile would read four times the rows it has, and the dequantized weight tile becomes
-# the MMA's register operand (no round trip through shared memory).
+# the 64-row tiles fp8 needs otherwise would be mostly padding rows at a decode's few rows.
 FP8_SWAP_ROWS = 16
 
 
