@@ -23,6 +23,7 @@ import numpy as np
 
 from dsa_jax import fp8
 from dsa_jax.implementation import matmul_op
+from dsa_jax.layer import decode_rows
 from dsa_jax.model import ModelConfig, init_model, stack_weights
 from dsa_jax.weights import fold_weights, quantize_hf_tensors
 
@@ -92,11 +93,17 @@ def main(suite) -> str:
     return "pallas" if "pallas" in runnable else (runnable or suite.impls)[0]
 
 
-def kernels_by_name(suite, cfg, weights, batch: int) -> dict:
-    """A decode step's device kernels, per kernel: time per step and launches."""
+def kernels_by_name(suite, cfg, weights, batch: int, prompt: int = 0) -> dict:
+    """A decode step's device kernels, per kernel: time per step and launches (the rows
+    `decode` runs: one per sequence under the row-invariant GEMMs); prompt: a prefill of this
+    many rows into an empty sequence instead."""
     p = suite.plan
-    runner = StepRunner(cfg.replace(implementation=main(suite)), weights, batch, 1,
-                        cfg.max_verify, p.ctx - p.inner, 3000 + batch)
+    cfg = cfg.replace(implementation=main(suite))
+    if prompt:
+        runner = StepRunner(cfg, weights, batch, prompt, prompt, 0, 3100, n_inputs=1)
+        return profile_step(runner, 2, top=40)
+    runner = StepRunner(cfg, weights, batch, 1, decode_rows(cfg, "decode"), p.ctx - p.inner,
+                        3000 + batch)
     return profile_step(runner, max(1, p.inner - 2), top=40)
 
 
@@ -198,11 +205,12 @@ def run(suite) -> None:
             if a is not None and b is not None:
                 res[f"fp8_over_bf16_{k}"] = ratio(a, b)
         suite.save()
-    for b in (1, suite.plan.big_batch):
+    s = suite.plan.prefill_tokens
+    for key, b, prompt in (("decode-b1", 1, 0), (f"decode-b{suite.plan.big_batch}",
+                                                  suite.plan.big_batch, 0), (f"prefill-{s}", 1, s)):
         if suite.late():
             break
-        out[f"decode-b{b}-kernels"] = {side: suite.guarded(
-            f"fp8 kernels b{b} {side}",
-            lambda side=side, b=b: kernels_by_name(suite, cfgs[side], weights[side], b))
-            for side in SIDES}
+        out[f"{key}-kernels"] = {side: suite.guarded(
+            f"fp8 kernels {key} {side}", lambda side=side, b=b, prompt=prompt:
+            kernels_by_name(suite, cfgs[side], weights[side], b, prompt)) for side in SIDES}
         suite.save()

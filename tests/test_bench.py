@@ -256,6 +256,8 @@ def test_the_fp8_group_runs_both_weights_on_the_same_checkpoint(smoke_result):
         for side in ("bf16", "fp8"):
             assert res[side]["median_us"] > 0, (name, side, res[side])
         assert res["fp8_over_bf16_median_us"] > 0
+    for key in ("decode-b1", "decode-b2", "prefill-4"):  # a CPU trace records no kernels
+        assert set(r[f"{key}-kernels"]) == {"bf16", "fp8"}, key
 
 
 def test_python_m_benchmarks_and_dsa_jax_bench(monkeypatch, capsys):
