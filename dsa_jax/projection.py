@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dsa_jax.config import DsaConfig
-from dsa_jax.fp8 import dense
+from dsa_jax.fp8 import dense, is_fp8
 from dsa_jax.implementation import (
     matmul_op,
     per_head_op,
@@ -37,7 +37,7 @@ per_head_xla = per_head_op.reference
 rms_norm = rms_norm_op.reference  # public: the block's RMSNorm
 
 __all__ = ["Projections", "absorb_q", "kernel_rows", "matmul", "norm", "output_projection",
-           "per_head", "per_sequence", "project", "project_kv", "prompt_rows",
+           "per_head", "per_sequence", "project", "project_kv", "prompt_operand", "prompt_rows",
            "prompt_u_v_kernel", "q_abs_bound", "q_resid_dtype", "rms_norm", "scaled_q_abs",
            "x_columns"]
 
@@ -145,8 +145,17 @@ def scaled_q_abs(q: jax.Array, u_k, cfg: DsaConfig | None = None
     if cfg is None:
         return scaled_q_abs_op.reference(q, dense(u_k.layer if isinstance(u_k, LayerOf)
                                                   else u_k))
-    w, at = operand(cfg, u_k)
-    return scaled_q_abs_op(cfg, q, dense(w), at)
+    return scaled_q_abs_op(cfg, q, *prompt_operand(cfg, u_k))
+
+
+def prompt_operand(cfg: DsaConfig, w) -> tuple[jax.Array, jax.Array | None]:
+    """`operand(cfg, w)` for a per-head kernel over a prompt's rows: an fp8 weight (this
+    layer's only, of a `LayerOf`) dequantized to bf16 once, before the kernel. The kernel
+    would dequantize each weight tile once per tile of rows, a prompt's thousands of rows
+    over and over; the bf16 tiles give the same bits (the kernel's dequantization is this
+    one)."""
+    one = w.layer if isinstance(w, LayerOf) else w
+    return (dense(one), None) if is_fp8(one) else operand(cfg, w)
 
 
 def prompt_rows(cfg: DsaConfig, lead: tuple[int, ...]) -> bool:
@@ -254,7 +263,7 @@ def output_projection(weights: DsaWeights, o_latent: jax.Array, cfg: DsaConfig |
     cfg: as `matmul`'s (the step passes it)."""
     lead = o_latent.shape[:-2]
     if cfg is not None and prompt_u_v_kernel(cfg, lead, weights.u_v, weights.o_proj):
-        w, at = operand(cfg, weights.u_v)
+        w, at = prompt_operand(cfg, weights.u_v)
         o = per_head_op(cfg, o_latent, w, 2, at, out_dtype=jnp.bfloat16)  # [..., Hl, Dv]
     else:
         o = per_head(o_latent, weights.u_v, 2, cfg)  # [..., Hl, Dv]

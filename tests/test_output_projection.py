@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsa_jax import projection, shapes
+import dsa_jax
+from dsa_jax import fp8, projection, shapes
 from dsa_jax import testing as T
 from dsa_jax import weights as W
 from dsa_jax.pallas import matmul as mm
@@ -97,3 +98,37 @@ def test_a_stacked_u_v_is_read_in_place_with_the_slices_bits():
     w_in_place = w._replace(u_v=LayerOf(stack, jnp.int32(1), stack[1]))
     got = np.asarray(projection.output_projection(w_in_place, o, cfg))
     np.testing.assert_array_equal(got, want)
+
+
+def _pallas_operand_dtypes(jaxpr) -> list[list[str]]:
+    """Per pallas_call of `jaxpr` (nested jaxprs too): its operands' dtypes."""
+    out = []
+    for e in jaxpr.eqns:
+        if e.primitive.name == "pallas_call":
+            out.append([v.aval.dtype.name for v in e.invars])
+        for p in e.params.values():
+            inner = getattr(p, "jaxpr", p)
+            if hasattr(inner, "eqns"):
+                out += _pallas_operand_dtypes(inner)
+    return out
+
+
+def test_a_prompts_fp8_u_v_is_dequantized_once_before_the_kernel():
+    """fp8 weights: a prompt's U_v kernel reads this layer's U_v dequantized to bf16 once,
+    before it (`projection.prompt_operand`), not the fp8 blocks that each tile of the
+    prompt's rows would dequantize again; y `==` the block's on the same checkpoint
+    dequantized at load."""
+    cfg = shapes.tiny(implementation="pallas-interpret", param_dtype="float8_e4m3fn",
+                      weight_block=(32, 32))
+    hf = dsa_jax.init_random_hf_tensors(cfg, jax.random.key(0))
+    w8 = W.fold_weights(cfg, hf)
+    cfg16 = cfg.replace(param_dtype="bfloat16")
+    w16 = W.fold_weights(cfg16, hf)
+    assert isinstance(w8.u_v, fp8.Fp8Block)
+    o = _latents(cfg, cfg.max_verify + 5)  # [2, R, Hl, C]
+    assert projection.prompt_u_v_kernel(cfg, o.shape[:2], w8.u_v, w8.o_proj)
+    calls = _pallas_operand_dtypes(jax.make_jaxpr(
+        lambda o: projection.output_projection(w8, o, cfg))(o).jaxpr)
+    assert len(calls) == 1 and "float8_e4m3fn" not in calls[0], calls
+    np.testing.assert_array_equal(np.asarray(projection.output_projection(w8, o, cfg)),
+                                  np.asarray(projection.output_projection(w16, o, cfg16)))
