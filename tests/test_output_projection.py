@@ -132,3 +132,38 @@ def test_a_prompts_fp8_u_v_is_dequantized_once_before_the_kernel():
     assert len(calls) == 1 and "float8_e4m3fn" not in calls[0], calls
     np.testing.assert_array_equal(np.asarray(projection.output_projection(w8, o, cfg)),
                                   np.asarray(projection.output_projection(w16, o, cfg16)))
+
+
+def test_a_stacked_fp8_weight_of_a_prompt_is_its_own_layer_dequantized():
+    """`projection.prompt_operand` under the model's scan (a `LayerOf` over an fp8 stack):
+    this layer's weight dequantized, no index (not the whole stack, not another layer's);
+    a bf16 stack stays read in place at its index. A prompt's y and scaled U_k product over
+    the fp8 stack `==` those over this layer's bf16 weight."""
+    from dsa_jax.stacked import LayerOf
+    cfg = shapes.tiny(implementation="pallas-interpret", param_dtype="float8_e4m3fn",
+                      weight_block=(32, 32))
+    w8 = W.fold_weights(cfg, dsa_jax.init_random_hf_tensors(cfg, jax.random.key(0)))
+    other = W.fold_weights(cfg, dsa_jax.init_random_hf_tensors(cfg, jax.random.key(1)))
+
+    def stacked(name):  # this layer at index 1 of [other, this, other]
+        ws = [getattr(other, name), getattr(w8, name), getattr(other, name)]
+        stack = fp8.Fp8Block(jnp.stack([x.values for x in ws]),
+                             jnp.stack([x.scale for x in ws]), ws[1].block)
+        return LayerOf(stack, jnp.int32(1), fp8.Fp8Block(stack.values[1], stack.scale[1],
+                                                          stack.block))
+
+    u_v, u_k = stacked("u_v"), stacked("u_k")
+    got, at = projection.prompt_operand(cfg, u_v)
+    assert at is None and got.shape == w8.u_v.shape
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(w8.u_v.dequantize()))
+    bf16 = LayerOf(jnp.stack([w8.u_v.dequantize()] * 2), jnp.int32(1), w8.u_v.dequantize())
+    assert projection.prompt_operand(cfg, bf16)[0] is bf16.stack
+    o = _latents(cfg, cfg.max_verify + 5)  # [2, R, Hl, C]
+    dense = w8._replace(u_v=w8.u_v.dequantize(), o_proj=w8.o_proj.dequantize())
+    np.testing.assert_array_equal(
+        np.asarray(projection.output_projection(w8._replace(u_v=u_v), o, cfg)),
+        np.asarray(projection.output_projection(dense, o, cfg)))
+    q = jax.random.normal(jax.random.key(2), (2, 9, cfg.local_heads, cfg.qk_nope_head_dim))
+    for a, b in zip(projection.scaled_q_abs(q, u_k, cfg),
+                    projection.scaled_q_abs(q, w8.u_k.dequantize(), cfg), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
