@@ -75,9 +75,11 @@ SMEM_BUDGET = 200 * 1024  # of the H200's 227 KiB per block: Triton's pipeline s
 # tile): from 64 on the dot sums in the bf16 weight's order (the same bits); Triton lays out a
 # 16- or 32-wide dot over converted fp8 tiles otherwise (docs/decisions.md).
 FP8_MIN_BLOCK_M = 64
-# Up to this many rows an fp8 weight's tiles are swap_ab ones (64 weight columns by 16 rows):
-# the 64-row tiles fp8 needs otherwise would be mostly padding rows at a decode's few rows.
-FP8_SWAP_ROWS = 16
+# Up to this many rows an fp8 weight's tiles are swap_ab ones (64 weight columns by 16 or 64
+# rows): the 64-row tiles fp8 needs otherwise would be mostly padding rows at a decode's few
+# rows. The per-head products (U_k, U_v: short K, many heads) swap only at a few rows.
+FP8_SWAP_ROWS = 64
+FP8_SWAP_ROWS_PER_HEAD = 16
 
 
 def reads_fp8(w) -> bool:
@@ -103,9 +105,9 @@ def default_tuning(n: int, k: int, heads: int = 1, m: int = 64, fp8_weight: bool
     per m (docs/performance.md): 16-row tiles for a few rows, 128-row ones past 64, 128-deep K
     chunks for the long-K GEMMs, deeper pipelines where a program's K part is long; 128-deep K
     chunks also for the per-head products over K >= 512 at up to 64 rows (a prompt's rows
-    keep 64). fp8_weight (the kernel dequantizes fp8 tiles): up to FP8_SWAP_ROWS rows,
-    `swap_ab` tiles of 64 weight columns (the rows converted in the kernel); past it 64-row
-    tiles at least, the rows converted before the call. Either way the MMA's M side is 64
+    keep 64). fp8_weight (the kernel dequantizes fp8 tiles): up to FP8_SWAP_ROWS rows
+    (FP8_SWAP_ROWS_PER_HEAD for the per-head products), `swap_ab` tiles of 64 weight
+    columns; past it 64-row tiles at least, the rows converted before the call. Either way the MMA's M side is 64
     or more, so the dot sums in the bf16 weight's order (Triton arranges a 16-wide dot over
     converted fp8 tiles otherwise: docs/decisions.md)."""
     splits = splits_for(n, k, heads)
@@ -115,7 +117,8 @@ def default_tuning(n: int, k: int, heads: int = 1, m: int = 64, fp8_weight: bool
         block_k //= 2
     block_m = 16 if m <= 16 else 64 if m <= 64 else 128
     block_n = 64 if n >= 64 else max(16, 1 << (max(n, 1) - 1).bit_length())
-    swap_ab = fp8_weight and m <= FP8_SWAP_ROWS and block_n >= FP8_MIN_BLOCK_M
+    swap_ab = (fp8_weight and block_n >= FP8_MIN_BLOCK_M
+               and m <= (FP8_SWAP_ROWS if heads == 1 else FP8_SWAP_ROWS_PER_HEAD))
     if fp8_weight and not swap_ab:
         block_m = max(block_m, FP8_MIN_BLOCK_M)
     if (m > 64 or heads > 1) and n >= 128 and not swap_ab:
