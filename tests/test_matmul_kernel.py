@@ -282,6 +282,12 @@ def test_stacked_fp8_and_bf16_rows_give_the_whole_weights_bits(kernel_impl, m):
                                   np.asarray(mm.matmul_pallas(v, whole, interpret=interpret)))
     np.testing.assert_array_equal(np.asarray(mm.matmul_xla(v, rows)),
                                   np.asarray(mm.matmul_xla(v, whole)))
+    # one launch writing each part's columns in place: no concatenation of the parts
+    eqns = jax.make_jaxpr(lambda v: mm.matmul_pallas(v, rows, interpret=interpret))(v).eqns
+    names = [e.primitive.name for e in eqns]
+    assert names.count("pallas_call") == 1 and "concatenate" not in names, names
+    part, finish = mm.matmul_part(v, rows, summed=False)
+    assert part.out_shape[0].shape == (2, m, 1, n)  # [S, M, H, N]: the whole weight's
 
 
 def test_the_colaunched_q_gemm_reads_fp8_weights_with_their_bf16_bits(kernel_impl):

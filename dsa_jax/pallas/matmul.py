@@ -35,8 +35,7 @@ from dsa_jax.pallas.common import (
     with_overrides,
 )
 
-__all__ = ["MatmulTuning", "default_tuning", "matmul_pallas", "matmul_part", "matmul_parts",
-           "matmul_xla",
+__all__ = ["MatmulTuning", "default_tuning", "matmul_pallas", "matmul_part", "matmul_xla",
            "per_head_pallas", "per_head_xla", "reads_fp8", "splits_for",
            "summed_columns_part", "summed_columns_xla"]
 
@@ -107,9 +106,9 @@ def default_tuning(n: int, k: int, heads: int = 1, m: int = 64, fp8_weight: bool
     chunks also for the per-head products over K >= 512 at up to 64 rows (a prompt's rows
     keep 64). fp8_weight (the kernel dequantizes fp8 tiles): up to FP8_SWAP_ROWS rows
     (FP8_SWAP_ROWS_PER_HEAD for the per-head products), `swap_ab` tiles of 64 weight
-    columns; past it 64-row tiles at least, the rows converted before the call. Either way the MMA's M side is 64
-    or more, so the dot sums in the bf16 weight's order (Triton arranges a 16-wide dot over
-    converted fp8 tiles otherwise: docs/decisions.md)."""
+    columns; past it 64-row tiles at least, the rows converted before the call. Either way
+    the MMA's M side is 64 or more, so the dot sums in the bf16 weight's order (Triton
+    arranges a 16-wide dot over converted fp8 tiles otherwise: docs/decisions.md)."""
     splits = splits_for(n, k, heads)
     deep = heads == 1 or (k >= 512 and m <= 64)
     block_k = 128 if deep and k % (splits * 128) == 0 else 64
@@ -163,7 +162,7 @@ def per_head_xla(v: jax.Array, w: jax.Array, w_contract: int,
 
 def _tile(ids, *refs, m: int, n: int, k: int, bm: int, bn: int, bk: int, tiles: int,
           splits: int, heads: int, w_kn: bool, stacked: bool,
-          fp8_block: tuple[int, int] | None = None, swap_ab: bool = False):
+          fp8_block: tuple[int, int] | None = None, swap_ab: bool = False, col0: int = 0):
     """Program ids (i, j, hs): rows i*bm.., columns j*bn.. of head hs // splits, K part
     hs % splits (the kernel's program ids, or a co-launch's: `colaunch.Part`).
 
@@ -176,7 +175,8 @@ def _tile(ids, *refs, m: int, n: int, k: int, bm: int, bn: int, bk: int, tiles: 
     fp8_block: w_ref holds fp8 values and s_ref (after it) their fp32 scales, one per block
     of w's last two axes: each loaded tile is dequantized to bf16 (`values * scale` in fp32,
     rounded once: `fp8.dequantize_blocks`), so the dot sees the bf16 weight's very tile and
-    the result has its bits."""
+    the result has its bits. col0: the tile's columns are written at col0 + .. of o_ref (a
+    row part of `fp8.StackedRows`, in the whole weight's output)."""
     l_ref, refs = (refs[0], refs[1:]) if stacked else (None, refs)
     v_ref, w_ref, s_ref, o_ref = refs if fp8_block else (refs[0], refs[1], None, refs[2])
     w_dtype = jnp.bfloat16 if fp8_block else w_ref.dtype
@@ -228,10 +228,10 @@ def _tile(ids, *refs, m: int, n: int, k: int, bm: int, bn: int, bk: int, tiles: 
     shape = (bn, bm) if swap_ab else (bm, bn)
     acc = lax.fori_loop(0, tiles, chunk, jnp.zeros(shape, jnp.float32))  # [bm, bn] or [bn, bm]
     if swap_ab:
-        plt.store(o_ref.at[s, rows[None, :], h, cols[:, None]], acc.astype(o_ref.dtype),
+        plt.store(o_ref.at[s, rows[None, :], h, col0 + cols[:, None]], acc.astype(o_ref.dtype),
                   mask=row_ok[None, :] & col_ok[:, None])
     else:
-        plt.store(o_ref.at[s, rows[:, None], h, cols[None, :]], acc.astype(o_ref.dtype),
+        plt.store(o_ref.at[s, rows[:, None], h, col0 + cols[None, :]], acc.astype(o_ref.dtype),
                   mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -245,12 +245,19 @@ def _check(tuning: MatmulTuning, k: int) -> int:
     return tiles
 
 
-def _gemm_part(v: jax.Array, w: jax.Array, w_kn: bool, tuning: MatmulTuning,
-               layer: jax.Array | None = None, out_dtype=jnp.float32):
+def _gemm_part(v: jax.Array, w, w_kn: bool, tuning: MatmulTuning,
+               layer: jax.Array | None = None, out_dtype=jnp.float32, *, col0: int = 0,
+               n_out: int | None = None):
     """The kernel for `_gemm`'s operands as a `colaunch.Part`, and `finish(outs) -> [M, H, N]`
-    (the K parts summed in split order). v has M >= 1 rows."""
+    (the K parts summed in split order). v has M >= 1 rows. An `fp8.StackedRows` weight is
+    one part whose column tiles run its row parts in turn, each at the whole weight's tiles
+    and K split, into one output (`_rows_part`). col0, n_out: this weight's columns are
+    columns col0.. of an output n_out wide."""
+    if isinstance(w, StackedRows):
+        return _rows_part(v, w, tuning, layer, out_dtype)
     m, heads, k = v.shape
     n = w.shape[-1] if w_kn else w.shape[-2]
+    n_out = n_out or n
     stacked = layer is not None
     blocks = w.block if isinstance(w, Fp8Block) else None
     weights = (w.values, w.scale) if blocks else (w,)  # the kernel's weight operands
@@ -272,20 +279,52 @@ def _gemm_part(v: jax.Array, w: jax.Array, w_kn: bool, tuning: MatmulTuning,
     t = tuning
     body = functools.partial(_tile, m=m, n=n, k=k, bm=t.block_m, bn=t.block_n, bk=t.block_k,
                              tiles=tiles, splits=t.splits, heads=heads, w_kn=w_kn,
-                             stacked=stacked, fp8_block=blocks, swap_ab=t.swap_ab)
+                             stacked=stacked, fp8_block=blocks, swap_ab=t.swap_ab, col0=col0)
     part = Part(body, (pl.cdiv(m, t.block_m), pl.cdiv(n, t.block_n), heads * t.splits),
                 tuple([jnp.reshape(layer, (1,))] if stacked else []) + (v, *weights),
-                (jax.ShapeDtypeStruct((t.splits, m, heads, n),
+                (jax.ShapeDtypeStruct((t.splits, m, heads, n_out),
                                       out_dtype if t.splits == 1 else jnp.float32),))
+    return part, functools.partial(_sum_splits, splits=t.splits, out_dtype=out_dtype)
 
-    def finish(outs):
-        parts = outs[0]  # [S, M, H, N]
-        out = parts[0]
-        for s in range(1, t.splits):  # split order, elementwise: the same for every row
-            out = out + parts[s]
-        return out.astype(out_dtype)
 
-    return part, finish
+def _rows_part(v: jax.Array, w: StackedRows, tuning: MatmulTuning,
+               layer: jax.Array | None, out_dtype):
+    """`_gemm_part` of a `StackedRows` weight `[1, N, K]` (its parts `[1, N_i, K]`, or stacks):
+    one part, column tiles `[0, t_0)` running the first row part's tile, the next `t_1` the
+    second's, ..., each writing its columns in place in the one `[S, M, 1, N]` output (no
+    concatenation). The same tiles and K split as each part alone: the same bits."""
+    n = w.shape[-2]
+    subs, col0 = [], 0
+    for p in w.parts:
+        subs.append(_gemm_part(v, p, False, tuning, layer, out_dtype, col0=col0, n_out=n)[0])
+        col0 += p.shape[-2]
+    grids = [sp.grid[1] for sp in subs]  # each row part's column tiles
+    n_in = [len(sp.inputs) for sp in subs]
+
+    def body(ids, *refs):
+        i, j, hs = ids
+        first, at = 0, 0
+        for sp, tiles, a in zip(subs, grids, n_in, strict=True):
+            @pl.when((j >= first) & (j < first + tiles))
+            def _(sp=sp, first=first, at=at, a=a):
+                sp.body((i, j - first, hs), *refs[at:at + a], refs[-1])
+
+            first, at = first + tiles, at + a
+
+    grid = (subs[0].grid[0], sum(grids), subs[0].grid[2])
+    part = Part(body, grid, tuple(x for sp in subs for x in sp.inputs), subs[0].out_shape)
+    return part, functools.partial(_sum_splits, splits=tuning.splits, out_dtype=out_dtype)
+
+
+def _sum_splits(outs, *, splits: int, out_dtype):
+    """A GEMM part's outputs `[S, M, H, N]` -> `[M, H, N]`: the K parts summed in split
+    order (elementwise: the same for every row)."""
+    parts = outs[0]
+    out = parts[0]
+    for s in range(1, splits):
+        out = out + parts[s]
+    return out.astype(out_dtype)
+
 
 
 def _gemm(v: jax.Array, w: jax.Array, w_kn: bool, interpret: bool, tuning: MatmulTuning,
@@ -316,8 +355,9 @@ def matmul_part(v: jax.Array, w: jax.Array, layer: jax.Array | None = None, *,
                 tuning: MatmulTuning | None = None, summed: bool = True):
     """`matmul_pallas(v, w, layer)`'s kernel as a `colaunch.Part` and `finish(outs)`, which
     turns the part's outputs into `matmul_pallas`'s result (for a launch shared with other
-    kernels: `pallas/colaunch.py`). v [..., K] with at least one row, w [N, K] (or a stack
-    [G, N, K] read in place at `layer`); the same tiles (tuning None: `default_tuning(N, K)`
+    kernels: `pallas/colaunch.py`). v [..., K] with at least one row, w [N, K] (an array, an
+    `fp8.Fp8Block` or `fp8.StackedRows`: one part either way; or a stack [G, N, K] read in
+    place at `layer`); the same tiles (tuning None: `default_tuning(N, K)`
     for v's rows), so the same bits. summed False: `finish` returns the K parts unsummed,
     `[S, ..., N]` f32, for kernels that read them and add them in split order themselves
     (`common.load_parts`, `summed_columns_part`: the same values as the sum)."""
@@ -332,24 +372,6 @@ def matmul_part(v: jax.Array, w: jax.Array, layer: jax.Array | None = None, *,
     if summed:
         return part, lambda outs: finish(outs).reshape(*lead, n)
     return part, lambda outs: outs[0].reshape(tuning.splits, *lead, n)
-
-
-def matmul_parts(v: jax.Array, w, layer: jax.Array | None = None, *,
-                 tuning: MatmulTuning | None = None, summed: bool = True):
-    """`matmul_part` for any weight: a list of `colaunch.Part`s and `finish(outs_list)`. An
-    `fp8.StackedRows` weight gives one part per row part, each at the whole weight's tiles
-    and K split (`default_tuning(N, K)` of the whole: a column's bits follow the split), their
-    outputs joined along N (`[..., N]` summed, `[S, ..., N]` not); any other weight gives
-    `matmul_part`'s one part."""
-    if not isinstance(w, StackedRows):
-        part, finish = matmul_part(v, w, layer, tuning=tuning, summed=summed)
-        return [part], lambda outs_list: finish(outs_list[0])
-    n, k = w.shape[-2:]
-    tuning = tuning or default_tuning(n, k, 1, max(1, v.size // k), reads_fp8(w))
-    pairs = [matmul_part(v, p, layer, tuning=tuning, summed=summed) for p in w.parts]
-    return ([p for p, _ in pairs],
-            lambda outs_list: jnp.concatenate([f(o) for (_, f), o in zip(pairs, outs_list,
-                                                                          strict=True)], -1))
 
 
 def _columns_program(ids, p_ref, o_ref, *, parts: int, start: int, width: int):
@@ -395,14 +417,8 @@ def matmul_pallas(v: jax.Array, w: jax.Array, layer: jax.Array | None = None, *,
     rows = v.reshape(-1, 1, k)  # [M, 1, K]
     tuning = with_overrides(tuning or default_tuning(n, k, 1, rows.shape[0], reads_fp8(w)),
                             overrides)
-    if isinstance(w, StackedRows):  # each part at the whole weight's tiles and K split: a
-        # column's bits follow the split and K alone, so the parts' columns are the whole's
-        out = jnp.concatenate([_gemm(rows, _one_head(p, layer is not None), False, interpret,
-                                     tuning, layer) for p in w.parts], axis=-1)
-    else:
-        heads_w = _one_head(w, layer is not None)  # [1, N, K] or [G, 1, N, K]
-        out = _gemm(rows, heads_w, False, interpret, tuning, layer)
-    return out.reshape(*lead, n)
+    heads_w = _one_head(w, layer is not None)  # [1, N, K] or [G, 1, N, K]
+    return _gemm(rows, heads_w, False, interpret, tuning, layer).reshape(*lead, n)
 
 
 def per_head_pallas(v: jax.Array, w: jax.Array, w_contract: int,
@@ -430,6 +446,8 @@ def _one_head(w, stacked: bool = False):
     """`w [N, K]` (an array or an `Fp8Block`) as one head `[1, N, K]`; a stack `[G, N, K]`
     as `[G, 1, N, K]`."""
     at = (slice(None), None) if stacked else (None,)
+    if isinstance(w, StackedRows):
+        return StackedRows(tuple(_one_head(p, stacked) for p in w.parts))
     if isinstance(w, Fp8Block):
         return Fp8Block(w.values[at], w.scale[at], w.block)
     return w[at]

@@ -200,7 +200,7 @@ def meta_matmul_pallas(g: RowGeometry, lengths: jax.Array, marks: jax.Array,
                                      interpret=interpret)
     rows = max(1, v.size // v.shape[-1])
     mt = mm.default_tuning(*w.shape[-2:], 1, rows, mm.reads_fp8(w))
-    g_parts, g_finish = mm.matmul_parts(v, w, layer, tuning=mt, summed=summed)
-    outs = colaunch([m_part, *g_parts], num_warps=mt.num_warps, num_stages=mt.num_stages,
-                    interpret=interpret, name="meta_matmul")
-    return m_finish(outs[0]), g_finish(outs[1:])
+    g_part, g_finish = mm.matmul_part(v, w, layer, tuning=mt, summed=summed)
+    m_outs, g_outs = colaunch([m_part, g_part], num_warps=mt.num_warps,
+                              num_stages=mt.num_stages, interpret=interpret, name="meta_matmul")
+    return m_finish(m_outs), g_finish(g_outs)

@@ -91,7 +91,7 @@ def topk_matmul_pallas(scores: jax.Array, k: int, v: jax.Array, w: jax.Array,
                                        tuning=matmul_tuning)
     t_part, t_finish = tk.topk_part(scores, k, interpret=interpret, tuning=topk_tuning,
                                     expand=expand, pos=pos, valid=valid, pv=pv)
-    m_parts, m_finish = mm.matmul_parts(v, w, layer, tuning=mt)
-    outs = colaunch([t_part, *m_parts], num_warps=mt.num_warps, num_stages=mt.num_stages,
-                    interpret=interpret, name="topk_matmul")
-    return t_finish(outs[0]), m_finish(outs[1:])
+    m_part, m_finish = mm.matmul_part(v, w, layer, tuning=mt)
+    t_outs, m_outs = colaunch([t_part, m_part], num_warps=mt.num_warps,
+                              num_stages=mt.num_stages, interpret=interpret, name="topk_matmul")
+    return t_finish(t_outs), m_finish(m_outs)
