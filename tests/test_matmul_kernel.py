@@ -242,9 +242,11 @@ def test_fp8_weights_give_the_bits_of_their_bf16_weights(kernel_impl, m, n, k, b
     w8 = fp8.quantize_blocks(np.asarray(w) * 10.0, block)
     w16 = w8.dequantize()
     interpret = kernel_impl == "pallas-interpret"
-    swap = mm.default_tuning(n, k, heads or 1, m, fp8_weight=True).swap_ab
-    # a few rows: the transposed tile's bits are tested (16- and 64-row ones)
-    assert swap == (m <= (mm.FP8_SWAP_ROWS if heads is None else mm.FP8_SWAP_ROWS_PER_HEAD))
+    swap = mm.default_tuning(n, k, heads or 1, m, fp8_weight=True,
+                             w_kn=w_contract == 1).swap_ab
+    # a few rows: the transposed tile's bits are tested (16- and 64-row ones; not U_k's layout)
+    assert swap == (w_contract != 1 and m <= (mm.FP8_SWAP_ROWS if heads is None
+                                              else mm.FP8_SWAP_ROWS_PER_HEAD))
     if swap and over.get("block_n", 64) < mm.FP8_MIN_BLOCK_M:  # narrow columns: row tiles
         over = {**over, "swap_ab": False, "block_m": mm.FP8_MIN_BLOCK_M}
     if heads is None:

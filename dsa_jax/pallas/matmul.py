@@ -97,8 +97,8 @@ def splits_for(n: int, k: int, heads: int = 1) -> int:
     return splits
 
 
-def default_tuning(n: int, k: int, heads: int = 1, m: int = 64, fp8_weight: bool = False
-                   ) -> MatmulTuning:
+def default_tuning(n: int, k: int, heads: int = 1, m: int = 64, fp8_weight: bool = False,
+                   w_kn: bool = False) -> MatmulTuning:
     """The tiles for `m` rows times an `[n, k]` weight (`heads` of them for the per-head
     products): `splits_for(n, k, heads)`, whatever m (the rows' bits), and tile shapes chosen
     per m (docs/performance.md): 16-row tiles for a few rows, 128-row ones past 64, 128-deep K
@@ -106,9 +106,11 @@ def default_tuning(n: int, k: int, heads: int = 1, m: int = 64, fp8_weight: bool
     chunks also for the per-head products over K >= 512 at up to 64 rows (a prompt's rows
     keep 64). fp8_weight (the kernel dequantizes fp8 tiles): up to FP8_SWAP_ROWS rows
     (FP8_SWAP_ROWS_PER_HEAD for the per-head products), `swap_ab` tiles of 64 weight
-    columns; past it 64-row tiles at least, the rows converted before the call. Either way
-    the MMA's M side is 64 or more, so the dot sums in the bf16 weight's order (Triton
-    arranges a 16-wide dot over converted fp8 tiles otherwise: docs/decisions.md)."""
+    columns (not for a weight `[H, K, N]`, w_kn: its dequantized tile would be transposed
+    into the MMA's register operand); else 64-row tiles at least, the rows converted before
+    the call. Either way the MMA's M side is 64 or more, so the dot sums in the bf16
+    weight's order (Triton arranges a 16-wide dot over converted fp8 tiles otherwise:
+    docs/decisions.md)."""
     splits = splits_for(n, k, heads)
     deep = heads == 1 or (k >= 512 and m <= 64)
     block_k = 128 if deep and k % (splits * 128) == 0 else 64
@@ -116,7 +118,7 @@ def default_tuning(n: int, k: int, heads: int = 1, m: int = 64, fp8_weight: bool
         block_k //= 2
     block_m = 16 if m <= 16 else 64 if m <= 64 else 128
     block_n = 64 if n >= 64 else max(16, 1 << (max(n, 1) - 1).bit_length())
-    swap_ab = (fp8_weight and block_n >= FP8_MIN_BLOCK_M
+    swap_ab = (fp8_weight and block_n >= FP8_MIN_BLOCK_M and not w_kn
                and m <= (FP8_SWAP_ROWS if heads == 1 else FP8_SWAP_ROWS_PER_HEAD))
     if fp8_weight and not swap_ab:
         block_m = max(block_m, FP8_MIN_BLOCK_M)
@@ -437,7 +439,7 @@ def per_head_pallas(v: jax.Array, w: jax.Array, w_contract: int,
     lead = v.shape[:-2]
     rows = v.reshape(-1, heads, k)  # [M, H, K]
     tuning = with_overrides(tuning or default_tuning(n, k, heads, rows.shape[0],
-                                                     reads_fp8(w)), overrides)
+                                                     reads_fp8(w), w_contract == 1), overrides)
     out = _gemm(rows, w, w_contract == 1, interpret, tuning, layer, out_dtype)  # [M, H, N]
     return out.reshape(*lead, heads, n)
 
