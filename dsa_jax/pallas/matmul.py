@@ -106,9 +106,9 @@ def default_tuning(n: int, k: int, heads: int = 1, m: int = 64, fp8_weight: bool
     chunks also for the per-head products over K >= 512 at up to 64 rows (a prompt's rows
     keep 64). fp8_weight (the kernel dequantizes fp8 tiles): up to FP8_SWAP_ROWS rows
     (FP8_SWAP_ROWS_PER_HEAD for the per-head products), `swap_ab` tiles of 64 weight
-    columns (not for a weight `[H, K, N]`, w_kn: its dequantized tile would be transposed
-    into the MMA's register operand); else 64-row tiles at least, the rows converted before
-    the call. Either way the MMA's M side is 64 or more, so the dot sums in the bf16
+    columns (not for a weight `[H, K, N]`, w_kn: transposing its dequantized tile costs
+    more than the padding rows save); else 64-row tiles at least, the rows converted
+    before the call. Either way the MMA's M side is 64 or more, so the dot sums in the bf16
     weight's order (Triton arranges a 16-wide dot over converted fp8 tiles otherwise:
     docs/decisions.md)."""
     splits = splits_for(n, k, heads)
