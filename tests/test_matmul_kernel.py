@@ -262,11 +262,12 @@ def test_fp8_weights_give_the_bits_of_their_bf16_weights(kernel_impl, m, n, k, b
     assert np.isfinite(np.asarray(got)).all() and np.abs(np.asarray(got)).max() > 0
 
 
-@pytest.mark.parametrize("m", [1, 6])
+@pytest.mark.parametrize("m", [1, 6, 40])
 def test_stacked_fp8_and_bf16_rows_give_the_whole_weights_bits(kernel_impl, m):
     """`fp8.StackedRows` (fp8 parts and a bf16 part, as the input GEMM's weight): each part at
-    the whole weight's K split (here 2, where the 8-row part alone would take 4), so every
-    column has the bits of the whole bf16 weight's."""
+    the whole weight's K split (here 2, where the 8-row part alone would take 4) and tiles
+    (transposed up to `FP8_SWAP_ROWS` rows, the bf16 part's too), so every column has the
+    bits of the whole bf16 weight's."""
     from dsa_jax import fp8
 
     n, k = 4104, 2048
