@@ -25,6 +25,8 @@ spec="."
 [ -n "$extras" ] && spec=".[${extras}]"
 echo "setup: pip install -e '$spec' into .venv: jax, flax, orbax, matplotlib${extras:+ and the extras} (a minute or two where they download) ..."
 start=$SECONDS
-.venv/bin/python -m pip install -q --disable-pip-version-check -e "$spec"
+# --no-compile: pip would byte-compile every installed file (torch's thousands: half the
+# install's time); Python compiles the modules a run imports, once, as it imports them.
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-compile -e "$spec"
 echo "setup: installed in $((SECONDS - start)) s"
 echo "$want" > "$stamp"
