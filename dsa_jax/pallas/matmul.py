@@ -328,7 +328,6 @@ def _sum_splits(outs, *, splits: int, out_dtype):
     return out.astype(out_dtype)
 
 
-
 def _gemm(v: jax.Array, w: jax.Array, w_kn: bool, interpret: bool, tuning: MatmulTuning,
           layer: jax.Array | None = None, out_dtype=jnp.float32) -> jax.Array:
     """v [M, H, K] (any float dtype: rounded to w's in the kernel), w [H, N, K] or [H, K, N]
